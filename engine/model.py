@@ -1,0 +1,230 @@
+"""A Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2).
+
+Module names match the Hugging Face checkpoints (without the ``model.`` prefix),
+so loading is a rename and quantization is a module swap of ``nn.Linear``s:
+
+    embed_tokens, layers[i].{input_layernorm, self_attn.{q,k,v,o}_proj,
+    post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head
+
+The KV cache is static and position-indexed (gpt-fast style): one tensor per
+k/v of shape [layers, max_batch, kv_heads, max_seq_len, head_dim]. A forward
+writes the new keys at ``input_pos`` and attends over the first ``kv_len``
+slots with a position mask, so each sequence of a ragged batch has its own
+length, and rolling a sequence back is just using a smaller position next time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+# attn_fn(q [B,H,T,D], k [B,Hkv,S,D], v [B,Hkv,S,D], mask [B,1,T,S] bool | None, causal) -> [B,H,T,D]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """PyTorch SDPA; GQA handled by the kernel (no repeat of k/v)."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with Llama-3 / linear scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    factor = float(s["factor"])
+    if s["rope_type"] == "linear":
+        return inv / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate between
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, inv_l)
+
+
+def rope_cos_sin(inv_freq: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """pos [B,T] -> cos, sin [B,1,T,D] (D = 2 * len(inv_freq))."""
+    freqs = pos.float()[..., None] * inv_freq  # [B,T,D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B,H,T,D] rotated in the half-split (rotate_half) convention of HF Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Static cache: k, v [layers, max_batch, kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device | str, n_layers: int | None = None) -> None:
+        n = cfg.num_hidden_layers if n_layers is None else n_layers
+        shape = (n, max_batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.window = cfg.sliding_window
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=cfg.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
+                cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if cache is None:
+            o = attn_fn(q, k, v, ctx.mask, True)
+        else:
+            kc, vc = cache  # [max_batch, Hkv, S, D]
+            # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
+            kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
+            vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
+            if ctx.rows_are_prefix:
+                ks, vs = kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len]
+            else:
+                ks, vs = kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len]
+            o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, False)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
+                cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Ctx:
+    """Per-forward indexing shared by all layers (built once, not per layer)."""
+
+    def __init__(self, pos: Tensor, rows: Tensor, rows_are_prefix: bool, kv_len: int, mask: Tensor | None) -> None:
+        self.pos, self.rows, self.rows_are_prefix, self.kv_len, self.mask = pos, rows, rows_are_prefix, kv_len, mask
+
+
+def position_mask(pos: Tensor, kv_len: int, window: int | None) -> Tensor:
+    """pos [B,T] -> bool mask [B,1,T,kv_len]: key j visible to the query at pos p iff j <= p (and p - j < window)."""
+    j = torch.arange(kv_len, device=pos.device)[None, None, None, :]
+    p = pos[:, None, :, None]
+    m = j <= p
+    if window is not None:
+        m = m & (j > p - window)
+    return m
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attn_fn: AttentionFn = sdpa_attention
+
+    def reset_rope(self) -> None:
+        """Recompute the rotary table (after building on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(
+        self,
+        tokens: Tensor,  # [B,T] int64
+        input_pos: Tensor | None = None,  # [B,T] int64 positions; None -> 0..T-1
+        cache: KVCache | None = None,
+        kv_len: int | None = None,  # cache slots to attend over (> max position in the batch)
+        rows: Tensor | None = None,  # [B] cache rows of the batch; None -> 0..B-1
+        logits_idx: Tensor | None = None,  # [B] the one position per row to score -> logits [B,V]
+        n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
+    ) -> Tensor:
+        """Logits [B,T,V] (or [B,V] with logits_idx). Without a cache: a plain causal forward."""
+        B, T = tokens.shape
+        if input_pos is None:
+            input_pos = torch.arange(T, device=tokens.device).expand(B, T)
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
+        window = self.config.sliding_window
+        if cache is None:
+            mask = position_mask(input_pos, T, window) if window is not None and window < T else None
+            ctx = _Ctx(input_pos, None, True, T, mask)  # type: ignore[arg-type]
+        else:
+            assert kv_len is not None, "kv_len is required with a cache"
+            prefix = rows is None
+            if rows is None:
+                rows = torch.arange(B, device=tokens.device)
+            ctx = _Ctx(input_pos, rows, prefix, kv_len, position_mask(input_pos, kv_len, window))
+        layers = self.layers if n_layers is None else self.layers[:n_layers]
+        for i, layer in enumerate(layers):
+            c = None if cache is None else (cache.k[i], cache.v[i])
+            x = layer(x, cos, sin, self.attn_fn, c, ctx)
+        if logits_idx is not None:
+            x = x[torch.arange(B, device=x.device), logits_idx]
+        return self.lm_head(self.norm(x))
