@@ -1,4 +1,11 @@
-"""specmix engine: Llama-family models, static KV cache, speculative decoding."""
-from .errors import EngineError
+"""specmix engine: Llama-family models, static KV cache, speculative decoding.
 
-__all__ = ["EngineError"]
+Public surface (DESIGN.md section 6)::
+
+    from engine import Engine, SamplingParams, EngineError
+"""
+from .engine import Completion, Engine
+from .errors import EngineError
+from .sampling import SamplingParams
+
+__all__ = ["Completion", "Engine", "EngineError", "SamplingParams"]

@@ -202,10 +202,10 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         kv_len: int | None = None,  # cache slots to attend over (> max position in the batch)
         rows: Tensor | None = None,  # [B] cache rows of the batch; None -> 0..B-1
-        logits_idx: Tensor | None = None,  # [B] the one position per row to score -> logits [B,V]
+        logits_idx: Tensor | None = None,  # [B] -> logits [B,V]; [B,J] -> [B,J,V]: positions to score
         n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
     ) -> Tensor:
-        """Logits [B,T,V] (or [B,V] with logits_idx). Without a cache: a plain causal forward."""
+        """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward."""
         B, T = tokens.shape
         if input_pos is None:
             input_pos = torch.arange(T, device=tokens.device).expand(B, T)
@@ -226,5 +226,6 @@ class Transformer(nn.Module):
             c = None if cache is None else (cache.k[i], cache.v[i])
             x = layer(x, cos, sin, self.attn_fn, c, ctx)
         if logits_idx is not None:
-            x = x[torch.arange(B, device=x.device), logits_idx]
+            b = torch.arange(B, device=x.device)
+            x = x[b, logits_idx] if logits_idx.dim() == 1 else x[b[:, None], logits_idx]
         return self.lm_head(self.norm(x))

@@ -1,0 +1,316 @@
+"""The public Engine: load a target (and a drafter), generate, stream, score."""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .adaptive import Costs, KController, KPolicy
+from .checkpoint import load_model, resolve_dtype
+from .costs import measure_costs
+from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
+from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
+from .loop import DecodeLoop, Seq
+from .model import Transformer
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (eos or a stop string), "length", "error"
+    prompt_token_ids: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Totals:
+    requests: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    iterations: int = 0  # sequence-rounds (one per sequence per target pass it took part in)
+    target_forwards: int = 0  # batched target passes
+    seconds: float = 0.0
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidConfigError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidConfigError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidConfigError(f"device={device!r} is not available here: no CUDA device; use 'cpu'")
+    return dev
+
+
+class Engine:
+    """Speculative (or plain) generation with a Llama-family target.
+
+    Build it with ``Engine.from_pretrained`` or ``Engine.from_profile``.
+    """
+
+    def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter: Drafter | None = None,
+                 draft_model: Transformer | None = None, policy: KPolicy | None = None,
+                 costs: Costs | None = None, vocab: int | None = None, device: torch.device | None = None,
+                 info: dict[str, Any] | None = None) -> None:
+        self.target, self.tokenizer, self.drafter, self.draft_model = target, tokenizer, drafter, draft_model
+        self.config = target.config
+        self.device = device or target.norm.weight.device
+        self.policy = policy if drafter is not None else None
+        self._costs = costs
+        self.vocab = vocab or target.config.vocab_size
+        self.info = dict(info or {})
+        self.loop = DecodeLoop(target, tokenizer, drafter, target.config.eos_token_ids, self.vocab, self.device)
+        self._totals = _Totals()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *,
+                        drafter: str | None = "model", k: int = 5, adaptive_k: bool = True,
+                        device: str | torch.device | None = "cpu", plan: Any = None,
+                        dtype: str | torch.dtype | None = None, k_policy: str | None = None,
+                        k_min: int = 1, k_max: int | None = None, early_exit_layers: int | None = None,
+                        costs: Costs | dict | None = None) -> "Engine":
+        """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
+
+        With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
+        quantizes both models by module swap; None keeps them unquantized.
+        """
+        if drafter is not None and drafter not in DRAFTERS:
+            raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InvalidConfigError(f"k={k!r} is invalid: allowed an int >= 1")
+        dev = _resolve_device(device)
+        dt = resolve_dtype(dtype) if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
+        tok = Tokenizer(target_dir)
+        target = load_model(target_dir, dt, dev)
+        draft_model: Transformer | None = None
+        vocab = target.config.vocab_size
+        if drafter == "model" and draft_dir is not None:
+            dtok = Tokenizer(draft_dir)
+            draft_model = load_model(draft_dir, dt, dev)
+            if dtok.vocab() != tok.vocab():
+                raise VocabMismatchError(
+                    f"draft {draft_dir} and target {target_dir} have different vocabularies: "
+                    f"draft tokenizer has {dtok.vocab_size} tokens (model vocab {draft_model.config.vocab_size}), "
+                    f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})")
+            vocab = min(vocab, draft_model.config.vocab_size)
+        if plan is not None:
+            from quant.apply import apply_precision_plan  # the planner is optional at import time
+            apply_precision_plan(target, draft_model, plan)
+        d: Drafter | None = None
+        if drafter == "model" and draft_model is not None:
+            d = ModelDrafter(draft_model, None)
+        elif drafter == "ngram":
+            d = NGramDrafter()
+        elif drafter == "early-exit":
+            n = target.config.num_hidden_layers
+            L = early_exit_layers if early_exit_layers is not None else max(1, n // 4)
+            if not isinstance(L, int) or not 1 <= L < n:
+                raise InvalidConfigError(f"early_exit_layers={L!r} is invalid: allowed 1..{n - 1}")
+            d = EarlyExitDrafter(target, L)
+        k_max = k_max if k_max is not None else max(8, k)
+        name = k_policy or ("cost-model" if adaptive_k else "constant")
+        policy = KPolicy(name=name, k=k, k_min=min(k_min, k), k_max=k_max) if d is not None else None
+        if isinstance(costs, dict):
+            costs = Costs.from_dict(costs)
+        info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
+                "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", "")}
+        return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
+                   vocab=vocab, device=dev, info=info)
+
+    # ------------------------------------------------------------------ costs
+    @property
+    def costs(self) -> Costs | None:
+        """The cost ratios of the K controller (measured on first use when not given)."""
+        if self._costs is None and self.drafter is not None:
+            assert self.policy is not None
+            layers = self.drafter.n_layers if isinstance(self.drafter, EarlyExitDrafter) else None
+            self._costs = measure_costs(self.target, self.draft_model, k_max=self.policy.k_max, draft_layers=layers)
+            log.info("measured costs: c=%.3f v=%s", self._costs.c, self._costs.v)
+        return self._costs
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompts: Prompts) -> list[list[int]]:
+        allowed = "a str, a non-empty list of str, or a non-empty list of token-id lists"
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise InvalidRequestError(f"prompts={prompts!r:.80} is invalid: allowed {allowed}")
+        out = []
+        V = self.vocab
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if not p:
+                    raise InvalidRequestError(f"prompts[{i}] is an empty string: a prompt needs >= 1 token")
+                ids = self.tokenizer.encode(p)
+            elif isinstance(p, (list, tuple)):
+                ids = list(p)
+                for j, t in enumerate(ids):
+                    if not isinstance(t, int) or isinstance(t, bool):
+                        raise InvalidRequestError(f"prompts[{i}][{j}]={t!r} is invalid: allowed an int token id")
+                    if not 0 <= t < V:
+                        raise InvalidRequestError(
+                            f"prompts[{i}][{j}]={t} is out of range: allowed token ids 0..{V - 1} (vocab {V})")
+            else:
+                raise InvalidRequestError(f"prompts[{i}]={p!r:.80} is invalid: allowed a str or a list of token ids")
+            if not ids:
+                raise InvalidRequestError(f"prompts[{i}] is empty: a prompt needs >= 1 token")
+            out.append(ids)
+        return out
+
+    def _params(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
+            if len(params) != n:
+                raise InvalidRequestError(
+                    f"params has {len(params)} entries for {n} prompts: allowed one SamplingParams or one per prompt")
+            return list(params)
+        raise InvalidRequestError(f"params={params!r:.80} is invalid: allowed a SamplingParams or a list of them")
+
+    def _make_seqs(self, prompts: Prompts, params: Any) -> list[Seq]:
+        ids = self._prompt_ids(prompts)
+        plist = self._params(params, len(ids))
+        ctx = self.config.max_position_embeddings
+        for i, (p, sp) in enumerate(zip(ids, plist)):
+            if len(p) + sp.max_new_tokens > ctx:
+                raise InvalidRequestError(
+                    f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = "
+                    f"{len(p) + sp.max_new_tokens}, beyond the model's context of {ctx} tokens")
+        seqs = []
+        for row, (p, sp) in enumerate(zip(ids, plist)):
+            g = torch.Generator(device=self.device)
+            g.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+            ctl = KController(self.policy, self.costs) if self.policy is not None else None
+            seqs.append(Seq(prompt=p, params=sp, generator=g, row=row, k_ctl=ctl))
+        k_max = self.policy.k_max if self.policy is not None else 0
+        self.loop.ensure_cache(len(seqs), max(len(s.prompt) + s.params.max_new_tokens for s in seqs), k_max)
+        return seqs
+
+    def _completion(self, s: Seq) -> Completion:
+        return Completion(text=self.loop.final_text(s), token_ids=s.generated, finish_reason=s.finish_reason or "length",
+                          prompt_token_ids=s.prompt, stats=s.stats.to_dict())
+
+    def _account(self, seqs: list[Seq], rounds: int, seconds: float) -> None:
+        t = self._totals
+        t.requests += len(seqs)
+        t.generated += sum(len(s.generated) for s in seqs)
+        t.drafted += sum(s.stats.drafted for s in seqs)
+        t.accepted += sum(s.stats.accepted for s in seqs)
+        t.iterations += sum(s.stats.target_passes for s in seqs)
+        t.target_forwards += rounds
+        t.seconds += seconds
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Complete every prompt; params: one SamplingParams for all, or one per prompt."""
+        seqs = self._make_seqs(prompts, params)
+        t0, rounds = time.perf_counter(), 0
+        while any(not s.finished for s in seqs):
+            self.loop.step(seqs)
+            rounds += 1
+        self._account(seqs, rounds, time.perf_counter() - t0)
+        return [self._completion(s) for s in seqs]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one prompt's completion as tokens are accepted (never splitting a character)."""
+        seqs = self._make_seqs([prompt], params)
+        s = seqs[0]
+        sent = 0
+        t0, rounds = time.perf_counter(), 0
+        try:
+            while not s.finished:
+                self.loop.step(seqs)
+                rounds += 1
+                text = self.loop.final_text(s) if s.finished else self.tokenizer.decode(s.generated)
+                safe = len(text) if s.finished else _safe_prefix(text, s.params.stop)
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+        finally:
+            self._account(seqs, rounds, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        """Target logits [B, T, V] (as planned, fp32) for equal-length token lists, no cache."""
+        if isinstance(token_ids, torch.Tensor):
+            ids = token_ids
+        else:
+            rows = self._prompt_ids([list(r) for r in token_ids]) if isinstance(token_ids, (list, tuple)) else \
+                self._prompt_ids(token_ids)
+            if len({len(r) for r in rows}) != 1:
+                raise InvalidRequestError("token_ids rows have different lengths: allowed equal-length rows")
+            ids = torch.tensor(rows, dtype=torch.long)
+        if ids.dim() != 2:
+            raise InvalidRequestError(f"token_ids has shape {tuple(ids.shape)}: allowed [B, T]")
+        if ids.shape[1] > self.config.max_position_embeddings:
+            raise InvalidRequestError(
+                f"token_ids has {ids.shape[1]} tokens, beyond the context of {self.config.max_position_embeddings}")
+        return self.target(ids.to(self.device)).float()
+
+    def stats(self) -> dict[str, Any]:
+        """Acceptance rate, mean accepted length, tokens/s, target passes per token, memory."""
+        t = self._totals
+        mem = {"kv_cache_bytes": self.loop.cache.nbytes if self.loop.cache is not None else 0,
+               "target_weight_bytes": _module_bytes(self.target)}
+        if self.draft_model is not None:
+            mem["draft_weight_bytes"] = _module_bytes(self.draft_model)
+        if self.device.type == "cuda":
+            mem["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            mem["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        return {
+            "requests": t.requests,
+            "generated_tokens": t.generated,
+            "drafted": t.drafted,
+            "accepted": t.accepted,
+            "acceptance_rate": t.accepted / t.drafted if t.drafted else None,
+            "mean_accepted_length": 1 + t.accepted / t.iterations if t.iterations else None,
+            "tokens_per_s": t.generated / t.seconds if t.seconds else None,
+            "target_passes_per_token": t.iterations / t.generated if t.generated else None,
+            "target_forwards": t.target_forwards,
+            "drafter": self.info.get("drafter"),
+            "k_policy": self.policy.name if self.policy else None,
+            "memory": mem,
+        }
+
+
+def _module_bytes(m: torch.nn.Module) -> int:
+    seen, n = set(), 0
+    for t in list(m.parameters()) + list(m.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    return n
+
+
+def _safe_prefix(text: str, stops: Sequence[str]) -> int:
+    """Length of text safe to emit: no trailing partial character, no possible start of a stop string."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    for s in stops:
+        for j in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:j]):
+                n -= j
+                break
+    return n
