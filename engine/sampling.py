@@ -143,6 +143,7 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     ascending = sorted_desc.masked_fill(remove, float("-inf")).flip(-1)  # [N, V]
     cum = ascending.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
     drop_p = cum <= (1.0 - top_p).unsqueeze(-1)
+    drop_p[:, -1] = False
     drop_p &= (top_p < 1.0).unsqueeze(-1)
     remove |= drop_p.flip(-1)
 

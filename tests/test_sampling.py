@@ -127,6 +127,7 @@ COMBOS = [
     (0.8, 0, 0.9),
     (1.0, 0, 0.3),
     (2.0, 0, 1e-3),
+    (1.0, 0, 1e-8),  # 1 - top_p rounds to 1 in fp32: only the kept-at-least-one token survives
     (0.6, 10, 0.8),
     (1.0, 40, 0.95),
     (1.3, 1000, 0.5),  # top_k larger than V
@@ -171,6 +172,15 @@ def test_top_p_reaches_mass() -> None:
     probs = process_logits(logits, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.tensor([0.79, 0.81, 0.4]))
     assert (probs > 0).sum(-1).tolist() == [2, 3, 1]
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_top_p_boundary_mass_exactly_reached() -> None:
+    # four equal logits: each token has probability exactly 0.25; top_p 0.5 keeps exactly two
+    logits = torch.zeros(1, 4)
+    probs = process_logits(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([0.5]))
+    ref = hf_probs(logits, 1.0, 0, 0.5)
+    assert int((ref > 0).sum()) == 2 and int((probs > 0).sum()) == 2
+    assert sorted(probs[0].tolist()) == [0.0, 0.0, 0.5, 0.5]
 
 
 def test_tiny_temperature_stays_finite() -> None:
