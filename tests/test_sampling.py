@@ -251,11 +251,11 @@ def test_process_logits_cuda_matches_cpu_without_sync() -> None:
     t, k, p = params_to_tensors([SamplingParams(temperature=c[0], top_k=c[1], top_p=c[2]) for c in COMBOS], "cpu")
     ref = process_logits(logits, t, k, p)
     args = [x.cuda() for x in (logits, t, k, p)]
+    noise = draw_noise([make_generator(1, "cuda")] + [None] * (len(COMBOS) - 1), 300, "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = process_logits(*args)
-        noise = draw_noise([make_generator(1, "cuda"), None] * 6, 300, "cuda")
         tok = sample_from_probs(out, noise)
     finally:
         torch.cuda.set_sync_debug_mode("default")
