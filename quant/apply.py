@@ -1,0 +1,168 @@
+"""Apply a ModelPlan to a loaded ``engine.model.Transformer`` by module swap.
+
+    target = apply_plan(target, plan.target, calib=collect_activation_stats(target, calib_batches))
+    draft = apply_plan(draft, plan.draft)
+
+Every kernel the plan names is checked against the model's device first
+(KernelUnavailableError, nothing swapped). A tied target keeps its fp16 table
+shared by embed_tokens and lm_head; a tied FP8 draft shares one e4m3 table (and
+its per-row scales) between FP8Embedding and the FP8 LM head. After the swap the
+remaining float parameters (norms, dense Linears, biases) are cast to the plan's
+compute dtype; quantized data and scales keep their dtypes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import InvalidConfigError
+from engine.model import Transformer
+
+from .kernels import require_kernel
+from .linear import FP8Embedding, FP8Linear, Int8Linear
+from .plan import FAMILY_MODULES, FamilyPlan, ModelPlan
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _family_of(name: str) -> tuple[int, str, str] | None:
+    """'layers.3.mlp.up_proj' -> (3, 'ffn', 'up_proj')."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
+        fam = "attention" if parts[2] == "self_attn" else "ffn"
+        if parts[3] in FAMILY_MODULES[fam]:
+            return int(parts[1]), fam, parts[3]
+    return None
+
+
+def _quantize_linear(linear: nn.Linear, fam: FamilyPlan, act_absmax: Tensor | None) -> nn.Module:
+    if fam.storage == "fp8_e4m3":
+        return FP8Linear.from_float(linear, kernel=fam.kernel)
+    if fam.storage == "int8":
+        kw = {}
+        if fam.kernel == "llm-int8":
+            kw["outlier_threshold"] = float(fam.scaling.get("outlier_threshold", 6.0))
+        alpha = fam.scaling.get("smoothquant_alpha")
+        if act_absmax is not None:
+            kw["alpha"] = float(alpha)
+        return Int8Linear.from_float(linear, kernel=fam.kernel, act_absmax=act_absmax, **kw)
+    return linear
+
+
+def _check_model(model: Transformer, plan: ModelPlan) -> None:
+    cfg = model.config
+    for key, want in plan.model.items():
+        have = getattr(cfg, key, None)
+        if have != want:
+            raise InvalidConfigError(f"plan.{plan.role}.model.{key}={want!r} but the model has {have!r}: "
+                                     f"the plan was made for another model")
+
+
+def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tensor] | None = None) -> Transformer:
+    """Swap the model's modules in place as ``model_plan`` (``plan.target`` or ``plan.draft``) says.
+
+    ``calib``: per-input-channel activation absmax of each FFN Linear (see
+    :func:`collect_activation_stats`), required when the plan asks for SmoothQuant.
+    """
+    if not isinstance(model_plan, ModelPlan):
+        raise InvalidConfigError(f"model_plan must be a ModelPlan (plan.target or plan.draft), got "
+                                 f"{type(model_plan).__name__}")
+    _check_model(model, model_plan)
+    fams = model_plan.families
+    device = model.norm.weight.device
+    for fname, fam in fams.items():
+        if fam.quantized:
+            require_kernel("fp8" if fam.storage == "fp8_e4m3" else "int8", fam.kernel, device)
+    smooth = {f for f, p in fams.items() if p.scaling.get("smoothquant_alpha") is not None}
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _family_of(n)]
+    if smooth:
+        want = [n for n in names if _family_of(n)[1] in smooth]  # type: ignore[index]
+        missing = [n for n in want if calib is None or n not in calib]
+        if missing:
+            raise InvalidConfigError(
+                f"calib is missing {missing[0]}{' and %d more' % (len(missing) - 1) if len(missing) > 1 else ''}: "
+                f"the plan asks for SmoothQuant on {', '.join(sorted(smooth))}; pass "
+                f"calib=collect_activation_stats(model, calibration_batches)")
+    with torch.no_grad():
+        for n in names:
+            i, fam_name, leaf = _family_of(n)  # type: ignore[misc]
+            fam = fams[fam_name]
+            if not fam.quantized:
+                continue
+            parent = model.get_submodule(n.rsplit(".", 1)[0])
+            act = calib[n] if (calib is not None and fam_name in smooth) else None
+            setattr(parent, leaf, _quantize_linear(getattr(parent, leaf), fam, act))
+        emb, head = fams["embeddings"], fams["lm_head"]
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        if emb.storage == "fp8_e4m3":
+            model.embed_tokens = FP8Embedding.from_float(model.embed_tokens)
+        if head.storage == "fp8_e4m3":
+            if tied and isinstance(model.embed_tokens, FP8Embedding):
+                model.lm_head = FP8Linear.tied_to(model.embed_tokens, kernel=head.kernel)
+            else:
+                model.lm_head = FP8Linear.from_float(model.lm_head, kernel=head.kernel)
+        elif head.storage == "int8":
+            raise InvalidConfigError(f"plan.{model_plan.role}.lm_head.storage='int8' is not supported: "
+                                     "allowed fp16, bf16, fp32, fp8_e4m3")
+        model.to(TORCH_DTYPES[model_plan.compute_dtype])
+    log.info("applied %s plan: %s", model_plan.role,
+             ", ".join(f"{f}={p.storage}/{p.kernel}" for f, p in fams.items()))
+    return model
+
+
+def collect_activation_stats(model: Transformer, token_batches: Iterable[Tensor],
+                             families: tuple[str, ...] = ("ffn",)) -> dict[str, Tensor]:
+    """Per-input-channel absmax (float32, on the CPU) of each planned-family Linear's input.
+
+    ``token_batches``: LongTensors [B, T] (or [T]) run through the unquantized model
+    with forward hooks. Keys are module names, e.g. ``layers.0.mlp.down_proj``.
+    """
+    stats: dict[str, Tensor] = {}
+    hooks = []
+
+    def hook(name: str):
+        def fn(_mod: nn.Module, args: tuple[Tensor, ...]) -> None:
+            x = args[0].detach()
+            a = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float().cpu()
+            stats[name] = a if name not in stats else torch.maximum(stats[name], a)
+        return fn
+
+    for n, m in model.named_modules():
+        f = _family_of(n)
+        if f is not None and f[1] in families and isinstance(m, nn.Linear):
+            hooks.append(m.register_forward_pre_hook(hook(n)))
+    if not hooks:
+        raise InvalidConfigError(f"families={families!r} match no unquantized Linear of the model")
+    device = model.norm.weight.device
+    seen = 0
+    try:
+        with torch.no_grad():
+            for toks in token_batches:
+                toks = toks if toks.dim() == 2 else toks[None]
+                model(toks.to(device))
+                seen += toks.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    if seen == 0:
+        raise InvalidConfigError("token_batches is empty: calibration needs at least one token")
+    return stats
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer, each storage counted once (tied tables)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    tensors = list(model.parameters()) + [b for n, b in model.named_buffers() if not n.endswith("inv_freq")]
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total

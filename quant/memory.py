@@ -1,0 +1,87 @@
+"""Memory arithmetic of a plan, from model configs only (no tensors are loaded).
+
+Weights, per Linear [out N, in K] (b = bytes of the compute dtype, 2 on a GPU):
+    dense        N*K*b                    (+ N*b bias)
+    fp8_e4m3     N*K + 4*N                (e4m3 data, fp32 scale per output channel; + N*b bias)
+    int8         N*K + 4*N (+ 4*K SmoothQuant factors)                           (+ N*b bias)
+Embedding [V, H]: dense V*H*b; fp8_e4m3 V*H + 4*V. A tied LM head is the embedding's
+table and counts once. Norms: (2 * layers + 1) * H * b.
+
+KV cache, per token per model: 2 (k and v) * layers * kv_heads * head_dim * 2 bytes (fp16).
+
+Workspace (stated formula, not measured):
+    WORKSPACE_FIXED_BYTES (CUDA context, cuBLAS workspace, allocator slack)
+    + batch * min(seq_len, PREFILL_CHUNK) * max over models of
+      (2 * (4 * hidden + 3 * intermediate)   fp16 activations of one block
+       + 6 * vocab)                          fp16 logits + their fp32 copy for sampling
+i.e. one forward of PREFILL_CHUNK tokens per sequence in flight at a time.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from .plan import FamilyPlan, ModelPlan
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "int8": 1}
+KV_DTYPE_BYTES = 2
+WORKSPACE_FIXED_BYTES = 512 * 2**20
+PREFILL_CHUNK = 512
+WORKSPACE_FORMULA = (f"{WORKSPACE_FIXED_BYTES} + batch * min(seq_len, {PREFILL_CHUNK}) * "
+                     "max_over_models(2 * (4 * hidden + 3 * intermediate) + 6 * vocab)")
+
+
+def linear_bytes(n_out: int, n_in: int, bias: bool, fam: "FamilyPlan", b: int) -> int:
+    """Stored bytes of one Linear planned as ``fam`` with compute dtype of ``b`` bytes."""
+    bias_bytes = n_out * b if bias else 0
+    if fam.storage in ("fp8_e4m3", "int8"):
+        smooth = 4 * n_in if fam.scaling.get("smoothquant_alpha") is not None else 0
+        return n_out * n_in + 4 * n_out + smooth + bias_bytes
+    return n_out * n_in * DTYPE_BYTES[fam.storage] + bias_bytes
+
+
+def embedding_bytes(vocab: int, hidden: int, fam: "FamilyPlan") -> int:
+    if fam.storage == "fp8_e4m3":
+        return vocab * hidden + 4 * vocab
+    return vocab * hidden * DTYPE_BYTES[fam.storage]
+
+
+def weight_bytes(cfg: ModelConfig, plan: "ModelPlan", compute_bytes: int | None = None) -> int:
+    """Bytes the planned model stores (what ``quant.apply.model_weight_bytes`` measures after apply_plan)."""
+    b = DTYPE_BYTES[plan.compute_dtype] if compute_bytes is None else compute_bytes
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    att, ffn = plan.families["attention"], plan.families["ffn"]
+    per_layer = (linear_bytes(q, h, cfg.attention_bias, att, b)
+                 + 2 * linear_bytes(kv, h, cfg.attention_bias, att, b)
+                 + linear_bytes(h, q, cfg.o_bias, att, b)
+                 + 2 * linear_bytes(i, h, cfg.mlp_bias, ffn, b)
+                 + linear_bytes(h, i, cfg.mlp_bias, ffn, b))
+    norms = (2 * L + 1) * h * b
+    emb = embedding_bytes(cfg.vocab_size, h, plan.families["embeddings"])
+    head = 0 if cfg.tie_word_embeddings else linear_bytes(cfg.vocab_size, h, False, plan.families["lm_head"], b)
+    return L * per_layer + norms + emb + head
+
+
+def fp16_weight_bytes(cfg: ModelConfig) -> int:
+    """The same model unquantized in fp16 (2 bytes per parameter; a tied table counts once)."""
+    return 2 * cfg.num_parameters()
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * KV_DTYPE_BYTES
+
+
+def workspace_bytes_per_token(cfgs: list[ModelConfig]) -> int:
+    return max(2 * (4 * c.hidden_size + 3 * c.intermediate_size) + 6 * c.vocab_size for c in cfgs)
+
+
+def workspace_bytes(cfgs: list[ModelConfig], batch: int, seq_len: int) -> int:
+    return WORKSPACE_FIXED_BYTES + batch * min(seq_len, PREFILL_CHUNK) * workspace_bytes_per_token(cfgs)
+
+
+def total_bytes(weights: int, cfgs: list[ModelConfig], batch: int, seq_len: int) -> int:
+    kv = batch * seq_len * sum(kv_bytes_per_token(c) for c in cfgs)
+    return weights + kv + workspace_bytes(cfgs, batch, seq_len)

@@ -1,0 +1,325 @@
+"""The precision plan: *what* each module family of the target and the draft becomes.
+
+``make_plan(gpu, target_cfg, draft_cfg)`` turns a catalog entry, the model configs
+and the precision section (DESIGN.md section 4) into a ``PrecisionPlan``; the *how*
+(kernels) is quant.kernels, the module swap is quant.apply. Rules:
+
+- draft "fp8": every Linear, the LM head and the embedding table in e4m3 (per-row
+  scales). Kernel ``native`` (torch._scaled_mm) where the GPU has FP8 tensor cores
+  (compute capability >= 8.9), ``weight-only`` (FP8 storage, fp16 matmul) below.
+- target: attention "fp16" (dense); FFN "int8" with the ``w8a8`` (+ SmoothQuant
+  alpha 0.5) or ``llm-int8`` kernel where the GPU has INT8 tensor cores (>= 7.5).
+  V100 (7.0) has none: the plan keeps the FFN in fp16 and records why, rather than
+  refusing (the build still gets the fp16 attention and FP8 draft savings).
+- verifier: the target's embeddings, LM head and every norm stay in the compute
+  dtype; softmax and acceptance arithmetic in fp32. KV cache fp16.
+- attention backend flash-attn-2 where the GPU supports it (>= 8.0), else sdpa.
+- compute dtype fp16 on a GPU (bf16 support is recorded, attention stays "fp16");
+  ``device="cpu"`` keeps every storage/kernel choice of the GPU but computes in
+  fp32 with an fp32 KV cache and sdpa; its memory plan is still the GPU's.
+- memory: weights + KV cache (max_batch x max_seq_len) + workspace (quant.memory)
+  under 80% of the GPU's memory, lowering max_batch first, then max_seq_len; when
+  batch 1 at MIN_SEQ_LEN does not fit, PlanDoesNotFitError with the figures.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.errors import InvalidConfigError, KernelUnavailableError, ProfileError
+
+from . import memory as mem
+from .catalog import compute_capability, validate_gpu
+from .kernels import FP8_KERNELS, INT8_KERNELS, LLM_INT8_THRESHOLD
+from .smooth import DEFAULT_ALPHA
+
+PLAN_SCHEMA_VERSION = 1
+DEFAULT_PRECISION: dict[str, Any] = {"draft_model": "fp8", "main_model": {"attention": "fp16", "ffn": "int8"},
+                                     "verifier": "fp16"}
+FAMILIES = ("attention", "ffn", "embeddings", "lm_head", "norms")
+FAMILY_MODULES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "ffn": ("gate_proj", "up_proj", "down_proj")}
+DENSE_STORAGE = ("fp32", "fp16", "bf16")
+STORAGE = DENSE_STORAGE + ("fp8_e4m3", "int8")
+BUDGET_FRACTION = 0.8
+MIN_SEQ_LEN = 256
+SEQ_STEP = 256
+_PRECISION_ALLOWED = {"draft_model": ("fp8", "fp16"), "attention": ("fp16",), "ffn": ("int8", "fp16"),
+                      "verifier": ("fp16",)}
+
+
+class PlanDoesNotFitError(InvalidConfigError):
+    """Even batch 1 at the minimum sequence length exceeds the memory budget."""
+
+
+@dataclass
+class FamilyPlan:
+    storage: str  # one of STORAGE
+    kernel: str  # "dense" for dense storage; an fp8 / int8 kernel name otherwise
+    scaling: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.storage not in DENSE_STORAGE
+
+
+@dataclass
+class ModelPlan:
+    role: str  # "target" | "draft"
+    compute_dtype: str
+    families: dict[str, FamilyPlan]
+    model: dict[str, Any]  # shape of the model the plan was made for (checked at apply)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class MemoryPlan:
+    memory_bytes: int
+    budget_fraction: float
+    budget_bytes: int
+    target_weight_bytes: int
+    target_fp16_bytes: int
+    draft_weight_bytes: int
+    draft_fp16_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    workspace_bytes: int
+    workspace_formula: str
+    total_bytes: int
+    max_batch: int
+    max_seq_len: int
+    requested_max_batch: int
+    requested_max_seq_len: int
+    adjustments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PrecisionPlan:
+    gpu: str
+    device: str  # "cuda" | "cpu"
+    compute_capability: str
+    hardware: dict[str, Any]
+    precision: dict[str, Any]
+    compute_dtype: str
+    attention_backend: str
+    kv_cache_dtype: str
+    verifier: dict[str, str]
+    target: ModelPlan
+    draft: ModelPlan | None
+    memory: MemoryPlan
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a temp file in the same folder, then os.replace."""
+        p = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json() + "\n")
+            os.replace(tmp, p)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "PrecisionPlan":
+        from .plan_io import plan_from_dict  # validation lives beside, to keep this file short
+        return plan_from_dict(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PrecisionPlan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"plan: invalid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PrecisionPlan":
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProfileError(f"{path}: unreadable plan ({e})") from None
+        return cls.from_json(text)
+
+
+def validate_precision(precision: Any) -> dict[str, Any]:
+    """The precision section, exactly DESIGN.md section 4's shape; bad fields name themselves."""
+    if not isinstance(precision, dict):
+        raise InvalidConfigError(f"precision must be an object like {json.dumps(DEFAULT_PRECISION)}")
+    extra = set(precision) - {"draft_model", "main_model", "verifier"}
+    if extra:
+        raise InvalidConfigError(f"precision.{sorted(extra)[0]} is not a field; allowed: draft_model, main_model, verifier")
+    main = precision.get("main_model")
+    if not isinstance(main, dict) or set(main) != {"attention", "ffn"}:
+        raise InvalidConfigError(f"precision.main_model={main!r} is invalid: allowed an object with attention and ffn")
+    for name, value in (("draft_model", precision.get("draft_model")), ("main_model.attention", main["attention"]),
+                        ("main_model.ffn", main["ffn"]), ("verifier", precision.get("verifier"))):
+        allowed = _PRECISION_ALLOWED[name.split(".")[-1]]
+        if value not in allowed:
+            raise InvalidConfigError(f"precision.{name}={value!r} is invalid: allowed {', '.join(allowed)}")
+    return copy.deepcopy(precision)
+
+
+def _shape(cfg: ModelConfig) -> dict[str, Any]:
+    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_word_embeddings}
+
+
+def _dense(dt: str, reason: str = "") -> FamilyPlan:
+    return FamilyPlan(dt, "dense", {}, reason)
+
+
+def _fp8_family(kernel: str, what: str) -> FamilyPlan:
+    acts = {"native": "per-token dynamic e4m3", "te": "per-tensor delayed scaling (transformer-engine)",
+            "weight-only": "none: weights dequantized to the compute dtype for the matmul"}[kernel]
+    return FamilyPlan("fp8_e4m3", kernel, {"weights": "per-output-channel e4m3, fp32 scales", "activations": acts},
+                      f"draft {what} in FP8")
+
+
+def _int8_family(kernel: str, alpha: float | None) -> FamilyPlan:
+    s: dict[str, Any] = {"weights": "per-output-channel symmetric int8, fp32 scales",
+                         "activations": "per-token dynamic symmetric int8"}
+    if kernel == "w8a8":
+        s["smoothquant_alpha"] = alpha
+    else:
+        s["outlier_threshold"] = LLM_INT8_THRESHOLD
+        s["activations"] += f"; columns with |x| > {LLM_INT8_THRESHOLD} in fp16"
+    return FamilyPlan("int8", kernel, s, "main_model.ffn = int8")
+
+
+def _fit(memory_bytes: int, cfgs: list[ModelConfig], weights: int, max_batch: int, max_seq_len: int,
+         gpu: str) -> tuple[int, int, list[str]]:
+    budget = int(memory_bytes * BUDGET_FRACTION)
+    notes: list[str] = []
+    if mem.total_bytes(weights, cfgs, max_batch, max_seq_len) <= budget:
+        return max_batch, max_seq_len, notes
+    for b in range(max_batch - 1, 0, -1):
+        if mem.total_bytes(weights, cfgs, b, max_seq_len) <= budget:
+            notes.append(f"max_batch lowered {max_batch} -> {b} to fit {BUDGET_FRACTION:.0%} of {gpu} memory")
+            return b, max_seq_len, notes
+    L = (max_seq_len - 1) // SEQ_STEP * SEQ_STEP
+    while L >= MIN_SEQ_LEN:
+        if mem.total_bytes(weights, cfgs, 1, L) <= budget:
+            notes.append(f"max_batch lowered {max_batch} -> 1 and max_seq_len {max_seq_len} -> {L} to fit "
+                         f"{BUDGET_FRACTION:.0%} of {gpu} memory")
+            return 1, L, notes
+        L -= SEQ_STEP
+    need = mem.total_bytes(weights, cfgs, 1, min(MIN_SEQ_LEN, max_seq_len))
+    raise PlanDoesNotFitError(
+        f"gpu={gpu}: the plan does not fit: weights {weights} B + KV cache and workspace at batch 1, "
+        f"seq_len {min(MIN_SEQ_LEN, max_seq_len)} need {need} B; the budget is {budget} B "
+        f"({BUDGET_FRACTION:.0%} of {memory_bytes} B)")
+
+
+def make_plan(gpu: dict[str, Any], target_cfg: ModelConfig, draft_cfg: ModelConfig | None,
+              precision: dict[str, Any] = DEFAULT_PRECISION, *, max_batch: int = 32, max_seq_len: int = 4096,
+              int8_kernel: str = "w8a8", fp8_kernel: str | None = None,
+              smoothquant_alpha: float | None = DEFAULT_ALPHA, device: str = "cuda") -> PrecisionPlan:
+    """The plan for ``gpu`` (a catalog entry, see quant.catalog.lookup_gpu) and the two models.
+
+    ``fp8_kernel`` None picks native / weight-only from the GPU; ``smoothquant_alpha``
+    None turns SmoothQuant off for w8a8. ``device="cpu"`` is the variant that runs on the CPU.
+    """
+    validate_gpu(gpu, "gpu")
+    name = str(gpu.get("name", "gpu"))
+    precision = validate_precision(precision)
+    if device not in ("cuda", "cpu"):
+        raise InvalidConfigError(f"device={device!r} is invalid: allowed cuda, cpu")
+    if int8_kernel not in INT8_KERNELS:
+        raise InvalidConfigError(f"int8_kernel={int8_kernel!r} is invalid: allowed {', '.join(INT8_KERNELS)}")
+    if fp8_kernel is not None and fp8_kernel not in FP8_KERNELS:
+        raise InvalidConfigError(f"fp8_kernel={fp8_kernel!r} is invalid: allowed {', '.join(FP8_KERNELS)} or None")
+    if smoothquant_alpha is not None and not 0.0 <= smoothquant_alpha <= 1.0:
+        raise InvalidConfigError(f"smoothquant_alpha={smoothquant_alpha!r} is invalid: allowed 0.0 .. 1.0 or None")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InvalidConfigError(f"max_batch={max_batch!r} is invalid: allowed an integer >= 1")
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise InvalidConfigError(f"max_seq_len={max_seq_len!r} is invalid: allowed an integer >= 1")
+    cc = compute_capability(gpu)
+    cc_text = f"{cc[0]}.{cc[1]}"
+    tc = gpu["tensor_cores"]
+    notes: list[str] = []
+    dt = "fp16" if device == "cuda" else "fp32"
+    if device == "cpu":
+        notes.append(f"device=cpu: storage and kernels as planned for {name}, computed in fp32 with an fp32 KV "
+                     "cache and sdpa attention; the memory plan is the GPU's (fp16)")
+    if tc["bf16"]:
+        notes.append(f"{name} has bf16 tensor cores; compute stays fp16 as the precision section asks")
+    else:
+        notes.append(f"{name} (sm_{cc[0]}{cc[1]}) has no bf16 tensor cores: fp16 only")
+
+    # draft
+    if fp8_kernel is None:
+        fp8_kernel = "native" if tc["fp8"] else "weight-only"
+    elif fp8_kernel in ("native", "te") and not tc["fp8"]:
+        raise KernelUnavailableError(f"fp8 kernel {fp8_kernel!r} needs FP8 tensor cores (compute capability >= 8.9);"
+                                     f" {name} is sm_{cc[0]}{cc[1]} — use 'weight-only'")
+    if fp8_kernel == "te" and device == "cpu":
+        raise KernelUnavailableError("fp8 kernel 'te' (transformer_engine) runs on CUDA only — use 'native' on the CPU")
+    draft = None
+    if draft_cfg is not None:
+        if precision["draft_model"] == "fp8":
+            fams = {"attention": _fp8_family(fp8_kernel, "attention"), "ffn": _fp8_family(fp8_kernel, "ffn"),
+                    "embeddings": FamilyPlan("fp8_e4m3", "weight-only", {"weights": "per-row e4m3, fp32 scales"},
+                                             "draft embedding table in FP8, dequantized on lookup"),
+                    "lm_head": _fp8_family(fp8_kernel, "LM head"), "norms": _dense(dt)}
+            if draft_cfg.tie_word_embeddings:
+                fams["lm_head"].scaling["tied"] = "shares the FP8 embedding table and its per-row scales"
+            why = "FP8 tensor cores" if tc["fp8"] else "no FP8 tensor cores: FP8 storage, fp16 matmul (saves memory)"
+            notes.append(f"draft FP8 kernel {fp8_kernel!r} on {name} (sm_{cc[0]}{cc[1]}: {why})")
+        else:
+            fams = {f: _dense(dt) for f in FAMILIES}
+        draft = ModelPlan("draft", dt, fams, _shape(draft_cfg))
+
+    # target
+    if precision["main_model"]["ffn"] == "int8" and tc["int8"]:
+        ffn = _int8_family(int8_kernel, smoothquant_alpha)
+    elif precision["main_model"]["ffn"] == "int8":
+        ffn = _dense(dt, f"{name} (sm_{cc[0]}{cc[1]}) has no INT8 tensor cores: FFN kept in fp16")
+        notes.append(ffn.reason)
+    else:
+        ffn = _dense(dt, "main_model.ffn = fp16")
+    target = ModelPlan("target", dt, {"attention": _dense(dt, "main_model.attention = fp16"), "ffn": ffn,
+                                      "embeddings": _dense(dt), "lm_head": _dense(dt, "verifier: never quantized"),
+                                      "norms": _dense(dt, "verifier: never quantized")}, _shape(target_cfg))
+
+    # memory, always for the GPU in fp16
+    cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
+    tw = mem.weight_bytes(target_cfg, target, compute_bytes=2)
+    dw = mem.weight_bytes(draft_cfg, draft, compute_bytes=2) if draft is not None and draft_cfg is not None else 0
+    b, L, adj = _fit(gpu["memory_bytes"], cfgs, tw + dw, max_batch, max_seq_len, name)
+    kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
+    memory = MemoryPlan(
+        memory_bytes=gpu["memory_bytes"], budget_fraction=BUDGET_FRACTION,
+        budget_bytes=int(gpu["memory_bytes"] * BUDGET_FRACTION), target_weight_bytes=tw,
+        target_fp16_bytes=mem.fp16_weight_bytes(target_cfg), draft_weight_bytes=dw,
+        draft_fp16_bytes=mem.fp16_weight_bytes(draft_cfg) if draft_cfg is not None else 0,
+        kv_bytes_per_token=kv_tok, kv_cache_bytes=b * L * kv_tok, workspace_bytes=mem.workspace_bytes(cfgs, b, L),
+        workspace_formula=mem.WORKSPACE_FORMULA, total_bytes=mem.total_bytes(tw + dw, cfgs, b, L),
+        max_batch=b, max_seq_len=L, requested_max_batch=max_batch, requested_max_seq_len=max_seq_len,
+        adjustments=adj)
+    backend = "flash-attn-2" if gpu["flash_attn_2"] and device == "cuda" else "sdpa"
+    hardware = {"tensor_cores": dict(tc), "flash_attn_2": gpu["flash_attn_2"],
+                "memory_bandwidth_gbps": gpu.get("memory_bandwidth_gbps")}
+    return PrecisionPlan(
+        gpu=name, device=device, compute_capability=cc_text, hardware=hardware, precision=precision,
+        compute_dtype=dt, attention_backend=backend, kv_cache_dtype="fp16" if device == "cuda" else "fp32",
+        verifier={"final_norm": dt, "lm_head": dt, "softmax": "fp32", "acceptance": "fp32"},
+        target=target, draft=draft, memory=memory, notes=notes + adj)

@@ -1,0 +1,107 @@
+"""PrecisionPlan.from_dict: rebuild a plan from JSON data, refusing bad fields by name (ProfileError)."""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from engine.errors import InvalidConfigError, ProfileError
+
+from .kernels import FP8_KERNELS, INT8_KERNELS
+from .plan import (DENSE_STORAGE, FAMILIES, PLAN_SCHEMA_VERSION, STORAGE, FamilyPlan, MemoryPlan, ModelPlan,
+                   PrecisionPlan, validate_precision)
+
+_KERNELS_BY_STORAGE = {**{s: ("dense",) for s in DENSE_STORAGE}, "fp8_e4m3": FP8_KERNELS, "int8": INT8_KERNELS}
+
+
+def _need(d: dict[str, Any], key: str, where: str, typ: type | tuple[type, ...]) -> Any:
+    if key not in d:
+        raise ProfileError(f"{where}.{key} is missing")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        raise ProfileError(f"{where}.{key}={v!r} is invalid: allowed {names}")
+    return v
+
+
+def _choice(value: Any, where: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ProfileError(f"{where}={value!r} is invalid: allowed {', '.join(allowed)}")
+    return value
+
+
+def _family(d: Any, where: str, role: str, name: str) -> FamilyPlan:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where} must be an object with storage, kernel, scaling")
+    storage = _choice(d.get("storage"), f"{where}.storage", STORAGE)
+    if role == "target" and name in ("lm_head", "norms") and storage not in DENSE_STORAGE:
+        raise ProfileError(f"{where}.storage={storage!r} is invalid: the verifier's {name} is never quantized; "
+                           f"allowed {', '.join(DENSE_STORAGE)}")
+    if name == "norms" and storage not in DENSE_STORAGE:
+        raise ProfileError(f"{where}.storage={storage!r} is invalid: norms are never quantized")
+    allowed = ("weight-only",) if name == "embeddings" and storage == "fp8_e4m3" else _KERNELS_BY_STORAGE[storage]
+    kernel = _choice(d.get("kernel"), f"{where}.kernel", allowed)
+    scaling = d.get("scaling", {})
+    if not isinstance(scaling, dict):
+        raise ProfileError(f"{where}.scaling={scaling!r} is invalid: allowed an object")
+    alpha = scaling.get("smoothquant_alpha")
+    if alpha is not None and (not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0):
+        raise ProfileError(f"{where}.scaling.smoothquant_alpha={alpha!r} is invalid: allowed 0.0 .. 1.0 or null")
+    return FamilyPlan(storage, kernel, dict(scaling), str(d.get("reason", "")))
+
+
+def _model(d: Any, where: str, role: str) -> ModelPlan:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where} must be an object")
+    dt = _choice(d.get("compute_dtype"), f"{where}.compute_dtype", DENSE_STORAGE)
+    fams = _need(d, "families", where, dict)
+    missing = [f for f in FAMILIES if f not in fams]
+    if missing:
+        raise ProfileError(f"{where}.families.{missing[0]} is missing; required: {', '.join(FAMILIES)}")
+    families = {f: _family(fams[f], f"{where}.families.{f}", role, f) for f in FAMILIES}
+    shape = _need(d, "model", where, dict)
+    if shape.get("tie_word_embeddings") and families["lm_head"].storage != families["embeddings"].storage:
+        raise ProfileError(f"{where}.families.lm_head.storage={families['lm_head'].storage!r} differs from the "
+                           f"tied embeddings' {families['embeddings'].storage!r}")
+    if d.get("role") != role:
+        raise ProfileError(f"{where}.role={d.get('role')!r} is invalid: allowed {role!r}")
+    return ModelPlan(role, dt, families, dict(shape))
+
+
+def plan_from_dict(d: Any) -> PrecisionPlan:
+    where = "plan"
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where} must be a JSON object")
+    version = d.get("schema_version")
+    if version != PLAN_SCHEMA_VERSION:
+        raise ProfileError(f"{where}.schema_version={version!r} is not supported; supported: {PLAN_SCHEMA_VERSION}")
+    try:
+        precision = validate_precision(d.get("precision"))
+    except InvalidConfigError as e:
+        raise ProfileError(f"{where}: {e}") from None
+    device = _choice(d.get("device"), f"{where}.device", ("cuda", "cpu"))
+    mem_d = _need(d, "memory", where, dict)
+    mem_kw: dict[str, Any] = {}
+    for f in fields(MemoryPlan):
+        if f.name == "adjustments":
+            mem_kw[f.name] = list(mem_d.get("adjustments", []))
+        elif f.name == "workspace_formula":
+            mem_kw[f.name] = str(_need(mem_d, f.name, f"{where}.memory", str))
+        elif f.name == "budget_fraction":
+            mem_kw[f.name] = float(_need(mem_d, f.name, f"{where}.memory", (int, float)))
+        else:
+            mem_kw[f.name] = _need(mem_d, f.name, f"{where}.memory", int)
+    for key in ("max_batch", "max_seq_len"):
+        if mem_kw[key] < 1:
+            raise ProfileError(f"{where}.memory.{key}={mem_kw[key]!r} is invalid: allowed >= 1")
+    draft_d = d.get("draft")
+    return PrecisionPlan(
+        gpu=_need(d, "gpu", where, str), device=device,
+        compute_capability=_need(d, "compute_capability", where, str),
+        hardware=dict(_need(d, "hardware", where, dict)), precision=precision,
+        compute_dtype=_choice(d.get("compute_dtype"), f"{where}.compute_dtype", DENSE_STORAGE),
+        attention_backend=_choice(d.get("attention_backend"), f"{where}.attention_backend", ("flash-attn-2", "sdpa")),
+        kv_cache_dtype=_choice(d.get("kv_cache_dtype"), f"{where}.kv_cache_dtype", DENSE_STORAGE),
+        verifier=dict(_need(d, "verifier", where, dict)),
+        target=_model(d.get("target"), f"{where}.target", "target"),
+        draft=None if draft_d is None else _model(draft_d, f"{where}.draft", "draft"),
+        memory=MemoryPlan(**mem_kw), notes=[str(n) for n in d.get("notes", [])], schema_version=version)
