@@ -63,6 +63,20 @@ def _check_model(model: Transformer, plan: ModelPlan) -> None:
                                      f"the plan was made for another model")
 
 
+def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] | None, smooth: set[str]) -> None:
+    """Every Linear that SmoothQuant smooths needs its activation absmax [in_features]."""
+    calib = calib or {}
+    missing = [n for n in want if n not in calib]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise InvalidConfigError(f"calib is missing {missing[0]}{more}: the plan asks for SmoothQuant on "
+                                 f"{', '.join(sorted(smooth))}; pass calib=collect_activation_stats(model, batches)")
+    for n in want:
+        k = model.get_submodule(n).in_features
+        if tuple(calib[n].shape) != (k,):
+            raise InvalidConfigError(f"calib[{n!r}] has shape {tuple(calib[n].shape)}; expected ({k},)")
+
+
 def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tensor] | None = None) -> Transformer:
     """Swap the model's modules in place as ``model_plan`` (``plan.target`` or ``plan.draft``) says.
 
@@ -75,22 +89,19 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
     _check_model(model, model_plan)
     fams = model_plan.families
     device = model.norm.weight.device
-    for fname, fam in fams.items():
+    for f in ("embeddings", "lm_head"):
+        if fams[f].storage == "int8":
+            raise InvalidConfigError(f"plan.{model_plan.role}.{f}.storage='int8' is not supported: "
+                                     "allowed fp16, bf16, fp32, fp8_e4m3")
+    for fam in fams.values():
         if fam.quantized:
             require_kernel("fp8" if fam.storage == "fp8_e4m3" else "int8", fam.kernel, device)
     smooth = {f for f, p in fams.items() if p.scaling.get("smoothquant_alpha") is not None}
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _family_of(n)]
-    if smooth:
-        want = [n for n in names if _family_of(n)[1] in smooth]  # type: ignore[index]
-        missing = [n for n in want if calib is None or n not in calib]
-        if missing:
-            raise InvalidConfigError(
-                f"calib is missing {missing[0]}{' and %d more' % (len(missing) - 1) if len(missing) > 1 else ''}: "
-                f"the plan asks for SmoothQuant on {', '.join(sorted(smooth))}; pass "
-                f"calib=collect_activation_stats(model, calibration_batches)")
+    _check_calib(model, [n for n in names if _family_of(n)[1] in smooth], calib, smooth)  # type: ignore[index]
     with torch.no_grad():
         for n in names:
-            i, fam_name, leaf = _family_of(n)  # type: ignore[misc]
+            _, fam_name, leaf = _family_of(n)  # type: ignore[misc]
             fam = fams[fam_name]
             if not fam.quantized:
                 continue
@@ -106,9 +117,6 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
                 model.lm_head = FP8Linear.tied_to(model.embed_tokens, kernel=head.kernel)
             else:
                 model.lm_head = FP8Linear.from_float(model.lm_head, kernel=head.kernel)
-        elif head.storage == "int8":
-            raise InvalidConfigError(f"plan.{model_plan.role}.lm_head.storage='int8' is not supported: "
-                                     "allowed fp16, bf16, fp32, fp8_e4m3")
         model.to(TORCH_DTYPES[model_plan.compute_dtype])
     log.info("applied %s plan: %s", model_plan.role,
              ", ".join(f"{f}={p.storage}/{p.kernel}" for f, p in fams.items()))

@@ -5,9 +5,10 @@ Activations: one float32 scale per token (row of an ``[tokens, in]`` matrix),
 computed at run time from the row's absolute maximum.
 
 ``scale = absmax / 448`` maps the row's largest magnitude onto the largest
-finite e4m3 value; values are clamped to [-448, 448] before the cast (an
-e4m3fn cast of an out-of-range value gives NaN, it does not saturate) and the
-cast itself rounds to nearest even. A zero row gets the smallest normal float32
+finite e4m3 value; values are clamped to [-448, 448] before the cast (torch's
+CPU cast happens to saturate, but the scalar c10 conversion maps out-of-range
+values to NaN, so saturation is explicit here) and the cast itself rounds to
+nearest even. A zero row gets the smallest normal float32
 as its scale, so the quantized row is all zeros and nothing divides by zero.
 """
 from __future__ import annotations

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 LLM_INT8_THRESHOLD = 6.0
 MIN_BITSANDBYTES = (0, 45)
+_FP16_MAX = float(torch.finfo(torch.float16).max)
 
 Probe = Callable[[torch.device], "tuple[bool, str]"]
 Impl = Callable[[Any, Tensor], Tensor]
@@ -222,7 +223,8 @@ def _llm_int8(mod: Any, x: Tensor) -> Tensor:
     state.is_training = False  # the training path dequantizes instead of LLM.int8
     state.CB = mod.weight
     state.SCB = mod.weight_scale * 127.0  # bitsandbytes stores the row absmax
-    x16 = _smoothed(mod, x.float()).to(torch.float16)  # LLM.int8 takes fp16 activations
+    # LLM.int8 takes fp16 activations: saturate at the fp16 range rather than overflow to inf
+    x16 = _smoothed(mod, x.float()).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
     bias = None if mod.bias is None else mod.bias.to(torch.float16)
     y = bnb.matmul(x16, mod.weight, bias=bias, state=state)
     return y.to(x.dtype)

@@ -1,7 +1,7 @@
 """Memory arithmetic of a plan, from model configs only (no tensors are loaded).
 
 Weights, per Linear [out N, in K] (b = bytes of the compute dtype, 2 on a GPU):
-    dense        N*K*b                    (+ N*b bias)
+    dense        N*K*b  (dense storage is the compute dtype)                          (+ N*b bias)
     fp8_e4m3     N*K + 4*N                (e4m3 data, fp32 scale per output channel; + N*b bias)
     int8         N*K + 4*N (+ 4*K SmoothQuant factors)                           (+ N*b bias)
 Embedding [V, H]: dense V*H*b; fp8_e4m3 V*H + 4*V. A tied LM head is the embedding's
@@ -39,13 +39,13 @@ def linear_bytes(n_out: int, n_in: int, bias: bool, fam: "FamilyPlan", b: int) -
     if fam.storage in ("fp8_e4m3", "int8"):
         smooth = 4 * n_in if fam.scaling.get("smoothquant_alpha") is not None else 0
         return n_out * n_in + 4 * n_out + smooth + bias_bytes
-    return n_out * n_in * DTYPE_BYTES[fam.storage] + bias_bytes
+    return n_out * n_in * b + bias_bytes  # dense storage is the compute dtype
 
 
-def embedding_bytes(vocab: int, hidden: int, fam: "FamilyPlan") -> int:
+def embedding_bytes(vocab: int, hidden: int, fam: "FamilyPlan", b: int) -> int:
     if fam.storage == "fp8_e4m3":
         return vocab * hidden + 4 * vocab
-    return vocab * hidden * DTYPE_BYTES[fam.storage]
+    return vocab * hidden * b
 
 
 def weight_bytes(cfg: ModelConfig, plan: "ModelPlan", compute_bytes: int | None = None) -> int:
@@ -60,7 +60,7 @@ def weight_bytes(cfg: ModelConfig, plan: "ModelPlan", compute_bytes: int | None 
                  + 2 * linear_bytes(i, h, cfg.mlp_bias, ffn, b)
                  + linear_bytes(h, i, cfg.mlp_bias, ffn, b))
     norms = (2 * L + 1) * h * b
-    emb = embedding_bytes(cfg.vocab_size, h, plan.families["embeddings"])
+    emb = embedding_bytes(cfg.vocab_size, h, plan.families["embeddings"], b)
     head = 0 if cfg.tie_word_embeddings else linear_bytes(cfg.vocab_size, h, False, plan.families["lm_head"], b)
     return L * per_layer + norms + emb + head
 

@@ -38,6 +38,8 @@ def _family(d: Any, where: str, role: str, name: str) -> FamilyPlan:
                            f"allowed {', '.join(DENSE_STORAGE)}")
     if name == "norms" and storage not in DENSE_STORAGE:
         raise ProfileError(f"{where}.storage={storage!r} is invalid: norms are never quantized")
+    if name in ("embeddings", "lm_head") and storage == "int8":
+        raise ProfileError(f"{where}.storage='int8' is invalid: allowed {', '.join(DENSE_STORAGE)}, fp8_e4m3")
     allowed = ("weight-only",) if name == "embeddings" and storage == "fp8_e4m3" else _KERNELS_BY_STORAGE[storage]
     kernel = _choice(d.get("kernel"), f"{where}.kernel", allowed)
     scaling = d.get("scaling", {})
