@@ -207,7 +207,7 @@ class FP8Embedding(_DtypeKeeping):
         return cls(q, s, compute_dtype=embedding.weight.dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows = F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.weight.view(torch.uint8)).view(FP8_DTYPE)  # byte gather: any device
         return (rows.float() * F.embedding(ids, self.weight_scale[:, None])).to(self.compute_dtype)
 
     def weight_bytes(self) -> int:

@@ -336,3 +336,23 @@ def test_fp16_plan_on_cpu_casts_the_dense_parts():
     out = draft(torch.randint(0, 128, (1, 5)))
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     assert model_weight_bytes(draft) == weight_bytes(dc, plan.draft)
+
+
+@pytest.mark.gpu
+def test_gpu_apply_plan_fp16():
+    cc = torch.cuda.get_device_capability()
+    gpu = "h200" if cc >= (8, 9) else "a100" if cc >= (8, 0) else "t4"
+    tc, target = tiny(8)
+    dc, draft = tiny(9, tie_word_embeddings=True)
+    target, draft = target.cuda().half(), draft.cuda().half()
+    toks = torch.randint(0, 128, (2, 12), device="cuda")
+    with torch.no_grad():
+        ref_t, ref_d = target(toks).float(), draft(toks).float()
+    plan = make_plan(lookup_gpu(gpu), tc, dc)
+    apply_plan(target, plan.target, collect_activation_stats(target, [toks]))
+    apply_plan(draft, plan.draft)
+    assert draft.lm_head.weight is draft.embed_tokens.weight
+    with torch.no_grad():
+        assert rel_fro(target(toks), ref_t) <= 0.03
+        assert rel_fro(draft(toks), ref_d) <= 0.12
+    assert model_weight_bytes(draft) == weight_bytes(dc, plan.draft)
