@@ -98,8 +98,8 @@ class Engine:
             raise InvalidConfigError(f"k={k!r} is invalid: allowed an int >= 1")
         dev = _resolve_device(device)
         dt = resolve_dtype(dtype) if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
-        tok = Tokenizer(target_dir)
         target = load_model(target_dir, dt, dev)
+        tok = Tokenizer(target_dir)
         draft_model: Transformer | None = None
         vocab = target.config.vocab_size
         if drafter == "model" and draft_dir is not None:

@@ -1,8 +1,13 @@
 """Shared test setup: the `gpu` marker (skipped without CUDA) and small model fixtures."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/util.py
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -17,3 +22,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A random 4-layer Llama target (GQA) saved by transformers, with a byte-level tokenizer."""
+    from util import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The target's weights plus noise: a draft that agrees with the target often, not always."""
+    from util import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("draft"), "llama", num_hidden_layers=4, perturb=0.005)

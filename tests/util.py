@@ -23,8 +23,13 @@ def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed: int = 0, **overrides) -> Path:
-    """Save a random transformers model of the given family + tokenizer into `out`."""
+def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed: int = 0,
+                    perturb: float = 0.0, **overrides) -> Path:
+    """Save a random transformers model of the given family + tokenizer into `out`.
+
+    perturb > 0 adds N(0, perturb) noise to every matrix after the seeded init: with the
+    target's seed that gives a draft that agrees with the target often, but not always.
+    """
     import transformers as tf
 
     base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -39,6 +44,10 @@ def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+        g = torch.Generator().manual_seed(seed + 1000)
+        for p in model.parameters():
+            if perturb and p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * perturb)
     model.save_pretrained(out)
     make_tokenizer(out, vocab_size)
     return out

@@ -1,0 +1,149 @@
+"""Lossless speculative decoding: greedy identity, exact sampling distribution, reproducibility."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import Engine, SamplingParams
+from engine.sampling import params_to_tensors, process_logits
+from util import make_checkpoint
+
+PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
+PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]  # repetitive: n-gram lookup has something to find
+PROMPTS[6] = PROMPTS[0] * 3
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt_dir):
+    eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k):
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter,
+                                 k=k, adaptive_k=False, early_exit_layers=2)
+    params = SamplingParams(max_new_tokens=40)
+    for batch in (1, 4):
+        outs = []
+        for i in range(0, len(PROMPTS), batch):
+            outs += [o.token_ids for o in eng.generate(PROMPTS[i:i + batch], params)]
+        assert outs == plain, (drafter, k, batch)
+    s = eng.stats()
+    assert s["drafted"] > 0
+    if drafter == "model":  # the perturbed draft agrees often but not always: both paths ran
+        assert 0.2 < s["acceptance_rate"] < 1.0
+
+
+def test_adaptive_k_greedy_identity_and_stats(ckpt_dir, draft_dir, plain):
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=3)  # cost-model policy, measured costs
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
+    assert [o.token_ids for o in outs] == plain
+    st = outs[0].stats
+    assert st["target_passes"] >= 1 and st["drafted"] >= st["accepted"] >= 0
+    assert all(r is None or 0 <= r <= 1 for r in st["per_position_acceptance"])
+    s = eng.stats()
+    total_passes = sum(o.stats["target_passes"] for o in outs)
+    assert s["mean_accepted_length"] == pytest.approx(1 + s["accepted"] / total_passes)
+    assert s["target_passes_per_token"] == pytest.approx(total_passes / sum(len(o.token_ids) for o in outs))
+
+
+def test_stop_conditions_inside_an_accepted_run(ckpt_dir, draft_dir, plain):
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=8, adaptive_k=False)
+    ref = plain[1]
+    # max_new_tokens cuts the run exactly
+    out = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=7))[0]
+    assert out.token_ids == ref[:7] and out.finish_reason == "length"
+    # a stop string: the text stops before it, tokens end with the one completing it
+    full = eng.tokenizer.decode(ref)
+    stop = full[10:13]
+    out = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=40, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full[: full.find(stop)]
+    assert stop in eng.tokenizer.decode(out.token_ids) and stop not in eng.tokenizer.decode(out.token_ids[:-1])
+    # eos inside a run: nothing after it
+    eos = eng.config.eos_token_ids[0]
+    for p, r in zip(PROMPTS, plain):
+        if eos in r:
+            out = eng.generate([p], SamplingParams(max_new_tokens=40))[0]
+            assert out.token_ids == r[: r.index(eos) + 1] and out.finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- the sampling distribution
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    kw = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, eos_token_id=None)
+    make_checkpoint(d / "t", seed=3, **kw)
+    # a fairly different draft: both acceptance and the residual path get exercised
+    make_checkpoint(d / "d", seed=3, perturb=0.1, **kw)
+    return d / "t", d / "d"
+
+
+def _exact_joint(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarray:
+    """P(t1, t2) from the target's logits, processed like the engine does: [V, V]."""
+    V = eng.vocab
+    with torch.no_grad():
+        t, k, p = params_to_tensors([sp], "cpu")
+        q1 = process_logits(eng.logits([prompt])[:, -1], t, k, p)[0]  # [V]
+        rows = torch.tensor([prompt + [a] for a in range(V)])
+        q2 = process_logits(eng.logits(rows)[:, -1], t.expand(V), k.expand(V), p.expand(V))  # [V, V]
+    return (q1[:, None] * q2).double().numpy()
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(max_new_tokens=2, temperature=1.0),
+                                SamplingParams(max_new_tokens=2, temperature=1.5, top_k=10, top_p=0.85)],
+                         ids=["t1.0", "t1.5-k10-p0.85"])
+def test_joint_distribution_of_two_tokens_matches_target(tiny_pair, sp):
+    eng = Engine.from_pretrained(*tiny_pair, k=2, adaptive_k=False)
+    prompt = [1, 2, 3]
+    exact = _exact_joint(eng, prompt, sp)
+    V = eng.vocab
+    n, batch = 40_000, 4_000
+    counts = np.zeros((V, V))
+    for _ in range(n // batch):
+        for o in eng.generate([prompt] * batch, sp):
+            counts[o.token_ids[0], o.token_ids[1]] += 1
+    assert counts[exact == 0].sum() == 0, "a token of zero target probability was produced"
+    assert 0.05 < eng.stats()["acceptance_rate"] < 0.95  # both paths of the acceptance rule ran
+    e = exact.ravel() * n
+    c = counts.ravel()
+    keep = e >= 5  # pool the sparse cells into one
+    obs = np.append(c[keep], c[~keep].sum())
+    exp = np.append(e[keep], e[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+
+
+# ---------------------------------------------------------------- reproducibility
+def test_seeded_output_is_the_same_alone_and_in_a_batch(tiny_pair):
+    eng = Engine.from_pretrained(*tiny_pair, k=3)
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1234)
+    alone = eng.generate([[1, 2, 3]], sp)[0].token_ids
+    again = eng.generate([[1, 2, 3]], sp)[0].token_ids
+    assert alone == again
+    mixed = [SamplingParams(max_new_tokens=24, temperature=1.0),
+             sp,
+             SamplingParams(max_new_tokens=10, temperature=0.7, seed=7),
+             SamplingParams(max_new_tokens=30, temperature=1.2)]
+    outs = eng.generate([[4, 5], [1, 2, 3], [9], [1, 2, 3]], mixed)
+    assert outs[1].token_ids == alone
+    other_seed = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=24, temperature=1.0, seed=99))[0]
+    assert other_seed.token_ids != alone
+    # unseeded requests get independent streams
+    free = [o.token_ids for o in eng.generate([[1, 2, 3]] * 6, SamplingParams(max_new_tokens=24, temperature=1.0))]
+    assert len({tuple(f) for f in free}) > 1
+    assert all(t < eng.vocab for f in free for t in f)
+
+
+def test_stream_concatenates_to_the_text(ckpt_dir, draft_dir):
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4)
+    sp = SamplingParams(max_new_tokens=30, temperature=0.8, seed=5)
+    pieces = list(eng.stream("The quick brown", sp))
+    assert "".join(pieces) == eng.generate("The quick brown", sp)[0].text
+    assert all(pieces)
