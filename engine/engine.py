@@ -86,11 +86,13 @@ class Engine:
                         device: str | torch.device | None = "cpu", plan: Any = None,
                         dtype: str | torch.dtype | None = None, k_policy: str | None = None,
                         k_min: int = 1, k_max: int | None = None, early_exit_layers: int | None = None,
-                        costs: Costs | dict | None = None) -> "Engine":
+                        costs: Costs | dict | None = None,
+                        calib: str | Sequence[Sequence[int]] | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
-        quantizes both models by module swap; None keeps them unquantized.
+        quantizes both models by module swap; None keeps them unquantized. ``calib`` (text or
+        token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
         """
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
@@ -112,8 +114,7 @@ class Engine:
                     f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})")
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
-            from quant.apply import apply_precision_plan  # the planner is optional at import time
-            apply_precision_plan(target, draft_model, plan)
+            _apply_plan(plan, target, draft_model, tok, dev, calib)
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -292,6 +293,48 @@ class Engine:
             "k_policy": self.policy.name if self.policy else None,
             "memory": mem,
         }
+
+
+def calib_batches(tok: Tokenizer, calib: str | Sequence[Sequence[int]], window: int = 256,
+                  max_windows: int = 16) -> list[torch.Tensor]:
+    """Calibration text (or token lists) -> up to max_windows LongTensors [1, <=window]."""
+    if isinstance(calib, str):
+        ids = tok.encode(calib)
+        rows = [ids[i:i + window] for i in range(0, len(ids), window)]
+    else:
+        rows = [list(r) for r in calib]
+    rows = [r for r in rows if r][:max_windows]
+    if not rows:
+        raise InvalidConfigError("calib is empty: SmoothQuant calibration needs at least one token")
+    return [torch.tensor([r], dtype=torch.long) for r in rows]
+
+
+def _apply_plan(plan: Any, target: Transformer, draft: Transformer | None, tok: Tokenizer,
+                dev: torch.device, calib: str | Sequence[Sequence[int]] | None) -> None:
+    """Quantize target and draft by module swap, as the PrecisionPlan says."""
+    from quant.apply import apply_plan, collect_activation_stats
+    from quant.plan import PrecisionPlan
+
+    from .backends import select_attention
+
+    if not isinstance(plan, PrecisionPlan):
+        raise InvalidConfigError(f"plan={type(plan).__name__} is invalid: allowed a quant.plan.PrecisionPlan or None")
+    if plan.device != dev.type:
+        raise InvalidConfigError(f"plan.device={plan.device!r} but the engine runs on {dev.type!r}: make the plan "
+                                 f"with device={dev.type!r}")
+    attn = select_attention(plan.attention_backend, dev)
+    for m in (target, draft):
+        if m is not None:
+            m.attn_fn = attn
+    stats = None
+    if any(f.scaling.get("smoothquant_alpha") is not None for f in plan.target.families.values() if f.quantized):
+        if calib is None:
+            raise InvalidConfigError("calib is required: the plan smooths the INT8 FFN (SmoothQuant) and needs "
+                                     "calibration text or token lists (never the eval text)")
+        stats = collect_activation_stats(target, calib_batches(tok, calib))
+    apply_plan(target, plan.target, stats)
+    if draft is not None and plan.draft is not None:
+        apply_plan(draft, plan.draft)
 
 
 def _module_bytes(m: torch.nn.Module) -> int:
