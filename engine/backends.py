@@ -54,3 +54,22 @@ def _flash_attention(q, k, v, mask, causal):  # pragma: no cover - needs flash-a
         return sdpa_attention(q, k, v, mask, causal)
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
     return out.transpose(1, 2)
+
+
+def detect_gpu_name(index: int = 0) -> str:
+    """The name NVML reports for GPU ``index`` (for ``--gpu auto``); KernelUnavailableError when none."""
+    try:
+        import pynvml  # nvidia-ml-py, optional
+    except ImportError:
+        raise KernelUnavailableError("--gpu auto needs NVML: pip install 'specmix[nvml]' (nvidia-ml-py) "
+                                     "on a machine with an NVIDIA GPU; or name the GPU with --gpu NAME") from None
+    try:
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as e:
+        raise KernelUnavailableError(f"--gpu auto: NVML found no NVIDIA GPU ({e}); name the GPU with --gpu NAME") \
+            from None
+    return name.decode() if isinstance(name, bytes) else str(name)

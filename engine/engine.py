@@ -78,6 +78,7 @@ class Engine:
         self.info = dict(info or {})
         self.loop = DecodeLoop(target, tokenizer, drafter, target.config.eos_token_ids, self.vocab, self.device)
         self._totals = _Totals()
+        self.profile: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -135,6 +136,21 @@ class Engine:
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", "")}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
                    vocab=vocab, device=dev, info=info)
+
+    @classmethod
+    def from_profile(cls, path: str | Path, device: str | torch.device | None = None) -> "Engine":
+        """Build exactly the engine a profile describes (tools/build_profile.py writes them).
+
+        Refuses with a ProfileError naming the file and the field: a missing file, invalid
+        JSON, an unknown schema version, missing fields, weights whose sha256 changed; and
+        with KernelUnavailableError a kernel this machine lacks.
+        """
+        from .profile import engine_kwargs, load_profile
+
+        prof = load_profile(path)
+        eng = cls.from_pretrained(**engine_kwargs(prof, device))
+        eng.profile = prof
+        return eng
 
     # ------------------------------------------------------------------ costs
     @property
