@@ -285,6 +285,10 @@ class Engine:
                 f"token_ids has {ids.shape[1]} tokens, beyond the context of {self.config.max_position_embeddings}")
         return self.target(ids.to(self.device)).float()
 
+    def reset_stats(self) -> None:
+        """Start the engine-wide counters of ``stats()`` afresh."""
+        self._totals = _Totals()
+
     def stats(self) -> dict[str, Any]:
         """Acceptance rate, mean accepted length, tokens/s, target passes per token, memory."""
         t = self._totals

@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+"""Decode speed of plain, speculative and transformers generation on one pair.
+
+    python tools/bench.py [--target DIR --draft DIR] [--prompts FILE] [--json FILE]
+
+Same prompts and max_new_tokens for every mode, greedy, batch 1 (the prompts run one
+after another). Modes are interleaved within each repeat; one warm-up round, then
+--repeats rounds; figures are medians. Speedups are ratios within this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from engine import Engine, EngineError, SamplingParams  # noqa: E402
+from engine.adaptive import best_k, expected_speedup  # noqa: E402
+from engine.errors import InvalidConfigError  # noqa: E402
+
+SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit"}
+HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path)
+    p.add_argument("--draft", type=Path)
+    p.add_argument("--demo-size", default="demo")
+    p.add_argument("--prompts", type=Path, help="one prompt per line (default: 4 from the demo held-out text)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--modes", default=None, help="comma-separated subset of modes")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
+    p.add_argument("--json", type=Path)
+    return p.parse_args(argv)
+
+
+def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
+    if a.prompts is not None:
+        try:
+            lines = [ln.strip() for ln in a.prompts.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidConfigError(f"--prompts {a.prompts}: unreadable ({e})") from None
+        if not lines:
+            raise InvalidConfigError(f"--prompts {a.prompts}: no prompts in the file")
+        return lines
+    if root is None:
+        raise InvalidConfigError("--prompts is required with --target/--draft")
+    text = (root / "heldout.txt").read_text(encoding="utf-8")
+    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
+    step = max(1, len(paras) // 4)
+    return [paras[i * step][:160] for i in range(4)]
+
+
+def spec_runner(eng: Engine, prompts: list[str], n: int) -> Callable[[], tuple[int, float]]:
+    sp = SamplingParams(max_new_tokens=n)
+
+    def run() -> tuple[int, float]:
+        t0, toks = time.perf_counter(), 0
+        for p in prompts:
+            toks += len(eng.generate(p, sp)[0].token_ids)
+        return toks, time.perf_counter() - t0
+    return run
+
+
+def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(target / "tokenizer.json"))
+    kw: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    counts = {"target": 0, "draft": 0}
+    model.register_forward_hook(lambda *_: counts.__setitem__("target", counts["target"] + 1))
+    if mode != "hf-plain":
+        assistant = tf.AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        if mode == "hf-assisted-k5":  # transformers 5 reads these from the assistant's generation_config
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+        assistant.register_forward_hook(lambda *_: counts.__setitem__("draft", counts["draft"] + 1))
+        kw["assistant_model"] = assistant
+    ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
+
+    def run() -> tuple[int, float]:
+        t0, toks = time.perf_counter(), 0
+        with torch.no_grad():
+            for x in ids:
+                out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+                toks += out.shape[1] - x.shape[1]
+        return toks, time.perf_counter() - t0
+    return run, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return bench(a)
+    except EngineError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+
+
+def bench(a: argparse.Namespace) -> int:
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    root = None
+    if a.target is None:
+        from engine.demo import demo_pair
+
+        target, draft = demo_pair(a.demo_size)
+        root = target.parent
+    else:
+        target, draft = a.target, a.draft
+    prompts = load_prompts(a, root)
+    n = a.max_new_tokens
+    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None)}
+    for mode, drafter in SPEC_MODES.items():
+        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k)
+    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n) for m, e in engines.items()}
+    hf_counts = {}
+    have_hf = not a.no_hf
+    if have_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            have_hf = False
+    if have_hf:
+        for mode in HF_MODES:
+            runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k)
+    if a.modes:
+        keep = set(a.modes.split(",")) | {"plain"}
+        runners = {m: r for m, r in runners.items() if m in keep}
+    for r in runners.values():  # warm-up
+        r()
+    for e in engines.values():
+        e.reset_stats()  # count only the measured repeats
+    for c in hf_counts.values():
+        c.update(target=0, draft=0)
+    rates: dict[str, list[float]] = {m: [] for m in runners}
+    for _ in tqdm(range(a.repeats), desc="repeats"):
+        for m, r in runners.items():
+            toks, secs = r()
+            rates[m].append(toks / secs)
+    plain = statistics.median(rates["plain"])
+    modes = []
+    for m in runners:
+        tps = statistics.median(rates[m])
+        row: dict[str, Any] = {"name": m, "tokens_per_s": tps, "speedup_vs_plain": tps / plain,
+                               "acceptance_rate": None, "mean_accepted_length": None, "predicted_speedup": None,
+                               "repeats": rates[m]}
+        if m in SPEC_MODES and m in engines:
+            st, eng = engines[m].stats(), engines[m]
+            row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
+            if st["acceptance_rate"] is not None and eng.costs is not None:
+                acc = st["acceptance_rate"]
+                k = best_k(min(acc, 0.999), eng.costs, 1, eng.policy.k_max)
+                row["predicted_speedup"] = expected_speedup(acc, k, eng.costs)
+                row["costs"] = eng.costs.to_dict()
+        if m in hf_counts and m != "hf-plain":
+            c = hf_counts[m]
+            row["draft_forwards_per_target_forward"] = c["draft"] / max(1, c["target"])
+        modes.append(row)
+    print_table(modes)
+    if a.json:
+        from engine.profile import write_json_atomic
+
+        write_json_atomic(a.json, {"modes": modes, "pair": {"target": str(target), "draft": str(draft)},
+                                   "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
+                                                "prompts": prompts, "threads": torch.get_num_threads(),
+                                                "greedy": True, "dtype": "float32", "batch": 1}})
+    return 0
+
+
+def print_table(modes: list[dict[str, Any]]) -> None:
+    fmt = (lambda x, f: "-" if x is None else format(x, f))
+    rows = [("mode", "tok/s", "x plain", "accept", "mean len", "predicted")]
+    for m in modes:
+        rows.append((m["name"], fmt(m["tokens_per_s"], ".1f"), fmt(m["speedup_vs_plain"], ".2f"),
+                     fmt(m["acceptance_rate"], ".3f"), fmt(m["mean_accepted_length"], ".2f"),
+                     fmt(m["predicted_speedup"], ".2f")))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(x) for c, x in zip(r, w)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
