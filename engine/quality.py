@@ -175,14 +175,15 @@ def load_eval_ids(tokenizer: _Encoder, path_or_text: str | os.PathLike[str],
 
 
 # ---------------------------------------------------------------------------- shared window loop
-def _logprobs(fn: LogitsFn, name: str, x: Tensor, vocab: int | None) -> Tensor:
+def _logprobs(fn: LogitsFn, name: str, x: Tensor, vocab: int | None, lo: int, hi: int) -> Tensor:
+    """fp32 log-probs [hi - lo, V] of the logit positions lo..hi-1 of fn(x)."""
     out = fn(x)
     if not isinstance(out, Tensor) or out.dim() != 3 or out.shape[:2] != x.shape:
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise InvalidRequestError(f"{name} returned {shape} for input {tuple(x.shape)}: allowed [1, T, V] logits")
     if vocab is not None and out.shape[-1] != vocab:
         raise InvalidRequestError(f"{name} returned vocab {out.shape[-1]}, the reference has {vocab}: allowed equal")
-    return F.log_softmax(out.detach().to("cpu", torch.float32), dim=-1)
+    return F.log_softmax(out[0, lo:hi].detach().float(), dim=-1).cpu()  # on the model's device, then the host
 
 
 def _window_logprobs(fns: Sequence[tuple[str, LogitsFn]], ids: Sequence[int], context: int,
@@ -202,14 +203,14 @@ def _window_logprobs(fns: Sequence[tuple[str, LogitsFn]], ids: Sequence[int], co
             lps: list[Tensor] = []
             vocab: int | None = None
             for name, fn in fns:
-                lp = _logprobs(fn, name, x, vocab)[0, lo:hi]
-                vocab = lp.shape[-1]
-                lps.append(lp)
-            tgt = all_ids[score_from:end]
-            if int(tgt.max()) >= vocab or int(tgt.min()) < 0:
-                bad = int(tgt.max()) if int(tgt.max()) >= vocab else int(tgt.min())
-                raise InvalidRequestError(f"ids contains token {bad}: allowed 0..{vocab - 1} (the logits' vocab)")
-            yield tgt, lps
+                lps.append(_logprobs(fn, name, x, vocab, lo, hi))
+                vocab = lps[-1].shape[-1]
+            if start == 0:  # the vocabulary is known from the first window: check every id once
+                bad = all_ids[(all_ids < 0) | (all_ids >= vocab)]
+                if bad.numel():
+                    raise InvalidRequestError(f"ids contains token {int(bad[0])}: allowed 0..{vocab - 1} "
+                                              "(the logits' vocabulary)")
+            yield all_ids[score_from:end], lps
 
 
 def _ppl_err(nll: np.ndarray) -> tuple[float, float]:

@@ -16,15 +16,6 @@ from engine.quality import (EvalTextError, QualityReport, compare_models, defaul
 WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small models on a shared 2-core machine: one intra-op thread avoids OpenMP contention (10-50x)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def short_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama whose max_position_embeddings (96) is below the default context of 512."""
