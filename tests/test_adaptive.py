@@ -1,0 +1,69 @@
+"""K policies on scripted acceptance sequences, and the cost model's arithmetic."""
+from __future__ import annotations
+
+import pytest
+
+from engine.adaptive import Costs, KController, KPolicy, best_k, expected_speedup, expected_tokens
+from engine.errors import InvalidConfigError
+
+COSTS = Costs(c=0.05, v={1: 1.0, 2: 1.02, 4: 1.05, 8: 1.2})
+
+
+def test_expected_tokens_closed_form():
+    for a in (0.0, 0.3, 0.8, 0.99):
+        for k in (1, 3, 8):
+            assert expected_tokens(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+    assert expected_tokens(1.0, 5) == 6
+
+
+def test_speedup_formula_and_best_k_by_brute_force():
+    for a in (0.2, 0.5, 0.8, 0.95):
+        for k in range(1, 9):
+            want = (1 - a ** (k + 1)) / ((1 - a) * (k * COSTS.c + COSTS.verify(k)))
+            assert expected_speedup(a, k, COSTS) == pytest.approx(want)
+        brute = max(range(1, 9), key=lambda k: expected_speedup(a, k, COSTS))
+        assert best_k(a, COSTS, 1, 8) == brute
+    assert best_k(0.2, COSTS, 1, 8) < best_k(0.95, COSTS, 1, 8)
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    assert COSTS.verify(3) == pytest.approx((1.02 + 1.05) / 2)
+    assert COSTS.verify(6) == pytest.approx(1.05 + (1.2 - 1.05) / 2)
+    assert COSTS.verify(10) == pytest.approx(1.2 + (1.2 - 1.05) / 4 * 2)
+
+
+def test_constant_policy_never_moves():
+    ctl = KController(KPolicy("constant", k=4, k_min=1, k_max=8))
+    for drafted, acc in [(4, 4), (4, 0), (4, 2), (4, 4)]:
+        assert ctl.update(drafted, acc) == 4
+
+
+def test_heuristic_policy_follows_the_rule():
+    ctl = KController(KPolicy("heuristic", k=3, k_min=2, k_max=8))
+    script = [(3, 3, 5), (5, 5, 7), (7, 7, 8), (8, 8, 8), (8, 2, 7), (7, 0, 6), (6, 1, 5),
+              (5, 0, 4), (4, 0, 3), (3, 0, 2), (2, 0, 2), (2, 2, 4)]
+    for drafted, acc, want in script:
+        assert ctl.update(drafted, acc) == want
+
+
+def test_cost_model_policy_tracks_acceptance():
+    ctl = KController(KPolicy("cost-model", k=4, k_min=1, k_max=8, decay=0.8), COSTS)
+    for _ in range(30):  # every draft accepted -> acceptance estimate near 1 -> K = k_max
+        k = ctl.update(ctl.k, ctl.k)
+    assert ctl.acceptance > 0.95 and k == best_k(min(ctl.acceptance, 0.999), COSTS, 1, 8) == 8
+    for _ in range(30):  # every first draft rejected -> acceptance near 0 -> K = k_min
+        k = ctl.update(ctl.k, 0)
+    assert ctl.acceptance < 0.05 and k == 1
+    # censored-geometric estimate: successes / (successes + failures), exponentially decayed
+    ctl = KController(KPolicy("cost-model", k=4, decay=0.5, prior_a=0.5, prior_weight=2.0), COSTS)
+    ctl.update(4, 2)  # 2 successes, 1 failure
+    assert ctl.acceptance == pytest.approx((0.5 * 1.0 + 2) / (0.5 * 2.0 + 3))
+
+
+def test_policy_validation():
+    with pytest.raises(InvalidConfigError, match="policy='greedy'"):
+        KPolicy("greedy")
+    with pytest.raises(InvalidConfigError, match="k_min"):
+        KPolicy("heuristic", k=2, k_min=3, k_max=8)
+    with pytest.raises(InvalidConfigError, match="needs measured costs"):
+        KController(KPolicy("cost-model"))
