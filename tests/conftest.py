@@ -41,3 +41,11 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory):
     from util import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("draft"), "llama", num_hidden_layers=4, perturb=0.005)
+
+
+@pytest.fixture(scope="session")
+def tiny_demo():
+    """The tiny demo pair (built once into the specmix cache: $SPECMIX_CACHE or ~/.cache/specmix)."""
+    from engine.demo import demo_pair
+
+    return demo_pair("tiny", progress=False)
