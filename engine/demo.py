@@ -78,8 +78,8 @@ RECIPES: dict[str, DemoRecipe] = {
         vocab_size=2048, target=ModelShape(768, 4, 2048, 12, 12), draft=ModelShape(256, 2, 768, 4, 4),
         target_steps=300, draft_steps=600),
     "tiny": DemoRecipe(
-        vocab_size=512, target=ModelShape(128, 2, 384, 4, 4), draft=ModelShape(48, 1, 128, 2, 2),
-        target_steps=120, draft_steps=150, batch=4, seq_len=128, long_every=0, max_position_embeddings=256,
+        vocab_size=512, target=ModelShape(192, 2, 512, 4, 4), draft=ModelShape(64, 1, 192, 2, 2),
+        target_steps=200, draft_steps=200, batch=4, seq_len=128, long_every=0, max_position_embeddings=256,
         target_lr=3e-3, draft_lr=1e-2, warmup=10, eval_ctx=256, distill_topk=32),
 }
 
@@ -325,29 +325,35 @@ def _train_target(model: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf1
 
 
 @torch.no_grad()
-def _soft_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool,
-                 progress: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunks [N, C] of the training ids and the target's top-k log-probs / indices [N, C, k] on them."""
+def _soft_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunks [N, C] of the training ids and the target's top-k log-probs / indices [N, C, k] on them.
+
+    Chunks of C = 2 * seq_len tokens at ``distill_offsets`` offsets; only as many (chosen at random)
+    as the distillation steps will use are scored.
+    """
     C = 2 * recipe.seq_len
-    chunks = [ids[s: s + C] for off in range(recipe.distill_offsets)
+    starts = [s for off in range(recipe.distill_offsets)
               for s in range(off * C // recipe.distill_offsets, len(ids) - C + 1, C)]
-    x = torch.stack(chunks)
+    bs = max(1, recipe.batch // 2)
+    keep = torch.randperm(len(starts), generator=gen)[: recipe.draft_steps * bs].sort().values
+    x = torch.stack([ids[starts[i]: starts[i] + C] for i in keep.tolist()])
     vals = torch.empty(len(x), C, recipe.distill_topk, dtype=torch.float16)
     idx = torch.empty(len(x), C, recipe.distill_topk, dtype=torch.int16 if recipe.vocab_size < 2**15 else torch.int32)
-    bs = max(1, recipe.batch // 2)
-    for i in tqdm(range(0, len(x), bs), desc="soft labels", disable=not progress, leave=False):
+    step = 2 * recipe.batch
+    for i in tqdm(range(0, len(x), step), desc="soft labels", disable=not progress, leave=False):
         with _autocast(bf16):
-            logits = target(x[i: i + bs])
+            logits = target(x[i: i + step])
         top = logits.float().log_softmax(-1).topk(recipe.distill_topk, dim=-1)
-        vals[i: i + bs], idx[i: i + bs] = top.values.half(), top.indices.to(idx.dtype)
+        vals[i: i + step], idx[i: i + step] = top.values.half(), top.indices.to(idx.dtype)
     return x, vals, idx
 
 
 def _distill_draft(draft: Transformer, target: Transformer, ids: torch.Tensor, recipe: DemoRecipe,
                    bf16: bool, progress: bool) -> float:
     """KL to the target's top-k soft labels (renormalised), mixed with the hard next-token labels."""
-    x, vals, idx = _soft_labels(target, ids, recipe, bf16, progress)
     gen = torch.Generator().manual_seed(recipe.seed + 2)
+    x, vals, idx = _soft_labels(target, ids, recipe, bf16, progress, gen)
     opt = _optimizer(draft, recipe.draft_lr, recipe.weight_decay)
     draft.train()
     w = recipe.hard_weight

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .model import KVCache, Transformer
-from .sampling import process_logits, sample_from_probs
+from .sampling import RowProcessing, sample_from_probs
 
 if TYPE_CHECKING:
     from .loop import Seq
@@ -32,9 +32,7 @@ DRAFTERS = ("model", "ngram", "early-exit")
 class DraftBatch:
     seqs: list["Seq"]
     rows: Tensor | None  # [B] cache rows (None: rows 0..B-1)
-    temperature: Tensor  # [B] float32
-    top_k: Tensor  # [B] int64
-    top_p: Tensor  # [B] float32
+    processing: RowProcessing  # per-row temperature / top-k / top-p, the same as the target's
     k: int  # drafts to propose per row (the batch's largest K_b)
     noise: Tensor  # [B, k, V] float32 Exp(1), one vector per draft step
     vocab: int  # common vocabulary of draft and target (logits are cut to it)
@@ -104,7 +102,7 @@ class ModelDrafter:
         next_pos = torch.tensor([len(s.tokens) for s in seqs], device=dev)  # where d1 goes
         drafts, probs = [], []
         for i in range(batch.k):
-            p = process_logits(logits[:, :V], batch.temperature, batch.top_k, batch.top_p)
+            p = batch.processing.probs(logits[:, :V])
             d = sample_from_probs(p, batch.noise[:, i])
             drafts.append(d)
             probs.append(p)

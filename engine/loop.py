@@ -31,7 +31,7 @@ from .adaptive import KController
 from .drafters import DraftBatch, Drafter
 from .model import KVCache, Transformer
 from .rejection import rejection_sample
-from .sampling import SamplingParams, params_to_tensors, process_logits
+from .sampling import RowProcessing, SamplingParams
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class DecodeLoop:
         scratch = cache.max_seq_len - 1
         row_ids = [s.row for s in active]
         rows = None if row_ids == list(range(B)) else torch.tensor(row_ids, device=dev)
-        temp, top_k, top_p = params_to_tensors([s.params for s in active], dev)
+        proc = RowProcessing.of([s.params for s in active], dev)
         ks = [self.k_for(s) for s in active]
         kmax = max(ks)
 
@@ -159,7 +159,7 @@ class DecodeLoop:
         proposed = 0
         if kmax > 0:
             assert self.drafter is not None
-            batch = DraftBatch(active, rows, temp, top_k, top_p, kmax, draft_noise, V, scratch, cache)
+            batch = DraftBatch(active, rows, proc, kmax, draft_noise, V, scratch, cache)
             drafts, dprobs, num = self.drafter.propose(batch)
             proposed = kmax
             if num is not None:  # a deterministic drafter may find fewer
@@ -184,8 +184,7 @@ class DecodeLoop:
         kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
         idx = (catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)  # [B, K+1]
         logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx)  # [B, K+1, Vt]
-        q = process_logits(logits[..., :V].reshape(B * (kmax + 1), V), temp.repeat_interleave(kmax + 1),
-                           top_k.repeat_interleave(kmax + 1), top_p.repeat_interleave(kmax + 1))
+        q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
         out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
         out_l, nacc_l = out.tolist(), nacc.tolist()  # the round's one host synchronisation

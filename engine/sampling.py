@@ -199,3 +199,44 @@ def draw_uniforms(
     if not rows:
         return torch.empty(0, n, dtype=torch.float32, device=dev)
     return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class RowProcessing:
+    """The per-row processing of one batch, with its fast path chosen on the host.
+
+    ``mode``: "greedy" (every row has temperature 0: one-hot argmax, no sort),
+    "softmax" (no row greedy, none filtered by top-k/top-p: a tempered softmax) or
+    "general" (``process_logits``). All three give exactly ``process_logits``'s output.
+    """
+
+    temperature: Tensor  # [N] float32
+    top_k: Tensor  # [N] int64
+    top_p: Tensor  # [N] float32
+    mode: str
+
+    @classmethod
+    def of(cls, params_list: Sequence[SamplingParams], device: torch.device | str) -> "RowProcessing":
+        t, k, p = params_to_tensors(params_list, device)
+        if all(x.greedy for x in params_list):
+            mode = "greedy"
+        elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 for x in params_list):
+            mode = "softmax"
+        else:
+            mode = "general"
+        return cls(t, k, p, mode)
+
+    def repeat(self, n: int) -> "RowProcessing":
+        """Each row repeated n times in place (row b -> rows b*n .. b*n+n-1)."""
+        return RowProcessing(self.temperature.repeat_interleave(n), self.top_k.repeat_interleave(n),
+                             self.top_p.repeat_interleave(n), self.mode)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """logits [N, V] -> probs [N, V] float32."""
+        if self.mode == "greedy":
+            return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+                -1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if self.mode == "softmax":
+            x = logits.float()
+            return ((x - x.amax(dim=-1, keepdim=True)) / self.temperature.unsqueeze(-1)).softmax(dim=-1)
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)

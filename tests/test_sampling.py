@@ -261,3 +261,22 @@ def test_process_logits_cuda_matches_cpu_without_sync() -> None:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.cpu(), ref, atol=1e-6, rtol=1e-5)
     assert (ref.gather(-1, tok.cpu()[:, None]) > 0).all()
+
+
+def test_row_processing_fast_paths_equal_process_logits():
+    from engine.sampling import RowProcessing
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    cases = {"greedy": [SamplingParams()] * 6,
+             "softmax": [SamplingParams(temperature=t) for t in (0.5, 1.0, 1.5, 0.7, 2.0, 1.0)],
+             "general": [SamplingParams(temperature=1.0, top_k=5), SamplingParams(), SamplingParams(top_p=0.5,
+                         temperature=0.9), SamplingParams(temperature=1.0), SamplingParams(), SamplingParams()]}
+    for mode, params in cases.items():
+        rp = RowProcessing.of(params, "cpu")
+        assert rp.mode == mode
+        t, k, p = params_to_tensors(params, "cpu")
+        assert torch.allclose(rp.probs(logits), process_logits(logits, t, k, p), atol=1e-6)
+        rep = rp.repeat(3)
+        assert torch.allclose(rep.probs(logits.repeat_interleave(3, 0)),
+                              process_logits(logits, t, k, p).repeat_interleave(3, 0), atol=1e-6)
