@@ -1,0 +1,66 @@
+"""Checks on the full demo pair (built once into the specmix cache when missing, ~10 min)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine import Engine, SamplingParams
+from engine.calibrate import acceptance, calib_prompts
+from engine.config import load_config
+from engine.quality import compare_models, load_eval_ids
+from quant.catalog import lookup_gpu
+from quant.plan import make_plan
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from engine.demo import demo_pair
+
+    target, draft = demo_pair("demo", progress=False)
+    root = target.parent
+    return {"target": target, "draft": draft, "heldout": (root / "heldout.txt").read_text(encoding="utf-8"),
+            "calib": (root / "calib.txt").read_text(encoding="utf-8")}
+
+
+@pytest.fixture(scope="module")
+def plan(demo):
+    return make_plan(lookup_gpu("a100"), load_config(demo["target"]), load_config(demo["draft"]), device="cpu")
+
+
+def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
+    plain = Engine.from_pretrained(demo["target"], drafter=None)
+    prompts = calib_prompts(plain.tokenizer, demo["heldout"], n=6, prompt_len=24)
+    sp = SamplingParams(max_new_tokens=40)
+    ref = [o.token_ids for o in plain.generate(prompts, sp)]
+    for drafter, k in [("model", 2), ("model", 5), ("ngram", 4), ("early-exit", 3)]:
+        eng = Engine.from_pretrained(demo["target"], demo["draft"] if drafter == "model" else None,
+                                     drafter=drafter, k=k, adaptive_k=False)
+        one = [eng.generate([p], sp)[0].token_ids for p in prompts]
+        batched = [o.token_ids for o in eng.generate(prompts, sp)]
+        assert one == ref and batched == ref, (drafter, k)
+        if drafter == "model":
+            assert eng.stats()["acceptance_rate"] > 0.5
+
+
+def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
+    ref = Engine.from_pretrained(demo["target"], drafter=None)
+    planned = Engine.from_pretrained(demo["target"], drafter=None, calib=demo["calib"],
+                                     plan=dataclasses.replace(plan, draft=None))
+    assert type(planned.target.layers[0].mlp.down_proj).__name__ == "Int8Linear"
+    ids = load_eval_ids(ref.tokenizer, demo["heldout"], max_tokens=4096)
+    rep = compare_models(ref.logits, planned.logits, ids, 512)
+    assert rep.kld_mean <= 0.01 and rep.top1 >= 0.97, rep.to_dict()
+    assert abs(rep.drift) <= 0.3
+
+
+def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
+    kw = dict(k=4, adaptive_k=False, calib=demo["calib"])
+    fp8 = Engine.from_pretrained(demo["target"], demo["draft"], plan=plan, **kw)
+    fp16 = Engine.from_pretrained(demo["target"], demo["draft"], plan=dataclasses.replace(plan, draft=None), **kw)
+    assert type(fp8.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
+    prompts = calib_prompts(fp8.tokenizer, demo["calib"], n=8)
+    a8, a16 = acceptance(fp8, prompts, 48), acceptance(fp16, prompts, 48)
+    assert abs(a8 - a16) <= 0.02, (a8, a16)
