@@ -217,7 +217,9 @@ class Engine:
         for row, (p, sp) in enumerate(zip(ids, plist)):
             g = torch.Generator(device=self.device)
             g.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-            ctl = KController(self.policy, self.costs) if self.policy is not None else None
+            ctl = None
+            if self.policy is not None:
+                ctl = KController(self.policy, self.costs if self.policy.name == "cost-model" else None)
             seqs.append(Seq(prompt=p, params=sp, generator=g, row=row, k_ctl=ctl))
         k_max = self.policy.k_max if self.policy is not None else 0
         self.loop.ensure_cache(len(seqs), max(len(s.prompt) + s.params.max_new_tokens for s in seqs), k_max)
