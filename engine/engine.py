@@ -2,22 +2,22 @@
 from __future__ import annotations
 
 import logging
-import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .adaptive import Costs, KController, KPolicy
+from .adaptive import Costs, KPolicy
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
+from .metrics import metrics_text
 from .model import Transformer
 from .sampling import SamplingParams
+from .scheduler import Request, Scheduler
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -32,17 +32,6 @@ class Completion:
     finish_reason: str  # "stop" (eos or a stop string), "length", "error"
     prompt_token_ids: list[int]
     stats: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Totals:
-    requests: int = 0
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    iterations: int = 0  # sequence-rounds (one per sequence per target pass it took part in)
-    target_forwards: int = 0  # batched target passes
-    seconds: float = 0.0
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -62,13 +51,18 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 class Engine:
     """Speculative (or plain) generation with a Llama-family target.
 
-    Build it with ``Engine.from_pretrained`` or ``Engine.from_profile``.
+    Build it with ``Engine.from_pretrained`` or ``Engine.from_profile``. Safe to call from any
+    number of threads: requests join a continuously batched worker (engine/scheduler.py).
+    Options: ``max_batch`` sequences decoded at once (cache rows), ``max_waiting`` requests
+    queued beyond them (more -> OverloadedError), ``max_seq_len`` the longest request
+    (prompt + max_new_tokens; default the model's context).
     """
 
     def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter: Drafter | None = None,
                  draft_model: Transformer | None = None, policy: KPolicy | None = None,
                  costs: Costs | None = None, vocab: int | None = None, device: torch.device | None = None,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None, max_batch: int = 32, max_waiting: int = 4096,
+                 max_seq_len: int | None = None) -> None:
         self.target, self.tokenizer, self.drafter, self.draft_model = target, tokenizer, drafter, draft_model
         self.config = target.config
         self.device = device or target.norm.weight.device
@@ -77,8 +71,14 @@ class Engine:
         self.vocab = vocab or target.config.vocab_size
         self.info = dict(info or {})
         self.loop = DecodeLoop(target, tokenizer, drafter, target.config.eos_token_ids, self.vocab, self.device)
-        self._totals = _Totals()
         self.profile: dict[str, Any] | None = None
+        ctx = self.config.max_position_embeddings
+        for name, v, lo, hi in (("max_batch", max_batch, 1, 1 << 16), ("max_waiting", max_waiting, 0, 1 << 30),
+                                ("max_seq_len", ctx if max_seq_len is None else max_seq_len, 2, ctx)):
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int in {lo}..{hi}")
+        self.max_seq_len = ctx if max_seq_len is None else max_seq_len
+        self.scheduler = Scheduler(self, max_batch, max_waiting, self.max_seq_len)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -88,7 +88,8 @@ class Engine:
                         dtype: str | torch.dtype | None = None, k_policy: str | None = None,
                         k_min: int = 1, k_max: int | None = None, early_exit_layers: int | None = None,
                         costs: Costs | dict | None = None,
-                        calib: str | Sequence[Sequence[int]] | None = None) -> "Engine":
+                        calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 32,
+                        max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
@@ -135,10 +136,12 @@ class Engine:
         info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", "")}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
-                   vocab=vocab, device=dev, info=info)
+                   vocab=vocab, device=dev, info=info, max_batch=max_batch, max_waiting=max_waiting,
+                   max_seq_len=max_seq_len)
 
     @classmethod
-    def from_profile(cls, path: str | Path, device: str | torch.device | None = None) -> "Engine":
+    def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *, max_batch: int = 32,
+                     max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
 
         Refuses with a ProfileError naming the file and the field: a missing file, invalid
@@ -148,7 +151,8 @@ class Engine:
         from .profile import engine_kwargs, load_profile
 
         prof = load_profile(path)
-        eng = cls.from_pretrained(**engine_kwargs(prof, device))
+        eng = cls.from_pretrained(**engine_kwargs(prof, device), max_batch=max_batch, max_waiting=max_waiting,
+                                  max_seq_len=max_seq_len)
         eng.profile = prof
         return eng
 
@@ -204,70 +208,64 @@ class Engine:
             return list(params)
         raise InvalidRequestError(f"params={params!r:.80} is invalid: allowed a SamplingParams or a list of them")
 
-    def _make_seqs(self, prompts: Prompts, params: Any) -> list[Seq]:
+    def _validate(self, prompts: Prompts, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Prompt ids and per-prompt params, refusing what cannot fit the context or the cache."""
         ids = self._prompt_ids(prompts)
         plist = self._params(params, len(ids))
-        ctx = self.config.max_position_embeddings
+        ctx, lim = self.config.max_position_embeddings, self.max_seq_len
         for i, (p, sp) in enumerate(zip(ids, plist)):
-            if len(p) + sp.max_new_tokens > ctx:
+            n = len(p) + sp.max_new_tokens
+            if n > ctx:  # drafts never pass prompt + max_new_tokens - 1: K is capped by what remains
                 raise InvalidRequestError(
                     f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = "
-                    f"{len(p) + sp.max_new_tokens}, beyond the model's context of {ctx} tokens")
-        seqs = []
-        for row, (p, sp) in enumerate(zip(ids, plist)):
-            g = torch.Generator(device=self.device)
-            g.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-            ctl = None
-            if self.policy is not None:
-                ctl = KController(self.policy, self.costs if self.policy.name == "cost-model" else None)
-            seqs.append(Seq(prompt=p, params=sp, generator=g, row=row, k_ctl=ctl))
-        k_max = self.policy.k_max if self.policy is not None else 0
-        self.loop.ensure_cache(len(seqs), max(len(s.prompt) + s.params.max_new_tokens for s in seqs), k_max)
-        return seqs
+                    f"{n}, beyond the model's context of {ctx} tokens")
+            if n > lim:
+                k = self.scheduler.k_max
+                raise InvalidRequestError(
+                    f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = {n}, beyond the "
+                    f"engine's max_seq_len={lim} (the KV cache holds max_seq_len + k_max {k} + 2 positions per row)")
+        return ids, plist
 
     def _completion(self, s: Seq) -> Completion:
         return Completion(text=self.loop.final_text(s), token_ids=s.generated, finish_reason=s.finish_reason or "length",
                           prompt_token_ids=s.prompt, stats=s.stats.to_dict())
 
-    def _account(self, seqs: list[Seq], rounds: int, seconds: float) -> None:
-        t = self._totals
-        t.requests += len(seqs)
-        t.generated += sum(len(s.generated) for s in seqs)
-        t.drafted += sum(s.stats.drafted for s in seqs)
-        t.accepted += sum(s.stats.accepted for s in seqs)
-        t.iterations += sum(s.stats.target_passes for s in seqs)
-        t.target_forwards += rounds
-        t.seconds += seconds
-
     # ------------------------------------------------------------------ public API
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
+        """Queue one prompt; the handle has ``result()``, ``cancel()``, ``done()`` and iterates text pieces.
+
+        Raises InvalidRequestError for a bad request, OverloadedError when the wait queue is full.
+        """
+        ids, plist = self._validate([prompt] if not _is_id_list(prompt) else [list(prompt)], params)
+        return self.scheduler.submit(ids, plist)[0]
+
     def generate(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[Completion]:
-        """Complete every prompt; params: one SamplingParams for all, or one per prompt."""
-        seqs = self._make_seqs(prompts, params)
-        t0, rounds = time.perf_counter(), 0
-        while any(not s.finished for s in seqs):
-            self.loop.step(seqs)
-            rounds += 1
-        self._account(seqs, rounds, time.perf_counter() - t0)
-        return [self._completion(s) for s in seqs]
+        """Complete every prompt; params: one SamplingParams for all, or one per prompt.
+
+        finish_reason is "stop", "length", or "error" (NaN/inf logits in that sequence);
+        a failed round raises RequestFailedError (an EngineError).
+        """
+        ids, plist = self._validate(prompts, params)
+        reqs = self.scheduler.submit(ids, plist)
+        try:
+            return [r.result() for r in reqs]
+        finally:
+            for r in reqs:
+                if not r.done():
+                    r.cancel()
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one prompt's completion as tokens are accepted (never splitting a character)."""
-        seqs = self._make_seqs([prompt], params)
-        s = seqs[0]
-        sent = 0
-        t0, rounds = time.perf_counter(), 0
-        try:
-            while not s.finished:
-                self.loop.step(seqs)
-                rounds += 1
-                text = self.loop.final_text(s) if s.finished else self.tokenizer.decode(s.generated)
-                safe = len(text) if s.finished else _safe_prefix(text, s.params.stop)
-                if safe > sent:
-                    yield text[sent:safe]
-                    sent = safe
-        finally:
-            self._account(seqs, rounds, time.perf_counter() - t0)
+        """Yield the text of one prompt's completion as tokens are accepted (never splitting a character).
+
+        Closing the iterator early cancels the request and frees its slot within one round.
+        """
+        req = self.submit(prompt, params)
+        yield from req.text_pieces()
+
+    def metrics_text(self) -> str:
+        """Counters and gauges in the Prometheus text exposition format."""
+        return metrics_text(self)
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
@@ -289,11 +287,12 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Start the engine-wide counters of ``stats()`` afresh."""
-        self._totals = _Totals()
+        self.scheduler.reset_totals()
 
     def stats(self) -> dict[str, Any]:
         """Acceptance rate, mean accepted length, tokens/s, target passes per token, memory."""
-        t = self._totals
+        snap = self.scheduler.snapshot()
+        t = snap["totals"]
         mem = {"kv_cache_bytes": self.loop.cache.nbytes if self.loop.cache is not None else 0,
                "target_weight_bytes": _module_bytes(self.target)}
         if self.draft_model is not None:
@@ -311,6 +310,9 @@ class Engine:
             "tokens_per_s": t.generated / t.seconds if t.seconds else None,
             "target_passes_per_token": t.iterations / t.generated if t.generated else None,
             "target_forwards": t.target_forwards,
+            "waiting": snap["waiting"],
+            "running": snap["running"],
+            "errors": t.nonfinite + t.failed,
             "drafter": self.info.get("drafter"),
             "k_policy": self.policy.name if self.policy else None,
             "memory": mem,
@@ -368,14 +370,5 @@ def _module_bytes(m: torch.nn.Module) -> int:
     return n
 
 
-def _safe_prefix(text: str, stops: Sequence[str]) -> int:
-    """Length of text safe to emit: no trailing partial character, no possible start of a stop string."""
-    n = len(text)
-    while n and text[n - 1] == "\ufffd":
-        n -= 1
-    for s in stops:
-        for j in range(min(len(s) - 1, n), 0, -1):
-            if text[:n].endswith(s[:j]):
-                n -= j
-                break
-    return n
+def _is_id_list(p: object) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)

@@ -15,6 +15,11 @@ len(tokens) - 1 after a round: the last sampled token is fed next round) and
 5. applies stop conditions inside the accepted run, moves lengths back (a
    rejection is just a smaller tlen: stale cache slots are overwritten later).
 
+Fault isolation: a row whose scored target logits hold NaN or inf ends with
+finish_reason "error" (a logged warning); the check is a [B] flag computed on
+the device and read in the same single host synchronisation. ``inject_nan``
+(a test hook: Seq -> bool) poisons the logits of the rows it picks.
+
 Without a drafter K is 0 and a round is a plain decode step (or the prefill).
 Padding tokens are written to a scratch slot (the cache's last position),
 which no real position ever reads.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -104,6 +110,7 @@ class DecodeLoop:
         self.eos = set(eos_ids)
         self.vocab, self.device = vocab, device
         self.cache: KVCache | None = None
+        self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
 
     def ensure_cache(self, rows: int, positions: int, k_max: int) -> KVCache:
         """A cache with >= rows rows and room for `positions` + K headroom + the scratch slot."""
@@ -184,21 +191,34 @@ class DecodeLoop:
         kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
         idx = (catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)  # [B, K+1]
         logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx)  # [B, K+1, Vt]
-        q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
+        if self.inject_nan is not None:
+            for b, s in enumerate(active):
+                if self.inject_nan(s):
+                    logits[b] = float("nan")
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
+        scored = torch.arange(kmax + 1, device=dev) <= num_draft[:, None]  # [B, K+1] positions that count
+        bad = ((~torch.isfinite(logits[..., :V])).any(-1) & scored).any(-1)  # [B] non-finite rows
+        q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
         out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
-        out_l, nacc_l = out.tolist(), nacc.tolist()  # the round's one host synchronisation
+        res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
 
         events = []
         for b, s in enumerate(active):
-            n_before, a, k = len(s.tokens), nacc_l[b], ks[b]
+            if res[b][-1]:
+                log.warning("non-finite target logits in the row of a %d-token sequence (cache row %d) after "
+                            "%d generated tokens: ending it with finish_reason 'error'",
+                            len(s.prompt), s.row, len(s.generated))
+                s.finish("error")
+                events.append((s, []))
+                continue
+            n_before, a, k = len(s.tokens), res[b][-2], ks[b]
             s.tlen = n_before + a
             if proposed and self.drafter is not None:
                 self.drafter.after_verify(s, n_before, a, proposed)
             s.stats.record(k, a)
             if s.k_ctl is not None and k > 0:
                 s.k_ctl.update(k, a)
-            kept = self._stop_checks(s, out_l[b][: a + 1])
+            kept = self._stop_checks(s, res[b][: a + 1])
             s.tokens.extend(kept)
             events.append((s, kept))
         return events
