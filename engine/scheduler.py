@@ -256,8 +256,9 @@ class Scheduler:
         assert r.seq is not None
         sp = r.params
         r.seq.generator.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        if self.engine.policy is not None:
-            r.seq.k_ctl = KController(self.engine.policy, self.engine.costs)
+        pol = self.engine.policy
+        if pol is not None:  # costs are measured (once) only for the cost-model policy
+            r.seq.k_ctl = KController(pol, self.engine.costs if pol.name == "cost-model" else None)
         self._running.append(r)
 
     def _round(self) -> None:

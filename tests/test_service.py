@@ -1,0 +1,362 @@
+"""Service-grade Engine: many threads, continuous batching, cancel, fault isolation, admission, HTTP, soak."""
+from __future__ import annotations
+
+import gc
+import http.client
+import importlib.util
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineError, SamplingParams
+from engine.errors import InvalidConfigError, InvalidRequestError, OverloadedError
+from engine.scheduler import RequestFailedError
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 120  # seconds: a hung worker fails the test instead of the suite
+
+
+def _prompt(i: int) -> list[int]:
+    return [(11 * i + 7 * j) % 290 + 1 for j in range(2 + i % 13)]
+
+
+def _params(i: int) -> SamplingParams:
+    n = 4 + (i * 7) % 29
+    kind = i % 4
+    if kind == 0:
+        return SamplingParams(max_new_tokens=n)
+    if kind == 1:
+        return SamplingParams(max_new_tokens=n, temperature=1.0, seed=i)
+    if kind == 2:
+        return SamplingParams(max_new_tokens=n, temperature=0.7, top_k=20, top_p=0.9, seed=1000 + i)
+    return SamplingParams(max_new_tokens=n, temperature=1.3, top_p=0.8, seed=i, stop=["e"])
+
+
+@pytest.fixture(scope="module")
+def eng(ckpt_dir, draft_dir):
+    # heuristic K: each sequence's K depends only on its own acceptance, so solo == batched for seeds too
+    return Engine.from_pretrained(ckpt_dir, draft_dir, k=3, k_policy="heuristic", max_batch=8)
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+# ---------------------------------------------------------------- many callers
+def test_16_threads_x_8_requests_equal_their_solo_runs(eng):
+    n_threads, per = 16, 8
+    jobs = [(_prompt(i), _params(i)) for i in range(n_threads * per)]
+    solo = [eng.generate([p], sp)[0] for p, sp in jobs]
+    got: dict[int, tuple[list[int] | None, str]] = {}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(t * per, (t + 1) * per):
+                p, sp = jobs[i]
+                mode = (i + t) % 3
+                if mode == 0:
+                    o = eng.generate([p], sp)[0]
+                    got[i] = (o.token_ids, o.text)
+                elif mode == 1:
+                    got[i] = (None, "".join(eng.stream(p, sp)))
+                else:
+                    o = eng.submit(p, sp).result(timeout=TIMEOUT)
+                    got[i] = (o.token_ids, o.text)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    wall = time.perf_counter() - t0
+    assert not any(th.is_alive() for th in threads), "requests did not finish within the timeout"
+    assert not errors, errors
+    for i, o in enumerate(solo):
+        ids, text = got[i]
+        assert text == o.text, i
+        if ids is not None:
+            assert ids == o.token_ids, i
+    toks = sum(len(o.token_ids) for o in solo)
+    logging.getLogger(__name__).info("16x8: %d tokens in %.2f s (%.0f tok/s)", toks, wall, toks / wall)
+    assert eng.scheduler.running() == 0 and eng.scheduler.queue_length() == 0
+
+
+# ---------------------------------------------------------------- bad input and options
+@pytest.mark.parametrize("opt,value", [("max_batch", 0), ("max_batch", 2.5), ("max_waiting", -1),
+                                       ("max_seq_len", 513), ("max_seq_len", 1)])
+def test_bad_engine_options(ckpt_dir, opt, value):
+    with pytest.raises(InvalidConfigError, match=opt):
+        Engine.from_pretrained(ckpt_dir, drafter=None, **{opt: value})
+
+
+BAD = [
+    ("submit empty prompt", lambda e: e.submit("", SamplingParams()), "empty"),
+    ("submit bad token id", lambda e: e.submit([1, 300]), r"prompts\[0\]\[1\]=300"),
+    ("submit wrong type", lambda e: e.submit(3.5), "prompts"),
+    ("stream too long", lambda e: list(e.stream([1] * 500, SamplingParams(max_new_tokens=20))), "520.*512"),
+    ("stream bad params", lambda e: list(e.stream("hi", {"max_new_tokens": 3})), "params"),
+]
+
+
+@pytest.mark.parametrize("name,call,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_submissions_then_engine_still_works(eng, name, call, match):
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        call(eng)
+    assert isinstance(e.value, EngineError)
+    assert eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6))[0].token_ids == \
+        eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6))[0].token_ids
+
+
+def test_max_seq_len_limit_is_named(ckpt_dir):
+    e = Engine.from_pretrained(ckpt_dir, drafter="ngram", k=2, max_seq_len=64)
+    with pytest.raises(InvalidRequestError, match="max_seq_len=64.*k_max"):
+        e.generate([[1] * 40], SamplingParams(max_new_tokens=30))
+    assert len(e.generate([[1] * 40], SamplingParams(max_new_tokens=24))[0].token_ids) >= 1
+    assert e.loop.cache is not None and e.loop.cache.max_seq_len <= 128
+
+
+# ---------------------------------------------------------------- cancel
+def _long_prompt(e: Engine, n: int) -> list[int]:
+    for i in range(40):
+        p = _prompt(i)
+        if e.generate([p], SamplingParams(max_new_tokens=n))[0].finish_reason == "length":
+            return p
+    pytest.skip("no prompt runs to length on this random model")
+
+
+def test_cancel_mid_stream_frees_the_slot(eng):
+    sched = eng.scheduler
+    p = _long_prompt(eng, 150)
+    other_p, other_sp = _prompt(3), SamplingParams(max_new_tokens=60, temperature=1.0, seed=3)
+    other_ref = eng.generate([other_p], other_sp)[0].token_ids
+    before = sched.snapshot()["totals"].finished["cancelled"]
+    sched.on_round = lambda: time.sleep(0.002)  # keep the long request running while we read
+    try:
+        other = eng.submit(other_p, other_sp)
+        it = eng.stream(p, SamplingParams(max_new_tokens=150))
+        assert next(it)
+        it.close()  # GeneratorExit -> cancel
+        assert _wait(lambda: sched.snapshot()["totals"].finished["cancelled"] == before + 1)
+        # a handle's cancel(): freed within one round
+        h = eng.submit(p, SamplingParams(max_new_tokens=150))
+        assert _wait(lambda: len(h._tokens) > 0)
+        h.cancel()
+        f0 = sched.snapshot()["totals"].target_forwards
+        out = h.result(timeout=TIMEOUT)
+        assert out.finish_reason == "cancelled" and len(out.token_ids) < 150
+        assert sched.snapshot()["totals"].target_forwards - f0 <= 1
+        assert other.result(timeout=TIMEOUT).token_ids == other_ref
+    finally:
+        sched.on_round = None
+    assert _wait(lambda: sched.running() == 0)
+    assert eng.generate([other_p], other_sp)[0].token_ids == other_ref
+
+
+# ---------------------------------------------------------------- faults
+def test_injected_nan_ends_only_its_request(eng, caplog):
+    jobs = [(_prompt(i), _params(i)) for i in (20, 21, 22, 23)]
+    refs = [eng.generate([p], sp)[0].token_ids for p, sp in jobs]
+    poison = jobs[1][0]
+    n0 = eng.scheduler.snapshot()["totals"].nonfinite
+    eng.loop.inject_nan = lambda s: s.prompt == poison and len(s.generated) >= 2
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.loop"):
+            outs = eng.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    finally:
+        eng.loop.inject_nan = None
+    assert outs[1].finish_reason == "error" and outs[1].token_ids == refs[1][: len(outs[1].token_ids)]
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [r for i, r in enumerate(refs) if i != 1]
+    assert any("non-finite" in r.message for r in caplog.records)
+    assert eng.scheduler.snapshot()["totals"].nonfinite == n0 + 1
+    assert f'specmix_errors_total{{kind="nonfinite"}} {n0 + 1}' in eng.metrics_text()
+    assert eng.generate([jobs[1][0]], jobs[1][1])[0].token_ids == refs[1]
+
+
+def test_failed_round_fails_its_requests_and_the_engine_keeps_serving(eng):
+    ref = eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=10))[0].token_ids
+    calls = []
+
+    def boom() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected round failure")
+    eng.scheduler.on_round = boom
+    try:
+        with pytest.raises(RequestFailedError, match="injected round failure"):
+            eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=10))
+    finally:
+        eng.scheduler.on_round = None
+    assert eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=10))[0].token_ids == ref
+    assert "specmix_round_failures_total 1" in eng.metrics_text()
+
+
+# ---------------------------------------------------------------- admission
+def test_overload_refuses_some_and_the_rest_complete(ckpt_dir, draft_dir):
+    e = Engine.from_pretrained(ckpt_dir, draft_dir, k=2, adaptive_k=False, max_batch=1, max_waiting=2)
+    e.scheduler.on_round = lambda: time.sleep(0.001)
+    jobs = [(_prompt(i), SamplingParams(max_new_tokens=30, temperature=0.9, seed=i)) for i in range(12)]
+    handles, refused = [], 0
+    for p, sp in jobs:
+        try:
+            handles.append((e.submit(p, sp), p, sp))
+        except OverloadedError as err:
+            assert "max_waiting=2" in str(err) and isinstance(err, EngineError)
+            refused += 1
+    assert refused >= 1 and len(handles) >= 3
+    e.scheduler.on_round = None
+    for h, p, sp in handles:
+        assert h.result(timeout=TIMEOUT).token_ids == e.generate([p], sp)[0].token_ids
+    assert f"specmix_requests_rejected_overload_total {refused}" in e.metrics_text()
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_text_is_prometheus(eng):
+    eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8))
+    text = eng.metrics_text()
+    names = {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
+    for n in ("requests_total", "generated_tokens_total", "drafted_tokens_total", "accepted_tokens_total",
+              "acceptance_rate", "mean_accepted_length", "position_acceptance_rate", "queue_length", "running",
+              "errors_total"):
+        assert f"specmix_{n}" in names, n
+    for ln in text.splitlines():
+        if ln and not ln.startswith("#"):
+            float(ln.rsplit(" ", 1)[1])
+    assert 'specmix_position_acceptance_rate{position="1"}' in text
+
+
+# ---------------------------------------------------------------- the HTTP example
+def _server_module():
+    spec = importlib.util.spec_from_file_location("specmix_example_server", ROOT / "examples" / "server.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _post(port: int, body: bytes | dict, path: str = "/generate") -> tuple[int, bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    c.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body).encode(),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def test_http_example(eng, ckpt_dir, draft_dir):
+    mod = _server_module()
+    srv = mod.make_server(eng, "127.0.0.1", 0)
+    port = srv.server_address[1]
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        req = {"prompt": "The quick brown", "max_new_tokens": 20, "temperature": 0.8, "seed": 5}
+        ref = eng.generate("The quick brown", SamplingParams(max_new_tokens=20, temperature=0.8, seed=5))[0]
+        code, data = _post(port, req)
+        assert code == 200
+        out = json.loads(data)
+        assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
+        assert out["finish_reason"] in ("stop", "length")
+        code, data = _post(port, {"prompt": [5, 6, 7], "max_new_tokens": 5})
+        assert code == 200 and json.loads(data)["token_ids"] == \
+            eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].token_ids
+        for bad, match in [(b"{not json", "JSON"), ({"prompt": "x", "temperature": -1}, "temperature"),
+                           ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+                           ({"prompt": ""}, "empty"), ({"prompt": "x", "beam": 4}, "beam"),
+                           ({"max_new_tokens": 3}, "prompt"), ({"prompt": [1, 999]}, "999"),
+                           ({"prompt": "x", "stream": "yes"}, "stream"), ([1, 2], "object")]:
+            code, data = _post(port, bad)
+            assert code == 400 and match in json.loads(data)["error"], (bad, data)
+        # streaming as server-sent events
+        code, data = _post(port, dict(req, stream=True))
+        assert code == 200
+        events = [ln[len("data: "):] for ln in data.decode().split("\n\n") if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        objs = [json.loads(x) for x in events[:-1]]
+        assert "".join(o.get("text", "") for o in objs) == ref.text
+        assert objs[-1]["finish_reason"] == ref.finish_reason and objs[-1]["token_ids"] == ref.token_ids
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        body = r.read().decode()
+        assert r.status == 200 and "specmix_requests_total" in body and "specmix_queue_length" in body
+        c.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    # overload -> 503
+    small = Engine.from_pretrained(ckpt_dir, draft_dir, k=2, adaptive_k=False, max_batch=1, max_waiting=0)
+    srv = mod.make_server(small, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    small.scheduler.on_round = lambda: time.sleep(0.005)
+    try:
+        h = small.submit([1, 2, 3], SamplingParams(max_new_tokens=200))
+        code, data = _post(srv.server_address[1], {"prompt": "x"})
+        assert code == 503 and "max_waiting=0" in json.loads(data)["error"]
+        h.cancel()
+    finally:
+        small.scheduler.on_round = None
+        srv.shutdown()
+        srv.server_close()
+
+
+# ---------------------------------------------------------------- soak
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_soak_500_requests_8_threads_rss_stable(ckpt_dir, draft_dir):
+    e = Engine.from_pretrained(ckpt_dir, draft_dir, k=3, k_policy="heuristic", max_batch=8)
+    jobs = [(_prompt(i), SamplingParams(max_new_tokens=4 + i % 9, temperature=(i % 3) * 0.5, seed=i))
+            for i in range(500)]
+    errors: list[BaseException] = []
+
+    def run(chunk: list[int]) -> None:
+        try:
+            for i in chunk:
+                p, sp = jobs[i]
+                if i % 5 == 0:
+                    "".join(e.stream(p, sp))
+                else:
+                    e.generate([p], sp)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    def flood(idx: list[int]) -> float:
+        ths = [threading.Thread(target=run, args=(idx[t::8],)) for t in range(8)]
+        t0 = time.perf_counter()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(TIMEOUT)
+        assert not any(th.is_alive() for th in ths)
+        return time.perf_counter() - t0
+
+    flood(list(range(0, 500, 5)))  # warm-up: the cache at its final size, allocator pools filled
+    gc.collect()
+    warm = _rss()
+    wall = flood(list(range(500)))
+    gc.collect()
+    after = _rss()
+    assert not errors, errors[:3]
+    st = e.stats()
+    assert st["errors"] == 0
+    logging.getLogger(__name__).info("soak: 500 requests in %.1f s; RSS %.1f -> %.1f MB", wall, warm / 2**20,
+                                     after / 2**20)
+    assert abs(after - warm) <= 0.05 * warm, (warm, after)
