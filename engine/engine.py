@@ -61,7 +61,7 @@ class Engine:
     def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter: Drafter | None = None,
                  draft_model: Transformer | None = None, policy: KPolicy | None = None,
                  costs: Costs | None = None, vocab: int | None = None, device: torch.device | None = None,
-                 info: dict[str, Any] | None = None, max_batch: int = 32, max_waiting: int = 4096,
+                 info: dict[str, Any] | None = None, max_batch: int = 64, max_waiting: int = 4096,
                  max_seq_len: int | None = None) -> None:
         self.target, self.tokenizer, self.drafter, self.draft_model = target, tokenizer, drafter, draft_model
         self.config = target.config
@@ -88,7 +88,7 @@ class Engine:
                         dtype: str | torch.dtype | None = None, k_policy: str | None = None,
                         k_min: int = 1, k_max: int | None = None, early_exit_layers: int | None = None,
                         costs: Costs | dict | None = None,
-                        calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 32,
+                        calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
                         max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
@@ -140,7 +140,7 @@ class Engine:
                    max_seq_len=max_seq_len)
 
     @classmethod
-    def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *, max_batch: int = 32,
+    def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *, max_batch: int = 64,
                      max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
 

@@ -170,13 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the profile's or cpu)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-waiting", type=int, default=256)
     args = ap.parse_args(argv)
     if args.draft and not args.target:
         ap.error("--draft needs --target")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args)
+    if engine.costs is not None:  # measure the K controller's costs now, not in the first request
+        log.info("K controller costs: c=%.3f", engine.costs.c)
     srv = make_server(engine, args.host, args.port)
     host, port = srv.server_address[:2]
     log.info("serving on http://%s:%d (POST /generate, GET /metrics)", host, port)
