@@ -203,21 +203,31 @@ class Scheduler:
 
     # ------------------------------------------------------------ the worker
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                self._drop_cancelled_waiting()
-                admitted = self._admit()
-                if not self._running and not admitted:
-                    if not self._waiting:
-                        self._lock.wait(self.idle_exit_s)
-                        self._drop_cancelled_waiting()
+        try:
+            while True:
+                with self._lock:
+                    self._drop_cancelled_waiting()
+                    admitted = self._admit()
+                    if not self._running and not admitted:
                         if not self._waiting:
-                            self._thread = None
-                            return
-                    continue
-            for r in admitted:
-                self._start(r)
-            self._round()
+                            self._lock.wait(self.idle_exit_s)
+                            self._drop_cancelled_waiting()
+                            if not self._waiting:
+                                self._thread = None
+                                return
+                        continue
+                for r in admitted:
+                    self._running.append(r)
+                    try:
+                        self._start(r)
+                    except Exception as e:  # noqa: BLE001 - e.g. measuring costs failed: fail it, keep serving
+                        log.exception("could not start a request")
+                        self._retire(r, RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
+                self._round()
+        finally:
+            with self._lock:  # a dying worker (a bug, SystemExit) lets the next submission start a new one
+                if self._thread is threading.current_thread():
+                    self._thread = None
 
     def _drop_cancelled_waiting(self) -> None:
         if any(r.cancelled for r in self._waiting):
@@ -259,7 +269,6 @@ class Scheduler:
         pol = self.engine.policy
         if pol is not None:  # costs are measured (once) only for the cost-model policy
             r.seq.k_ctl = KController(pol, self.engine.costs if pol.name == "cost-model" else None)
-        self._running.append(r)
 
     def _round(self) -> None:
         for r in [r for r in self._running if r.cancelled]:
