@@ -68,4 +68,8 @@ def metrics_text(engine: "Engine") -> str:
               int(torch.cuda.memory_allocated(dev)))
         w.one("gpu_memory_reserved_bytes", "gauge", "CUDA memory reserved by torch's caching allocator.",
               int(torch.cuda.memory_reserved(dev)))
+        free, total = torch.cuda.mem_get_info(dev)  # device-wide, from the driver (what NVML reports)
+        w.one("gpu_memory_used_bytes", "gauge", "Device memory in use by every process (driver's view).",
+              int(total - free))
+        w.one("gpu_memory_total_bytes", "gauge", "Device memory in total.", int(total))
     return "\n".join(w.lines) + "\n"
