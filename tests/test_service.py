@@ -321,10 +321,11 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
-def test_soak_500_requests_8_threads_rss_stable(ckpt_dir, draft_dir):
-    e = Engine.from_pretrained(ckpt_dir, draft_dir, k=3, k_policy="heuristic", max_batch=8)
-    jobs = [(_prompt(i), SamplingParams(max_new_tokens=4 + i % 9, temperature=(i % 3) * 0.5, seed=i))
-            for i in range(500)]
+def test_soak_500_requests_8_threads_rss_stable(tiny_demo):
+    e = Engine.from_pretrained(*tiny_demo, k=3, k_policy="heuristic", max_batch=8)
+    words = ["The with statement", "def f(x):", "import os", "class A:", "for i in range", "Return the"]
+    jobs = [(words[i % 6] + " " * (i % 3), SamplingParams(max_new_tokens=4 + i % 9, temperature=(i % 3) * 0.5,
+                                                          seed=i)) for i in range(500)]
     errors: list[BaseException] = []
 
     def run(chunk: list[int]) -> None:
