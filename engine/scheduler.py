@@ -19,7 +19,8 @@ a request beyond ``max_seq_len`` (default: the model's context) is refused at
 submission. A round that raises ends the requests in it with
 ``RequestFailedError``; the worker logs it and keeps serving. The worker exits
 after ``idle_exit_s`` without work (so an unused Engine can be collected) and
-is restarted by the next submission.
+is restarted by the next submission; at interpreter exit it cancels what is
+left and ends between rounds (it is not a daemon, so no torch op is cut off).
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ class Scheduler:
     """The worker thread, its wait queue, the cache rows and the engine-wide counters."""
 
     def __init__(self, engine: "Engine", max_batch: int, max_waiting: int, max_seq_len: int,
-                 idle_exit_s: float = 1.0) -> None:
+                 idle_exit_s: float = 0.5) -> None:
         self.engine, self.loop, self.tokenizer = engine, engine.loop, engine.tokenizer
         self.max_batch, self.max_waiting, self.max_seq_len = max_batch, max_waiting, max_seq_len
         self.idle_exit_s = idle_exit_s
@@ -186,7 +187,8 @@ class Scheduler:
                     f"{len(reqs)} more do not fit, retry later")
             self._waiting.extend(reqs)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="specmix-worker", daemon=True)
+                # not a daemon: at interpreter exit it cancels what runs and ends between rounds
+                self._thread = threading.Thread(target=self._run, name="specmix-worker", daemon=False)
                 self._thread.start()
             self._lock.notify_all()
         return reqs
@@ -205,6 +207,9 @@ class Scheduler:
     def _run(self) -> None:
         try:
             while True:
+                if not threading.main_thread().is_alive():  # interpreter shutdown: stop, leave no torch op running
+                    self._cancel_all()
+                    return
                 with self._lock:
                     self._drop_cancelled_waiting()
                     admitted = self._admit()
@@ -228,6 +233,16 @@ class Scheduler:
             with self._lock:  # a dying worker (a bug, SystemExit) lets the next submission start a new one
                 if self._thread is threading.current_thread():
                     self._thread = None
+
+    def _cancel_all(self) -> None:
+        for r in list(self._waiting) + self._running:
+            r._cancelled = True
+        with self._lock:
+            self._drop_cancelled_waiting()
+        for r in list(self._running):
+            assert r.seq is not None
+            r.seq.finish("cancelled")
+            self._retire(r)
 
     def _drop_cancelled_waiting(self) -> None:
         if any(r.cancelled for r in self._waiting):
