@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .errors import InvalidConfigError
-from .model import Transformer
+from .model import KVCache, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,12 @@ class DemoRecipe:
     draft_lr: float = 3e-3
     warmup: int = 30
     weight_decay: float = 0.1
+    target_dropout: float = 0.0  # on the attention and MLP outputs while the target trains
     distill_topk: int = 64
     distill_offsets: int = 2  # target soft labels on chunks of 2 * seq_len at this many offsets
     hard_weight: float = 0.1  # loss = (1 - w) * soft CE + w * hard CE
+    distill_tail: bool = True
+    distill_sampled: int = 0  # extra chunks of text sampled from the target (prompted by training text)
     eval_ctx: int = 512  # held-out windows (llama.cpp style: score the second half)
     seed: int = 0
     threads: int = 2
@@ -282,46 +285,55 @@ def _schedule(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def _optimizer(model: torch.nn.Module, lr: float, wd: float) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 def _autocast(bf16: bool) -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float) -> None:
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    for g in opt.param_groups:
-        g["lr"] = lr
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def _train(model: Transformer, recipe: DemoRecipe, steps: int, lr: float, desc: str, progress: bool,
+           loss_fn: Callable[[int], torch.Tensor]) -> float:
+    """AdamW (decoupled weight decay on matrices), warmup + cosine to lr / 10, clip 1.0; EMA of the loss."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    model.train()
+    ema = float("nan")
+    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    for step in bar:
+        loss = loss_fn(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = lr * _schedule(step, steps, recipe.warmup)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+    model.eval()
+    return ema
 
 
 def _train_target(model: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool) -> float:
     """Next-token cross-entropy on random windows of the training split."""
     gen = torch.Generator().manual_seed(recipe.seed + 1)
-    opt = _optimizer(model, recipe.target_lr, recipe.weight_decay)
-    model.train()
-    ema = float("nan")
-    bar = tqdm(range(recipe.target_steps), desc="target", disable=not progress, leave=False)
-    for step in bar:
+
+    def loss_fn(step: int) -> torch.Tensor:
         long = recipe.long_every > 0 and step % recipe.long_every == recipe.long_every - 1
         T, B = (2 * recipe.seq_len, max(1, recipe.batch // 2)) if long else (recipe.seq_len, recipe.batch)
         starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen)
         x = torch.stack([ids[s: s + T + 1] for s in starts.tolist()])
         with _autocast(bf16):
             logits = model(x[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-        _step(model, opt, loss, recipe.target_lr * _schedule(step, recipe.target_steps, recipe.warmup))
-        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
-    model.eval()
-    return ema
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    p = recipe.target_dropout
+    hooks = [m.register_forward_hook(lambda mod, inp, out: F.dropout(out, p, mod.training))
+             for layer in model.layers for m in (layer.self_attn, layer.mlp)] if p > 0 else []
+    try:
+        return _train(model, recipe, recipe.target_steps, recipe.target_lr, "target", progress, loss_fn)
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @torch.no_grad()
@@ -349,32 +361,66 @@ def _soft_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf1
     return x, vals, idx
 
 
+@torch.no_grad()
+def _sampled_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool,
+                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``distill_sampled`` chunks of C = 2 * seq_len tokens: a 32-token training prompt continued by
+    sampling the target (temperature 1), with the target's top-k log-probs [N, C, k] on the way."""
+    n, C, P, k = recipe.distill_sampled, 2 * recipe.seq_len, 32, recipe.distill_topk
+    x = torch.empty(n, C, dtype=torch.long)
+    vals, idx = torch.empty(n, C, k, dtype=torch.float16), torch.empty(n, C, k, dtype=torch.int32)
+    G = 32
+    bar = tqdm(total=n * C, desc="sampled text", disable=not progress, leave=False, unit="tok")
+    for b in range(0, n, G):
+        g = min(G, n - b)
+        starts = torch.randint(0, len(ids) - P, (g,), generator=gen).tolist()
+        x[b: b + g, :P] = torch.stack([ids[s: s + P] for s in starts])
+        cache = KVCache(target.config, g, C, torch.float32, "cpu")
+        with _autocast(bf16):
+            logits = target(x[b: b + g, :P], cache=cache, kv_len=P).float()
+        for pos in range(P, C + 1):
+            lp = logits.log_softmax(-1)
+            top = lp.topk(k, dim=-1)
+            vals[b: b + g, pos - logits.shape[1]: pos], idx[b: b + g, pos - logits.shape[1]: pos] = \
+                top.values.half(), top.indices.int()
+            if pos == C:
+                break
+            x[b: b + g, pos] = torch.multinomial(lp[:, -1].exp(), 1, generator=gen)[:, 0]
+            with _autocast(bf16):
+                logits = target(x[b: b + g, pos: pos + 1], input_pos=torch.full((g, 1), pos), cache=cache,
+                                kv_len=pos + 1).float()
+            bar.update(g)
+    bar.close()
+    return x, vals, idx
+
+
 def _distill_draft(draft: Transformer, target: Transformer, ids: torch.Tensor, recipe: DemoRecipe,
                    bf16: bool, progress: bool) -> float:
-    """KL to the target's top-k soft labels (renormalised), mixed with the hard next-token labels."""
+    """KL(target || draft) over the target's top-k tokens plus one bucket for the rest of the
+    vocabulary, mixed with the hard next-token labels: (1 - w) * KL + w * CE."""
     gen = torch.Generator().manual_seed(recipe.seed + 2)
     x, vals, idx = _soft_labels(target, ids, recipe, bf16, progress, gen)
-    opt = _optimizer(draft, recipe.draft_lr, recipe.weight_decay)
-    draft.train()
-    w = recipe.hard_weight
-    bs = max(1, recipe.batch // 2)
-    ema = float("nan")
-    bar = tqdm(range(recipe.draft_steps), desc="draft", disable=not progress, leave=False)
-    for step in bar:
+    if recipe.distill_sampled:
+        sx, sv, si = _sampled_labels(target, ids, recipe, bf16, progress, gen)
+        x, vals, idx = torch.cat([x, sx]), torch.cat([vals, sv]), torch.cat([idx.int(), si])
+    w, bs = recipe.hard_weight, max(1, recipe.batch // 2)
+
+    def loss_fn(step: int) -> torch.Tensor:
         pick = torch.randint(0, len(x), (bs,), generator=gen)
-        xb = x[pick]
+        xb, t_lp = x[pick], vals[pick].float()  # target log-probs of its top-k [bs, C, k]
         with _autocast(bf16):
             logits = draft(xb)
-        logp = logits.float().log_softmax(-1)
-        p = vals[pick].float().softmax(-1)  # top-k renormalised
-        soft = -(p * logp.gather(-1, idx[pick].long())).sum(-1).mean()
-        hard = F.nll_loss(logp[:, :-1].flatten(0, 1), xb[:, 1:].flatten())
-        loss = (1 - w) * soft + w * hard
-        _step(draft, opt, loss, recipe.draft_lr * _schedule(step, recipe.draft_steps, recipe.warmup))
-        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
-    draft.eval()
-    return ema
+        logq = logits.float().log_softmax(-1)
+        d_lp = logq.gather(-1, idx[pick].long())
+        t_rest = (1 - t_lp.exp().sum(-1)).clamp_min(0)
+        d_rest = torch.log1p(-d_lp.exp().sum(-1).clamp_max(1 - 1e-6))
+        kl = (t_lp.exp() * (t_lp - d_lp)).sum(-1) + torch.xlogy(t_rest, t_rest) - t_rest * d_rest
+        if not recipe.distill_tail:
+            kl = -(t_lp.softmax(-1) * d_lp).sum(-1)
+        hard = F.nll_loss(logq[:, :-1].flatten(0, 1), xb[:, 1:].flatten())
+        return (1 - w) * kl.mean() + w * hard
+
+    return _train(draft, recipe, recipe.draft_steps, recipe.draft_lr, "draft", progress, loss_fn)
 
 
 @torch.no_grad()
@@ -401,6 +447,24 @@ def evaluate_pair(target: Transformer, draft: Transformer, ids: torch.Tensor, ct
     return {"target_ppl": round(math.exp(nll["target"] / count), 4),
             "draft_ppl": round(math.exp(nll["draft"] / count), 4),
             "agreement": round(agree / count, 4), "positions": count}
+
+
+@torch.no_grad()
+def greedy_agreement(target: Transformer, draft: Transformer, ids: torch.Tensor, n_prompts: int = 16,
+                     prompt_len: int = 64, new_tokens: int = 128) -> float:
+    """Draft top-1 == target top-1 along the target's own greedy continuations of held-out prompts
+    (the per-token acceptance of greedy speculative decoding)."""
+    starts = torch.linspace(0, len(ids) - prompt_len - 1, n_prompts).long().tolist()
+    seq = torch.stack([ids[s: s + prompt_len] for s in starts])
+    cache = KVCache(target.config, n_prompts, prompt_len + new_tokens, torch.float32, "cpu")
+    logits = target(seq, cache=cache, kv_len=prompt_len)[:, -1]
+    for pos in range(prompt_len, prompt_len + new_tokens - 1):
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+        logits = target(seq[:, -1:], input_pos=torch.full((n_prompts, 1), pos), cache=cache, kv_len=pos + 1)[:, -1]
+    seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    t_top = target(seq)[:, prompt_len - 1: -1].argmax(-1)
+    d_top = draft(seq)[:, prompt_len - 1: -1].argmax(-1)
+    return round((t_top == d_top).float().mean().item(), 4)
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:

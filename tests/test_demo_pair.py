@@ -42,7 +42,7 @@ def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
         batched = [o.token_ids for o in eng.generate(prompts, sp)]
         assert one == ref and batched == ref, (drafter, k)
         if drafter == "model":
-            assert eng.stats()["acceptance_rate"] > 0.5
+            assert eng.stats()["acceptance_rate"] > 0.3  # a broken cache or position gives ~0.05
 
 
 def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
