@@ -98,8 +98,11 @@ class ModelDrafter:
         starts = [self._start(s) for s in seqs]
         toks, pos, last, kv_len = catch_up_batch(seqs, starts, batch.scratch_pos, dev)
         cache = self.cache if self.cache is not None else batch.target_cache
-        logits = self.model(toks, pos, cache, kv_len, batch.rows, logits_idx=last, n_layers=self.n_layers)
-        next_pos = torch.tensor([len(s.tokens) for s in seqs], device=dev)  # where d1 goes
+        n_tok = [len(s.tokens) for s in seqs]
+        aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
+        logits = self.model(toks, pos, cache, kv_len, batch.rows, logits_idx=last, n_layers=self.n_layers,
+                            start=starts[0] if aligned else None)
+        next_pos = torch.tensor(n_tok, device=dev)  # where d1 goes
         drafts, probs = [], []
         for i in range(batch.k):
             p = batch.processing.probs(logits[:, :V])
@@ -109,7 +112,8 @@ class ModelDrafter:
             if i + 1 < batch.k:
                 kv_len += 1
                 logits = self.model(d[:, None], (next_pos + i)[:, None], cache, kv_len, batch.rows,
-                                    logits_idx=torch.zeros_like(d), n_layers=self.n_layers)
+                                    logits_idx=torch.zeros_like(d), n_layers=self.n_layers,
+                                    start=n_tok[0] + i if aligned else None)
         for s in seqs:
             s.dlen = len(s.tokens)
         return torch.stack(drafts, 1), torch.stack(probs, 1), None

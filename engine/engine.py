@@ -11,6 +11,7 @@ import torch
 from .adaptive import Costs, KPolicy
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
+from .cpu_linear import pack_linears, packed_bytes, packing_available
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
@@ -79,6 +80,8 @@ class Engine:
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int in {lo}..{hi}")
         self.max_seq_len = ctx if max_seq_len is None else max_seq_len
         self.scheduler = Scheduler(self, max_batch, max_waiting, self.max_seq_len)
+        self.cuda_graphs: list[Any] | None = None  # GraphedForward wrappers when graphs are on (cudagraphs.py)
+        self.gpu_reader: Any = None  # NVML / cudaMemGetInfo reader (telemetry.py); None on the CPU
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -89,12 +92,16 @@ class Engine:
                         k_min: int = 1, k_max: int | None = None, early_exit_layers: int | None = None,
                         costs: Costs | dict | None = None,
                         calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
-                        max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
+                        max_waiting: int = 4096, max_seq_len: int | None = None,
+                        cpu_pack: bool | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
         quantizes both models by module swap; None keeps them unquantized. ``calib`` (text or
         token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
+        ``cpu_pack``: give the target's fp32 CPU linears MKL-packed copies for verify-sized inputs
+        (engine/cpu_linear.py; one more copy of those weights per row bucket); None: on when the
+        target runs in fp32 on the CPU and MKL is present.
         """
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
@@ -117,6 +124,12 @@ class Engine:
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
             _apply_plan(plan, target, draft_model, tok, dev, calib)
+        if cpu_pack is None:
+            cpu_pack = dev.type == "cpu" and dt == torch.float32 and packing_available()
+        elif cpu_pack and not (dev.type == "cpu" and packing_available()):
+            raise InvalidConfigError(f"cpu_pack=True needs device 'cpu' and a PyTorch build with MKL "
+                                     f"(device={dev.type!r}, MKL packed ops available={packing_available()})")
+        packed = pack_linears(target) if cpu_pack else 0
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -134,7 +147,8 @@ class Engine:
         if isinstance(costs, dict):
             costs = Costs.from_dict(costs)
         info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
-                "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", "")}
+                "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
+                "cpu_packed_linears": packed, "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
                    vocab=vocab, device=dev, info=info, max_batch=max_batch, max_waiting=max_waiting,
                    max_seq_len=max_seq_len)
@@ -150,10 +164,14 @@ class Engine:
         """
         from .profile import engine_kwargs, load_profile
 
+        from .runtime import apply_runtime, runtime_settings
+
         prof = load_profile(path)
-        eng = cls.from_pretrained(**engine_kwargs(prof, device), max_batch=max_batch, max_waiting=max_waiting,
-                                  max_seq_len=max_seq_len)
+        kw = engine_kwargs(prof, device)
+        runtime = runtime_settings(prof, kw["device"])  # missing CUDA graphs fail before any weight loads
+        eng = cls.from_pretrained(**kw, max_batch=max_batch, max_waiting=max_waiting, max_seq_len=max_seq_len)
         eng.profile = prof
+        apply_runtime(eng, runtime)
         return eng
 
     # ------------------------------------------------------------------ costs
@@ -316,6 +334,7 @@ class Engine:
             "drafter": self.info.get("drafter"),
             "k_policy": self.policy.name if self.policy else None,
             "memory": mem,
+            **_runtime_stats(self),
         }
 
 
@@ -359,6 +378,16 @@ def _apply_plan(plan: Any, target: Transformer, draft: Transformer | None, tok: 
     apply_plan(target, plan.target, stats)
     if draft is not None and plan.draft is not None:
         apply_plan(draft, plan.draft)
+
+
+def _runtime_stats(engine: Engine) -> dict[str, Any]:
+    """CUDA graph counters and capture time, GPU memory/utilization and the load window (None when off)."""
+    from .cudagraphs import graph_stats
+    from .telemetry import gpu_stats
+
+    gov = engine.scheduler.governor
+    return {"cuda_graphs": graph_stats(engine.cuda_graphs), "gpu": gpu_stats(engine.device, engine.gpu_reader),
+            "load_window": None if gov is None else gov.snapshot()}
 
 
 def _module_bytes(m: torch.nn.Module) -> int:

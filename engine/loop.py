@@ -111,6 +111,7 @@ class DecodeLoop:
         self.vocab, self.device = vocab, device
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
+        self.k_cap = 1 << 30  # the load window (engine/telemetry.py) lowers it under GPU memory pressure
 
     def ensure_cache(self, rows: int, positions: int, k_max: int) -> KVCache:
         """A cache with >= rows rows and room for `positions` + K headroom + the scratch slot."""
@@ -133,7 +134,7 @@ class DecodeLoop:
         if self.drafter is None or s.k_ctl is None:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)
-        return max(0, min(s.k_ctl.k, remaining - 1))
+        return max(0, min(s.k_ctl.k, remaining - 1, self.k_cap))
 
     @torch.no_grad()
     def step(self, seqs: list[Seq]) -> list[tuple[Seq, list[int]]]:
@@ -190,7 +191,9 @@ class DecodeLoop:
             toks.scatter_(1, cols, drafts)
         kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
         idx = (catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)  # [B, K+1]
-        logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx)  # [B, K+1, Vt]
+        aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
+        logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
+                             start=active[0].tlen if aligned else None)  # [B, K+1, Vt]
         if self.inject_nan is not None:
             for b, s in enumerate(active):
                 if self.inject_nan(s):

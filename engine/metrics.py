@@ -72,4 +72,22 @@ def metrics_text(engine: "Engine") -> str:
         w.one("gpu_memory_used_bytes", "gauge", "Device memory in use by every process (driver's view).",
               int(total - free))
         w.one("gpu_memory_total_bytes", "gauge", "Device memory in total.", int(total))
+    gov = engine.scheduler.governor
+    if gov is not None:
+        w.one("load_window_k_cap", "gauge", "K cap of the load window (lowered under GPU memory pressure).",
+              gov.window.k_cap)
+        w.one("load_window_batch_cap", "gauge", "Admitted-batch cap of the load window.", gov.window.batch_cap)
+        if gov.last is not None and gov.last.utilization_pct is not None:
+            w.one("gpu_utilization_percent", "gauge", "GPU busy time at the last NVML reading.",
+                  float(gov.last.utilization_pct))
+    from .cudagraphs import graph_stats
+
+    gs = graph_stats(engine.cuda_graphs)
+    if gs is not None:
+        w.one("cuda_graph_captures_total", "counter", "CUDA graphs captured.", gs["captures"])
+        w.one("cuda_graph_capture_seconds_total", "counter", "Time spent capturing CUDA graphs.",
+              float(gs["capture_seconds"]))
+        w.one("cuda_graph_replays_total", "counter", "Forwards replayed from a CUDA graph.", gs["replays"])
+        w.one("cuda_graph_eager_calls_total", "counter", "Forwards that fit no graph and ran eagerly.",
+              gs["eager_calls"])
     return "\n".join(w.lines) + "\n"

@@ -28,8 +28,20 @@ AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    """PyTorch SDPA; GQA handled by the kernel (no repeat of k/v)."""
+    """PyTorch SDPA; GQA handled by the kernel (no repeat of k/v). ``causal`` without a mask is aligned
+    bottom-right as in flash-attn (query i of T sees keys <= S - T + i): a verify block at a cache offset
+    passes no dense mask, so SDPA can pick its flash kernel (torch.nn.attention.bias.causal_lower_right)."""
     gqa = q.shape[1] != k.shape[1]
+    T, S = q.shape[2], k.shape[2]
+    if mask is None and causal and T != S:
+        if T == 1:
+            causal = False  # the one query sees every key
+        elif gqa:  # CausalBias's flash dispatch takes no GQA: a small [T, S] mask instead
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
 
 
@@ -40,8 +52,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # the fused op computes x * rsqrt(mean(x^2) + eps) in fp32, as HF Llama does, in one dispatch
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -120,14 +132,21 @@ class Attention(nn.Module):
             o = attn_fn(q, k, v, ctx.mask, True)
         else:
             kc, vc = cache  # [max_batch, Hkv, S, D]
-            # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
-            kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
-            vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
-            if ctx.rows_are_prefix:
-                ks, vs = kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len]
-            else:
-                ks, vs = kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len]
-            o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, False)
+            if ctx.start is not None:  # rows 0..B-1 all write start..start+T-1: a slice copy
+                kc[:B, :, ctx.start: ctx.start + T] = k
+                vc[:B, :, ctx.start: ctx.start + T] = v
+            else:  # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
+                kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
+                vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
+            with_cache = getattr(attn_fn, "with_cache", None)  # flash-attn reads the cache in place (backends.py)
+            o = None if with_cache is None else with_cache(q, kc, vc, ctx, self.window)
+            if o is None:
+                if ctx.rows_are_prefix:
+                    ks, vs = kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len]
+                else:
+                    ks, vs = kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len]
+                # no mask: an aligned block (start), causal bottom-right
+                o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, ctx.mask is None)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -160,8 +179,10 @@ class Block(nn.Module):
 class _Ctx:
     """Per-forward indexing shared by all layers (built once, not per layer)."""
 
-    def __init__(self, pos: Tensor, rows: Tensor, rows_are_prefix: bool, kv_len: int, mask: Tensor | None) -> None:
+    def __init__(self, pos: Tensor, rows: Tensor, rows_are_prefix: bool, kv_len: int, mask: Tensor | None,
+                 start: int | None = None) -> None:
         self.pos, self.rows, self.rows_are_prefix, self.kv_len, self.mask = pos, rows, rows_are_prefix, kv_len, mask
+        self.start = start  # set when rows 0..B-1 all hold positions start..start+T-1 (no padding)
 
 
 def position_mask(pos: Tensor, kv_len: int, window: int | None) -> Tensor:
@@ -186,10 +207,21 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attn_fn: AttentionFn = sdpa_attention
+        self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
 
     def reset_rope(self) -> None:
-        """Recompute the rotary table (after building on the meta device)."""
+        """Recompute the rotary frequencies (after building on the meta device)."""
         self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+        self._rope = None
+
+    def rope_table(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [N, D] (N >= n) for positions 0..N-1: the same values rope_cos_sin computes."""
+        t = self._rope
+        if t is None or t[0].shape[0] < n or t[0].dtype != dtype or t[0].device != self.inv_freq.device:
+            pos = torch.arange(max(n, self.config.max_position_embeddings), device=self.inv_freq.device)
+            cos, sin = rope_cos_sin(self.inv_freq, pos[None], dtype)
+            self._rope = t = (cos[0, 0], sin[0, 0])
+        return t
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,23 +236,38 @@ class Transformer(nn.Module):
         rows: Tensor | None = None,  # [B] cache rows of the batch; None -> 0..B-1
         logits_idx: Tensor | None = None,  # [B] -> logits [B,V]; [B,J] -> [B,J,V]: positions to score
         n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
+        start: int | None = None,  # promise: rows is None and input_pos[b] == start..start+T-1 for every b
     ) -> Tensor:
-        """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward."""
+        """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward.
+
+        ``start`` lets the cache path skip index scatters and gathers: the new keys go in with a
+        slice copy, the rotary table is sliced, and a single-token step needs no mask.
+        """
         B, T = tokens.shape
         if input_pos is None:
             input_pos = torch.arange(T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
         window = self.config.sliding_window
         if cache is None:
+            cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
             mask = position_mask(input_pos, T, window) if window is not None and window < T else None
             ctx = _Ctx(input_pos, None, True, T, mask)  # type: ignore[arg-type]
         else:
             assert kv_len is not None, "kv_len is required with a cache"
-            prefix = rows is None
-            if rows is None:
-                rows = torch.arange(B, device=tokens.device)
-            ctx = _Ctx(input_pos, rows, prefix, kv_len, position_mask(input_pos, kv_len, window))
+            cos_t, sin_t = self.rope_table(cache.max_seq_len, x.dtype)
+            if start is not None:
+                assert rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"
+                cos, sin = cos_t[None, None, start: start + T], sin_t[None, None, start: start + T]
+                # no mask: bottom-right causal over kv_len = start + T (the window cannot cut inside kv_len)
+                full = window is None or kv_len <= window
+                mask = None if full else position_mask(input_pos, kv_len, window)
+                ctx = _Ctx(input_pos, None, True, kv_len, mask, start)  # type: ignore[arg-type]
+            else:
+                cos, sin = cos_t[input_pos][:, None], sin_t[input_pos][:, None]
+                prefix = rows is None
+                if rows is None:
+                    rows = torch.arange(B, device=tokens.device)
+                ctx = _Ctx(input_pos, rows, prefix, kv_len, position_mask(input_pos, kv_len, window))
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         for i, layer in enumerate(layers):
             c = None if cache is None else (cache.k[i], cache.v[i])

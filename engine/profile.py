@@ -64,21 +64,30 @@ def resolve_ref(ref: str, where: str = "profile") -> Path:
     return Path(ref)
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON to a temp file beside ``path`` and rename it into place."""
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to a temp file beside ``path`` and rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write UTF-8 text atomically (temp file beside ``path``, then rename)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON to a temp file beside ``path`` and rename it into place."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def load_profile(path: str | Path, check_weights: bool = True) -> dict[str, Any]:
@@ -120,6 +129,9 @@ def load_profile(path: str | Path, check_weights: bool = True) -> dict[str, Any]
     for key in ("drafter", "k", "k_min", "k_max", "policy"):
         if key not in spec:
             raise ProfileError(f"{p}: field speculation.{key} is missing")
+    from .runtime import parse_runtime
+
+    parse_runtime(prof.get("runtime"), f"{p}: runtime")  # optional section: CUDA graphs, load window
     prof["_path"] = str(p)
     return prof
 

@@ -42,6 +42,7 @@ from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .engine import Completion, Engine
+    from .telemetry import LoadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class Scheduler:
         self._reserved = 0  # rows held by running requests (under the lock)
         self._free_rows = list(range(max_batch))  # a heap: low rows first keep the batch a row prefix
         self._thread: threading.Thread | None = None
+        self.governor: LoadGovernor | None = None  # the load window (engine/telemetry.py); None: no caps
+        self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
 
     # ------------------------------------------------------------ submission
@@ -253,7 +256,7 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         """Pop waiting requests into free rows (under the lock); the cache grows only when idle."""
         admitted: list[Request] = []
-        while self._waiting and self._free_rows:
+        while self._waiting and self._free_rows and self._reserved < self.batch_cap:
             r = self._waiting[0]
             need = self.need(r.prompt, r.params)
             cache = self.loop.cache
@@ -292,6 +295,8 @@ class Scheduler:
             self._retire(r)
         if not self._running:
             return
+        if self.governor is not None:  # GPU memory pressure lowers K and the admitted batch, never fails
+            self.loop.k_cap, self.batch_cap = self.governor.poll()
         self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
         seqs = [r.seq for r in self._running if r.seq is not None]
         t0 = time.perf_counter()

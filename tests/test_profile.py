@@ -58,6 +58,13 @@ def test_demo_builds_pass_the_gate_and_plans_follow_the_catalog(builds):
     assert a100["gpu"]["name"] == "a100-80gb" and h100["gpu"]["name"] == "h100-sxm"
 
 
+def test_builds_write_the_report_beside_the_profile(builds):
+    for path in builds.values():
+        md = path.with_suffix(".md").read_text(encoding="utf-8")
+        assert md.startswith(f"# Build report: {path.stem}")
+        assert path.with_suffix(".png").is_file() == ("Plot skipped" not in md)
+
+
 def test_failed_gate_writes_nothing_and_keeps_the_old_profile(tool, builds, tmp_path, capsys):
     path = tmp_path / "p.json"
     path.write_bytes(builds["a100"].read_bytes())

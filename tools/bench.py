@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Decode speed of plain, speculative and transformers generation on one pair.
 
-    python tools/bench.py [--target DIR --draft DIR] [--prompts FILE] [--json FILE]
+    python tools/bench.py [--target DIR --draft DIR] [--prompts FILE] [--json FILE] [--plot FILE.png]
+
+--sweep-k 1,2,4 adds the draft-model drafter at each fixed K (adaptive K off) as modes
+specmix-model-k1, ...; --plot draws speedup vs K (measured and predicted by the cost model),
+acceptance per draft position and tokens/s per mode (needs matplotlib: the `plot` extra).
 
 Same prompts and max_new_tokens for every mode, greedy, batch 1 (the prompts run one
 after another). Modes are interleaved within each repeat; one warm-up round, then
@@ -25,11 +29,13 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from engine import Engine, EngineError, SamplingParams  # noqa: E402
-from engine.adaptive import best_k, expected_speedup  # noqa: E402
+from engine.adaptive import Costs, best_k, expected_speedup  # noqa: E402
 from engine.errors import InvalidConfigError  # noqa: E402
+from engine.report import aggregate_positions, bench_series, draw_bench, require_matplotlib  # noqa: E402
 
 SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit"}
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
+DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +51,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=None, help="comma-separated subset of modes")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
     p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
+    p.add_argument("--sweep-k", default=None,
+                   help=f"comma-separated fixed K values for the draft-model drafter, adaptive K off "
+                        f"(default {DEFAULT_SWEEP} with --plot, none without; '' for none)")
     return p.parse_args(argv)
+
+
+def parse_sweep(a: argparse.Namespace) -> list[int]:
+    spec = a.sweep_k if a.sweep_k is not None else (DEFAULT_SWEEP if a.plot else "")
+    try:
+        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        ks = [0]
+    if any(k < 1 for k in ks):
+        raise InvalidConfigError(f"--sweep-k={spec!r} is invalid: allowed comma-separated ints >= 1, "
+                                 f"e.g. {DEFAULT_SWEEP}")
+    return ks
 
 
 def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
@@ -65,13 +87,18 @@ def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
     return [paras[i * step][:160] for i in range(4)]
 
 
-def spec_runner(eng: Engine, prompts: list[str], n: int) -> Callable[[], tuple[int, float]]:
+def spec_runner(eng: Engine, prompts: list[str], n: int,
+                sink: list[dict[str, Any]] | None = None) -> Callable[[], tuple[int, float]]:
+    """Generate every prompt once; each Completion's stats go to ``sink`` (when given)."""
     sp = SamplingParams(max_new_tokens=n)
 
     def run() -> tuple[int, float]:
         t0, toks = time.perf_counter(), 0
         for p in prompts:
-            toks += len(eng.generate(p, sp)[0].token_ids)
+            out = eng.generate(p, sp)[0]
+            toks += len(out.token_ids)
+            if sink is not None:
+                sink.append(out.stats)
         return toks, time.perf_counter() - t0
     return run
 
@@ -115,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(a: argparse.Namespace) -> int:
+    sweep = parse_sweep(a)
+    if a.plot is not None:
+        require_matplotlib("--plot")  # before any benchmarking
     if a.threads:
         torch.set_num_threads(a.threads)
     root = None
@@ -130,7 +160,13 @@ def bench(a: argparse.Namespace) -> int:
     engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None)}
     for mode, drafter in SPEC_MODES.items():
         engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k)
-    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n) for m, e in engines.items()}
+    costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
+    sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
+    for mode, k in sweep_modes.items():
+        engines[mode] = Engine.from_pretrained(target, draft, drafter="model", k=k, adaptive_k=False, costs=costs)
+    sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
+    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m))
+                                                          for m, e in engines.items()}
     hf_counts = {}
     have_hf = not a.no_hf
     if have_hf:
@@ -142,12 +178,14 @@ def bench(a: argparse.Namespace) -> int:
         for mode in HF_MODES:
             runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k)
     if a.modes:
-        keep = set(a.modes.split(",")) | {"plain"}
+        keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes)
         runners = {m: r for m, r in runners.items() if m in keep}
     for r in runners.values():  # warm-up
         r()
     for e in engines.values():
         e.reset_stats()  # count only the measured repeats
+    for sink in sinks.values():
+        sink.clear()
     for c in hf_counts.values():
         c.update(target=0, draft=0)
     rates: dict[str, list[float]] = {m: [] for m in runners}
@@ -161,7 +199,13 @@ def bench(a: argparse.Namespace) -> int:
         tps = statistics.median(rates[m])
         row: dict[str, Any] = {"name": m, "tokens_per_s": tps, "speedup_vs_plain": tps / plain,
                                "acceptance_rate": None, "mean_accepted_length": None, "predicted_speedup": None,
-                               "repeats": rates[m]}
+                               "repeats": rates[m], "fixed_k": sweep_modes.get(m)}
+        if m in sinks:
+            pos = aggregate_positions(sinks[m])
+            row["per_position_acceptance"], row["per_position_requests"] = pos["acceptance"], pos["requests"]
+        if m in sweep_modes:
+            st = engines[m].stats()
+            row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
         if m in SPEC_MODES and m in engines:
             st, eng = engines[m].stats(), engines[m]
             row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
@@ -174,15 +218,42 @@ def bench(a: argparse.Namespace) -> int:
             c = hf_counts[m]
             row["draft_forwards_per_target_forward"] = c["draft"] / max(1, c["target"])
         modes.append(row)
+    sweep_result = sweep_summary(modes, sweep_modes, sinks, costs)
     print_table(modes)
-    if a.json:
-        from engine.profile import write_json_atomic
+    result = {"modes": modes, "pair": {"target": str(target), "draft": str(draft)},
+              "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
+                           "prompts": prompts, "threads": torch.get_num_threads(),
+                           "greedy": True, "dtype": "float32", "batch": 1, "sweep_k": sweep},
+              "sweep": sweep_result}
+    from engine.profile import write_bytes_atomic, write_json_atomic
 
-        write_json_atomic(a.json, {"modes": modes, "pair": {"target": str(target), "draft": str(draft)},
-                                   "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
-                                                "prompts": prompts, "threads": torch.get_num_threads(),
-                                                "greedy": True, "dtype": "float32", "batch": 1}})
+    if a.json:
+        write_json_atomic(a.json, result)
+    if a.plot is not None:
+        write_bytes_atomic(a.plot, draw_bench(bench_series(result)))
+        print(f"wrote {a.plot}")
     return 0
+
+
+def sweep_summary(modes: list[dict[str, Any]], sweep_modes: dict[str, int], sinks: dict[str, list[dict[str, Any]]],
+                  costs: Costs | None) -> dict[str, Any] | None:
+    """The fixed-K runs with the cost model's prediction: one acceptance a for all K (the cost model
+    takes a as a property of the pair), estimated as the first draft position's acceptance over the
+    sweep's requests (unbiased under the model's i.i.d. acceptance; accepted/drafted is not for K > 1)."""
+    if not sweep_modes or costs is None:
+        return None
+    rows = {m["name"]: m for m in modes if m["name"] in sweep_modes}
+    first = aggregate_positions(st for m in rows for st in sinks[m])["acceptance"]
+    acc = first[0] if first else None
+    runs = []
+    for name, row in rows.items():
+        k = sweep_modes[name]
+        row["predicted_speedup"] = None if acc is None else expected_speedup(acc, k, costs)
+        runs.append({"k": k, "mode": name, **{f: row[f] for f in ("tokens_per_s", "speedup_vs_plain", "acceptance_rate",
+                                                                  "mean_accepted_length", "predicted_speedup")}})
+    return {"drafter": "model", "adaptive_k": False, "acceptance": acc,
+            "acceptance_estimate": "first draft position, mean over the sweep's requests",
+            "costs": costs.to_dict(), "runs": sorted(runs, key=lambda r: r["k"])}
 
 
 def print_table(modes: list[dict[str, Any]]) -> None:

@@ -6,9 +6,10 @@
 
 Steps: plan -> quantize -> quality gate (dPPL and KLD of the planned target against its
 unquantized self; a failing plan steps back w8a8 -> llm-int8 -> fp16 FFN unless
---no-fallback) -> calibrate speculation -> write profiles/<gpu>-<model>.json atomically.
-Exit status: 0 written; 1 no plan passed the gate (nothing written, an existing profile
-untouched); 2 bad input (one line on stderr).
+--no-fallback) -> calibrate speculation -> write profiles/<gpu>-<model>.json atomically,
+with a Markdown build report (.md) and its plot (.png; skipped without matplotlib) beside it.
+Exit status: 0 written; 1 no plan passed the gate (nothing written, an existing profile and
+its report untouched); 2 bad input (one line on stderr).
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from engine.calibrate import calibrate  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.errors import InvalidConfigError  # noqa: E402
 from engine.profile import (PROFILE_SCHEMA_VERSION, model_ref, weight_hashes,  # noqa: E402
-                            write_json_atomic)
+                            write_bytes_atomic, write_json_atomic)
 from engine.quality import compare_models, load_eval_ids  # noqa: E402
+from engine.report import build_report_files  # noqa: E402
 from quant.catalog import gpu_for_device_name, lookup_gpu  # noqa: E402
 from quant.plan import DEFAULT_PRECISION, make_plan  # noqa: E402
 
@@ -150,12 +152,20 @@ def build(a: argparse.Namespace) -> int:
     plan, rep, context, n_tokens = passed
     spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device)
     profile = make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a)
+    report = build_report_files(profile, Path(out))  # rendered before anything is written
     write_json_atomic(Path(out), profile)
+    for path, data in report.items():
+        if data is not None:
+            write_bytes_atomic(path, data)
+        elif path.exists():  # a plot of an older build would not match this profile
+            log.info("removing the stale plot %s (this build has none)", path)
+            path.unlink()
     print(summary_table(attempts))
     print(f"speculation: K={spec['k']} in [{spec['k_min']}, {spec['k_max']}], acceptance {spec['acceptance']:.3f} "
           f"(fp16 draft {spec['acceptance_fp16_draft']:.3f}), c={spec['c']:.3f}, "
           f"predicted speedup {spec['predicted_speedup']:.2f}x")
     print(f"wrote {out}")
+    print("wrote " + ", ".join(str(p) for p, d in report.items() if d is not None))
     return 0
 
 
