@@ -103,12 +103,16 @@ class ModelDrafter:
         logits = self.model(toks, pos, cache, kv_len, batch.rows, logits_idx=last, n_layers=self.n_layers,
                             start=starts[0] if aligned else None)
         next_pos = torch.tensor(n_tok, device=dev)  # where d1 goes
+        greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
         drafts, probs = [], []
         for i in range(batch.k):
-            p = batch.processing.probs(logits[:, :V])
-            d = sample_from_probs(p, batch.noise[:, i])
+            if greedy:
+                d = logits[:, :V].argmax(-1)
+            else:
+                p = batch.processing.probs(logits[:, :V])
+                d = sample_from_probs(p, batch.noise[:, i])
+                probs.append(p)
             drafts.append(d)
-            probs.append(p)
             if i + 1 < batch.k:
                 kv_len += 1
                 logits = self.model(d[:, None], (next_pos + i)[:, None], cache, kv_len, batch.rows,
@@ -116,7 +120,7 @@ class ModelDrafter:
                                     start=n_tok[0] + i if aligned else None)
         for s in seqs:
             s.dlen = len(s.tokens)
-        return torch.stack(drafts, 1), torch.stack(probs, 1), None
+        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None), None
 
     def after_verify(self, seq: "Seq", n_before: int, accepted: int, k: int) -> None:
         # fed: the committed tokens, then d1..d_{k-1}; the accepted ones stay valid

@@ -126,9 +126,10 @@ class Engine:
             _apply_plan(plan, target, draft_model, tok, dev, calib)
         if cpu_pack is None:
             cpu_pack = dev.type == "cpu" and dt == torch.float32 and packing_available()
-        elif cpu_pack and not (dev.type == "cpu" and packing_available()):
-            raise InvalidConfigError(f"cpu_pack=True needs device 'cpu' and a PyTorch build with MKL "
-                                     f"(device={dev.type!r}, MKL packed ops available={packing_available()})")
+        elif cpu_pack and not (dev.type == "cpu" and dt == torch.float32 and packing_available()):
+            raise InvalidConfigError(f"cpu_pack=True needs device 'cpu', dtype float32 and a PyTorch build with "
+                                     f"MKL (device={dev.type!r}, dtype={str(dt).replace('torch.', '')}, "
+                                     f"MKL packed ops available={packing_available()})")
         packed = pack_linears(target) if cpu_pack else 0
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:

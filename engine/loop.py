@@ -153,10 +153,13 @@ class DecodeLoop:
         kmax = max(ks)
 
         # this round's randomness, drawn up front from each sequence's own generator
-        final_noise = torch.empty(B, V, device=dev)
+        # (a greedy row uses none: its target and draft distributions are one-hot)
+        final_noise = torch.ones(B, V, device=dev)
         uniforms = torch.full((B, kmax), 0.5, device=dev)
         draft_noise = torch.ones(B, kmax, V, device=dev)
         for b, s in enumerate(active):
+            if s.params.greedy:
+                continue
             if ks[b]:
                 draft_noise[b, : ks[b]].exponential_(generator=s.generator)
                 uniforms[b, : ks[b]].uniform_(generator=s.generator)

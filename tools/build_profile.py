@@ -35,7 +35,9 @@ from engine.config import load_config  # noqa: E402
 from engine.errors import InvalidConfigError  # noqa: E402
 from engine.profile import (PROFILE_SCHEMA_VERSION, model_ref, weight_hashes,  # noqa: E402
                             write_bytes_atomic, write_json_atomic)
+from engine.cudagraphs import DEFAULT_BATCH_BUCKETS  # noqa: E402
 from engine.quality import compare_models, load_eval_ids  # noqa: E402
+from engine.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD  # noqa: E402
 from engine.report import build_report_files  # noqa: E402
 from quant.catalog import gpu_for_device_name, lookup_gpu  # noqa: E402
 from quant.plan import DEFAULT_PRECISION, make_plan  # noqa: E402
@@ -194,6 +196,11 @@ def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens,
         "calibration": {"text": ref(inp["calib_path"]),
                         "sha256": hashlib.sha256(inp["calib_text"].encode()).hexdigest()},
         "speculation": spec,
+        # how the engine runs the plan: CUDA graphs where the profile's device is a GPU (never on the
+        # CPU), and the load-aware window (lower K and the batch above this GPU memory use)
+        "runtime": {"cuda_graphs": {"enabled": device == "cuda", "batch_buckets": list(DEFAULT_BATCH_BUCKETS)},
+                    "load_window": {"enabled": True, "memory_threshold": DEFAULT_THRESHOLD,
+                                    "resume_below": DEFAULT_RESUME}},
         "versions": {"torch": torch.__version__, "specmix": engine.__version__},
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
