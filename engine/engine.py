@@ -266,8 +266,9 @@ class Engine:
         a failed round raises RequestFailedError (an EngineError).
         """
         ids, plist = self._validate(prompts, params)
-        reqs = self.scheduler.submit(ids, plist)
+        reqs = self.scheduler.submit(ids, plist, drive=True)
         try:
+            self.scheduler.drive(reqs)  # rounds run in this thread (see Scheduler.drive)
             return [r.result() for r in reqs]
         finally:
             for r in reqs:

@@ -168,6 +168,8 @@ class Scheduler:
         self._reserved = 0  # rows held by running requests (under the lock)
         self._free_rows = list(range(max_batch))  # a heap: low rows first keep the batch a row prefix
         self._thread: threading.Thread | None = None
+        self._driver = threading.Lock()  # held by whichever thread runs a round (the worker or a caller)
+        self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor: LoadGovernor | None = None  # the load window (engine/telemetry.py); None: no caps
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
@@ -177,8 +179,10 @@ class Scheduler:
         """Cache positions a request needs: its tokens, K headroom and the scratch slot."""
         return len(prompt) + params.max_new_tokens + self.k_max + 2
 
-    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Request]:
-        """Queue the (validated) prompts together, or refuse them all with OverloadedError."""
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+               drive: bool = False) -> list[Request]:
+        """Queue the (validated) prompts together, or refuse them all with OverloadedError.
+        ``drive``: the caller will run rounds itself (``drive``), counted before the worker can start."""
         reqs = [Request(self, p, sp) for p, sp in zip(prompts, params)]
         with self._lock:
             room = self.max_waiting + (self.max_batch - self._reserved) - len(self._waiting)
@@ -189,6 +193,7 @@ class Scheduler:
                     f"(max_waiting={self.max_waiting}, max_batch={self.max_batch}); "
                     f"{len(reqs)} more do not fit, retry later")
             self._waiting.extend(reqs)
+            self._callers += drive
             if self._thread is None:
                 # not a daemon: at interpreter exit it cancels what runs and ends between rounds
                 self._thread = threading.Thread(target=self._run, name="specmix-worker", daemon=False)
@@ -206,32 +211,69 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
-    # ------------------------------------------------------------ the worker
+    # ------------------------------------------------------------ driving rounds
+    # Rounds run in the worker thread, or in a caller that waits for its requests (generate): on the
+    # CPU, an OpenMP team in a second thread is throttled (libgomp stops spinning when its threads
+    # outnumber the cores) and a round there costs ~1.5x one in the thread that loaded the model.
+    # The worker stands by while a caller drives; one lock keeps rounds one at a time.
+
+    def drive(self, reqs: Sequence[Request]) -> None:
+        """Run rounds in this thread until ``reqs`` are done (they were submitted with drive=True)."""
+        try:
+            while not all(r.done() for r in reqs):
+                with self._driver:
+                    if all(r.done() for r in reqs):
+                        break
+                    if not self._work_once():
+                        with self._lock:  # our requests wait for rows another driver holds
+                            self._lock.wait(0.01)
+        finally:
+            with self._lock:
+                self._callers -= 1
+                self._lock.notify_all()
+
+    def _work_once(self) -> bool:
+        """Admit what fits, start it, run one round; False when there was nothing to run."""
+        with self._lock:
+            self._drop_cancelled_waiting()
+            admitted = self._admit()
+        for r in admitted:
+            self._running.append(r)
+            try:
+                self._start(r)
+            except Exception as e:  # noqa: BLE001 - e.g. measuring costs failed: fail it, keep serving
+                log.exception("could not start a request")
+                self._retire(r, RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
+        if not self._running:
+            return False
+        self._round()
+        return True
+
     def _run(self) -> None:
         try:
             while True:
                 if not threading.main_thread().is_alive():  # interpreter shutdown: stop, leave no torch op running
-                    self._cancel_all()
+                    with self._driver:
+                        self._cancel_all()
                     return
                 with self._lock:
-                    self._drop_cancelled_waiting()
-                    admitted = self._admit()
-                    if not self._running and not admitted:
+                    if self._callers:  # a caller drives: stand by
+                        self._lock.wait(0.05)
+                        continue
+                with self._driver:
+                    worked = self._work_once()
+                if not worked:
+                    with self._lock:
+                        if self._callers:
+                            continue
                         if not self._waiting:
                             self._lock.wait(self.idle_exit_s)
                             self._drop_cancelled_waiting()
-                            if not self._waiting:
+                            if not self._waiting and not self._callers and not self._running:
                                 self._thread = None
                                 return
-                        continue
-                for r in admitted:
-                    self._running.append(r)
-                    try:
-                        self._start(r)
-                    except Exception as e:  # noqa: BLE001 - e.g. measuring costs failed: fail it, keep serving
-                        log.exception("could not start a request")
-                        self._retire(r, RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
-                self._round()
+                        else:  # the head waits for rows; a round of others frees them
+                            self._lock.wait(0.01)
         finally:
             with self._lock:  # a dying worker (a bug, SystemExit) lets the next submission start a new one
                 if self._thread is threading.current_thread():
