@@ -20,10 +20,12 @@ def calib_prompts(tok: Tokenizer, text: str, n: int = 8, prompt_len: int = 48) -
 
 
 def acceptance(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Greedy per-token acceptance rate of the engine's drafter on the prompts."""
+    """Greedy per-token acceptance a of the engine's drafter on the prompts: accepted drafts over
+    draft positions tested (a round stops testing at its first rejection), the estimate the cost
+    model and the K controller use; accepted / drafted would be biased low for K > 1."""
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
-    drafted = sum(o.stats["drafted"] for o in outs)
-    return sum(o.stats["accepted"] for o in outs) / drafted if drafted else 0.0
+    trials = sum(o.stats["draft_trials"] for o in outs)
+    return sum(o.stats["accepted"] for o in outs) / trials if trials else 0.0
 
 
 def k_bounds(a: float, costs: Costs, k_search: int = 8, within: float = 0.9) -> tuple[int, int, int, float]:

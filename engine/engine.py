@@ -326,6 +326,7 @@ class Engine:
             "drafted": t.drafted,
             "accepted": t.accepted,
             "acceptance_rate": t.accepted / t.drafted if t.drafted else None,
+            "token_acceptance": sum(t.pos_accepted) / sum(t.pos_tried) if sum(t.pos_tried) else None,
             "mean_accepted_length": 1 + t.accepted / t.iterations if t.iterations else None,
             "tokens_per_s": t.generated / t.seconds if t.seconds else None,
             "target_passes_per_token": t.iterations / t.generated if t.generated else None,

@@ -70,6 +70,9 @@ class SeqStats:
             "accepted": self.accepted,
             "target_passes": self.target_passes,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            # draft positions tested (accepted ones + one per round that rejected): accepted / trials is the
+            # per-token acceptance a of the cost model (accepted / drafted is biased low for K > 1)
+            "draft_trials": sum(self.pos_tried),
             "per_position_acceptance": [a / t if t else None for a, t in zip(self.pos_accepted, self.pos_tried)],
         }
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.adaptive import Costs, KController, KPolicy, best_k, expected_speedup, expected_tokens
 from engine.errors import InvalidConfigError
@@ -67,3 +68,27 @@ def test_policy_validation():
         KPolicy("heuristic", k=2, k_min=3, k_max=8)
     with pytest.raises(InvalidConfigError, match="needs measured costs"):
         KController(KPolicy("cost-model"))
+
+
+def test_token_acceptance_counts_tested_positions_only():
+    """accepted / trials is the MLE of the per-token acceptance of a geometric run: a round of K drafts
+    that accepts n tests min(n + 1, K) positions. accepted / drafted would be biased low."""
+    from engine.loop import SeqStats
+
+    st = SeqStats()
+    for k, n in [(4, 2), (4, 4), (2, 0), (3, 1)]:
+        st.record(k, n)
+    d = st.to_dict()
+    assert d["draft_trials"] == 3 + 4 + 1 + 2
+    assert d["accepted"] == 7 and d["drafted"] == 13
+    assert d["draft_trials"] == sum(1 for k, n in [(4, 2), (4, 4), (2, 0), (3, 1)] for _ in range(min(n + 1, k)))
+    # with i.i.d. acceptance a, accepted / trials converges to a whatever K is; accepted / drafted does not
+    gen = torch.Generator().manual_seed(0)
+    st, a = SeqStats(), 0.7
+    for _ in range(20000):
+        u = torch.rand(6, generator=gen)
+        n = int((u < a).int().cumprod(0).sum())
+        st.record(6, n)
+    d = st.to_dict()
+    assert abs(d["accepted"] / d["draft_trials"] - a) < 0.01
+    assert d["acceptance_rate"] < a - 0.1

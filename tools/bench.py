@@ -209,8 +209,9 @@ def bench(a: argparse.Namespace) -> int:
         if m in SPEC_MODES and m in engines:
             st, eng = engines[m].stats(), engines[m]
             row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
-            if st["acceptance_rate"] is not None and eng.costs is not None:
-                acc = st["acceptance_rate"]
+            row["token_acceptance"] = st["token_acceptance"]
+            if st["token_acceptance"] is not None and eng.costs is not None:
+                acc = st["token_acceptance"]  # the cost model's per-token a (accepted / drafted is biased low)
                 k = best_k(min(acc, 0.999), eng.costs, 1, eng.policy.k_max)
                 row["predicted_speedup"] = expected_speedup(acc, k, eng.costs)
                 row["costs"] = eng.costs.to_dict()
