@@ -93,15 +93,16 @@ class Engine:
                         costs: Costs | dict | None = None,
                         calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
                         max_waiting: int = 4096, max_seq_len: int | None = None,
-                        cpu_pack: bool | None = None) -> "Engine":
+                        cpu_pack: bool = False) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
         quantizes both models by module swap; None keeps them unquantized. ``calib`` (text or
         token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
-        ``cpu_pack``: give the target's fp32 CPU linears MKL-packed copies for verify-sized inputs
-        (engine/cpu_linear.py; one more copy of those weights per row bucket); None: on when the
-        target runs in fp32 on the CPU and MKL is present.
+        ``cpu_pack``: give the target's fp32 CPU linears MKL-packed copies for 4-32-row inputs
+        (engine/cpu_linear.py; one more copy of those weights per row bucket). Off by default: on a
+        2-core CPU it made a hot 8-row GEMM ~2x cheaper, but in the model (weights streamed from
+        memory) verify passes cost about the same with and without it (see the README).
         """
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
@@ -124,9 +125,7 @@ class Engine:
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
             _apply_plan(plan, target, draft_model, tok, dev, calib)
-        if cpu_pack is None:
-            cpu_pack = dev.type == "cpu" and dt == torch.float32 and packing_available()
-        elif cpu_pack and not (dev.type == "cpu" and dt == torch.float32 and packing_available()):
+        if cpu_pack and not (dev.type == "cpu" and dt == torch.float32 and packing_available()):
             raise InvalidConfigError(f"cpu_pack=True needs device 'cpu', dtype float32 and a PyTorch build with "
                                      f"MKL (device={dev.type!r}, dtype={str(dt).replace('torch.', '')}, "
                                      f"MKL packed ops available={packing_available()})")
