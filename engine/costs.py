@@ -34,15 +34,20 @@ def step_time(model: Transformer, n_tokens: int, *, context: int = 64, batch: in
     pos = (context + torch.arange(n_tokens, device=dev)).expand(batch, n_tokens)
     idx = torch.full((batch, n_tokens), 0, device=dev) + torch.arange(n_tokens, device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    # every row at the same length: the aligned path (slice writes, no mask), as the loop runs a batch of one
     return _best_time(lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx,
-                                      n_layers=n_layers), reps, sync)
+                                      n_layers=n_layers, start=context), reps, sync)
 
 
 def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int = 8,
                   draft_layers: int | None = None, batch: int = 1, reps: int = 5) -> Costs:
     """c and v(K) for K in 1..k_max. ``draft`` None with draft_layers: early exit; both None: n-gram (c = 0)."""
     t1 = step_time(target, 1, batch=batch, reps=reps)
-    v = {k: step_time(target, k + 1, batch=batch, reps=reps) / t1 for k in range(1, k_max + 1)}
+    v: dict[int, float] = {}
+    for k in range(1, k_max + 1):
+        # a verify of more tokens never costs less: a dip is timing noise, and a noisy low v(K) would
+        # lure the controller to a long K (a running max keeps the measured curve monotone)
+        v[k] = max(step_time(target, k + 1, batch=batch, reps=reps) / t1, v.get(k - 1, 0.0))
     if draft is not None:
         c = step_time(draft, 1, batch=batch, reps=reps) / t1
     elif draft_layers is not None:

@@ -92,3 +92,14 @@ def test_token_acceptance_counts_tested_positions_only():
     d = st.to_dict()
     assert abs(d["accepted"] / d["draft_trials"] - a) < 0.01
     assert d["acceptance_rate"] < a - 0.1
+
+
+def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
+    from engine.checkpoint import load_model
+    from engine.costs import measure_costs
+
+    target, draft = (load_model(d, torch.float32, "cpu") for d in (ckpt_dir, draft_dir))
+    costs = measure_costs(target, draft, k_max=6, reps=2)
+    v = [costs.v[k] for k in range(1, 7)]
+    assert all(b >= a for a, b in zip(v, v[1:])), v
+    assert costs.c > 0 and v[0] > 0
