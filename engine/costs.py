@@ -1,7 +1,15 @@
 """Measuring the cost ratios the K controller needs: c = draft step / target step and
-v(K) = verify pass of K+1 tokens / target step, on the device at hand."""
+v(K) = verify pass of K+1 tokens / target step, on the device at hand.
+
+Each repeat times every forward once (target step, draft step, verify of 2..k_max+1
+tokens) and forms the ratios within that repeat; the result is the median over
+repeats. Ratios taken side by side cancel the slow drifts of a shared machine, and a
+median ignores the odd disturbed repeat in either direction (a minimum of separately
+timed runs does not: one lucky draft run made c look half its size).
+"""
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -11,47 +19,55 @@ from .adaptive import Costs
 from .model import KVCache, Transformer
 
 
-def _best_time(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    fn()  # warm-up
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # the least disturbed run: robust to other load on the machine
-
-
-@torch.no_grad()
-def step_time(model: Transformer, n_tokens: int, *, context: int = 64, batch: int = 1,
-              n_layers: int | None = None, reps: int = 5) -> float:
-    """Best-of-reps seconds of one cached forward of n_tokens per row after `context` cached tokens."""
+def cached_forward(model: Transformer, n_tokens: int, *, context: int = 64, batch: int = 1,
+                   n_layers: int | None = None) -> Callable[[], object]:
+    """One cached forward of n_tokens per row after ``context`` cached tokens, every row at the same
+    length: the aligned path (slice writes, no mask) the loop runs for a batch of one."""
     w = model.norm.weight
     dev = w.device
     cache = KVCache(model.config, batch, context + n_tokens + 1, w.dtype, dev)
     toks = torch.randint(0, model.config.vocab_size, (batch, n_tokens), device=dev)
     pos = (context + torch.arange(n_tokens, device=dev)).expand(batch, n_tokens)
     idx = torch.full((batch, n_tokens), 0, device=dev) + torch.arange(n_tokens, device=dev)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    # every row at the same length: the aligned path (slice writes, no mask), as the loop runs a batch of one
-    return _best_time(lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx,
-                                      n_layers=n_layers, start=context), reps, sync)
+    return lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx, n_layers=n_layers,
+                         start=context)
 
 
+@torch.no_grad()
 def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int = 8,
-                  draft_layers: int | None = None, batch: int = 1, reps: int = 5) -> Costs:
+                  draft_layers: int | None = None, batch: int = 1, reps: int = 7) -> Costs:
     """c and v(K) for K in 1..k_max. ``draft`` None with draft_layers: early exit; both None: n-gram (c = 0)."""
-    t1 = step_time(target, 1, batch=batch, reps=reps)
+    dev = target.norm.weight.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    step = cached_forward(target, 1, batch=batch)
+    verify = {k: cached_forward(target, k + 1, batch=batch) for k in range(1, k_max + 1)}
+    if draft is not None:
+        dstep: Callable[[], object] | None = cached_forward(draft, 1, batch=batch)
+    elif draft_layers is not None:
+        dstep = cached_forward(target, 1, batch=batch, n_layers=draft_layers)
+    else:
+        dstep = None
+
+    def timed(fn: Callable[[], object]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    fns = [step, *verify.values()] + ([dstep] if dstep is not None else [])
+    for fn in fns:  # warm-up
+        fn()
+    cs, vs = [], {k: [] for k in verify}
+    for _ in range(reps):
+        t1 = timed(step)
+        for k, fn in verify.items():
+            vs[k].append(timed(fn) / t1)
+        if dstep is not None:
+            cs.append(timed(dstep) / t1)
     v: dict[int, float] = {}
-    for k in range(1, k_max + 1):
+    for k in sorted(vs):
         # a verify of more tokens never costs less: a dip is timing noise, and a noisy low v(K) would
         # lure the controller to a long K (a running max keeps the measured curve monotone)
-        v[k] = max(step_time(target, k + 1, batch=batch, reps=reps) / t1, v.get(k - 1, 0.0))
-    if draft is not None:
-        c = step_time(draft, 1, batch=batch, reps=reps) / t1
-    elif draft_layers is not None:
-        c = step_time(target, 1, batch=batch, n_layers=draft_layers, reps=reps) / t1
-    else:
-        c = 0.0
-    return Costs(c=c, v=v)
+        v[k] = max(statistics.median(vs[k]), v.get(k - 1, 0.0))
+    return Costs(c=statistics.median(cs) if cs else 0.0, v=v)
