@@ -16,7 +16,7 @@ from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDr
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
 from .metrics import metrics_text
-from .model import Transformer
+from .model import Transformer, fuse_projections
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler
 from .tokenizer import Tokenizer
@@ -130,6 +130,8 @@ class Engine:
                                      f"MKL (device={dev.type!r}, dtype={str(dt).replace('torch.', '')}, "
                                      f"MKL packed ops available={packing_available()})")
         packed = pack_linears(target) if cpu_pack else 0
+        # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
+        fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -148,7 +150,7 @@ class Engine:
             costs = Costs.from_dict(costs)
         info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
-                "cpu_packed_linears": packed, "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
+                "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
                    vocab=vocab, device=dev, info=info, max_batch=max_batch, max_waiting=max_waiting,
                    max_seq_len=max_seq_len)

@@ -7,7 +7,7 @@ import transformers as tf
 
 from engine import Engine, SamplingParams
 from engine.checkpoint import load_model
-from engine.model import KVCache
+from engine.model import KVCache, fuse_projections
 from util import make_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -31,10 +31,14 @@ def case(request, tmp_path_factory):
     return arch, d
 
 
-def test_logits_match_transformers(case):
+@pytest.mark.parametrize("fused", [False, True])
+def test_logits_match_transformers(case, fused):
     arch, d = case
     theirs_model = HF[arch].from_pretrained(d, dtype=torch.float32).eval()
     ours = load_model(d, torch.float32)
+    if fused:  # q/k/v and gate/up as one GEMM each (what the Engine runs)
+        assert fuse_projections(ours) == 2 * ours.config.num_hidden_layers
+        assert ours.layers[0].self_attn.q_proj.weight.data_ptr() == ours.layers[0].self_attn.qkv[0].data_ptr()
     x = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = theirs_model(x).logits
@@ -43,9 +47,12 @@ def test_logits_match_transformers(case):
     assert rel <= 1e-4, rel
 
 
-def test_cached_forward_matches_full_forward(case):
+@pytest.mark.parametrize("fused", [False, True])
+def test_cached_forward_matches_full_forward(case, fused):
     _, d = case
     m = load_model(d, torch.float32)
+    if fused:
+        fuse_projections(m)
     x = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
     full = m(x)
     cache = KVCache(m.config, 3, 64, torch.float32, "cpu")
