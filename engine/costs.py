@@ -28,7 +28,7 @@ def cached_forward(model: Transformer, n_tokens: int, *, context: int = 64, batc
     cache = KVCache(model.config, batch, context + n_tokens + 1, w.dtype, dev)
     toks = torch.randint(0, model.config.vocab_size, (batch, n_tokens), device=dev)
     pos = (context + torch.arange(n_tokens, device=dev)).expand(batch, n_tokens)
-    idx = torch.full((batch, n_tokens), 0, device=dev) + torch.arange(n_tokens, device=dev)
+    idx = torch.arange(n_tokens, device=dev).expand(batch, n_tokens)
     return lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx, n_layers=n_layers,
                          start=context)
 

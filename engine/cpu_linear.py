@@ -85,7 +85,7 @@ def pack_linears(model: nn.Module, buckets: Sequence[int] = DEFAULT_BUCKETS) -> 
     """Swap every fp32 CPU ``nn.Linear`` (exactly that class: quantized layers stay) for a
     ``PackedLinear``; returns the number swapped."""
     n = 0
-    for name, mod in list(model.named_modules()):
+    for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
                 setattr(mod, cname, PackedLinear(child, buckets))
@@ -96,4 +96,5 @@ def pack_linears(model: nn.Module, buckets: Sequence[int] = DEFAULT_BUCKETS) -> 
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes held by packed weight copies (on top of the weights themselves)."""
-    return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("packed_"))
+    return sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+               if n.rsplit(".", 1)[-1].startswith("packed_"))

@@ -150,7 +150,8 @@ class Engine:
             costs = Costs.from_dict(costs)
         info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
-                "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
+                "fused_projection_groups": fused, "cpu_packed_linears": packed,
+                "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
                    vocab=vocab, device=dev, info=info, max_batch=max_batch, max_waiting=max_waiting,
                    max_seq_len=max_seq_len)

@@ -153,8 +153,7 @@ class Attention(nn.Module):
                     ks, vs = kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len]
                 else:
                     ks, vs = kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len]
-                # no mask: an aligned block (start), causal bottom-right
-                o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, ctx.mask is None)
+                o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, False)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -307,8 +306,9 @@ class Transformer(nn.Module):
             if start is not None:
                 assert rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"
                 cos, sin = cos_t[None, None, start: start + T], sin_t[None, None, start: start + T]
-                # no mask: bottom-right causal over kv_len = start + T (the window cannot cut inside kv_len)
-                full = window is None or kv_len <= window
+                # one query that sees every key needs no mask; a block gets its mask built once here,
+                # shared by every layer (not rebuilt by the attention function in each of them)
+                full = T == 1 and (window is None or kv_len <= window)
                 mask = None if full else position_mask(input_pos, kv_len, window)
                 ctx = _Ctx(input_pos, None, True, kv_len, mask, start)  # type: ignore[arg-type]
             else:

@@ -222,11 +222,10 @@ class Scheduler:
         try:
             while not all(r.done() for r in reqs):
                 with self._driver:
-                    if all(r.done() for r in reqs):
-                        break
-                    if not self._work_once():
-                        with self._lock:  # our requests wait for rows another driver holds
-                            self._lock.wait(0.01)
+                    worked = not all(r.done() for r in reqs) and self._work_once()
+                if not worked:  # nothing ran (our requests wait for rows): wait without holding the rounds
+                    with self._lock:
+                        self._lock.wait(0.01)
         finally:
             with self._lock:
                 self._callers -= 1
