@@ -1,100 +1,113 @@
-"""fp32 linears on the CPU with MKL-packed weights for the verify shapes.
+"""bf16 linears on the CPU with oneDNN-prepacked weights (AMX / AVX512-BF16 kernels).
 
-PyTorch's default CPU linear changes kernels with the number of rows: on a
-2-core x86 machine a 5-row matmul (a verify pass at K = 4) costs ~1.8x a 1-row
-one (a decode step), which eats most of what speculation saves. MKL's packed
-GEMM (``torch.ops.mkl._mkl_linear``, the path torch.compile's CPU freezing
-takes) with the weight reordered for a fixed row count M costs ~1.1x a decode
-step for every M up to 8. A ``PackedLinear`` keeps the weight (used as is for
-small and very large inputs) plus one packed copy per row bucket; an input of
-M rows is zero-padded up to the smallest bucket >= M. Rows never mix in a GEMM,
-so padding does not change the real rows' values.
+Why: on an x86 CPU a speculative verify pass is a GEMM of K+1 rows where a decode
+step is a GEMV. PyTorch's default fp32 linear switches kernels between 1 and 2+
+rows, and on the 2-core AMX machine this project is developed on a 5-row pass
+costs ~1.8x a 1-row step, which eats most of what speculation saves (measured
+per row count in the README). oneDNN's bf16 matmul with the weight reordered
+once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the
+packing torch.compile's CPU freezing does) streams the weights at the same rate
+for 1 to 16 rows, and the target step itself is ~1.7x faster than fp32.
 
-This is a swap of ``nn.Linear`` modules (``pack_linears``), like quantization;
-each bucket costs one more copy of the weights (reported by ``packed_bytes``).
+A ``OneDNNLinear`` computes every output row independently of the others (one
+packed weight serves every row count): a verify pass then produces bit for bit
+the logits the one-token steps of the same bf16 model would, which
+``tests/test_cpu_linear.py`` checks on the whole model. The fp32 reference is a
+different model numerically; ``tools/bench.py --dtype bfloat16`` reports how often
+its greedy output matches the fp32 one.
+
+This is a swap of ``nn.Linear`` modules (``pack_linears``), like quantization. The
+fused q/k/v and gate/up GEMMs (``model.fuse_projections``) get packed too.
 """
 from __future__ import annotations
 
 import logging
-from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .model import FusedLinear, Transformer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (8, 16, 32)
-MIN_ROWS = 4  # below this the default kernel is as fast (measured: 1-3 rows ~ 1 decode step)
 
-
-def packing_available() -> bool:
-    """MKL is in this PyTorch build and exposes the packed linear ops."""
-    if not torch.backends.mkl.is_available():
+def onednn_bf16_available() -> bool:
+    """This PyTorch build has oneDNN and this CPU runs its bf16 kernels (AVX512-BF16 or AMX)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkl._mkl_reorder_linear_weight  # noqa: B018 (resolves the op or raises)
-        torch.ops.mkl._mkl_linear  # noqa: B018
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
-    return True
 
 
-class PackedLinear(nn.Module):
-    """Same API and parameters as the ``nn.Linear`` it replaces; packed buffers are not saved."""
+def _pack(weight: Tensor) -> Tensor:
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        raise ValueError(f"oneDNN packing needs a bf16 CPU weight, got {weight.dtype} on {weight.device}")
+    # the row count is only a hint for the blocked layout; the packed weight serves every row count
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
-    def __init__(self, linear: nn.Linear, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 min_rows: int = MIN_ROWS) -> None:
+
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class OneDNNLinear(nn.Module):
+    """Same API and parameters as the bf16 ``nn.Linear`` it replaces; the packed copy is not saved."""
+
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
-            raise ValueError(f"PackedLinear needs an fp32 CPU weight, got {w.dtype} on {w.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared (a tied LM head stays tied to the embedding)
         self.bias = linear.bias
-        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
-        self.min_rows = min_rows
-        for b in self.buckets:
-            self.register_buffer(f"packed_{b}", torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), b),
-                                 persistent=False)
-
-    def _bucket(self, m: int) -> int | None:
-        if m < self.min_rows:
-            return None
-        for b in self.buckets:
-            if m <= b:
-                return b
-        return None
+        self.register_buffer("packed", _pack(linear.weight), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        m = x.numel() // self.in_features
-        b = self._bucket(m)
-        if b is None:
-            return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(m, self.in_features)
-        if m < b:
-            x2 = F.pad(x2, (0, 0, 0, b - m))
-        y = torch.ops.mkl._mkl_linear(x2, getattr(self, f"packed_{b}"), self.weight, self.bias, b)
-        return y[:m].view(*x.shape[:-1], self.out_features)
+        return _packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, buckets={self.buckets}, min_rows={self.min_rows}"
+        return f"in={self.in_features}, out={self.out_features}, oneDNN-packed bf16"
 
 
-def pack_linears(model: nn.Module, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-    """Swap every fp32 CPU ``nn.Linear`` (exactly that class: quantized layers stay) for a
-    ``PackedLinear``; returns the number swapped."""
+class PackedFused(FusedLinear):
+    """A fused projection (``model.FusedLinear``) whose GEMM runs on a packed copy of its weight."""
+
+    def __init__(self, fused: FusedLinear) -> None:
+        super().__init__(fused.weight, fused.bias)
+        self.packed = _pack(fused.weight)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _packed_linear(x, self.packed, self.bias)
+
+
+def pack_linears(model: Transformer) -> int:
+    """Swap every bf16 CPU ``nn.Linear`` (exactly that class: quantized layers stay) for a ``OneDNNLinear``
+    and pack the fused projections; returns the number of GEMMs packed."""
     n = 0
+    in_fused: set[int] = set()  # Linears whose GEMM a fused projection runs (their own forward is unused)
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for fused, parts, attr, owner in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj), "qkv", a),
+                                          (m.gate_up, (m.gate_proj, m.up_proj), "gate_up", m)):
+            if type(fused) is FusedLinear and fused.weight.dtype == torch.bfloat16 and fused.weight.device.type == "cpu":
+                setattr(owner, attr, PackedFused(fused))
+                in_fused.update(id(p) for p in parts)
+                n += 1
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(mod, cname, PackedLinear(child, buckets))
+            if (type(child) is nn.Linear and id(child) not in in_fused and child.weight.dtype == torch.bfloat16
+                    and child.weight.device.type == "cpu"):
+                setattr(mod, cname, OneDNNLinear(child))
                 n += 1
-    log.debug("packed %d linears for row buckets %s", n, tuple(buckets))
+    log.debug("oneDNN-packed %d bf16 GEMMs", n)
     return n
 
 
-def packed_bytes(model: nn.Module) -> int:
+def packed_bytes(model: Transformer) -> int:
     """Bytes held by packed weight copies (on top of the weights themselves)."""
-    return sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-               if n.rsplit(".", 1)[-1].startswith("packed_"))
+    total = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "packed")
+    for layer in model.layers:
+        for f in (layer.self_attn.qkv, layer.mlp.gate_up):
+            if isinstance(f, PackedFused):
+                total += f.packed.numel() * f.packed.element_size()
+    return total

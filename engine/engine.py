@@ -11,7 +11,7 @@ import torch
 from .adaptive import Costs, KPolicy
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
-from .cpu_linear import pack_linears, packed_bytes, packing_available
+from .cpu_linear import onednn_bf16_available, pack_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
@@ -93,16 +93,17 @@ class Engine:
                         costs: Costs | dict | None = None,
                         calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
                         max_waiting: int = 4096, max_seq_len: int | None = None,
-                        cpu_pack: bool = False) -> "Engine":
+                        cpu_pack: bool | None = None, draft_dtype: str | torch.dtype | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
         quantizes both models by module swap; None keeps them unquantized. ``calib`` (text or
         token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
-        ``cpu_pack``: give the target's fp32 CPU linears MKL-packed copies for 4-32-row inputs
-        (engine/cpu_linear.py; one more copy of those weights per row bucket). Off by default: on a
-        2-core CPU it made a hot 8-row GEMM ~2x cheaper, but in the model (weights streamed from
-        memory) verify passes cost about the same with and without it (see the README).
+        ``dtype``: the models' dtype (default float32 on the CPU, float16 on CUDA). ``draft_dtype``: the draft
+        model's (default: float32 on the CPU, whose draft step is dispatch-bound and only slowed by bf16
+        conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's bf16 CPU linears on oneDNN-packed
+        weights (engine/cpu_linear.py: a verify pass of up to 16 tokens costs ~1.1x a one-token step);
+        None packs when dtype is bfloat16 on a CPU whose oneDNN runs bf16, True requires it.
         """
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
@@ -116,7 +117,8 @@ class Engine:
         vocab = target.config.vocab_size
         if drafter == "model" and draft_dir is not None:
             dtok = Tokenizer(draft_dir)
-            draft_model = load_model(draft_dir, dt, dev)
+            ddt = resolve_dtype(draft_dtype) if draft_dtype is not None else (torch.float32 if dev.type == "cpu" else dt)
+            draft_model = load_model(draft_dir, ddt, dev)
             if dtok.vocab() != tok.vocab():
                 raise VocabMismatchError(
                     f"draft {draft_dir} and target {target_dir} have different vocabularies: "
@@ -125,13 +127,14 @@ class Engine:
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
             _apply_plan(plan, target, draft_model, tok, dev, calib)
-        if cpu_pack and not (dev.type == "cpu" and dt == torch.float32 and packing_available()):
-            raise InvalidConfigError(f"cpu_pack=True needs device 'cpu', dtype float32 and a PyTorch build with "
-                                     f"MKL (device={dev.type!r}, dtype={str(dt).replace('torch.', '')}, "
-                                     f"MKL packed ops available={packing_available()})")
-        packed = pack_linears(target) if cpu_pack else 0
+        can_pack = dev.type == "cpu" and dt == torch.bfloat16 and onednn_bf16_available()
+        if cpu_pack and not can_pack:
+            raise InvalidConfigError(f"cpu_pack=True needs device 'cpu', dtype bfloat16 and a CPU with oneDNN bf16 "
+                                     f"kernels (device={dev.type!r}, dtype={str(dt).replace('torch.', '')}, "
+                                     f"oneDNN bf16 available={onednn_bf16_available()})")
         # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
         fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
+        packed = pack_linears(target) if (can_pack if cpu_pack is None else cpu_pack) else 0
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -150,6 +153,7 @@ class Engine:
             costs = Costs.from_dict(costs)
         info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
+                "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
                 "fused_projection_groups": fused, "cpu_packed_linears": packed,
                 "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
@@ -316,7 +320,8 @@ class Engine:
         snap = self.scheduler.snapshot()
         t = snap["totals"]
         mem = {"kv_cache_bytes": self.loop.cache.nbytes if self.loop.cache is not None else 0,
-               "target_weight_bytes": _module_bytes(self.target)}
+               "target_weight_bytes": _module_bytes(self.target),
+               "cpu_packed_bytes": packed_bytes(self.target)}  # packed copies (cpu_pack), not in the above
         if self.draft_model is not None:
             mem["draft_weight_bytes"] = _module_bytes(self.draft_model)
         if self.device.type == "cuda":
@@ -396,8 +401,10 @@ def _runtime_stats(engine: Engine) -> dict[str, Any]:
 
 
 def _module_bytes(m: torch.nn.Module) -> int:
+    """Parameters and buffers (quantized weights, scales), without cpu_linear's packed copies."""
     seen, n = set(), 0
-    for t in list(m.parameters()) + list(m.buffers()):
+    bufs = [b for name, b in m.named_buffers() if name.rsplit(".", 1)[-1] != "packed"]
+    for t in list(m.parameters()) + bufs:
         if id(t) not in seen:
             seen.add(id(t))
             n += t.numel() * t.element_size()

@@ -122,14 +122,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, h, bias=cfg.o_bias)
-        self.qkv: tuple[Tensor, Tensor | None] | None = None  # fused weight, bias (fuse_projections)
+        self.qkv: FusedLinear | None = None  # q/k/v as one GEMM (fuse_projections)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
                 cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         if self.qkv is not None:  # one GEMM, one rotation for q and k together
-            qkv = F.linear(x, *self.qkv).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+            qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
             qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
         else:
@@ -164,16 +164,27 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.gate_up: tuple[Tensor, Tensor | None] | None = None  # fused weight, bias (fuse_projections)
+        self.gate_up: FusedLinear | None = None  # gate/up as one GEMM (fuse_projections)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _fuse(mods: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None] | None:
+class FusedLinear:
+    """Several Linears' outputs from one GEMM. Not a Module: the Linears keep the parameters (as views
+    of ``weight``), so state_dict and checkpoints are unchanged. engine/cpu_linear.py packs it."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fuse(mods: tuple[nn.Module, ...]) -> FusedLinear | None:
     """One weight (and bias) stacking the Linears' outputs; each Linear's weight becomes a view of it,
     so no memory is added and the modules (names, state_dict) stay as the checkpoint has them.
     None when any of them is not a plain nn.Linear (a quantized or packed layer) or they differ in
@@ -192,7 +203,7 @@ def _fuse(mods: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor | None] | None:
     if b is not None:
         for m, part in zip(mods, b.split(rows)):
             m.bias = nn.Parameter(part, requires_grad=False)
-    return w, b
+    return FusedLinear(w, b)
 
 
 def fuse_projections(model: "Transformer") -> int:

@@ -1,4 +1,4 @@
-"""MKL-packed CPU linears: the same function as nn.Linear, on every row count and through the engine."""
+"""oneDNN-packed bf16 CPU linears: the same function as the bf16 nn.Linear, row by row, and through the engine."""
 from __future__ import annotations
 
 import pytest
@@ -6,58 +6,84 @@ import torch
 from torch import nn
 
 from engine import Engine, SamplingParams
-from engine.cpu_linear import PackedLinear, pack_linears, packed_bytes, packing_available
+from engine.checkpoint import load_model
+from engine.cpu_linear import OneDNNLinear, PackedFused, onednn_bf16_available, pack_linears, packed_bytes
 from engine.errors import InvalidConfigError
+from engine.model import FusedLinear, fuse_projections
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no MKL packed linear")
+needs_onednn = pytest.mark.skipif(not onednn_bf16_available(), reason="this CPU/PyTorch has no oneDNN bf16 kernels")
 
 
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_equals_linear_for_every_row_count(bias):
+def test_packed_matches_linear_for_every_row_count_and_rows_are_independent(bias):
     torch.manual_seed(0)
-    lin = nn.Linear(96, 80, bias=bias)
-    packed = PackedLinear(lin, buckets=(8, 16))
-    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
-        x = torch.randn(2, rows, 96) if rows % 2 == 0 else torch.randn(rows, 96)
-        want = lin(x.double().float())
-        got = packed(x)
-        assert got.shape == want.shape
-        # fp32 GEMM kernels differ only in summation order
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lin = nn.Linear(96, 80, bias=bias).bfloat16()
+    packed = OneDNNLinear(lin)
+    ref = nn.Linear(96, 80, bias=bias)
+    ref.load_state_dict({k: v.float() for k, v in lin.state_dict().items()})
+    x = torch.randn(17, 96).bfloat16()
+    full = packed(x)
+    for rows in (1, 2, 3, 5, 8, 16, 17):
+        got = packed(x[:rows])
+        # each row is computed on its own: a verify pass of K+1 rows gives the one-row results bit for bit
+        assert torch.equal(got, full[:rows])
+        # the fp32 result of the same bf16 inputs, up to the bf16 rounding of the output
+        torch.testing.assert_close(got.float(), ref(x[:rows].float()), rtol=1e-2, atol=1e-2)
+    assert torch.equal(packed(x.view(1, 17, 96)), full.view(1, 17, 80))
 
 
-def test_padding_rows_do_not_change_real_rows():
-    torch.manual_seed(1)
-    packed = PackedLinear(nn.Linear(64, 32), buckets=(8,))
-    x = torch.randn(5, 64)
-    alone = packed(x)
-    padded = packed(torch.cat([x, torch.randn(3, 64)]))[:5]
-    assert torch.equal(alone, padded)
-
-
-def test_pack_linears_swaps_fp32_linears_only_and_keeps_ties():
-    emb = nn.Embedding(50, 32)
-    model = nn.ModuleDict({"a": nn.Linear(32, 32), "head": nn.Linear(32, 50, bias=False),
-                           "fp16": nn.Linear(32, 32).half()})
-    model["head"].weight = emb.weight
-    assert pack_linears(model, buckets=(8,)) == 2
-    assert isinstance(model["a"], PackedLinear) and type(model["fp16"]) is nn.Linear
-    assert model["head"].weight is emb.weight  # a tied head stays tied
+@needs_onednn
+def test_pack_linears_swaps_bf16_linears_packs_fused_groups_and_keeps_the_checkpoint(ckpt_dir):
+    model = load_model(ckpt_dir, torch.bfloat16)
+    names = set(model.state_dict())
+    fuse_projections(model)
+    n_lin = sum(type(m) is nn.Linear for m in model.modules())
+    n_layers = len(model.layers)
+    assert pack_linears(model) == n_lin - 5 * n_layers + 2 * n_layers  # q,k,v,gate,up run fused
+    a = model.layers[0].self_attn
+    assert isinstance(a.qkv, PackedFused) and isinstance(a.o_proj, OneDNNLinear)
+    assert type(a.q_proj) is nn.Linear  # its GEMM is the fused one: no second packed copy
+    assert model.lm_head.weight is model.embed_tokens.weight or not model.config.tie_word_embeddings
+    assert set(model.state_dict()) == names  # packed copies are not saved
     assert packed_bytes(model) > 0
-    assert "packed_8" not in str(list(model.state_dict()))  # checkpoints are unchanged
 
 
-def test_engine_output_is_identical_with_and_without_packing(ckpt_dir, draft_dir):
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(20, 45))]
-    p = SamplingParams(max_new_tokens=24, temperature=0.0)
-    outs = []
-    for pack in (False, True):
-        eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4, adaptive_k=False, cpu_pack=pack)
-        assert (eng.info["cpu_packed_linears"] > 0) == pack
-        outs.append([c.token_ids for c in eng.generate(prompts, p)])
-    assert outs[0] == outs[1]
+@needs_onednn
+def test_packed_model_logits_match_the_fp32_model_within_bf16_rounding(ckpt_dir):
+    tokens = torch.tensor([[1, 5, 9, 33, 2, 7, 120, 44]])
+    ref = load_model(ckpt_dir, torch.float32)(tokens)
+    plain = load_model(ckpt_dir, torch.bfloat16)
+    fuse_projections(plain)
+    unpacked = plain(tokens).float()
+    pack_linears(plain)
+    packed = plain(tokens).float()
+    scale = ref.abs().max()
+    assert (packed - unpacked).abs().max() <= 0.02 * scale
+    assert (packed - ref).abs().max() <= 0.05 * scale
 
 
-def test_cpu_pack_refused_off_the_cpu_or_in_half_precision(ckpt_dir):
-    with pytest.raises(InvalidConfigError, match="cpu_pack"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, dtype="float16", cpu_pack=True)
+@needs_onednn
+def test_engine_packs_bf16_by_default_and_decodes(ckpt_dir, draft_dir):
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4, adaptive_k=False, dtype="bfloat16")
+    assert eng.info["cpu_packed_linears"] > 0 and eng.info["draft_dtype"] == "float32"
+    assert eng.stats()["memory"]["cpu_packed_bytes"] > 0
+    out = eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=24))[0]
+    assert len(out.token_ids) == 24 and eng.stats()["drafted"] > 0
+    off = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", cpu_pack=False)
+    assert off.info["cpu_packed_linears"] == 0
+
+
+def test_cpu_pack_refused_outside_bf16_on_the_cpu(ckpt_dir):
+    with pytest.raises(InvalidConfigError, match="cpu_pack=True needs .*dtype bfloat16.*dtype=float32"):
+        Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
+    assert Engine.from_pretrained(ckpt_dir, drafter=None).info["cpu_packed_linears"] == 0  # fp32: not packed
+
+
+def test_fused_linear_is_the_stacked_linears():
+    torch.manual_seed(2)
+    a, b = nn.Linear(16, 8), nn.Linear(16, 4)
+    x = torch.randn(3, 16)
+    want = torch.cat([a(x), b(x)], -1)
+    fused = FusedLinear(torch.cat([a.weight, b.weight]), torch.cat([a.bias, b.bias]))
+    torch.testing.assert_close(fused(x), want)

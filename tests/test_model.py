@@ -38,7 +38,7 @@ def test_logits_match_transformers(case, fused):
     ours = load_model(d, torch.float32)
     if fused:  # q/k/v and gate/up as one GEMM each (what the Engine runs)
         assert fuse_projections(ours) == 2 * ours.config.num_hidden_layers
-        assert ours.layers[0].self_attn.q_proj.weight.data_ptr() == ours.layers[0].self_attn.qkv[0].data_ptr()
+        assert ours.layers[0].self_attn.q_proj.weight.data_ptr() == ours.layers[0].self_attn.qkv.weight.data_ptr()
     x = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = theirs_model(x).logits

@@ -147,6 +147,9 @@ def test_bench_sweep_json_and_plot_on_the_tiny_pair(tiny_demo, tmp_path, capsys)
     for m in r["modes"]:  # the existing schema's fields stay
         assert {"name", "tokens_per_s", "speedup_vs_plain", "acceptance_rate", "mean_accepted_length",
                 "predicted_speedup", "repeats"} <= set(m)
+    for m in r["modes"]:  # fp32 greedy speculation is token-identical to the target alone
+        assert m["match_vs_plain"] == {"identical": 1.0, "prefix": 1.0} == m["match_vs_float32"]
+    assert r["settings"]["dtype"] == "float32"
     k3 = r["modes"][3]
     assert k3["fixed_k"] == 3 and len(k3["per_position_acceptance"]) <= 3 and k3["per_position_requests"][0] == 2
     sw = r["sweep"]
@@ -156,6 +159,35 @@ def test_bench_sweep_json_and_plot_on_the_tiny_pair(tiny_demo, tmp_path, capsys)
     for run in sw["runs"]:
         assert run["predicted_speedup"] == pytest.approx(expected_speedup(sw["acceptance"], run["k"], costs))
     check_png(tmp_path / "r.png")
+
+
+def test_bench_match_rate_on_hand_made_outputs():
+    bench = load_tool("bench")
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    assert bench.match_rate(ref, ref) == {"identical": 1.0, "prefix": 1.0}
+    got = bench.match_rate([[1, 2, 0, 4], [5, 6, 7, 8], [0, 9]], ref)  # prefixes 2/4, 4/4, 0/2
+    assert got["identical"] == pytest.approx(1 / 3) and got["prefix"] == pytest.approx((0.5 + 1 + 0) / 3)
+    with pytest.raises(ValueError):
+        bench.match_rate([[1]], ref)
+
+
+def test_bench_bfloat16_reports_match_rates_against_float32(tiny_demo, tmp_path, capsys):
+    from engine.cpu_linear import onednn_bf16_available
+
+    if not onednn_bf16_available():
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    t, d = tiny_demo
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fibonacci(n):\nThe with statement\n", encoding="utf-8")
+    rc, out, _ = run_bench(["--target", str(t), "--draft", str(d), "--prompts", str(prompts), "--repeats", "1",
+                            "--max-new-tokens", "8", "--no-hf", "--modes", "specmix-model", "--sweep-k", "",
+                            "--dtype", "bfloat16", "--json", str(tmp_path / "r.json")], capsys)
+    assert rc == 0 and "same as fp32" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["settings"]["dtype"] == "bfloat16" and r["settings"]["draft_dtype"] == "float32"
+    for m in r["modes"]:
+        for f in ("match_vs_plain", "match_vs_float32"):
+            assert 0.0 <= m[f]["identical"] <= m[f]["prefix"] <= 1.0
 
 
 # ---------------------------------------------------------------------------- build report

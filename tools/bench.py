@@ -36,6 +36,7 @@ from engine.report import aggregate_positions, bench_series, draw_bench, require
 SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit"}
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
 DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
+DTYPES = ("float32", "bfloat16")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the target's dtype for every mode, transformers' too (default float32; the draft stays "
+                        "float32 on the CPU). bfloat16 is not token-identical to float32: the table then "
+                        "reports each mode's greedy match rate against the float32 target")
     p.add_argument("--modes", default=None, help="comma-separated subset of modes")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
     p.add_argument("--json", type=Path)
@@ -87,26 +92,45 @@ def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
     return [paras[i * step][:160] for i in range(4)]
 
 
-def spec_runner(eng: Engine, prompts: list[str], n: int,
-                sink: list[dict[str, Any]] | None = None) -> Callable[[], tuple[int, float]]:
-    """Generate every prompt once; each Completion's stats go to ``sink`` (when given)."""
+def spec_runner(eng: Engine, prompts: list[str], n: int, sink: list[dict[str, Any]] | None = None,
+                outputs: list[list[int]] | None = None) -> Callable[[], tuple[int, float]]:
+    """Generate every prompt once; each Completion's stats go to ``sink`` and the token ids of the latest
+    run to ``outputs`` (when given)."""
     sp = SamplingParams(max_new_tokens=n)
 
     def run() -> tuple[int, float]:
-        t0, toks = time.perf_counter(), 0
+        t0, toks, ids = time.perf_counter(), 0, []
         for p in prompts:
             out = eng.generate(p, sp)[0]
             toks += len(out.token_ids)
+            ids.append(out.token_ids)
             if sink is not None:
                 sink.append(out.stats)
-        return toks, time.perf_counter() - t0
+        secs = time.perf_counter() - t0
+        if outputs is not None:
+            outputs[:] = ids
+        return toks, secs
     return run
 
 
-def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int):
+def match_rate(outs: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
+    """Greedy agreement of outputs with reference outputs of the same prompts: the share of prompts whose
+    output is identical, and the mean share of each reference output that the output reproduces before
+    its first differing token (after one flip the continuations diverge, so later tokens say nothing)."""
+    if len(outs) != len(ref) or not ref:
+        raise ValueError("match_rate needs one output per reference output")
+    prefix = []
+    for o, r in zip(outs, ref):
+        same = next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), min(len(o), len(r)))
+        prefix.append(same / max(1, len(r)))
+    return {"identical": sum(o == r for o, r in zip(outs, ref)) / len(ref), "prefix": statistics.fmean(prefix)}
+
+
+def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int,
+              dtype: torch.dtype = torch.float32):
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(target / "tokenizer.json"))
     kw: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     counts = {"target": 0, "draft": 0}
@@ -157,15 +181,19 @@ def bench(a: argparse.Namespace) -> int:
         target, draft = a.target, a.draft
     prompts = load_prompts(a, root)
     n = a.max_new_tokens
-    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None)}
+    dt = a.dtype
+    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None, dtype=dt)}
     for mode, drafter in SPEC_MODES.items():
-        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k)
+        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k,
+                                               dtype=dt)
     costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
     for mode, k in sweep_modes.items():
-        engines[mode] = Engine.from_pretrained(target, draft, drafter="model", k=k, adaptive_k=False, costs=costs)
+        engines[mode] = Engine.from_pretrained(target, draft, drafter="model", k=k, adaptive_k=False, costs=costs,
+                                               dtype=dt)
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
-    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m))
+    outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
+    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m), outputs[m])
                                                           for m, e in engines.items()}
     hf_counts = {}
     have_hf = not a.no_hf
@@ -176,7 +204,7 @@ def bench(a: argparse.Namespace) -> int:
             have_hf = False
     if have_hf:
         for mode in HF_MODES:
-            runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k)
+            runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k, getattr(torch, dt))
     if a.modes:
         keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes)
         runners = {m: r for m, r in runners.items() if m in keep}
@@ -194,12 +222,19 @@ def bench(a: argparse.Namespace) -> int:
             toks, secs = r()
             rates[m].append(toks / secs)
     plain = statistics.median(rates["plain"])
+    reference = outputs["plain"]  # greedy outputs of the target alone, in --dtype
+    if dt != "float32":  # ... and of the float32 target, which the reduced precision is measured against
+        reference = []
+        spec_runner(Engine.from_pretrained(target, drafter=None), prompts, n, outputs=reference)()
     modes = []
     for m in runners:
         tps = statistics.median(rates[m])
         row: dict[str, Any] = {"name": m, "tokens_per_s": tps, "speedup_vs_plain": tps / plain,
                                "acceptance_rate": None, "mean_accepted_length": None, "predicted_speedup": None,
                                "repeats": rates[m], "fixed_k": sweep_modes.get(m)}
+        if m in outputs:  # spec vs the target alone in this dtype (1.0 in float32), and vs the float32 target
+            row["match_vs_plain"] = match_rate(outputs[m], outputs["plain"])
+            row["match_vs_float32"] = match_rate(outputs[m], reference)
         if m in sinks:
             pos = aggregate_positions(sinks[m])
             row["per_position_acceptance"], row["per_position_requests"] = pos["acceptance"], pos["requests"]
@@ -224,7 +259,8 @@ def bench(a: argparse.Namespace) -> int:
     result = {"modes": modes, "pair": {"target": str(target), "draft": str(draft)},
               "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
                            "prompts": prompts, "threads": torch.get_num_threads(),
-                           "greedy": True, "dtype": "float32", "batch": 1, "sweep_k": sweep},
+                           "greedy": True, "dtype": dt, "draft_dtype": engines["specmix-model"].info["draft_dtype"],
+                           "batch": 1, "sweep_k": sweep},
               "sweep": sweep_result}
     from engine.profile import write_bytes_atomic, write_json_atomic
 
@@ -259,11 +295,12 @@ def sweep_summary(modes: list[dict[str, Any]], sweep_modes: dict[str, int], sink
 
 def print_table(modes: list[dict[str, Any]]) -> None:
     fmt = (lambda x, f: "-" if x is None else format(x, f))
-    rows = [("mode", "tok/s", "x plain", "accept", "mean len", "predicted")]
+    rows = [("mode", "tok/s", "x plain", "accept", "mean len", "predicted", "same as plain", "same as fp32")]
     for m in modes:
+        same = [None if m.get(f) is None else m[f]["identical"] for f in ("match_vs_plain", "match_vs_float32")]
         rows.append((m["name"], fmt(m["tokens_per_s"], ".1f"), fmt(m["speedup_vs_plain"], ".2f"),
                      fmt(m["acceptance_rate"], ".3f"), fmt(m["mean_accepted_length"], ".2f"),
-                     fmt(m["predicted_speedup"], ".2f")))
+                     fmt(m["predicted_speedup"], ".2f"), fmt(same[0], ".0%"), fmt(same[1], ".0%")))
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(x) for c, x in zip(r, w)))
