@@ -89,7 +89,8 @@ def pack_linears(model: Transformer) -> int:
         a, m = layer.self_attn, layer.mlp
         for fused, parts, attr, owner in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj), "qkv", a),
                                           (m.gate_up, (m.gate_proj, m.up_proj), "gate_up", m)):
-            if type(fused) is FusedLinear and fused.weight.dtype == torch.bfloat16 and fused.weight.device.type == "cpu":
+            w = None if fused is None else fused.weight
+            if type(fused) is FusedLinear and w.dtype == torch.bfloat16 and w.device.type == "cpu":
                 setattr(owner, attr, PackedFused(fused))
                 in_fused.update(id(p) for p in parts)
                 n += 1

@@ -117,7 +117,8 @@ class Engine:
         vocab = target.config.vocab_size
         if drafter == "model" and draft_dir is not None:
             dtok = Tokenizer(draft_dir)
-            ddt = resolve_dtype(draft_dtype) if draft_dtype is not None else (torch.float32 if dev.type == "cpu" else dt)
+            default_ddt = torch.float32 if dev.type == "cpu" else dt
+            ddt = resolve_dtype(draft_dtype) if draft_dtype is not None else default_ddt
             draft_model = load_model(draft_dir, ddt, dev)
             if dtok.vocab() != tok.vocab():
                 raise VocabMismatchError(

@@ -36,7 +36,7 @@ from torch import Tensor
 from .adaptive import KController
 from .drafters import DraftBatch, Drafter
 from .model import KVCache, Transformer
-from .rejection import rejection_sample
+from .rejection import greedy_accept, rejection_sample
 from .sampling import RowProcessing, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -207,8 +207,11 @@ class DecodeLoop:
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
         scored = torch.arange(kmax + 1, device=dev) <= num_draft[:, None]  # [B, K+1] positions that count
         bad = ((~torch.isfinite(logits[..., :V])).any(-1) & scored).any(-1)  # [B] non-finite rows
-        q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
-        out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
+        if proc.mode == "greedy" and dprobs is None:  # one-hot p and q: compare argmaxes, build no distributions
+            out, nacc = greedy_accept(drafts, logits[..., :V].argmax(-1), num_draft)
+        else:
+            q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
+            out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
         res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
 
         events = []

@@ -90,3 +90,20 @@ def rejection_sample(
     tokens = torch.where(keep, padded, torch.zeros_like(padded))  # [B, K+1]
     tokens = tokens.scatter(-1, num_accepted.unsqueeze(-1), new_token.unsqueeze(-1))
     return tokens, num_accepted
+
+
+def greedy_accept(
+    draft_tokens: Tensor,  # [B, K] int64 proposed ids (entries beyond num_draft[b] are ignored)
+    target_argmax: Tensor,  # [B, K+1] int64 argmax of the raw target logits at each scored position
+    num_draft: Tensor,  # [B] int64, K_b <= K drafts of row b
+) -> tuple[Tensor, Tensor]:  # tokens [B, K+1] int64, num_accepted [B] int64
+    """``rejection_sample`` for a batch whose rows are all greedy, without building distributions:
+    with one-hot p and q the rule is "accept while d_i == argmax q_i; the first mismatch (or the bonus
+    position) takes argmax q". Same outputs, entries after n are 0."""
+    bsz, k = draft_tokens.shape
+    pos = torch.arange(k + 1, device=draft_tokens.device)  # [K+1]
+    match = (draft_tokens == target_argmax[:, :k]) & (pos[:k].unsqueeze(0) < num_draft.unsqueeze(-1))  # [B, K]
+    num_accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    tokens = torch.where(pos.unsqueeze(0) <= num_accepted.unsqueeze(-1), target_argmax,
+                         torch.zeros_like(target_argmax))  # [B, K+1]: accepted drafts equal the argmax
+    return tokens, num_accepted

@@ -20,7 +20,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.rejection import acceptance, rejection_sample
+from engine.rejection import acceptance, greedy_accept, rejection_sample
 from engine.sampling import process_logits
 
 ALPHA = 1e-4
@@ -279,6 +279,23 @@ def test_greedy_reduces_to_argmax_matching(with_draft_probs: bool) -> None:
         n = int(n_acc[b])
         assert tokens[b, :n].tolist() == d[b, :n].tolist()
         assert int(tokens[b, n]) == int(a[b, n])
+
+
+def test_greedy_accept_equals_rejection_sample_on_one_hot_rows() -> None:
+    g = torch.Generator().manual_seed(21)
+    B, K, V = 500, 5, 6
+    t_logits = torch.randn(B, K + 1, V, generator=g)
+    a = t_logits.argmax(-1)  # [B, K+1]
+    d = torch.where(torch.rand(B, K, generator=g) < 0.6, a[:, :K], torch.randint(0, V, (B, K), generator=g))
+    num = torch.randint(0, K + 1, (B,), generator=g)  # ragged, including rows with no drafts
+    q = torch.nn.functional.one_hot(a, V).float()
+    want_t, want_n = rejection_sample(d, None, q, num, torch.rand(B, K, generator=g),
+                                      torch.empty(B, V).exponential_(generator=g))
+    got_t, got_n = greedy_accept(d, a, num)
+    assert torch.equal(got_n, want_n) and torch.equal(got_t, want_t)
+    assert (got_n == num).any() and (got_n < num).any() and (num == 0).any()
+    t0, n0 = greedy_accept(d[:, :0], a[:, :1], torch.zeros(B, dtype=torch.long))  # K = 0: a plain step
+    assert torch.equal(t0, a[:, :1]) and not n0.any()
 
 
 def test_ragged_rows_and_bonus() -> None:
