@@ -26,8 +26,9 @@ POLICIES = ("constant", "heuristic", "cost-model")
 class Costs:
     """Measured cost ratios, relative to one target decode step."""
 
-    c: float  # draft step / target step
-    v: dict[int, float] = field(default_factory=dict)  # K -> verify(K+1 tokens) / target step
+    c: float  # draft step / target step (a warm step: engine/costs.py)
+    # K -> verify(K+1 tokens) / target step, plus any other per-round cost (the round's first, cold draft step)
+    v: dict[int, float] = field(default_factory=dict)
 
     def verify(self, k: int) -> float:
         if k in self.v:

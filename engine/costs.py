@@ -1,6 +1,12 @@
 """Measuring the cost ratios the K controller needs: c = draft step / target step and
 v(K) = verify pass of K+1 tokens / target step, on the device at hand.
 
+A round's first draft step runs right after the previous verify pass has streamed the
+target's weights through the caches, so it costs more than the K - 1 steps after it
+(measured ~2x for the demo draft on the CPU). The cost model prices K draft steps at
+K * c; the first step's extra is a per-round cost like the verify pass, so c is the warm
+step and the extra is added to every v(K): c_cold + (K-1) c_warm + verify = K c + v(K).
+
 Each repeat times every forward once (target step, draft step, verify of 2..k_max+1
 tokens) and forms the ratios within that repeat; the result is the median over
 repeats. Ratios taken side by side cancel the slow drifts of a shared machine, and a
@@ -58,16 +64,19 @@ def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int 
     fns = [step, *verify.values()] + ([dstep] if dstep is not None else [])
     for fn in fns:  # warm-up
         fn()
-    cs, vs = [], {k: [] for k in verify}
+    cs, cold, vs = [], [], {k: [] for k in verify}
     for _ in range(reps):
         t1 = timed(step)
         for k, fn in verify.items():
             vs[k].append(timed(fn) / t1)
-        if dstep is not None:
+        if dstep is not None:  # after the largest verify, as in a round: a cold step, then a warm one
+            first = timed(dstep)
             cs.append(timed(dstep) / t1)
+            cold.append(first / t1)
+    extra = max(0.0, statistics.median(cold) - statistics.median(cs)) if cs else 0.0
     v: dict[int, float] = {}
     for k in sorted(vs):
         # a verify of more tokens never costs less: a dip is timing noise, and a noisy low v(K) would
         # lure the controller to a long K (a running max keeps the measured curve monotone)
-        v[k] = max(statistics.median(vs[k]), v.get(k - 1, 0.0))
+        v[k] = max(statistics.median(vs[k]) + extra, v.get(k - 1, 0.0))
     return Costs(c=statistics.median(cs) if cs else 0.0, v=v)
