@@ -31,11 +31,11 @@ import torch
 from torch import Tensor
 
 from .errors import KernelUnavailableError
-from .model import AttentionFn, sdpa_attention
+from .model import AttentionFn, math_attention, sdpa_attention
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("sdpa", "flash-attn-2")
+ATTENTION_BACKENDS = ("sdpa", "math", "flash-attn-2")
 ATTENTION_CHOICES = ATTENTION_BACKENDS + ("auto",)
 FLASH_MIN_CC = (8, 0)
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -83,6 +83,8 @@ def attention_available(name: str, device: torch.device | str, facts: HardwareFa
     f = facts or probe_hardware(device)
     if name == "sdpa":
         return True, "PyTorch scaled_dot_product_attention"
+    if name == "math":
+        return True, "two matmuls around an fp32 softmax (row-exact verify with bf16 on the CPU)"
     if name == "flash-attn-2":
         if f.device_type != "cuda":
             return False, "needs a CUDA device (this is the CPU); the plan's CPU variant uses 'sdpa'"
@@ -109,7 +111,7 @@ def select_attention(name: str, device: torch.device | str, facts: HardwareFacts
     if not ok:
         raise KernelUnavailableError(f"attention backend {name!r} is unavailable: {why}")
     log.debug("attention backend %s: %s", name, why)
-    return sdpa_attention if name == "sdpa" else FlashAttention()
+    return {"sdpa": sdpa_attention, "math": math_attention}.get(name) or FlashAttention()
 
 
 FlashKernel = Callable[..., Tensor]

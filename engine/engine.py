@@ -16,6 +16,7 @@ from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDr
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
 from .metrics import metrics_text
+from .backends import select_attention
 from .model import Transformer, fuse_projections
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler
@@ -93,7 +94,8 @@ class Engine:
                         costs: Costs | dict | None = None,
                         calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
                         max_waiting: int = 4096, max_seq_len: int | None = None,
-                        cpu_pack: bool | None = None, draft_dtype: str | torch.dtype | None = None) -> "Engine":
+                        cpu_pack: bool | None = None, draft_dtype: str | torch.dtype | None = None,
+                        attention: str | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
@@ -104,6 +106,10 @@ class Engine:
         conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's bf16 CPU linears on oneDNN-packed
         weights (engine/cpu_linear.py: a verify pass of up to 16 tokens costs ~1.1x a one-token step);
         None packs when dtype is bfloat16 on a CPU whose oneDNN runs bf16, True requires it.
+        ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
+        "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
+        speculation reproduces the bf16 target exactly; it costs ~8% of speculative and ~20% of plain
+        decode speed on the demo pair) and "sdpa" otherwise. A plan's attention backend overrides it.
         """
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
@@ -127,6 +133,9 @@ class Engine:
                     f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})")
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
+            if attention is not None:
+                raise InvalidConfigError(f"attention={attention!r} is invalid with a plan: the plan names the "
+                                         f"backend (plan.attention_backend={plan.attention_backend!r}); allowed None")
             _apply_plan(plan, target, draft_model, tok, dev, calib)
         can_pack = dev.type == "cpu" and dt == torch.bfloat16 and onednn_bf16_available()
         if cpu_pack and not can_pack:
@@ -136,6 +145,8 @@ class Engine:
         # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
         fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
         packed = pack_linears(target) if (can_pack if cpu_pack is None else cpu_pack) else 0
+        if plan is None:
+            target.attn_fn = select_attention(attention or ("math" if packed else "sdpa"), dev)
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -156,6 +167,7 @@ class Engine:
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
                 "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
                 "fused_projection_groups": fused, "cpu_packed_linears": packed,
+                "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
                 "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
                    vocab=vocab, device=dev, info=info, max_batch=max_batch, max_waiting=max_waiting,
@@ -368,8 +380,6 @@ def _apply_plan(plan: Any, target: Transformer, draft: Transformer | None, tok: 
     """Quantize target and draft by module swap, as the PrecisionPlan says."""
     from quant.apply import apply_plan, collect_activation_stats
     from quant.plan import PrecisionPlan
-
-    from .backends import select_attention
 
     if not isinstance(plan, PrecisionPlan):
         raise InvalidConfigError(f"plan={type(plan).__name__} is invalid: allowed a quant.plan.PrecisionPlan or None")

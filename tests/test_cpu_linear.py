@@ -74,6 +74,19 @@ def test_engine_packs_bf16_by_default_and_decodes(ckpt_dir, draft_dir):
     assert off.info["cpu_packed_linears"] == 0
 
 
+def test_attention_choice_and_refusals(ckpt_dir):
+    from engine.errors import EngineError
+
+    assert Engine.from_pretrained(ckpt_dir, drafter=None).info["attention"] == "sdpa_attention"
+    assert Engine.from_pretrained(ckpt_dir, drafter=None, attention="math").info["attention"] == "math_attention"
+    with pytest.raises(EngineError, match="unknown attention backend 'bogus'.*allowed: sdpa, math"):
+        Engine.from_pretrained(ckpt_dir, drafter=None, attention="bogus")
+    if onednn_bf16_available():  # bf16 with packed GEMMs: math by default, sdpa on request
+        assert Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16").info["attention"] == "math_attention"
+        eng = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", attention="sdpa")
+        assert eng.info["attention"] == "sdpa_attention"
+
+
 def test_cpu_pack_refused_outside_bf16_on_the_cpu(ckpt_dir):
     with pytest.raises(InvalidConfigError, match="cpu_pack=True needs .*dtype bfloat16.*dtype=float32"):
         Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
@@ -87,3 +100,46 @@ def test_fused_linear_is_the_stacked_linears():
     want = torch.cat([a(x), b(x)], -1)
     fused = FusedLinear(torch.cat([a.weight, b.weight]), torch.cat([a.bias, b.bias]))
     torch.testing.assert_close(fused(x), want)
+
+
+# ---------------------------------------------------------------- bf16 speculation is exact
+PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
+PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]
+
+
+@needs_onednn
+def test_bf16_verify_block_equals_one_token_steps_bit_for_bit(ckpt_dir):
+    from engine.model import KVCache, math_attention
+
+    m = load_model(ckpt_dir, torch.bfloat16)
+    fuse_projections(m)
+    pack_linears(m)
+    m.attn_fn = math_attention
+    toks = torch.randint(1, 290, (1, 48), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for block in (True, False):
+        cache = KVCache(m.config, 1, 64, torch.bfloat16, "cpu")
+        m(toks[:, :40], torch.arange(40)[None], cache, 40)
+        if block:
+            outs.append(m(toks[:, 40:], torch.arange(40, 48)[None], cache, 48)[0])
+        else:
+            outs.append(torch.cat([m(toks[:, i:i + 1], torch.tensor([[i]]), cache, i + 1)[0] for i in range(40, 48)]))
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_onednn
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_bf16_greedy_speculation_equals_the_bf16_target_alone(ckpt_dir, draft_dir, drafter):
+    params = SamplingParams(max_new_tokens=40)
+    plain = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16")
+    assert plain.info["attention"] == "math_attention" and plain.info["cpu_packed_linears"] > 0
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    for k in (1, 2, 4, 8):
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter, k=k,
+                                     adaptive_k=False, dtype="bfloat16")
+        for batch in (1, 4):
+            got = []
+            for i in range(0, len(PROMPTS), batch):
+                got += [o.token_ids for o in eng.generate(PROMPTS[i:i + batch], params)]
+            assert got == want, (drafter, k, batch)
+        assert eng.stats()["drafted"] > 0

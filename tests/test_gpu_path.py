@@ -20,6 +20,7 @@ from engine.backends import (FlashAttention, HardwareFacts, attention_available,
 from engine.cudagraphs import GraphedForward, batch_bucket, enable_cuda_graphs, kv_bucket
 from engine.errors import InvalidConfigError, KernelUnavailableError, ProfileError
 from engine.model import KVCache, sdpa_attention
+from engine.model import math_attention as engine_math_attention
 from engine.runtime import RuntimeSettings, install_load_window, parse_runtime, runtime_settings
 from engine.telemetry import GpuReading, LoadGovernor, LoadWindow
 from quant.catalog import load_catalog, lookup_gpu
@@ -90,6 +91,8 @@ def test_sdpa_lower_right_dense_mask_and_math_agree(T, S, heads):
     ref = math_attention(q, k, v, dense)
     torch.testing.assert_close(sdpa_attention(q, k, v, dense, False), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sdpa_attention(q, k, v, None, True), ref, rtol=1e-5, atol=1e-5)  # lower-right
+    for mask, causal in ((dense, False), (None, True)):  # the engine's math backend
+        torch.testing.assert_close(engine_math_attention(q, k, v, mask, causal), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_flash_adapter_with_reference_kernel_matches_sdpa_in_the_cache():

@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "reports each mode's greedy match rate against the float32 target")
     p.add_argument("--modes", default=None, help="comma-separated subset of modes")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
+    p.add_argument("--attention", default=None, help="the target's attention backend (default: the engine's "
+                   "choice: math with --dtype bfloat16, which keeps speculation exact; sdpa is faster, not exact)")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
     p.add_argument("--sweep-k", default=None,
@@ -182,15 +184,16 @@ def bench(a: argparse.Namespace) -> int:
     prompts = load_prompts(a, root)
     n = a.max_new_tokens
     dt = a.dtype
-    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None, dtype=dt)}
+    opts = {"dtype": dt, "attention": a.attention}
+    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None, **opts)}
     for mode, drafter in SPEC_MODES.items():
         engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k,
-                                               dtype=dt)
+                                               **opts)
     costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
     for mode, k in sweep_modes.items():
         engines[mode] = Engine.from_pretrained(target, draft, drafter="model", k=k, adaptive_k=False, costs=costs,
-                                               dtype=dt)
+                                               **opts)
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
     runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m), outputs[m])
@@ -260,6 +263,7 @@ def bench(a: argparse.Namespace) -> int:
               "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
                            "prompts": prompts, "threads": torch.get_num_threads(),
                            "greedy": True, "dtype": dt, "draft_dtype": engines["specmix-model"].info["draft_dtype"],
+                           "attention": engines["plain"].info["attention"],
                            "batch": 1, "sweep_k": sweep},
               "sweep": sweep_result}
     from engine.profile import write_bytes_atomic, write_json_atomic
