@@ -10,11 +10,11 @@ packing torch.compile's CPU freezing does) streams the weights at the same rate
 for 1 to 16 rows, and the target step itself is ~1.7x faster than fp32.
 
 A ``OneDNNLinear`` computes every output row independently of the others (one
-packed weight serves every row count): a verify pass then produces bit for bit
-the logits the one-token steps of the same bf16 model would, which
-``tests/test_cpu_linear.py`` checks on the whole model. The fp32 reference is a
-different model numerically; ``tools/bench.py --dtype bfloat16`` reports how often
-its greedy output matches the fp32 one.
+packed weight serves every row count); with the ``math`` attention backend
+(engine/model.py) a verify pass then produces bit for bit the logits the one-token
+steps of the same bf16 model would, which ``tests/test_cpu_linear.py`` checks on the
+whole model. The fp32 model is a different model numerically; ``tools/bench.py
+--dtype bfloat16`` reports how often the bf16 greedy output matches the fp32 one.
 
 This is a swap of ``nn.Linear`` modules (``pack_linears``), like quantization. The
 fused q/k/v and gate/up GEMMs (``model.fuse_projections``) get packed too.
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 def onednn_bf16_available() -> bool:
-    """This PyTorch build has oneDNN and this CPU runs its bf16 kernels (AVX512-BF16 or AMX)."""
+    """This PyTorch build has oneDNN and it runs bf16 on this CPU (AMX / AVX512-BF16, or AVX512 emulating
+    bf16, which is slower: the speed figures in the README are from an AMX machine)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -60,7 +61,8 @@ class OneDNNLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared (a tied LM head stays tied to the embedding)
         self.bias = linear.bias
-        self.register_buffer("packed", _pack(linear.weight), persistent=False)
+        # a plain attribute, not a buffer: the packed tensor is opaque (no storage for buffers() walkers)
+        self.packed = _pack(linear.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         return _packed_linear(x, self.packed, self.bias)
@@ -89,10 +91,12 @@ def pack_linears(model: Transformer) -> int:
         a, m = layer.self_attn, layer.mlp
         for fused, parts, attr, owner in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj), "qkv", a),
                                           (m.gate_up, (m.gate_proj, m.up_proj), "gate_up", m)):
-            w = None if fused is None else fused.weight
+            if not isinstance(fused, FusedLinear):
+                continue
+            in_fused.update(id(p) for p in parts)  # packed or not, the group's GEMM is the fused one
+            w = fused.weight
             if type(fused) is FusedLinear and w.dtype == torch.bfloat16 and w.device.type == "cpu":
                 setattr(owner, attr, PackedFused(fused))
-                in_fused.update(id(p) for p in parts)
                 n += 1
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
@@ -106,7 +110,7 @@ def pack_linears(model: Transformer) -> int:
 
 def packed_bytes(model: Transformer) -> int:
     """Bytes held by packed weight copies (on top of the weights themselves)."""
-    total = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "packed")
+    total = sum(m.packed.numel() * m.packed.element_size() for m in model.modules() if isinstance(m, OneDNNLinear))
     for layer in model.layers:
         for f in (layer.self_attn.qkv, layer.mlp.gate_up):
             if isinstance(f, PackedFused):

@@ -9,6 +9,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .adaptive import Costs, KPolicy
+from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
 from .cpu_linear import onednn_bf16_available, pack_linears, packed_bytes
@@ -16,8 +17,8 @@ from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDr
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
 from .metrics import metrics_text
-from .backends import select_attention
 from .model import Transformer, fuse_projections
+from .plan_apply import apply_precision_plan
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler
 from .tokenizer import Tokenizer
@@ -109,12 +110,19 @@ class Engine:
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
         speculation reproduces the bf16 target exactly; it costs ~8% of speculative and ~20% of plain
-        decode speed on the demo pair) and "sdpa" otherwise. A plan's attention backend overrides it.
+        decode speed on the demo pair) and "sdpa" otherwise. With a plan it must be None (the plan names it).
         """
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InvalidConfigError(f"k={k!r} is invalid: allowed an int >= 1")
+        if attention is not None and attention not in ATTENTION_CHOICES:
+            raise InvalidConfigError(f"attention={attention!r} is invalid: allowed {', '.join(ATTENTION_CHOICES)} "
+                                     "or None")
+        if plan is not None and attention is not None:
+            raise InvalidConfigError(f"attention={attention!r} is invalid with a plan: the plan names the backend "
+                                     f"(plan.attention_backend={getattr(plan, 'attention_backend', None)!r}); "
+                                     "allowed None")
         dev = _resolve_device(device)
         dt = resolve_dtype(dtype) if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
         target = load_model(target_dir, dt, dev)
@@ -133,14 +141,12 @@ class Engine:
                     f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})")
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
-            if attention is not None:
-                raise InvalidConfigError(f"attention={attention!r} is invalid with a plan: the plan names the "
-                                         f"backend (plan.attention_backend={plan.attention_backend!r}); allowed None")
-            _apply_plan(plan, target, draft_model, tok, dev, calib)
-        can_pack = dev.type == "cpu" and dt == torch.bfloat16 and onednn_bf16_available()
+            apply_precision_plan(plan, target, draft_model, tok, dev, calib)
+        # the weights' dtype after any plan (a CPU plan computes in fp32)
+        can_pack = dev.type == "cpu" and target.dtype == torch.bfloat16 and onednn_bf16_available()
         if cpu_pack and not can_pack:
             raise InvalidConfigError(f"cpu_pack=True needs device 'cpu', dtype bfloat16 and a CPU with oneDNN bf16 "
-                                     f"kernels (device={dev.type!r}, dtype={str(dt).replace('torch.', '')}, "
+                                     f"kernels (device={dev.type!r}, dtype={str(target.dtype).replace('torch.', '')}, "
                                      f"oneDNN bf16 available={onednn_bf16_available()})")
         # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
         fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
@@ -359,46 +365,6 @@ class Engine:
             "memory": mem,
             **_runtime_stats(self),
         }
-
-
-def calib_batches(tok: Tokenizer, calib: str | Sequence[Sequence[int]], window: int = 256,
-                  max_windows: int = 16) -> list[torch.Tensor]:
-    """Calibration text (or token lists) -> up to max_windows LongTensors [1, <=window]."""
-    if isinstance(calib, str):
-        ids = tok.encode(calib)
-        rows = [ids[i:i + window] for i in range(0, len(ids), window)]
-    else:
-        rows = [list(r) for r in calib]
-    rows = [r for r in rows if r][:max_windows]
-    if not rows:
-        raise InvalidConfigError("calib is empty: SmoothQuant calibration needs at least one token")
-    return [torch.tensor([r], dtype=torch.long) for r in rows]
-
-
-def _apply_plan(plan: Any, target: Transformer, draft: Transformer | None, tok: Tokenizer,
-                dev: torch.device, calib: str | Sequence[Sequence[int]] | None) -> None:
-    """Quantize target and draft by module swap, as the PrecisionPlan says."""
-    from quant.apply import apply_plan, collect_activation_stats
-    from quant.plan import PrecisionPlan
-
-    if not isinstance(plan, PrecisionPlan):
-        raise InvalidConfigError(f"plan={type(plan).__name__} is invalid: allowed a quant.plan.PrecisionPlan or None")
-    if plan.device != dev.type:
-        raise InvalidConfigError(f"plan.device={plan.device!r} but the engine runs on {dev.type!r}: make the plan "
-                                 f"with device={dev.type!r}")
-    attn = select_attention(plan.attention_backend, dev)
-    for m in (target, draft):
-        if m is not None:
-            m.attn_fn = attn
-    stats = None
-    if any(f.scaling.get("smoothquant_alpha") is not None for f in plan.target.families.values() if f.quantized):
-        if calib is None:
-            raise InvalidConfigError("calib is required: the plan smooths the INT8 FFN (SmoothQuant) and needs "
-                                     "calibration text or token lists (never the eval text)")
-        stats = collect_activation_stats(target, calib_batches(tok, calib))
-    apply_plan(target, plan.target, stats)
-    if draft is not None and plan.draft is not None:
-        apply_plan(draft, plan.draft)
 
 
 def _runtime_stats(engine: Engine) -> dict[str, Any]:

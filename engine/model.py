@@ -46,11 +46,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal:
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    """Attention as two matmuls in the model's dtype around an fp32 softmax (HF Llama's eager numerics),
-    with the same API and causal alignment as ``sdpa_attention``. With bf16 on the CPU (oneDNN) every
-    query row comes out bit for bit the same whether it is one query over its own keys or one row of a
-    verify block over more, masked, keys (tests/test_cpu_linear.py); SDPA's fused kernel does not give
-    that. GQA without copying k/v: q is viewed as [B, Hkv, H/Hkv, T, D] against k [B, Hkv, 1, S, D]."""
+    """Attention as two matmuls in the model's dtype around an fp32 softmax (scaled in fp32), with the
+    same API and causal alignment as ``sdpa_attention``. With bf16 on the CPU (oneDNN) every query row
+    comes out bit for bit the same whether it is one query over its own keys or one row of a verify
+    block over more, masked, keys (tests/test_cpu_linear.py); SDPA's fused kernel does not give that.
+    GQA: q is viewed as [B, Hkv, H/Hkv, T, D] against k [B, Hkv, 1, S, D] (broadcast by matmul)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if mask is None and causal:
@@ -71,7 +71,8 @@ def _math_with_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: "_Ctx", w
     (masked by position): oneDNN builds a kernel per matmul shape, and a key count that grows by one
     every step made each call pay for a new one (~1 ms instead of ~0.1 ms, measured)."""
     B = q.shape[0]
-    S = min(-(-ctx.kv_len // MATH_KEY_BUCKET) * MATH_KEY_BUCKET, k_cache.shape[2])
+    # never the cache's last slot (the loop's scratch, written by padding, never to be read) unless kv_len says so
+    S = max(ctx.kv_len, min(-(-ctx.kv_len // MATH_KEY_BUCKET) * MATH_KEY_BUCKET, k_cache.shape[2] - 1))
     if ctx.rows_are_prefix:
         ks, vs = k_cache[:B, :, :S], v_cache[:B, :, :S]
     else:

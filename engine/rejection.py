@@ -11,7 +11,8 @@ distributions q_i (both after the same temperature / top-k / top-p processing):
 
 The emitted tokens are then distributed exactly as the target would sample
 them. Greedy rows need no special case: with one-hot q and p the rule becomes
-"accept while d_i == argmax q_i, replace the first mismatch by argmax q_i".
+"accept while d_i == argmax q_i, replace the first mismatch by argmax q_i" (``greedy_accept``
+does exactly that without building distributions, for all-greedy batches).
 
 Everything runs on the tensors' device with no host synchronisation; the
 randomness (uniforms and Exp(1) noise) is drawn up front by the caller.

@@ -79,8 +79,10 @@ def test_attention_choice_and_refusals(ckpt_dir):
 
     assert Engine.from_pretrained(ckpt_dir, drafter=None).info["attention"] == "sdpa_attention"
     assert Engine.from_pretrained(ckpt_dir, drafter=None, attention="math").info["attention"] == "math_attention"
-    with pytest.raises(EngineError, match="unknown attention backend 'bogus'.*allowed: sdpa, math"):
+    with pytest.raises(InvalidConfigError, match="attention='bogus' is invalid: allowed sdpa, math"):
         Engine.from_pretrained(ckpt_dir, drafter=None, attention="bogus")
+    with pytest.raises(EngineError, match="attention='math' is invalid with a plan"):
+        Engine.from_pretrained(ckpt_dir, drafter=None, attention="math", plan=object())
     if onednn_bf16_available():  # bf16 with packed GEMMs: math by default, sdpa on request
         assert Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16").info["attention"] == "math_attention"
         eng = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", attention="sdpa")
@@ -116,15 +118,17 @@ def test_bf16_verify_block_equals_one_token_steps_bit_for_bit(ckpt_dir):
     pack_linears(m)
     m.attn_fn = math_attention
     toks = torch.randint(1, 290, (1, 48), generator=torch.Generator().manual_seed(3))
-    outs = []
-    for block in (True, False):
-        cache = KVCache(m.config, 1, 64, torch.bfloat16, "cpu")
-        m(toks[:, :40], torch.arange(40)[None], cache, 40)
-        if block:
-            outs.append(m(toks[:, 40:], torch.arange(40, 48)[None], cache, 48)[0])
-        else:
-            outs.append(torch.cat([m(toks[:, i:i + 1], torch.tensor([[i]]), cache, i + 1)[0] for i in range(40, 48)]))
-    assert torch.equal(outs[0], outs[1])
+    for p0, p1 in ((40, 48), (28, 36)):  # the second block crosses a key bucket (32): its rows see more keys
+        outs = []
+        for block in (True, False):
+            cache = KVCache(m.config, 1, 128, torch.bfloat16, "cpu")
+            m(toks[:, :p0], torch.arange(p0)[None], cache, p0)
+            if block:
+                outs.append(m(toks[:, p0:p1], torch.arange(p0, p1)[None], cache, p1)[0])
+            else:
+                outs.append(torch.cat([m(toks[:, i:i + 1], torch.tensor([[i]]), cache, i + 1)[0]
+                                       for i in range(p0, p1)]))
+        assert torch.equal(outs[0], outs[1]), (p0, p1)
 
 
 @needs_onednn
@@ -143,3 +147,24 @@ def test_bf16_greedy_speculation_equals_the_bf16_target_alone(ckpt_dir, draft_di
                 got += [o.token_ids for o in eng.generate(PROMPTS[i:i + batch], params)]
             assert got == want, (drafter, k, batch)
         assert eng.stats()["drafted"] > 0
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("mistral", {"num_key_value_heads": 1, "sliding_window": 24})])
+def test_math_attention_through_the_cache_equals_sdpa(tmp_path, arch, kw):
+    """fp32, any CPU: the math backend's cache path (bucketed keys, rows, ragged positions, a window)."""
+    from engine.model import KVCache, math_attention, sdpa_attention
+    from util import make_checkpoint
+
+    m = load_model(make_checkpoint(tmp_path / arch, arch, **kw), torch.float32)
+    g = torch.Generator().manual_seed(4)
+    toks = torch.randint(1, 290, (3, 50), generator=g)
+    rows = torch.tensor([2, 0, 1])
+    outs = {}
+    for name, fn in (("sdpa", sdpa_attention), ("math", math_attention)):
+        m.attn_fn = fn
+        cache = KVCache(m.config, 3, 128, torch.float32, "cpu")
+        lens = [40, 29, 33]  # ragged: the block's rows end at different positions, across a 32 bucket
+        pos = torch.stack([torch.arange(n - 10, n) for n in lens])
+        m(toks[:, :30], torch.arange(30).expand(3, 30), cache, 30, rows)
+        outs[name] = m(toks[:, 30:40], pos, cache, max(lens), rows)
+    torch.testing.assert_close(outs["math"], outs["sdpa"], rtol=1e-4, atol=1e-4)

@@ -14,7 +14,6 @@ after another). Modes are interleaved within each repeat; one warm-up round, the
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
