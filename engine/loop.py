@@ -221,6 +221,10 @@ class DecodeLoop:
                             "%d generated tokens: ending it with finish_reason 'error'",
                             len(s.prompt), s.row, len(s.generated))
                 s.finish("error")
+                # its keys/values may be non-finite too: a later sequence in this row must not read them
+                # (the math attention reads a bucket of slots past kv_len, masked, and 0 * NaN is NaN)
+                cache.k[:, s.row].zero_()
+                cache.v[:, s.row].zero_()
                 events.append((s, []))
                 continue
             n_before, a, k = len(s.tokens), res[b][-2], ks[b]

@@ -193,6 +193,26 @@ def test_injected_nan_ends_only_its_request(eng, caplog):
     assert eng.generate([jobs[1][0]], jobs[1][1])[0].token_ids == refs[1]
 
 
+def test_a_nonfinite_row_is_cleared_before_the_next_sequence_uses_it(ckpt_dir):
+    """NaN k/v left in a cache row past a later sequence's length must not reach it (math attention
+    reads a bucket of masked slots there, and 0 * NaN is NaN)."""
+    import torch
+
+    eng = Engine.from_pretrained(ckpt_dir, drafter=None, attention="math")
+    sp = SamplingParams(max_new_tokens=6)
+    ref = eng.generate([[4, 5, 6]], sp)[0].token_ids
+    for t in (eng.loop.cache.k, eng.loop.cache.v):  # as if a failed sequence's forward had made NaN k/v
+        t[:, 0, :, 20:30] = float("nan")
+    eng.loop.inject_nan = lambda s: True  # its round fails: the row is cleared
+    try:
+        assert eng.generate([[7, 8, 9]], sp)[0].finish_reason == "error"  # short: slots 20..29 stay NaN
+    finally:
+        eng.loop.inject_nan = None
+    assert torch.isfinite(eng.loop.cache.k).all() and torch.isfinite(eng.loop.cache.v).all()
+    out = eng.generate([[4, 5, 6]], sp)[0]  # reads slots 0..31 of row 0, masked past its length
+    assert out.finish_reason == "length" and out.token_ids == ref
+
+
 def test_failed_round_fails_its_requests_and_the_engine_keeps_serving(eng):
     ref = eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=10))[0].token_ids
     calls = []
