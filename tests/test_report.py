@@ -131,15 +131,19 @@ def test_bench_bad_sweep_is_one_line_exit_2(spec, capsys):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--sweep-k" in err and "allowed" in err
 
 
-def test_bench_sweep_json_and_plot_on_the_tiny_pair(tiny_demo, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+def tiny_bench_args(tiny_demo: tuple[Path, Path], tmp_path: Path) -> list[str]:
+    """A one-repeat, 8-token bench of the draft-model mode on the tiny pair and two prompts (no transformers)."""
     t, d = tiny_demo
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def fibonacci(n):\nThe with statement\n", encoding="utf-8")
-    rc, out, _ = run_bench(["--target", str(t), "--draft", str(d), "--prompts", str(prompts), "--repeats", "1",
-                            "--max-new-tokens", "8", "--no-hf", "--threads", "1", "--modes", "specmix-model",
-                            "--sweep-k", "1,3", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
-                           capsys)
+    return ["--target", str(t), "--draft", str(d), "--prompts", str(prompts), "--repeats", "1",
+            "--max-new-tokens", "8", "--no-hf", "--modes", "specmix-model", "--json", str(tmp_path / "r.json")]
+
+
+def test_bench_sweep_json_and_plot_on_the_tiny_pair(tiny_demo, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc, out, _ = run_bench(tiny_bench_args(tiny_demo, tmp_path) + ["--threads", "1", "--sweep-k", "1,3",
+                                                                   "--plot", str(tmp_path / "r.png")], capsys)
     assert rc == 0 and "specmix-model-k3" in out
     r = json.loads((tmp_path / "r.json").read_text())
     names = [m["name"] for m in r["modes"]]
@@ -176,12 +180,7 @@ def test_bench_bfloat16_reports_match_rates_against_float32(tiny_demo, tmp_path,
 
     if not onednn_bf16_available():
         pytest.skip("no oneDNN bf16 kernels on this CPU")
-    t, d = tiny_demo
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("def fibonacci(n):\nThe with statement\n", encoding="utf-8")
-    rc, out, _ = run_bench(["--target", str(t), "--draft", str(d), "--prompts", str(prompts), "--repeats", "1",
-                            "--max-new-tokens", "8", "--no-hf", "--modes", "specmix-model", "--sweep-k", "",
-                            "--dtype", "bfloat16", "--json", str(tmp_path / "r.json")], capsys)
+    rc, out, _ = run_bench(tiny_bench_args(tiny_demo, tmp_path) + ["--sweep-k", "", "--dtype", "bfloat16"], capsys)
     assert rc == 0 and "same as fp32" in out
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["settings"]["dtype"] == "bfloat16" and r["settings"]["draft_dtype"] == "float32"
