@@ -34,7 +34,7 @@ class DraftBatch:
     rows: Tensor | None  # [B] cache rows (None: rows 0..B-1)
     processing: RowProcessing  # per-row temperature / top-k / top-p, the same as the target's
     k: int  # drafts to propose per row (the batch's largest K_b)
-    noise: Tensor  # [B, k, V] float32 Exp(1), one vector per draft step
+    noise: Tensor | None  # [B, k, V] float32 Exp(1), one vector per draft step; None for an all-greedy batch
     vocab: int  # common vocabulary of draft and target (logits are cut to it)
     scratch_pos: int  # cache slot written by padding
     target_cache: KVCache  # the target's cache (the early-exit drafter writes its first layers)
@@ -94,7 +94,7 @@ class ModelDrafter:
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
         seqs, V = batch.seqs, batch.vocab
-        dev = batch.noise.device
+        dev = batch.target_cache.k.device
         starts = [self._start(s) for s in seqs]
         toks, pos, last, kv_len = catch_up_batch(seqs, starts, batch.scratch_pos, dev)
         cache = self.cache if self.cache is not None else batch.target_cache
@@ -110,6 +110,7 @@ class ModelDrafter:
                 d = logits[:, :V].argmax(-1)
             else:
                 p = batch.processing.probs(logits[:, :V])
+                assert batch.noise is not None
                 d = sample_from_probs(p, batch.noise[:, i])
                 probs.append(p)
             drafts.append(d)
@@ -166,7 +167,7 @@ class NGramDrafter:
         for b, p in enumerate(props):
             if p:
                 out[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        return out.to(batch.noise.device), None, [len(p) for p in props]
+        return out.to(batch.target_cache.k.device), None, [len(p) for p in props]
 
     def after_verify(self, seq: "Seq", n_before: int, accepted: int, k: int) -> None:
         pass

@@ -155,18 +155,21 @@ class DecodeLoop:
         ks = [self.k_for(s) for s in active]
         kmax = max(ks)
 
-        # this round's randomness, drawn up front from each sequence's own generator
-        # (a greedy row uses none: its target and draft distributions are one-hot)
-        final_noise = torch.ones(B, V, device=dev)
-        uniforms = torch.full((B, kmax), 0.5, device=dev)
-        draft_noise = torch.ones(B, kmax, V, device=dev)
-        for b, s in enumerate(active):
-            if s.params.greedy:
-                continue
-            if ks[b]:
-                draft_noise[b, : ks[b]].exponential_(generator=s.generator)
-                uniforms[b, : ks[b]].uniform_(generator=s.generator)
-            final_noise[b].exponential_(generator=s.generator)
+        # this round's randomness, drawn up front from each sequence's own generator (a greedy row uses
+        # none: its target and draft distributions are one-hot; an all-greedy batch allocates none)
+        greedy = proc.mode == "greedy"
+        final_noise = uniforms = draft_noise = None
+        if not greedy:
+            final_noise = torch.ones(B, V, device=dev)
+            uniforms = torch.full((B, kmax), 0.5, device=dev)
+            draft_noise = torch.ones(B, kmax, V, device=dev)
+            for b, s in enumerate(active):
+                if s.params.greedy:
+                    continue
+                if ks[b]:
+                    draft_noise[b, : ks[b]].exponential_(generator=s.generator)
+                    uniforms[b, : ks[b]].uniform_(generator=s.generator)
+                final_noise[b].exponential_(generator=s.generator)
 
         drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
         dprobs: Tensor | None = None
@@ -179,7 +182,8 @@ class DecodeLoop:
             if num is not None:  # a deterministic drafter may find fewer
                 ks = [min(k, n) for k, n in zip(ks, num)]
                 kmax = max(ks)
-                drafts, uniforms = drafts[:, :kmax], uniforms[:, :kmax]
+                drafts = drafts[:, :kmax]
+                uniforms = None if uniforms is None else uniforms[:, :kmax]
                 dprobs = None if dprobs is None else dprobs[:, :kmax]
 
         # one verify pass over tokens[tlen:] + drafts
@@ -207,9 +211,10 @@ class DecodeLoop:
         num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
         scored = torch.arange(kmax + 1, device=dev) <= num_draft[:, None]  # [B, K+1] positions that count
         bad = ((~torch.isfinite(logits[..., :V])).any(-1) & scored).any(-1)  # [B] non-finite rows
-        if proc.mode == "greedy" and dprobs is None:  # one-hot p and q: compare argmaxes, build no distributions
+        if greedy:  # one-hot q: accept while d == argmax q, else take argmax q (whatever p is); no distributions
             out, nacc = greedy_accept(drafts, logits[..., :V].argmax(-1), num_draft)
         else:
+            assert uniforms is not None and final_noise is not None
             q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
             out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
         res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync

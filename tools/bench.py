@@ -27,7 +27,8 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from engine import Engine, EngineError, SamplingParams  # noqa: E402
+from engine import Engine, SamplingParams  # noqa: E402
+from engine.cli import run_tool  # noqa: E402
 from engine.adaptive import Costs, best_k, expected_speedup  # noqa: E402
 from engine.errors import InvalidConfigError  # noqa: E402
 from engine.report import aggregate_positions, bench_series, draw_bench, require_matplotlib  # noqa: E402
@@ -159,11 +160,7 @@ def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    try:
-        return bench(a)
-    except EngineError as e:
-        print(f"bench: {e}", file=sys.stderr)
-        return 2
+    return run_tool("bench", lambda: bench(a))
 
 
 def bench(a: argparse.Namespace) -> int:

@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script from a checkout that is not ins
 import torch  # noqa: E402
 
 import engine  # noqa: E402
-from engine import Engine, EngineError  # noqa: E402
+from engine import Engine  # noqa: E402
+from engine.cli import run_tool  # noqa: E402
 from engine.calibrate import calibrate  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.errors import InvalidConfigError  # noqa: E402
@@ -220,14 +221,7 @@ def summary_table(attempts: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
-    try:
-        return build(a)
-    except EngineError as e:
-        print(f"build_profile: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("build_profile: interrupted; nothing written", file=sys.stderr)
-        return 130
+    return run_tool("build_profile", lambda: build(a), interrupted="interrupted; nothing written")
 
 
 if __name__ == "__main__":

@@ -32,27 +32,19 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.errors import EngineError  # noqa: E402
+from engine.cli import OneLineParser, run_tool  # noqa: E402
+from engine.errors import InvalidConfigError  # noqa: E402
 
 log = logging.getLogger("export_onnx")
 PROG = "export_onnx"
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILE = Path("profiles") / "a100-80gb-demo.json"
 PROMPTS = ("def fibonacci(n):\n    if n < 2:\n        return n", "The with statement is used to wrap the execution")
-
-
-class BadInput(Exception):
-    """A command-line argument is invalid (exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
-        raise BadInput(message)
 
 
 def _int_at_least(lo: int, name: str) -> Any:
@@ -78,7 +70,7 @@ def _positive_float(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="export_onnx.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="export_onnx.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", type=Path, help=f"profile JSON (default: {DEFAULT_PROFILE}, built by "
                    "python tools/build_profile.py --gpu a100)")
     p.add_argument("--out", type=Path, help="output directory (default: build/onnx/<profile name>)")
@@ -164,29 +156,21 @@ def export(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        a = parse_args(argv)
-    except BadInput as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
+    return run_tool(PROG, lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
     if a.profile is None:
         a.profile = REPO / DEFAULT_PROFILE
         if not a.profile.is_file():
-            print(f"{PROG}: the default profile {DEFAULT_PROFILE} is missing: build it with "
-                  "python tools/build_profile.py --gpu a100, or pass --profile FILE", file=sys.stderr)
-            return 2
+            raise InvalidConfigError(f"the default profile {DEFAULT_PROFILE} is missing: build it with "
+                                     "python tools/build_profile.py --gpu a100, or pass --profile FILE")
     try:
         m = export(a)
     except ImportError as e:
-        print(f"{PROG}: {e.name or e}: install the onnx extra (pip install -e '.[onnx]')", file=sys.stderr)
-        return 2
-    except EngineError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        raise InvalidConfigError(f"{e.name or e}: install the onnx extra (pip install -e '.[onnx]')") from None
     for role, g in m["graphs"].items():
         p = (m["parity"] or {}).get(role)
         fig = "" if p is None else (f": |onnx - specmix| max {p['max_abs']:.3g} mean {p['mean_abs']:.3g} "

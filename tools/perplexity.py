@@ -27,25 +27,17 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.errors import EngineError, ProfileError  # noqa: E402
+from engine.cli import OneLineParser, run_tool  # noqa: E402
+from engine.errors import ProfileError  # noqa: E402
 
 log = logging.getLogger("perplexity")
 DEFAULT_PPL_RTOL = 1e-3
 PROG = "perplexity"
-
-
-class BadInput(Exception):
-    """A command-line argument is invalid (exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
-        raise BadInput(message)
 
 
 def _positive(kind: type, minimum: float, name: str) -> Any:
@@ -61,7 +53,7 @@ def _positive(kind: type, minimum: float, name: str) -> Any:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="perplexity.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="perplexity.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", type=Path, required=True, help="profile JSON written by tools/build_profile.py")
     p.add_argument("--eval-text", type=Path, help="UTF-8 text to evaluate on (default: the profile's eval text)")
     p.add_argument("--max-drift", type=_positive(float, 0.0, "--max-drift"),
@@ -176,22 +168,13 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body() -> int:
         a = parse_args(argv)
-    except BadInput as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
         r = evaluate(a)
-    except EngineError as e:
-        print(f"{PROG}: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    print(json.dumps(r, indent=2) if a.json else format_report(r))
-    return r["exit_code"]
+        print(json.dumps(r, indent=2) if a.json else format_report(r))
+        return r["exit_code"]
+    return run_tool(PROG, body)
 
 
 if __name__ == "__main__":
