@@ -1,4 +1,5 @@
-"""bf16 linears on the CPU with oneDNN-prepacked weights (AMX / AVX512-BF16 kernels).
+"""Fast CPU linears by module swap: bf16 on oneDNN-prepacked weights (AMX / AVX512-BF16 kernels), fp32 on
+the small-GEMM kernel (engine/cpu_gemm.py); ``fast_cpu_linears`` picks one for the model's dtype.
 
 Why: on an x86 CPU a speculative verify pass is a GEMM of K+1 rows where a decode
 step is a GEMV. PyTorch's default fp32 linear switches kernels between 1 and 2+
@@ -16,16 +17,19 @@ steps of the same bf16 model would, which ``tests/test_cpu_linear.py`` checks on
 whole model. The fp32 model is a different model numerically; ``tools/bench.py
 --dtype bfloat16`` reports how often the bf16 greedy output matches the fp32 one.
 
-This is a swap of ``nn.Linear`` modules (``pack_linears``), like quantization. The
-fused q/k/v and gate/up GEMMs (``model.fuse_projections``) get packed too.
+Both are a swap of ``nn.Linear`` modules (``pack_linears``, ``small_gemm_linears``), like
+quantization. The fused q/k/v and gate/up GEMMs (``model.fuse_projections``) are swapped too.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from .cpu_gemm import KERNEL_NAME, SmallGemmFused, SmallGemmLinear, small_gemm_status
+from .errors import InvalidConfigError
 from .model import FusedLinear, Transformer
 
 log = logging.getLogger(__name__)
@@ -82,30 +86,79 @@ class PackedFused(FusedLinear):
         return _packed_linear(x, self.packed, self.bias)
 
 
-def pack_linears(model: Transformer) -> int:
-    """Swap every bf16 CPU ``nn.Linear`` (exactly that class: quantized layers stay) for a ``OneDNNLinear``
-    and pack the fused projections; returns the number of GEMMs packed."""
+def _swap_linears(model: Transformer, dtype: torch.dtype, make_linear: Callable[[nn.Linear], nn.Module],
+                  make_fused: Callable[[FusedLinear], FusedLinear]) -> int:
+    """Swap every CPU ``nn.Linear`` of ``dtype`` (exactly that class: quantized layers stay) and every plain
+    fused projection; returns the number of GEMMs swapped. Linears inside a fused group are left alone
+    (the group's GEMM is the fused one: no second copy)."""
     n = 0
-    in_fused: set[int] = set()  # Linears whose GEMM a fused projection runs (their own forward is unused)
+    in_fused: set[int] = set()
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         for fused, parts, attr, owner in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj), "qkv", a),
                                           (m.gate_up, (m.gate_proj, m.up_proj), "gate_up", m)):
             if not isinstance(fused, FusedLinear):
                 continue
-            in_fused.update(id(p) for p in parts)  # packed or not, the group's GEMM is the fused one
+            in_fused.update(id(p) for p in parts)  # swapped or not, the group's GEMM is the fused one
             w = fused.weight
-            if type(fused) is FusedLinear and w.dtype == torch.bfloat16 and w.device.type == "cpu":
-                setattr(owner, attr, PackedFused(fused))
+            if type(fused) is FusedLinear and w.dtype == dtype and w.device.type == "cpu":
+                setattr(owner, attr, make_fused(fused))
                 n += 1
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
-            if (type(child) is nn.Linear and id(child) not in in_fused and child.weight.dtype == torch.bfloat16
+            if (type(child) is nn.Linear and id(child) not in in_fused and child.weight.dtype == dtype
                     and child.weight.device.type == "cpu"):
-                setattr(mod, cname, OneDNNLinear(child))
+                setattr(mod, cname, make_linear(child))
                 n += 1
+    return n
+
+
+def pack_linears(model: Transformer) -> int:
+    """Swap every bf16 CPU ``nn.Linear`` for a ``OneDNNLinear`` and pack the fused projections; returns the
+    number of GEMMs packed."""
+    n = _swap_linears(model, torch.bfloat16, OneDNNLinear, PackedFused)
     log.debug("oneDNN-packed %d bf16 GEMMs", n)
     return n
+
+
+def small_gemm_linears(model: Transformer) -> int:
+    """Swap every fp32 CPU ``nn.Linear`` and fused projection for the small-GEMM kernel (engine/cpu_gemm.py);
+    returns the number of GEMMs swapped. Needs ``small_gemm_status() is None``."""
+    n = _swap_linears(model, torch.float32, SmallGemmLinear, SmallGemmFused)
+    log.debug("%d fp32 GEMMs on the small-GEMM kernel", n)
+    return n
+
+
+CPU_KERNELS = ("onednn-bf16", KERNEL_NAME)
+
+
+def fast_cpu_linears(model: Transformer, device: torch.device, request: bool | None) -> tuple[int, str | None]:
+    """The target's CPU linears on this dtype's fast kernel: bf16 -> oneDNN-packed weights, fp32 -> the
+    small-GEMM kernel. ``request``: None uses it where it runs (saying why not in the log), True requires it
+    (an ``InvalidConfigError`` naming what is missing), False keeps PyTorch's. -> (GEMMs swapped, kernel name
+    or None)."""
+    if request is False:
+        return 0, None
+    dt = model.norm.weight.dtype
+    kernel: str | None = None
+    if device.type != "cpu":
+        why: str | None = f"device is {device.type!r}"
+    elif dt == torch.bfloat16:
+        kernel, why = "onednn-bf16", None if onednn_bf16_available() else "this CPU/PyTorch has no oneDNN bf16 kernels"
+    elif dt == torch.float32:
+        kernel, why = KERNEL_NAME, small_gemm_status()  # builds the kernel on first use
+    else:
+        why = f"no fast CPU kernel for dtype {str(dt).replace('torch.', '')}"
+    if why is not None:
+        if request:
+            raise InvalidConfigError(f"cpu_pack=True is invalid here: {why} (allowed: device 'cpu' with dtype "
+                                     f"bfloat16 and oneDNN bf16 kernels, or float32 and the small-GEMM kernel; "
+                                     f"dtype={str(dt).replace('torch.', '')})")
+        if device.type == "cpu":
+            log.info("CPU linears stay on PyTorch's kernels: %s", why)
+        return 0, None
+    n = pack_linears(model) if kernel == "onednn-bf16" else small_gemm_linears(model)
+    return n, kernel
 
 
 def packed_bytes(model: Transformer) -> int:

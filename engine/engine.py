@@ -12,7 +12,7 @@ from .adaptive import Costs, KPolicy
 from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
-from .cpu_linear import onednn_bf16_available, pack_linears, packed_bytes
+from .cpu_linear import fast_cpu_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
 from .loop import DecodeLoop, Seq
@@ -104,9 +104,11 @@ class Engine:
         token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
         ``dtype``: the models' dtype (default float32 on the CPU, float16 on CUDA). ``draft_dtype``: the draft
         model's (default: float32 on the CPU, whose draft step is dispatch-bound and only slowed by bf16
-        conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's bf16 CPU linears on oneDNN-packed
-        weights (engine/cpu_linear.py: a verify pass of up to 16 tokens costs ~1.1x a one-token step);
-        None packs when dtype is bfloat16 on a CPU whose oneDNN runs bf16, True requires it.
+        conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's CPU linears on the fast kernel for
+        its dtype (engine/cpu_linear.py): bf16 on oneDNN-packed weights (a verify pass of up to 16 tokens costs
+        ~1.1x a one-token step), fp32 on the small-GEMM kernel (engine/cpu_gemm.py, compiled on first use:
+        8 tokens ~1.5x a step instead of ~2.5x); None uses it where it runs, True requires it, False keeps
+        PyTorch's.
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
         speculation reproduces the bf16 target exactly; it costs ~4% of speculative and ~17% of plain
@@ -142,17 +144,12 @@ class Engine:
             vocab = min(vocab, draft_model.config.vocab_size)
         if plan is not None:
             apply_precision_plan(plan, target, draft_model, tok, dev, calib)
-        # the weights' dtype after any plan (a CPU plan computes in fp32)
-        can_pack = dev.type == "cpu" and target.dtype == torch.bfloat16 and onednn_bf16_available()
-        if cpu_pack and not can_pack:
-            raise InvalidConfigError(f"cpu_pack=True needs device 'cpu', dtype bfloat16 and a CPU with oneDNN bf16 "
-                                     f"kernels (device={dev.type!r}, dtype={str(target.dtype).replace('torch.', '')}, "
-                                     f"oneDNN bf16 available={onednn_bf16_available()})")
         # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
         fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
-        packed = pack_linears(target) if (can_pack if cpu_pack is None else cpu_pack) else 0
+        # then the CPU linears on the fast kernel for the weights' dtype after any plan (a CPU plan computes in fp32)
+        packed, cpu_kernel = fast_cpu_linears(target, dev, cpu_pack)
         if plan is None:
-            target.attn_fn = select_attention(attention or ("math" if packed else "sdpa"), dev)
+            target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -172,7 +169,7 @@ class Engine:
         info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
                 "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
-                "fused_projection_groups": fused, "cpu_packed_linears": packed,
+                "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_linear_kernel": cpu_kernel,
                 "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
                 "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,

@@ -17,7 +17,8 @@ passes step = K + 1 and a rollback is the caller slicing present to the accepted
 
 Modules map one to one (the graph always computes in float32, like specmix's CPU plans):
 
-    nn.Linear, OneDNNLinear      Gemm(x, W, transB=1) with W the float32 weight [out, in]
+    nn.Linear, OneDNNLinear,
+    SmallGemmLinear              Gemm(x, W, transB=1) with W the float32 weight [out, in]
     Int8Linear (kernel w8a8)     [Div by the SmoothQuant factors] -> per-token dynamic
                                  QuantizeLinear(int8, axis 0) -> DequantizeLinear, times
                                  DequantizeLinear(int8 W, per-channel scale, axis 0) in a Gemm
@@ -147,6 +148,7 @@ class _StepBuilder:
         """x [M, in] -> [M, out] for an nn.Linear or one of quant.linear's modules."""
         from quant.linear import FP8Linear, Int8Linear
 
+        from .cpu_gemm import SmallGemmLinear
         from .cpu_linear import OneDNNLinear
 
         g = self.g
@@ -170,11 +172,11 @@ class _StepBuilder:
                 x = self._dynamic_qdq(x, 448.0, g.TP.FLOAT8E4M3FN, name)
             w = self._dequant_weight(mod.weight, mod.weight_scale, name)
             self._note(f"fp8 {mod.kernel}", name)
-        elif type(mod) in (nn.Linear, OneDNNLinear):  # OneDNNLinear: the same weight, a packed copy aside
+        elif type(mod) in (nn.Linear, OneDNNLinear, SmallGemmLinear):  # the same weight (a packed copy aside)
             w = g.tensor(mod.weight, f"{name}.weight")
         else:
             raise InvalidConfigError(f"{name}: module {type(mod).__name__} cannot be exported: allowed nn.Linear, "
-                                     "OneDNNLinear, Int8Linear, FP8Linear")
+                                     "OneDNNLinear, SmallGemmLinear, Int8Linear, FP8Linear")
         ins = [x, w] + ([g.tensor(mod.bias, f"{name}.bias")] if mod.bias is not None else [])
         return g.op("Gemm", ins, f"{name}_out", transB=1)
 

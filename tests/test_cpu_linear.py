@@ -89,10 +89,13 @@ def test_attention_choice_and_refusals(ckpt_dir):
         assert eng.info["attention"] == "sdpa_attention"
 
 
-def test_cpu_pack_refused_outside_bf16_on_the_cpu(ckpt_dir):
-    with pytest.raises(InvalidConfigError, match="cpu_pack=True needs .*dtype bfloat16.*dtype=float32"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
-    assert Engine.from_pretrained(ckpt_dir, drafter=None).info["cpu_packed_linears"] == 0  # fp32: not packed
+def test_cpu_pack_refused_without_onednn_bf16(ckpt_dir, monkeypatch):
+    import engine.cpu_linear as cl
+
+    monkeypatch.setattr(cl, "onednn_bf16_available", lambda: False)
+    with pytest.raises(InvalidConfigError, match="cpu_pack=True is invalid here: this CPU/PyTorch has no oneDNN bf16"):
+        Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", cpu_pack=True)
+    assert Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16").info["cpu_linear_kernel"] is None
 
 
 def test_fused_linear_is_the_stacked_linears():

@@ -1,0 +1,113 @@
+"""The fp32 small-GEMM CPU kernel (engine/cpu_gemm.py) against F.linear (its fallback, same API) in float64,
+row independence bit for bit, the module swap and the engine's choice of kernel."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import Engine, SamplingParams
+from engine.checkpoint import load_model
+from engine.cpu_gemm import MAX_ROWS, SmallGemmFused, SmallGemmLinear, small_gemm_kernel, small_gemm_status
+from engine.cpu_linear import fast_cpu_linears, small_gemm_linears
+from engine.errors import InvalidConfigError
+from engine.model import fuse_projections
+
+STATUS = small_gemm_status()
+needs_kernel = pytest.mark.skipif(STATUS is not None, reason=f"small-GEMM kernel unavailable: {STATUS}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(768, 2304), (100, 37), (17, 9), (16, 8), (2048, 13), (1, 5)])
+def test_kernel_matches_linear_in_float64_and_rows_are_independent(K, N):
+    g = torch.Generator().manual_seed(K * 31 + N)
+    x = torch.randn(MAX_ROWS + 3, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    gemm = small_gemm_kernel()
+    full = gemm(x, w)
+    want = (x.double() @ w.double().T).float()
+    # fp32 accumulation of K products: within a few ulps of the float64 result, like F.linear
+    tol = 4 * K ** 0.5 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T).max().item()
+    assert (full - want).abs().max().item() <= tol
+    assert (F.linear(x, w) - want).abs().max().item() <= tol
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, MAX_ROWS):  # any row count: each row comes out bit for bit the same
+        assert torch.equal(gemm(x[:rows].contiguous(), w), full[:rows])
+    assert torch.equal(gemm(x[5:6].contiguous(), w), full[5:6])
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_gemm_linear_has_the_api_of_nn_linear(bias):
+    torch.manual_seed(1)
+    lin = nn.Linear(48, 40, bias=bias)
+    mod = SmallGemmLinear(lin)
+    assert mod.weight is lin.weight and set(mod.state_dict()) == set(lin.state_dict())
+    for shape in ((1, 48), (2, 3, 48), (1, 5, 48), (MAX_ROWS, 48)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-6)
+        assert mod(x).shape == lin(x).shape
+    big = torch.randn(MAX_ROWS + 1, 48)  # a prefill: PyTorch's own kernel, exactly
+    assert torch.equal(mod(big), lin(big))
+    with pytest.raises(ValueError, match="fp32 CPU weight"):
+        SmallGemmLinear(nn.Linear(4, 4).bfloat16())
+
+
+@needs_kernel
+def test_swap_covers_every_fp32_gemm_and_keeps_the_model(ckpt_dir):
+    tokens = torch.tensor([[1, 5, 9, 33, 2, 7, 120, 44]])
+    model = load_model(ckpt_dir, torch.float32)
+    names = set(model.state_dict())
+    ref = model(tokens)
+    fuse_projections(model)
+    n_lin = sum(type(m) is nn.Linear for m in model.modules())
+    n_layers = len(model.layers)
+    assert small_gemm_linears(model) == n_lin - 5 * n_layers + 2 * n_layers  # q,k,v,gate,up run fused
+    a = model.layers[0].self_attn
+    assert isinstance(a.qkv, SmallGemmFused) and isinstance(a.o_proj, SmallGemmLinear)
+    assert set(model.state_dict()) == names
+    torch.testing.assert_close(model(tokens), ref, rtol=1e-4, atol=1e-5)
+    # a verify-sized block (8 rows) goes through the kernel: every projection row equals its one-row result
+    x = torch.randn(1, 8, model.config.hidden_size)
+    for proj in (a.qkv, a.o_proj, model.layers[0].mlp.gate_up, model.lm_head):
+        assert torch.equal(proj(x), torch.cat([proj(x[:, i:i + 1]) for i in range(8)], 1))
+
+
+@needs_kernel
+def test_engine_uses_the_kernel_for_fp32_on_the_cpu(ckpt_dir, draft_dir):
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4, adaptive_k=False)
+    assert eng.info["cpu_linear_kernel"] == "small-gemm-fp32" and eng.info["cpu_packed_linears"] > 0
+    assert eng.info["attention"] == "sdpa_attention" and eng.stats()["memory"]["cpu_packed_bytes"] == 0
+    off = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
+    assert off.info["cpu_linear_kernel"] is None and off.info["cpu_packed_linears"] == 0
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 9, 10, 11, 9]]
+    params = SamplingParams(max_new_tokens=24)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in off.generate(prompts, params)]
+    assert eng.stats()["drafted"] > 0
+
+
+def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatch, caplog):
+    import engine.cpu_gemm as cg
+
+    monkeypatch.setattr(cg, "_build", lambda: (None, "needs a C++ compiler ('c++' not found)"))
+    with caplog.at_level(logging.INFO, logger="engine.cpu_linear"):
+        eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+    assert eng.info["cpu_linear_kernel"] is None and eng.info["cpu_packed_linears"] == 0
+    assert "not found" in caplog.text
+    with pytest.raises(InvalidConfigError, match=r"cpu_pack=True is invalid here: needs a C\+\+ compiler"):
+        Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
+    with pytest.raises(RuntimeError, match="unavailable: needs a C"):
+        small_gemm_kernel()
+
+
+def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
+    with pytest.raises(InvalidConfigError, match="cpu_pack=True is invalid here: no fast CPU kernel for dtype "
+                                                 "float16.*allowed: device 'cpu' with dtype bfloat16"):
+        Engine.from_pretrained(ckpt_dir, drafter=None, dtype="float16", cpu_pack=True)
+    model = load_model(ckpt_dir, torch.float32)
+    assert fast_cpu_linears(model, torch.device("cpu"), False) == (0, None)
+    assert fast_cpu_linears(model, torch.device("meta"), None) == (0, None)
+    with pytest.raises(InvalidConfigError, match="device is 'meta'"):
+        fast_cpu_linears(model, torch.device("meta"), True)
