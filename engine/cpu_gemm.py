@@ -15,6 +15,8 @@ they differ in the last bits. Above MAX_ROWS rows (a prefill) ``F.linear`` runs.
 
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
 and ninja; ~20 s once, then cached by torch under ~/.cache/torch_extensions).
+A build killed half way leaves torch's lock file in that directory and the next
+build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm``.
 ``small_gemm_status()`` says whether this machine can run it and, if not, why;
 ``SmallGemmLinear`` has the same API and parameters as the ``nn.Linear`` it replaces,
 and ``F.linear`` is its fallback with the same API (tests compare the two).
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import KernelUnavailableError
 from .model import FusedLinear
 
 log = logging.getLogger(__name__)
@@ -69,8 +72,11 @@ def _build() -> tuple[Any, str | None]:
         mod = load(name="specmix_small_gemm", sources=[str(SOURCE)],
                    extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except (RuntimeError, OSError, ImportError) as e:  # a compiler or linker failure: say so, never hide it
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        log.warning("the fp32 small-GEMM CPU kernel did not build: %s", first)
+        lines = str(e).strip().splitlines()
+        # torch's message starts with the compile command; the compiler's first "error:" line says what broke
+        first = next((ln.strip() for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
+        log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", first)
+        log.debug("full build output:\n%s", e)
         return None, f"the build failed: {first}"
     return mod, None
 
@@ -84,7 +90,7 @@ def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
     """The compiled ``small_gemm(x [M, K] fp32 contiguous, w [N, K] fp32 contiguous) -> [M, N]``."""
     mod, reason = _build()
     if mod is None:
-        raise RuntimeError(f"the fp32 small-GEMM CPU kernel is unavailable: {reason}")
+        raise KernelUnavailableError(f"the fp32 small-GEMM CPU kernel is unavailable: {reason}")
     return mod.small_gemm
 
 
@@ -92,10 +98,18 @@ def _small_gemm_linear(kernel: Callable[[Tensor, Tensor], Tensor], x: Tensor, we
                        bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)`` through the kernel when x has at most MAX_ROWS rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32:
+    if rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or _needs_torch(x, weight, bias):
         return F.linear(x, weight, bias)
     y = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    return y if bias is None else y.add_(bias)
+
+
+def _needs_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Autograd or CPU autocast: the kernel has neither (inference never needs them), F.linear has both."""
+    if torch.is_autocast_enabled("cpu"):
+        return True
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
 
 
 def _check_weight(weight: Tensor) -> None:

@@ -137,6 +137,8 @@ def fast_cpu_linears(model: Transformer, device: torch.device, request: bool | N
     small-GEMM kernel. ``request``: None uses it where it runs (saying why not in the log), True requires it
     (an ``InvalidConfigError`` naming what is missing), False keeps PyTorch's. -> (GEMMs swapped, kernel name
     or None)."""
+    if request is not None and not isinstance(request, bool):
+        raise InvalidConfigError(f"cpu_pack={request!r} is invalid: allowed None (where it runs), True, False")
     if request is False:
         return 0, None
     dt = model.norm.weight.dtype

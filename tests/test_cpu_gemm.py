@@ -13,7 +13,7 @@ from engine import Engine, SamplingParams
 from engine.checkpoint import load_model
 from engine.cpu_gemm import MAX_ROWS, SmallGemmFused, SmallGemmLinear, small_gemm_kernel, small_gemm_status
 from engine.cpu_linear import fast_cpu_linears, small_gemm_linears
-from engine.errors import InvalidConfigError
+from engine.errors import InvalidConfigError, KernelUnavailableError
 from engine.model import fuse_projections
 
 STATUS = small_gemm_status()
@@ -44,13 +44,26 @@ def test_small_gemm_linear_has_the_api_of_nn_linear(bias):
     torch.manual_seed(1)
     lin = nn.Linear(48, 40, bias=bias)
     mod = SmallGemmLinear(lin)
-    assert mod.weight is lin.weight and set(mod.state_dict()) == set(lin.state_dict())
-    for shape in ((1, 48), (2, 3, 48), (1, 5, 48), (MAX_ROWS, 48)):
+    assert mod.weight is lin.weight and mod.bias is lin.bias and set(mod.state_dict()) == set(lin.state_dict())
+    for shape in ((48,), (1, 48), (2, 3, 48), (1, 5, 48), (MAX_ROWS, 48)):
         x = torch.randn(*shape)
-        torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-6)
-        assert mod(x).shape == lin(x).shape
-    big = torch.randn(MAX_ROWS + 1, 48)  # a prefill: PyTorch's own kernel, exactly
-    assert torch.equal(mod(big), lin(big))
+        with torch.no_grad():
+            torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-6)
+            assert mod(x).shape == lin(x).shape
+    with torch.no_grad():
+        x = torch.randn(9, 48)
+        assert torch.equal(mod(x), torch.cat([mod(x[i:i + 1]) for i in range(9)]))  # bias added per row too
+        big = torch.randn(MAX_ROWS + 1, 48)  # a prefill: PyTorch's own kernel, exactly
+        assert torch.equal(mod(big), lin(big))
+    # training (autograd) and autocast are F.linear's: the kernel has neither, so they never reach it
+    x = torch.randn(3, 48, requires_grad=True)
+    mod(x).sum().backward()
+    gx, gw = x.grad.clone(), lin.weight.grad.clone()
+    x.grad, lin.weight.grad = None, None
+    lin(x).sum().backward()
+    assert torch.equal(gx, x.grad) and torch.equal(gw, lin.weight.grad)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mod(torch.randn(2, 48)).dtype == lin(torch.randn(2, 48)).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="fp32 CPU weight"):
         SmallGemmLinear(nn.Linear(4, 4).bfloat16())
 
@@ -82,6 +95,8 @@ def test_engine_uses_the_kernel_for_fp32_on_the_cpu(ckpt_dir, draft_dir):
     assert eng.info["attention"] == "sdpa_attention" and eng.stats()["memory"]["cpu_packed_bytes"] == 0
     off = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
     assert off.info["cpu_linear_kernel"] is None and off.info["cpu_packed_linears"] == 0
+    required = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
+    assert required.info["cpu_linear_kernel"] == "small-gemm-fp32"
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 9, 10, 11, 9]]
     params = SamplingParams(max_new_tokens=24)
     assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in off.generate(prompts, params)]
@@ -98,7 +113,7 @@ def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatc
     assert "not found" in caplog.text
     with pytest.raises(InvalidConfigError, match=r"cpu_pack=True is invalid here: needs a C\+\+ compiler"):
         Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
-    with pytest.raises(RuntimeError, match="unavailable: needs a C"):
+    with pytest.raises(KernelUnavailableError, match="unavailable: needs a C"):
         small_gemm_kernel()
 
 
@@ -111,3 +126,7 @@ def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
     assert fast_cpu_linears(model, torch.device("meta"), None) == (0, None)
     with pytest.raises(InvalidConfigError, match="device is 'meta'"):
         fast_cpu_linears(model, torch.device("meta"), True)
+    for bad in (0, "false", 1):
+        with pytest.raises(InvalidConfigError, match=r"cpu_pack=.* is invalid: allowed None \(where it runs\), True, "
+                                                     "False"):
+            Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=bad)

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace {
 
 constexpr int NB = 8;         // weight rows per block
@@ -28,7 +30,9 @@ inline void block(const float* __restrict x, const float* __restrict w, float* _
     for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int i = 0; i < R; ++i) {
       const float* wr = w + (n0 + i) * K + k;
-      _mm_prefetch(reinterpret_cast<const char*>(wr + PREFETCH), _MM_HINT_T0);
+      // a hint only (never faults); the address is formed as an integer, as it may lie past the weight
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wr) + PREFETCH * sizeof(float)),
+                   _MM_HINT_T0);
       const __m512 wv = _mm512_loadu_ps(wr);
       for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xv[m], acc[i][m]);
     }
@@ -81,5 +85,8 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_gemm", &small_gemm, "fp32 y = x @ w^T for few rows, row-independent rounding");
+  // the body touches no Python object: release the GIL like PyTorch's own ops, so other threads (callers
+  // streaming or detokenizing while the scheduler's worker decodes) keep running during the GEMM
+  m.def("small_gemm", &small_gemm, "fp32 y = x @ w^T for few rows, row-independent rounding",
+        py::call_guard<py::gil_scoped_release>());
 }
