@@ -129,9 +129,6 @@ def small_gemm_linears(model: Transformer) -> int:
     return n
 
 
-CPU_KERNELS = ("onednn-bf16", KERNEL_NAME)
-
-
 def fast_cpu_linears(model: Transformer, device: torch.device, request: bool | None) -> tuple[int, str | None]:
     """The target's CPU linears on this dtype's fast kernel: bf16 -> oneDNN-packed weights, fp32 -> the
     small-GEMM kernel. ``request``: None uses it where it runs (saying why not in the log), True requires it

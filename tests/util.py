@@ -51,3 +51,15 @@ def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed:
     model.save_pretrained(out)
     make_tokenizer(out, vocab_size)
     return out
+
+
+def fused_gemm_count(model) -> int:
+    """Fuse q/k/v and gate/up (``fuse_projections``) and return the GEMMs the model then runs: its plain
+    Linears, less the 5 per layer that run inside the 2 fused groups, plus those 2 groups."""
+    from torch import nn
+
+    from engine.model import fuse_projections
+
+    fuse_projections(model)
+    n_lin = sum(type(m) is nn.Linear for m in model.modules())
+    return n_lin - 5 * len(model.layers) + 2 * len(model.layers)
