@@ -12,6 +12,8 @@ from .adaptive import Costs, KPolicy
 from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
+from .cpu_decode import install_decode_layers
+from .cpu_gemm import KERNEL_NAME
 from .cpu_linear import fast_cpu_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
@@ -107,7 +109,8 @@ class Engine:
         conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's CPU linears on the fast kernel for
         its dtype (engine/cpu_linear.py): bf16 on oneDNN-packed weights (a verify pass of up to 16 tokens costs
         ~1.1x a one-token step), fp32 on the small-GEMM kernel (engine/cpu_gemm.py, compiled on first use:
-        8 tokens ~1.5x a step instead of ~2.5x); None uses it where it runs, True requires it, False keeps
+        8 tokens ~1.5x a step instead of ~2.5x; then both models' decoder layers also run as one C++ call per
+        few-row forward, engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps
         PyTorch's.
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
@@ -150,6 +153,9 @@ class Engine:
         packed, cpu_kernel = fast_cpu_linears(target, dev, cpu_pack)
         if plan is None:
             target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
+        # with the fp32 kernel: each model's decoder layers as one C++ call for few rows (engine/cpu_decode.py)
+        stepped = [name for name, m in (("target", target), ("draft", draft_model))
+                   if cpu_kernel == KERNEL_NAME and m is not None and install_decode_layers(m) is None]
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -170,6 +176,7 @@ class Engine:
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
                 "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
                 "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_linear_kernel": cpu_kernel,
+                "cpu_decode_layers": stepped,
                 "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
                 "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,

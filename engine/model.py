@@ -15,7 +15,7 @@ length, and rolling a sequence back is just using a smaller position next time.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -310,6 +310,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attn_fn: AttentionFn = sdpa_attention
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
+        self.layer_step: Any = None  # the layers as one kernel call for few rows (engine/cpu_decode.py)
 
     def reset_rope(self) -> None:
         """Recompute the rotary frequencies (after building on the meta device)."""
@@ -349,6 +350,10 @@ class Transformer(nn.Module):
         if input_pos is None:
             input_pos = torch.arange(T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)
+        step = self.layer_step
+        if cache is not None and step is not None and step.takes(x, cache):
+            assert kv_len is not None, "kv_len is required with a cache"
+            return self._head(step(x, input_pos, rows, cache, kv_len, n_layers), logits_idx)
         window = self.config.sliding_window
         if cache is None:
             cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
@@ -375,7 +380,11 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             c = None if cache is None else (cache.k[i], cache.v[i])
             x = layer(x, cos, sin, self.attn_fn, c, ctx)
+        return self._head(x, logits_idx)
+
+    def _head(self, x: Tensor, logits_idx: Tensor | None) -> Tensor:
+        """Final norm and LM head on x [B,T,H], at the positions in logits_idx ([B] or [B,J]) when given."""
         if logits_idx is not None:
-            b = torch.arange(B, device=x.device)
+            b = torch.arange(x.shape[0], device=x.device)
             x = x[b, logits_idx] if logits_idx.dim() == 1 else x[b[:, None], logits_idx]
         return self.lm_head(self.norm(x))

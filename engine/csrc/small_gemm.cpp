@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "small_gemm.h"
+
 namespace {
 
 constexpr int NB = 8;         // weight rows per block
@@ -66,27 +68,20 @@ inline void rows(const float* x, const float* w, float* y, int64_t M, int64_t K,
 
 }  // namespace
 
+void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n);  // the N tail
+}
+
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_gemm: float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
               "small_gemm: contiguous CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / NB;
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) rows<NB>(xp, wp, yp, M, K, N, b * NB);
-  });
-  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(xp, wp, yp, M, K, N, n);  // the N tail
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  small_gemm_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), w.size(0));
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the body touches no Python object: release the GIL like PyTorch's own ops, so other threads (callers
-  // streaming or detokenizing while the scheduler's worker decodes) keep running during the GEMM
-  m.def("small_gemm", &small_gemm, "fp32 y = x @ w^T for few rows, row-independent rounding",
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,9 @@
+// The fp32 small-GEMM kernel (small_gemm.cpp), shared by the decoder-layer step (decode_layers.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+
+// y[M, N] = x[M, K] @ w[N, K]^T, row-major and contiguous; each output accumulated the same way for any M
+void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N);
+torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w);

@@ -1,0 +1,139 @@
+"""The fp32 decode-layers kernel (engine/cpu_decode.py) against the model's PyTorch layers (its fallback,
+same inputs and outputs): logits and KV cache on ragged, padded, re-rowed calls for Llama (GQA), Qwen2
+(q/k/v bias) and Mistral (sliding window); a block of tokens equals one-token steps bit for bit; refusals
+name the reason; the engine's greedy output is unchanged by it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.checkpoint import load_model
+from engine.cpu_decode import DecodeLayers, decode_layers_reason, install_decode_layers
+from engine.cpu_gemm import small_gemm_status
+from engine.cpu_linear import small_gemm_linears
+from engine.errors import KernelUnavailableError
+from engine.model import KVCache, fuse_projections
+from util import make_checkpoint
+
+STATUS = small_gemm_status()
+pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"fp32 CPU kernels unavailable: {STATUS}")
+
+ARCHS = {"llama": {}, "qwen2": {"hidden_size": 48}, "mistral": {"sliding_window": 6}}  # qwen2: head_dim 12
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def model(request, tmp_path_factory):
+    arch = request.param
+    path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, num_hidden_layers=3, **ARCHS[arch])
+    m = load_model(path, torch.float32)
+    fuse_projections(m)
+    small_gemm_linears(m)  # as the engine sets up its fp32 target (the LM head on the row-independent kernel)
+    assert install_decode_layers(m) is None and isinstance(m.layer_step, DecodeLayers)
+    return m
+
+
+def _prefilled(m, B: int, S: int = 64, n: int = 12, seed: int = 0) -> KVCache:
+    cache = KVCache(m.config, B, S, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    step, m.layer_step = m.layer_step, None
+    with torch.no_grad():
+        m(torch.randint(0, m.config.vocab_size, (B, n), generator=g), cache=cache, kv_len=n)
+    m.layer_step = step
+    return cache
+
+
+def _both(m, *args, **kw):
+    """(kernel logits, PyTorch logits, kernel cache, PyTorch cache) of the same call on equal caches."""
+    c1, c2 = kw.pop("cache"), kw.pop("cache_ref")
+    with torch.no_grad():
+        got = m(*args, cache=c1, **kw)
+        step, m.layer_step = m.layer_step, None
+        try:
+            want = m(*args, cache=c2, **kw)
+        finally:
+            m.layer_step = step
+    return got, want
+
+
+def test_ragged_padded_rerowed_call_matches_the_pytorch_layers(model):
+    B, S = 3, 64
+    c1, c2 = _prefilled(model, B, S), _prefilled(model, B, S)
+    lens = [12, 9, 11]  # each row's next position (rows 1 and 2 re-decode positions they hold)
+    T = 4
+    toks = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
+    pos = torch.full((B, T), S - 1)  # padding goes to the scratch slot, as the decode loop does
+    real = [4, 2, 3]
+    for b in range(B):
+        pos[b, : real[b]] = torch.arange(lens[b], lens[b] + real[b])
+    rows = torch.tensor([2, 0, 1])
+    kv_len = max(l + r for l, r in zip(lens, real))
+    idx = torch.tensor([[0, 3], [0, 1], [1, 2]])
+    got, want = _both(model, toks, pos, kv_len=kv_len, rows=rows, logits_idx=idx, cache=c1, cache_ref=c2)
+    assert got.shape == want.shape == (B, 2, model.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c1.k, c2.k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c1.v, c2.v, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(c1.k[:, :, :, lens[0] + 3], torch.zeros_like(c1.k[:, :, :, 0]))  # it wrote
+
+
+def test_early_exit_layers_and_start_path_match(model):
+    c1, c2 = _prefilled(model, 2), _prefilled(model, 2)
+    toks = torch.tensor([[5], [7]])
+    pos = torch.full((2, 1), 12)
+    got, want = _both(model, toks, pos, kv_len=13, n_layers=1, start=12, cache=c1, cache_ref=c2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c1.k[:1], c2.k[:1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(c1.k[1:, :, :, 12], torch.zeros_like(c1.k[1:, :, :, 12]))  # later layers untouched
+
+
+def test_a_block_equals_one_token_steps_bit_for_bit(model):
+    T = 6  # longer than the Mistral window: the window applies inside the block too
+    toks = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(12, 12 + T).expand(2, T)
+    block_cache, step_cache = _prefilled(model, 2), _prefilled(model, 2)
+    with torch.no_grad():
+        block = model(toks, pos, block_cache, 12 + T)
+        steps = torch.cat([model(toks[:, i: i + 1], pos[:, i: i + 1], step_cache, 13 + i) for i in range(T)], 1)
+    assert torch.equal(block, steps)
+    assert torch.equal(block_cache.k, step_cache.k) and torch.equal(block_cache.v, step_cache.v)
+
+
+def test_many_rows_and_autograd_go_to_the_pytorch_layers(model):
+    step = model.layer_step
+    x = torch.zeros(1, step.max_rows + 1, model.config.hidden_size)
+    cache = KVCache(model.config, 1, 64, torch.float32, "cpu")
+    assert step.takes(x[:, :step.max_rows], cache) and not step.takes(x, cache)
+    with torch.enable_grad():
+        assert not step.takes(x[:, :1].clone().requires_grad_(), cache)
+    half = KVCache(model.config, 1, 64, torch.bfloat16, "cpu")
+    assert not step.takes(x[:, :1], half)
+
+
+def test_refusals_name_the_reason(tmp_path):
+    path = make_checkpoint(tmp_path / "m", "llama")
+    m = load_model(path, torch.float32)
+    assert "not fused" in decode_layers_reason(m)  # before fuse_projections
+    fuse_projections(m)
+    m.attn_fn = lambda *a: None
+    assert "attention backend" in decode_layers_reason(m)
+    with pytest.raises(KernelUnavailableError, match="attention backend"):
+        DecodeLayers(m)
+    bf = load_model(path, torch.bfloat16)
+    fuse_projections(bf)
+    assert "float32" in install_decode_layers(bf) and bf.layer_step is None
+
+
+@pytest.mark.parametrize("drafter", ["model", "early-exit"])
+def test_engine_greedy_output_is_the_same_with_and_without_it(ckpt_dir, draft_dir, drafter):
+    prompts = ["abc", "hello world", "the cat sat on"]
+    sp = SamplingParams(max_new_tokens=24)
+    outs = {}
+    for pack in (None, False):
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter,
+                                     k=4, adaptive_k=False, cpu_pack=pack)
+        want = ["target", "draft"] if drafter == "model" else ["target"]
+        assert eng.info["cpu_decode_layers"] == (want if pack is None else [])
+        outs[pack] = [o.token_ids for o in eng.generate(prompts, sp)]
+    plain = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
+    assert outs[None] == outs[False] == [o.token_ids for o in plain.generate(prompts, sp)]
