@@ -1,13 +1,13 @@
-"""A fp32 model's decoder layers as one C++ call for the few rows of a step (engine/csrc/decode_layers.cpp).
+"""A fp32 model's few-row forward as one C++ call (engine/csrc/decode_layers.cpp).
 
 Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic. The demo draft's
-two layers cost ~0.9 ms through ~45 PyTorch ops, of which the GEMMs are ~0.2 ms; the demo target
-spends ~1 ms of its ~5.5 ms step outside its GEMMs. ``DecodeLayers`` runs the same layers
-(RMSNorm, fused q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused gate/up,
-SiLU, down) in one call, with the small-GEMM kernel for every projection; embedding, final norm and
-LM head stay in PyTorch. ``Transformer.forward`` uses it when installed (``model.layer_step``), for
-calls with a cache, no autograd and at most ``MAX_ROWS`` rows; the PyTorch layers are its fallback
-with the same inputs and outputs (tests run both and compare).
+step cost ~0.75 ms through ~50 PyTorch ops, of which the GEMMs are ~0.2 ms; the demo target
+spent ~1 ms of its ~5.5 ms step outside its GEMMs. ``DecodeStep`` runs the same forward (embedding;
+per layer RMSNorm, fused q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused
+gate/up, SiLU, down; final norm and LM head on the scored rows) in one call, with the small-GEMM
+kernel for every projection. ``Transformer.forward`` uses it when installed (``model.layer_step``),
+for calls with a cache, no autograd and at most ``MAX_ROWS`` rows; the PyTorch forward is its
+fallback with the same inputs and outputs (tests run both and compare).
 
 Every row is computed the same way whatever the number of rows in the call (the GEMM kernel is
 row-independent and each query's attention is its own loop), so a verify pass and the one-token
@@ -27,6 +27,11 @@ from .model import FusedLinear, KVCache, Transformer, sdpa_attention
 
 log = logging.getLogger(__name__)
 
+# the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or float16 copies
+# (widened to fp32 in registers: half the bytes a step streams; for a draft, whose proposals the target
+# verifies, so the output is unchanged and only the acceptance can move)
+WEIGHT_DTYPES = (torch.float32, torch.float16)
+
 
 def _plain_weight(mod: Any) -> bool:
     """An unquantized fp32 CPU projection: nn.Linear, a fused group or their small-GEMM forms."""
@@ -39,8 +44,8 @@ def _plain_weight(mod: Any) -> bool:
         mod.bias is None or mod.bias.dtype == torch.float32)
 
 
-def decode_layers_reason(model: Transformer) -> str | None:
-    """None when ``DecodeLayers`` can run this model's layers here, else why not."""
+def decode_step_reason(model: Transformer) -> str | None:
+    """None when ``DecodeStep`` can run this model here, else why not."""
     if model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
         return f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on " \
                f"{model.norm.weight.device.type})"
@@ -58,58 +63,71 @@ def decode_layers_reason(model: Transformer) -> str | None:
                         "q/k/v and gate/up not fused by fuse_projections)")
         if m.gate_up.bias is not None:  # type: ignore[union-attr]
             return f"layer {i} gate_up has a bias"
+    if type(model.embed_tokens) is not nn.Embedding or not _plain_weight(model.lm_head) \
+            or model.lm_head.bias is not None:
+        return f"the embedding or LM head is not a plain fp32 one ({type(model.lm_head).__name__})"
     return small_gemm_status()
 
 
-class DecodeLayers:
-    """``model``'s decoder layers as one C++ call (same inputs and result as its PyTorch layers)."""
+class DecodeStep:
+    """``model``'s forward with a cache for few rows as one C++ call (same inputs and result as PyTorch's)."""
 
     max_rows = MAX_ROWS
 
-    def __init__(self, model: Transformer) -> None:
-        reason = decode_layers_reason(model)
+    def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32) -> None:
+        reason = decode_step_reason(model)
         if reason is not None:
-            raise KernelUnavailableError(f"the fp32 decode-layers kernel cannot run this model: {reason}")
+            raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed torch.float32, torch.float16")
         mod, _ = _build()
-        self.kernel = mod.decode_layers
-        self.model = model
+        self.kernel = mod.decode_forward
+        self.model, self.weight_dtype = model, weight_dtype
+
+        def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, an fp16 copy otherwise
+            return t.detach().to(weight_dtype).contiguous()
+
         self.weights: list[Tensor] = []
         empty = torch.empty(0)
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            for t in (layer.input_layernorm.weight, a.qkv.weight, a.qkv.bias, a.o_proj.weight, a.o_proj.bias,
-                      layer.post_attention_layernorm.weight, m.gate_up.weight, m.down_proj.weight,
-                      m.down_proj.bias):
+            for t in (layer.input_layernorm.weight, mat(a.qkv.weight), a.qkv.bias, mat(a.o_proj.weight),
+                      a.o_proj.bias, layer.post_attention_layernorm.weight, mat(m.gate_up.weight),
+                      mat(m.down_proj.weight), m.down_proj.bias):
                 self.weights.append(empty if t is None else t.detach())
+        self.tail = [model.embed_tokens.weight.detach(), model.norm.weight.detach(), mat(model.lm_head.weight)]
         cfg = model.config
         self.heads, self.kv_heads, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         self.window = cfg.sliding_window or 0
+        self.n_layers = cfg.num_hidden_layers
+        self._per_layers = {self.n_layers: self.weights + self.tail}  # weight lists by layer count
+        self._empty = torch.empty(0, dtype=torch.long)
 
-    def takes(self, x: Tensor, cache: KVCache) -> bool:
-        """Whether this call (x [B,T,H]) goes through the kernel: few rows, a fp32 cache, no autograd."""
-        return (x.shape[0] * x.shape[1] <= self.max_rows and cache.k.dtype == torch.float32
-                and not (torch.is_grad_enabled() and x.requires_grad))
+    def takes(self, tokens: Tensor, cache: KVCache) -> bool:
+        """Whether this call (tokens [B,T]) goes through the kernel: few rows, a fp32 cache, no autograd."""
+        return (tokens.numel() <= self.max_rows and cache.k.dtype == torch.float32
+                and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad))
 
-    def __call__(self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
-                 n_layers: int | None) -> Tensor:
-        """x [B,T,H] embedded tokens, pos [B,T] positions, rows [B] cache rows (None: 0..B-1) -> [B,T,H]."""
-        B, T, H = x.shape
-        n = len(self.model.layers) if n_layers is None else n_layers
+    def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
+                 n_layers: int | None, logits_idx: Tensor | None) -> Tensor:
+        """tokens, pos [B,T]; rows [B] cache rows (None: 0..B-1) -> logits [B,T,V] ([B,V] / [B,J,V] at
+        logits_idx [B] / [B,J]), like ``Transformer.forward``."""
+        n = self.n_layers if n_layers is None else n_layers
+        w = self._per_layers.get(n)
+        if w is None:
+            w = self._per_layers[n] = self.weights[: 9 * n] + self.tail
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
-        row = torch.arange(B) if rows is None else rows
-        out = x.reshape(B * T, H).clone()
-        self.kernel(out, pos.reshape(-1).contiguous(), row.repeat_interleave(T) if T > 1 else row.contiguous(),
-                    kv_len, self.weights[: 9 * n], cache.k, cache.v, cos, sin, self.heads, self.kv_heads,
-                    self.window, self.eps)
-        return out.view(B, T, H)
+        return self.kernel(tokens, pos, self._empty if rows is None else rows,
+                           self._empty if logits_idx is None else logits_idx, kv_len, n, w, cache.k, cache.v,
+                           cos, sin, self.heads, self.kv_heads, self.window, self.eps)
 
 
-def install_decode_layers(model: Transformer) -> str | None:
-    """Run ``model``'s few-row forwards through ``DecodeLayers``; None when installed, else why not (logged)."""
-    reason = decode_layers_reason(model)
+def install_decode_step(model: Transformer, weight_dtype: torch.dtype = torch.float32) -> str | None:
+    """Run ``model``'s few-row forwards through ``DecodeStep``; None when installed, else why not (logged)."""
+    reason = decode_step_reason(model)
     if reason is not None:
-        log.info("decoder layers stay on PyTorch: %s", reason)
+        log.info("the model's steps stay on PyTorch: %s", reason)
         model.layer_step = None
         return reason
-    model.layer_step = DecodeLayers(model)
+    model.layer_step = DecodeStep(model, weight_dtype)
     return None

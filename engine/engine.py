@@ -12,7 +12,7 @@ from .adaptive import Costs, KPolicy
 from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
-from .cpu_decode import install_decode_layers
+from .cpu_decode import install_decode_step
 from .cpu_gemm import KERNEL_NAME
 from .cpu_linear import fast_cpu_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
@@ -98,7 +98,7 @@ class Engine:
                         calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
                         max_waiting: int = 4096, max_seq_len: int | None = None,
                         cpu_pack: bool | None = None, draft_dtype: str | torch.dtype | None = None,
-                        attention: str | None = None) -> "Engine":
+                        attention: str | None = None, draft_step_weights: str | None = None) -> "Engine":
         """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
 
         With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
@@ -109,14 +109,20 @@ class Engine:
         conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's CPU linears on the fast kernel for
         its dtype (engine/cpu_linear.py): bf16 on oneDNN-packed weights (a verify pass of up to 16 tokens costs
         ~1.1x a one-token step), fp32 on the small-GEMM kernel (engine/cpu_gemm.py, compiled on first use:
-        8 tokens ~1.5x a step instead of ~2.5x; then both models' decoder layers also run as one C++ call per
+        8 tokens ~1.5x a step instead of ~2.5x; then both models' few-row forwards also run as one C++ call each,
         few-row forward, engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps
         PyTorch's.
+        ``draft_step_weights``: with the fp32 step kernel, how it stores the draft's GEMM weights: "float16"
+        (the default: half the bytes per draft step, ~30% faster; the target verifies every proposal, so only
+        the acceptance can move) or "float32" (the draft model's own weights).
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
         speculation reproduces the bf16 target exactly; it costs ~4% of speculative and ~17% of plain
         decode speed on the demo pair) and "sdpa" otherwise. With a plan it must be None (the plan names it).
         """
+        if draft_step_weights not in (None, "float16", "float32"):
+            raise InvalidConfigError(f"draft_step_weights={draft_step_weights!r} is invalid: allowed 'float16', "
+                                     "'float32' or None (float16)")
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -153,9 +159,10 @@ class Engine:
         packed, cpu_kernel = fast_cpu_linears(target, dev, cpu_pack)
         if plan is None:
             target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
-        # with the fp32 kernel: each model's decoder layers as one C++ call for few rows (engine/cpu_decode.py)
+        # with the fp32 kernel: each model's few-row forward as one C++ call (engine/cpu_decode.py)
+        step_w = {"target": torch.float32, "draft": resolve_dtype(draft_step_weights or "float16")}
         stepped = [name for name, m in (("target", target), ("draft", draft_model))
-                   if cpu_kernel == KERNEL_NAME and m is not None and install_decode_layers(m) is None]
+                   if cpu_kernel == KERNEL_NAME and m is not None and install_decode_step(m, step_w[name]) is None]
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
@@ -176,7 +183,8 @@ class Engine:
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
                 "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
                 "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_linear_kernel": cpu_kernel,
-                "cpu_decode_layers": stepped,
+                "cpu_decode_step": stepped,
+                "draft_step_weights": str(step_w["draft"]).replace("torch.", "") if "draft" in stepped else None,
                 "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
                 "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,

@@ -310,7 +310,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attn_fn: AttentionFn = sdpa_attention
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
-        self.layer_step: Any = None  # the layers as one kernel call for few rows (engine/cpu_decode.py)
+        self.layer_step: Any = None  # the forward as one kernel call for few rows (engine/cpu_decode.py)
 
     def reset_rope(self) -> None:
         """Recompute the rotary frequencies (after building on the meta device)."""
@@ -349,11 +349,11 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if input_pos is None:
             input_pos = torch.arange(T, device=tokens.device).expand(B, T)
-        x = self.embed_tokens(tokens)
         step = self.layer_step
-        if cache is not None and step is not None and step.takes(x, cache):
+        if cache is not None and step is not None and step.takes(tokens, cache):
             assert kv_len is not None, "kv_len is required with a cache"
-            return self._head(step(x, input_pos, rows, cache, kv_len, n_layers), logits_idx)
+            return step(tokens, input_pos, rows, cache, kv_len, n_layers, logits_idx)
+        x = self.embed_tokens(tokens)
         window = self.config.sliding_window
         if cache is None:
             cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)

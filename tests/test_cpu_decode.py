@@ -1,4 +1,4 @@
-"""The fp32 decode-layers kernel (engine/cpu_decode.py) against the model's PyTorch layers (its fallback,
+"""The fp32 decode-step kernel (engine/cpu_decode.py) against the model's PyTorch forward (its fallback,
 same inputs and outputs): logits and KV cache on ragged, padded, re-rowed calls for Llama (GQA), Qwen2
 (q/k/v bias) and Mistral (sliding window); a block of tokens equals one-token steps bit for bit; refusals
 name the reason; the engine's greedy output is unchanged by it."""
@@ -9,10 +9,10 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.checkpoint import load_model
-from engine.cpu_decode import DecodeLayers, decode_layers_reason, install_decode_layers
+from engine.cpu_decode import DecodeStep, decode_step_reason, install_decode_step
 from engine.cpu_gemm import small_gemm_status
 from engine.cpu_linear import small_gemm_linears
-from engine.errors import KernelUnavailableError
+from engine.errors import InvalidConfigError, KernelUnavailableError
 from engine.model import KVCache, fuse_projections
 from util import make_checkpoint
 
@@ -29,7 +29,7 @@ def model(request, tmp_path_factory):
     m = load_model(path, torch.float32)
     fuse_projections(m)
     small_gemm_linears(m)  # as the engine sets up its fp32 target (the LM head on the row-independent kernel)
-    assert install_decode_layers(m) is None and isinstance(m.layer_step, DecodeLayers)
+    assert install_decode_step(m) is None and isinstance(m.layer_step, DecodeStep)
     return m
 
 
@@ -99,13 +99,17 @@ def test_a_block_equals_one_token_steps_bit_for_bit(model):
     assert torch.equal(block_cache.k, step_cache.k) and torch.equal(block_cache.v, step_cache.v)
 
 
-def test_many_rows_and_autograd_go_to_the_pytorch_layers(model):
+def test_many_rows_and_autograd_go_to_the_pytorch_forward(model):
     step = model.layer_step
-    x = torch.zeros(1, step.max_rows + 1, model.config.hidden_size)
+    x = torch.zeros(1, step.max_rows + 1, dtype=torch.long)
     cache = KVCache(model.config, 1, 64, torch.float32, "cpu")
     assert step.takes(x[:, :step.max_rows], cache) and not step.takes(x, cache)
     with torch.enable_grad():
-        assert not step.takes(x[:, :1].clone().requires_grad_(), cache)
+        model.norm.weight.requires_grad_(True)
+        try:
+            assert not step.takes(x[:, :1], cache)  # training: autograd needs the PyTorch ops
+        finally:
+            model.norm.weight.requires_grad_(False)
     half = KVCache(model.config, 1, 64, torch.bfloat16, "cpu")
     assert not step.takes(x[:, :1], half)
 
@@ -113,15 +117,15 @@ def test_many_rows_and_autograd_go_to_the_pytorch_layers(model):
 def test_refusals_name_the_reason(tmp_path):
     path = make_checkpoint(tmp_path / "m", "llama")
     m = load_model(path, torch.float32)
-    assert "not fused" in decode_layers_reason(m)  # before fuse_projections
+    assert "not fused" in decode_step_reason(m)  # before fuse_projections
     fuse_projections(m)
     m.attn_fn = lambda *a: None
-    assert "attention backend" in decode_layers_reason(m)
+    assert "attention backend" in decode_step_reason(m)
     with pytest.raises(KernelUnavailableError, match="attention backend"):
-        DecodeLayers(m)
+        DecodeStep(m)
     bf = load_model(path, torch.bfloat16)
     fuse_projections(bf)
-    assert "float32" in install_decode_layers(bf) and bf.layer_step is None
+    assert "float32" in install_decode_step(bf) and bf.layer_step is None
 
 
 @pytest.mark.parametrize("drafter", ["model", "early-exit"])
@@ -133,7 +137,40 @@ def test_engine_greedy_output_is_the_same_with_and_without_it(ckpt_dir, draft_di
         eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter,
                                      k=4, adaptive_k=False, cpu_pack=pack)
         want = ["target", "draft"] if drafter == "model" else ["target"]
-        assert eng.info["cpu_decode_layers"] == (want if pack is None else [])
+        assert eng.info["cpu_decode_step"] == (want if pack is None else [])
+        assert eng.info["draft_step_weights"] == ("float16" if pack is None and drafter == "model" else None)
         outs[pack] = [o.token_ids for o in eng.generate(prompts, sp)]
     plain = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
     assert outs[None] == outs[False] == [o.token_ids for o in plain.generate(prompts, sp)]
+
+
+def test_float16_weights_widen_exactly(tmp_path):
+    """With weights that fp16 holds exactly, fp16 storage gives the fp32 kernel's logits bit for bit
+    (the widening is exact and the arithmetic is the same fp32); on the raw weights it stays close."""
+    path = make_checkpoint(tmp_path / "m", "qwen2", num_hidden_layers=2)
+    m = load_model(path, torch.float32)
+    fuse_projections(m)
+    toks = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(5).expand(2, 5)
+
+    def logits(dtype):
+        cache = KVCache(m.config, 2, 32, torch.float32, "cpu")
+        with torch.no_grad():
+            return DecodeStep(m, dtype)(toks, pos, None, cache, 5, None, None)
+
+    raw32, raw16 = logits(torch.float32), logits(torch.float16)
+    assert not torch.equal(raw32, raw16)
+    torch.testing.assert_close(raw16, raw32, rtol=0.02, atol=0.02)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.half().float())
+    assert torch.equal(logits(torch.float16), logits(torch.float32))
+    with pytest.raises(ValueError, match="weight_dtype"):
+        DecodeStep(m, torch.bfloat16)
+
+
+def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
+    with pytest.raises(InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', 'float32'"):
+        Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights="int8")
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights="float32")
+    assert eng.info["draft_step_weights"] == "float32"

@@ -261,7 +261,7 @@ def bench(a: argparse.Namespace) -> int:
                            "greedy": True, "dtype": dt, "draft_dtype": engines["specmix-model"].info["draft_dtype"],
                            "attention": engines["plain"].info["attention"],
                            "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
-                           "cpu_decode_layers": engines["specmix-model"].info.get("cpu_decode_layers"),
+                           "cpu_decode_step": engines["specmix-model"].info.get("cpu_decode_step"),
                            "batch": 1, "sweep_k": sweep},
               "sweep": sweep_result}
     from engine.profile import write_bytes_atomic, write_json_atomic

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -108,7 +109,8 @@ const float* f32(const torch::Tensor& t, const char* what) {
 // x [M, H] (the embedded tokens, updated in place to the last layer's output); pos [M] the position
 // of each row and row [M] its cache row; k_cache, v_cache [L, max_batch, nkv, S, D]; weights: per layer
 // 9 tensors (input norm, qkv weight, qkv bias or empty, o weight, o bias or empty, post norm,
-// gate_up weight, down weight, down bias or empty). Keys and values of every row are written before
+// gate_up weight, down weight, down bias or empty; the four matrices float32 or float16, the rest
+// float32). Keys and values of every row are written before
 // any row attends, so a row sees the rows before it in the same call (its sequence's earlier tokens).
 void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tensor& row, int64_t kv_len,
                    const std::vector<torch::Tensor>& weights, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -143,7 +145,7 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
     rms_norm(xp, f32(w[0], "input norm"), h.data(), d.M, d.H, static_cast<float>(eps));
     TORCH_CHECK(w[1].size(0) == width && w[1].size(1) == d.H, "decode_layers: qkv weight shape");
     float* q = qkv.data();
-    small_gemm_into(h.data(), f32(w[1], "qkv weight"), q, d.M, d.H, width);
+    small_gemm_into(h.data(), w[1], q, d.M, d.H, width);
     add_bias(q, w[2], d.M, width);
     for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's position
       const int64_t p = pp[m];
@@ -157,21 +159,79 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
     }
     attend(q, kc, vc, pp, rp, kv_len, d, attn.data());
     TORCH_CHECK(w[3].size(0) == d.H && w[3].size(1) == d.nh * d.D, "decode_layers: o_proj weight shape");
-    small_gemm_into(attn.data(), f32(w[3], "o_proj weight"), y.data(), d.M, d.nh * d.D, d.H);
+    small_gemm_into(attn.data(), w[3], y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
     rms_norm(xp, f32(w[5], "post norm"), h.data(), d.M, d.H, static_cast<float>(eps));
     const int64_t I2 = w[6].size(0), I = I2 / 2;
     TORCH_CHECK(w[6].size(1) == d.H && w[7].size(0) == d.H && w[7].size(1) == I, "decode_layers: MLP shapes");
     std::vector<float> gu(d.M * I2), a(d.M * I);
-    small_gemm_into(h.data(), f32(w[6], "gate_up weight"), gu.data(), d.M, d.H, I2);
+    small_gemm_into(h.data(), w[6], gu.data(), d.M, d.H, I2);
     for (int64_t m = 0; m < d.M; ++m)
       for (int64_t i = 0; i < I; ++i) {
         const float g = gu[m * I2 + i];
         a[m * I + i] = g / (1.f + std::exp(-g)) * gu[m * I2 + I + i];
       }
-    small_gemm_into(a.data(), f32(w[7], "down weight"), y.data(), d.M, I, d.H);
+    small_gemm_into(a.data(), w[7], y.data(), d.M, I, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
   }
+}
+
+// The whole few-row forward: tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1)
+// -> logits of the rows chosen by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]. The first
+// 9 * n_layers weights are the layers' (as decode_layers), then embed [V, H], final norm [H], head [V', H].
+torch::Tensor decode_forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
+                             const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
+                             const std::vector<torch::Tensor>& weights, torch::Tensor k_cache, torch::Tensor v_cache,
+                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv,
+                             int64_t window, double eps) {
+  TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
+              pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
+  const int64_t n_all = static_cast<int64_t>(weights.size()) - 3;
+  TORCH_CHECK(n_all >= 9 * n_layers && n_all % 9 == 0 && n_layers >= 1, "decode_forward: weights");
+  const torch::Tensor &embed = weights[n_all], &norm = weights[n_all + 1], &head = weights[n_all + 2];
+  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = embed.size(1), V = head.size(0);
+  TORCH_CHECK(head.dim() == 2 && head.size(1) == H && norm.numel() == H, "decode_forward: head [V, H], norm [H]");
+  const torch::Tensor tok = tokens.contiguous(), posc = pos.contiguous().view({M});
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  torch::Tensor row = torch::empty({M}, tokens.options());
+  int64_t* rp = row.data_ptr<int64_t>();
+  const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
+  TORCH_CHECK(rows.numel() == 0 || (rows.numel() == B && rows.scalar_type() == at::kLong), "decode_forward: rows [B]");
+  for (int64_t m = 0; m < M; ++m) rp[m] = rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
+  torch::Tensor x = torch::empty({M, H}, embed.options());
+  const float* ep = f32(embed, "embed");
+  float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
+    std::copy_n(ep + tp[m] * H, H, xp + m * H);
+  }
+  const std::vector<torch::Tensor> layer_w(weights.begin(), weights.begin() + 9 * n_layers);
+  decode_layers(x, posc, row, kv_len, layer_w, k_cache, v_cache, cos, sin, n_heads, n_kv, window, eps);
+  // the rows to score
+  std::vector<int64_t> sel;
+  std::vector<int64_t> shape;
+  if (idx.numel() == 0) {
+    for (int64_t m = 0; m < M; ++m) sel.push_back(m);
+    shape = {B, T, V};
+  } else {
+    TORCH_CHECK(idx.size(0) == B && idx.dim() <= 2 && idx.scalar_type() == at::kLong, "decode_forward: idx [B] or [B, J]");
+    const torch::Tensor ic = idx.contiguous();
+    const int64_t J = idx.dim() == 2 ? idx.size(1) : 1;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < J; ++j) {
+        const int64_t t = ic.data_ptr<int64_t>()[b * J + j];
+        TORCH_CHECK(t >= 0 && t < T, "decode_forward: idx out of range");
+        sel.push_back(b * T + t);
+      }
+    shape = idx.dim() == 2 ? std::vector<int64_t>{B, J, V} : std::vector<int64_t>{B, V};
+  }
+  const int64_t R = static_cast<int64_t>(sel.size());
+  std::vector<float> picked(R * H), normed(R * H);
+  for (int64_t r = 0; r < R; ++r) std::copy_n(xp + sel[r] * H, H, picked.data() + r * H);
+  rms_norm(picked.data(), f32(norm, "final norm"), normed.data(), R, H, static_cast<float>(eps));
+  torch::Tensor logits = torch::empty(shape, embed.options());
+  small_gemm_into(normed.data(), head, logits.data_ptr<float>(), R, H, V);
+  return logits;
 }

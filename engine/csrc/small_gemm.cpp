@@ -10,18 +10,33 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "small_gemm.h"
 
 namespace {
 
-constexpr int NB = 8;         // weight rows per block
-constexpr int MB = 4;         // input rows per pass over a block
-constexpr int PREFETCH = 256;  // floats ahead on each weight row stream
+constexpr int NB = 8;            // weight rows per block
+constexpr int MB = 4;            // input rows per pass over a block
+constexpr int PREFETCH = 1024;   // bytes ahead on each weight row stream
 
-template <int M, int R>
-inline void block(const float* __restrict x, const float* __restrict w, float* __restrict y,
+// 16 weights widened to fp32 (fp16 weights: vcvtph2ps, exact); the tail loads n < 16 of them, zeros after
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_tail(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline __m512 load_tail(const uint16_t* p, int64_t n) {
+  uint16_t buf[16] = {0};
+  std::copy_n(p, n, buf);
+  return load16(buf);
+}
+
+template <int M, int R, typename W>
+inline void block(const float* __restrict x, const W* __restrict w, float* __restrict y,
                   int64_t K, int64_t N, int64_t n0) {
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
@@ -31,11 +46,10 @@ inline void block(const float* __restrict x, const float* __restrict w, float* _
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int i = 0; i < R; ++i) {
-      const float* wr = w + (n0 + i) * K + k;
+      const W* wr = w + (n0 + i) * K + k;
       // a hint only (never faults); the address is formed as an integer, as it may lie past the weight
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wr) + PREFETCH * sizeof(float)),
-                   _MM_HINT_T0);
-      const __m512 wv = _mm512_loadu_ps(wr);
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wr) + PREFETCH), _MM_HINT_T0);
+      const __m512 wv = load16(wr);
       for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xv[m], acc[i][m]);
     }
   }
@@ -44,7 +58,7 @@ inline void block(const float* __restrict x, const float* __restrict w, float* _
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + full);
     for (int i = 0; i < R; ++i) {
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + (n0 + i) * K + full);
+      const __m512 wv = load_tail(w + (n0 + i) * K + full, K - full);
       for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xv[m], acc[i][m]);
     }
   }
@@ -52,8 +66,8 @@ inline void block(const float* __restrict x, const float* __restrict w, float* _
     for (int m = 0; m < M; ++m) y[m * N + n0 + i] = _mm512_reduce_add_ps(acc[i][m]);
 }
 
-template <int R>
-inline void rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+template <int R, typename W>
+inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const float* xs = x + m0 * K;
     float* ys = y + m0 * N;
@@ -66,9 +80,8 @@ inline void rows(const float* x, const float* w, float* y, int64_t M, int64_t K,
   }
 }
 
-}  // namespace
-
-void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+template <typename W>
+void gemm(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / NB;
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB);
@@ -76,12 +89,29 @@ void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_
   for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n);  // the N tail
 }
 
+}  // namespace
+
+void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
+  gemm(x, w, y, M, K, N);
+}
+
+void small_gemm_into(const float* x, const at::Half* w, float* y, int64_t M, int64_t K, int64_t N) {
+  gemm(x, reinterpret_cast<const uint16_t*>(w), y, M, K, N);
+}
+
+void small_gemm_into(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t K, int64_t N) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K && w.is_contiguous() && w.device().is_cpu(),
+              "small_gemm: weight [", N, ", ", K, "] contiguous on the CPU, got ", w.sizes());
+  if (w.scalar_type() == at::kFloat) return gemm(x, w.data_ptr<float>(), y, M, K, N);
+  TORCH_CHECK(w.scalar_type() == at::kHalf, "small_gemm: float32 or float16 weights, got ", w.scalar_type());
+  gemm(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), y, M, K, N);
+}
+
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_gemm: float32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
-              "small_gemm: contiguous CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "small_gemm: x contiguous float32 on the CPU");
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  small_gemm_into(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), w.size(0));
+  small_gemm_into(x.data_ptr<float>(), w, y.data_ptr<float>(), x.size(0), x.size(1), w.size(0));
   return y;
 }
