@@ -81,7 +81,6 @@ class DecodeStep:
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed torch.float32, torch.float16")
         mod, _ = _build()
-        self.kernel = mod.decode_forward
         self.model, self.weight_dtype = model, weight_dtype
 
         def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, an fp16 copy otherwise
@@ -95,12 +94,12 @@ class DecodeStep:
                       a.o_proj.bias, layer.post_attention_layernorm.weight, mat(m.gate_up.weight),
                       mat(m.down_proj.weight), m.down_proj.bias):
                 self.weights.append(empty if t is None else t.detach())
-        self.tail = [model.embed_tokens.weight.detach(), model.norm.weight.detach(), mat(model.lm_head.weight)]
+        self.weights += [model.embed_tokens.weight.detach(), model.norm.weight.detach(), mat(model.lm_head.weight)]
         cfg = model.config
-        self.heads, self.kv_heads, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
-        self.window = cfg.sliding_window or 0
         self.n_layers = cfg.num_hidden_layers
-        self._per_layers = {self.n_layers: self.weights + self.tail}  # weight lists by layer count
+        # the C++ side holds the weights: a call passes only the step's tensors
+        self.impl = mod.DecodeModel(self.weights, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                    cfg.sliding_window or 0, cfg.rms_norm_eps)
         self._empty = torch.empty(0, dtype=torch.long)
 
     def takes(self, tokens: Tensor, cache: KVCache) -> bool:
@@ -112,14 +111,10 @@ class DecodeStep:
                  n_layers: int | None, logits_idx: Tensor | None) -> Tensor:
         """tokens, pos [B,T]; rows [B] cache rows (None: 0..B-1) -> logits [B,T,V] ([B,V] / [B,J,V] at
         logits_idx [B] / [B,J]), like ``Transformer.forward``."""
-        n = self.n_layers if n_layers is None else n_layers
-        w = self._per_layers.get(n)
-        if w is None:
-            w = self._per_layers[n] = self.weights[: 9 * n] + self.tail
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
-        return self.kernel(tokens, pos, self._empty if rows is None else rows,
-                           self._empty if logits_idx is None else logits_idx, kv_len, n, w, cache.k, cache.v,
-                           cos, sin, self.heads, self.kv_heads, self.window, self.eps)
+        return self.impl.forward(tokens, pos, self._empty if rows is None else rows,
+                                 self._empty if logits_idx is None else logits_idx, kv_len,
+                                 self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin)
 
 
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype = torch.float32) -> str | None:

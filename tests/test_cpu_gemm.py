@@ -39,6 +39,21 @@ def test_kernel_matches_linear_in_float64_and_rows_are_independent(K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("K,N", [(256, 768), (100, 37), (17, 9), (1, 5)])
+def test_float16_weights_are_widened_exactly(K, N):
+    """fp16 weights (the draft's step storage) give the kernel's fp32-weight result bit for bit on the
+    same values: the widening is exact, the accumulation the same, K tails included."""
+    g = torch.Generator().manual_seed(K + N)
+    x = torch.randn(7, K, generator=g)
+    w16 = (torch.randn(N, K, generator=g) / K ** 0.5).half()
+    gemm = small_gemm_kernel()
+    assert torch.equal(gemm(x, w16), gemm(x, w16.float()))
+    assert torch.equal(gemm(x[:1].contiguous(), w16), gemm(x, w16)[:1])
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        gemm(x, w16.bfloat16())
+
+
+@needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_gemm_linear_has_the_api_of_nn_linear(bias):
     torch.manual_seed(1)

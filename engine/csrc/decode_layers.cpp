@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "decode.h"
 #include "small_gemm.h"
 
 namespace {
@@ -113,16 +114,15 @@ const float* f32(const torch::Tensor& t, const char* what) {
 // float32). Keys and values of every row are written before
 // any row attends, so a row sees the rows before it in the same call (its sequence's earlier tokens).
 void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tensor& row, int64_t kv_len,
-                   const std::vector<torch::Tensor>& weights, torch::Tensor k_cache, torch::Tensor v_cache,
+                   const torch::Tensor* weights, int64_t L, torch::Tensor k_cache, torch::Tensor v_cache,
                    const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv,
                    int64_t window, double eps) {
   TORCH_CHECK(x.dim() == 2 && pos.dim() == 1 && row.dim() == 1 && pos.size(0) == x.size(0) &&
               row.size(0) == x.size(0), "decode_layers: x [M, H], pos [M], row [M]");
   TORCH_CHECK(pos.scalar_type() == at::kLong && row.scalar_type() == at::kLong && pos.is_contiguous() &&
               row.is_contiguous(), "decode_layers: pos and row are contiguous int64");
-  TORCH_CHECK(weights.size() % 9 == 0 && k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
-              "decode_layers: 9 weights per layer, caches [L, max_batch, nkv, S, D]");
-  const int64_t L = static_cast<int64_t>(weights.size()) / 9;
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
+              "decode_layers: caches [L, max_batch, nkv, S, D]");
   TORCH_CHECK(L <= k_cache.size(0) && k_cache.size(2) == n_kv && n_heads % n_kv == 0,
               "decode_layers: cache shape does not match the model");
   Dims d{x.size(0), x.size(1), n_heads, n_kv, k_cache.size(4), k_cache.size(3), k_cache.size(1), window};
@@ -139,7 +139,7 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
   for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = weights.data() + 9 * l;
+    const torch::Tensor* w = weights + 9 * l;
     float* kc = const_cast<float*>(f32(k_cache, "k_cache")) + l * layer_kv;
     float* vc = const_cast<float*>(f32(v_cache, "v_cache")) + l * layer_kv;
     rms_norm(xp, f32(w[0], "input norm"), h.data(), d.M, d.H, static_cast<float>(eps));
@@ -178,9 +178,12 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
   }
 }
 
+namespace {
+
 // The whole few-row forward: tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1)
 // -> logits of the rows chosen by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]. The first
-// 9 * n_layers weights are the layers' (as decode_layers), then embed [V, H], final norm [H], head [V', H].
+// 9 * n_layers weights are the layers' (as decode_layers), the last three embed [V, H] (float32), final
+// norm [H] (float32) and head [V', H].
 torch::Tensor decode_forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                              const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                              const std::vector<torch::Tensor>& weights, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -207,8 +210,8 @@ torch::Tensor decode_forward(const torch::Tensor& tokens, const torch::Tensor& p
     TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
     std::copy_n(ep + tp[m] * H, H, xp + m * H);
   }
-  const std::vector<torch::Tensor> layer_w(weights.begin(), weights.begin() + 9 * n_layers);
-  decode_layers(x, posc, row, kv_len, layer_w, k_cache, v_cache, cos, sin, n_heads, n_kv, window, eps);
+  decode_layers(x, posc, row, kv_len, weights.data(), n_layers, k_cache, v_cache, cos, sin, n_heads, n_kv, window,
+                eps);
   // the rows to score
   std::vector<int64_t> sel;
   std::vector<int64_t> shape;
@@ -234,4 +237,20 @@ torch::Tensor decode_forward(const torch::Tensor& tokens, const torch::Tensor& p
   torch::Tensor logits = torch::empty(shape, embed.options());
   small_gemm_into(normed.data(), head, logits.data_ptr<float>(), R, H, V);
   return logits;
+}
+
+}  // namespace
+
+DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window,
+                         double eps)
+    : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps) {
+  TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
+}
+
+torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
+                                   const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
+                                   torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
+                                   const torch::Tensor& sin) const {
+  return decode_forward(tokens, pos, rows, idx, kv_len, n_layers, weights_, k_cache, v_cache, cos, sin, n_heads_,
+                        n_kv_, window_, eps_);
 }

@@ -1,0 +1,24 @@
+// A model's weights for the few-row forward (decode_layers.cpp), held once: a call passes only the step's
+// tensors (tokens, positions, cache), not the ~40 weight tensors again.
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+class DecodeModel {
+ public:
+  // weights: 9 per layer (input norm, qkv weight, qkv bias or empty, o weight, o bias or empty, post norm,
+  // gate_up weight, down weight, down bias or empty), then embed, final norm, head; GEMM weights float32
+  // or float16, everything else float32
+  DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window, double eps);
+  // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
+                        const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
+                        torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin) const;
+
+ private:
+  std::vector<torch::Tensor> weights_;
+  int64_t n_heads_, n_kv_, window_;
+  double eps_;
+};
