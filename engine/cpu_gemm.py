@@ -13,6 +13,9 @@ Every output is one dot product accumulated in the same order for any row count,
 so row m of a verify pass equals the one-row step bit for bit (tested); with MKL
 they differ in the last bits. Above MAX_ROWS rows (a prefill) ``F.linear`` runs.
 
+fp16 weights are widened to fp32 in registers (exact; half the bytes to stream): the draft's
+decode step (engine/cpu_decode.py, built into the same extension) stores its weights so.
+
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
 and ninja; ~20 s once, then cached by torch under ~/.cache/torch_extensions).
 A build killed half way leaves torch's lock file in that directory and the next
@@ -88,7 +91,7 @@ def small_gemm_status() -> str | None:
 
 
 def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
-    """The compiled ``small_gemm(x [M, K] fp32 contiguous, w [N, K] fp32 contiguous) -> [M, N]``."""
+    """The compiled ``small_gemm(x [M, K] fp32 contiguous, w [N, K] fp32 or fp16 contiguous) -> [M, N]`` (fp32)."""
     mod, reason = _build()
     if mod is None:
         raise KernelUnavailableError(f"the fp32 small-GEMM CPU kernel is unavailable: {reason}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import demo
+from engine import demo, demo_train
 from engine.checkpoint import load_model
 from engine.errors import InvalidConfigError
 from engine.tokenizer import Tokenizer
@@ -154,7 +154,7 @@ def test_draft_agrees_with_target(tiny_pair: tuple[Path, Path]) -> None:
     """Recompute the reported agreement from the saved checkpoints."""
     target, draft = tiny_pair
     ids = torch.tensor(Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8")))
-    ev = demo.evaluate_pair(load_model(target), load_model(draft), ids, demo.get_recipe("tiny").eval_ctx)
+    ev = demo_train.evaluate_pair(load_model(target), load_model(draft), ids, demo.get_recipe("tiny").eval_ctx)
     rep = json.loads((target.parent / "report.json").read_text())
     assert ev["agreement"] == pytest.approx(rep["agreement"], abs=2e-3)
     assert ev["target_ppl"] == pytest.approx(rep["target"]["heldout_ppl"], rel=1e-3)
