@@ -5,9 +5,12 @@ step cost ~0.75 ms through ~50 PyTorch ops, of which the GEMMs are ~0.2 ms; the 
 spent ~1 ms of its ~5.5 ms step outside its GEMMs. ``DecodeStep`` runs the same forward (embedding;
 per layer RMSNorm, fused q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused
 gate/up, SiLU, down; final norm and LM head on the scored rows) in one call, with the small-GEMM
-kernel for every projection. ``Transformer.forward`` uses it when installed (``model.layer_step``),
-for calls with a cache, no autograd and at most ``MAX_ROWS`` rows; the PyTorch forward is its
-fallback with the same inputs and outputs (tests run both and compare).
+kernel for every projection. ``Transformer.forward`` uses it when installed (``model.layer_step``)
+for every call with a fp32 cache and no autograd, prompts included: a decode step often carries a
+new sequence's prompt beside the others' tokens, and one path for all of them keeps every row's
+result independent of what else is in the batch (the PyTorch forward rounds a large batch
+differently). The PyTorch forward is its fallback with the same inputs and outputs (tests run both
+and compare). Cost: a long prompt's prefill runs on the few-row GEMM (~1.3x MKL's time at 50 rows).
 
 Every row is computed the same way whatever the number of rows in the call (the GEMM kernel is
 row-independent and each query's attention is its own loop), so a verify pass and the one-token
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .cpu_gemm import MAX_ROWS, _build, small_gemm_status
+from .cpu_gemm import _build, small_gemm_status
 from .errors import KernelUnavailableError
 from .model import FusedLinear, KVCache, Transformer, sdpa_attention
 
@@ -56,11 +59,14 @@ def decode_step_reason(model: Transformer) -> str | None:
         return "needs heads divisible by kv heads and an even head_dim"
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
-        parts = {"qkv": a.qkv, "o_proj": a.o_proj, "gate_up": m.gate_up, "down_proj": m.down_proj}
-        for name, mod in parts.items():
+        # (the module, or the unfused Linear standing for a group fuse_projections left alone)
+        parts = {"qkv": (a.qkv, a.q_proj), "o_proj": (a.o_proj, a.o_proj), "gate_up": (m.gate_up, m.gate_proj),
+                 "down_proj": (m.down_proj, m.down_proj)}
+        for name, (mod, alone) in parts.items():
+            if mod is None and type(alone) is nn.Linear:
+                return f"layer {i} {name} is not fused (fuse_projections first)"
             if mod is None or not _plain_weight(mod):
-                return (f"layer {i} {name} is not a plain fp32 projection ({type(mod).__name__}: quantized, or "
-                        "q/k/v and gate/up not fused by fuse_projections)")
+                return f"layer {i} {name} is {type(alone if mod is None else mod).__name__}, not a plain fp32 projection"
         if m.gate_up.bias is not None:  # type: ignore[union-attr]
             return f"layer {i} gate_up has a bias"
     if type(model.embed_tokens) is not nn.Embedding or not _plain_weight(model.lm_head) \
@@ -71,8 +77,6 @@ def decode_step_reason(model: Transformer) -> str | None:
 
 class DecodeStep:
     """``model``'s forward with a cache for few rows as one C++ call (same inputs and result as PyTorch's)."""
-
-    max_rows = MAX_ROWS
 
     def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32) -> None:
         reason = decode_step_reason(model)
@@ -103,9 +107,8 @@ class DecodeStep:
         self._empty = torch.empty(0, dtype=torch.long)
 
     def takes(self, tokens: Tensor, cache: KVCache) -> bool:
-        """Whether this call (tokens [B,T]) goes through the kernel: few rows, a fp32 cache, no autograd."""
-        return (tokens.numel() <= self.max_rows and cache.k.dtype == torch.float32
-                and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad))
+        """Whether this call (tokens [B,T]) goes through the kernel: a fp32 cache and no autograd."""
+        return cache.k.dtype == torch.float32 and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
 
     def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
                  n_layers: int | None, logits_idx: Tensor | None) -> Tensor:

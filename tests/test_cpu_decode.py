@@ -13,7 +13,7 @@ from engine.cpu_decode import DecodeStep, decode_step_reason, install_decode_ste
 from engine.cpu_gemm import small_gemm_status
 from engine.cpu_linear import small_gemm_linears
 from engine.errors import InvalidConfigError, KernelUnavailableError
-from engine.model import KVCache, fuse_projections
+from engine.model import KVCache, fuse_projections, sdpa_attention
 from util import make_checkpoint
 
 STATUS = small_gemm_status()
@@ -99,11 +99,26 @@ def test_a_block_equals_one_token_steps_bit_for_bit(model):
     assert torch.equal(block_cache.k, step_cache.k) and torch.equal(block_cache.v, step_cache.v)
 
 
-def test_many_rows_and_autograd_go_to_the_pytorch_forward(model):
+def test_a_prefill_with_other_rows_decoding_leaves_their_rows_unchanged(model):
+    """A step that carries a new prompt (many rows) beside another sequence's one token: that token's
+    logits are bit for bit those of its step alone (every cached forward takes the same path)."""
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40), generator=g)
+    tok = torch.randint(0, model.config.vocab_size, (1, 1), generator=g)
+    alone, mixed = _prefilled(model, 2), _prefilled(model, 2)
+    with torch.no_grad():
+        want = model(tok, torch.tensor([[12]]), alone, 13, rows=torch.tensor([1]))[:, 0]
+        toks = torch.cat([torch.cat([tok, torch.zeros(1, 39, dtype=torch.long)], 1), prompt])
+        pos = torch.cat([torch.tensor([[12] + [63] * 39]), torch.arange(40)[None]])  # row 1 pads to scratch
+        got = model(toks, pos, mixed, 40, rows=torch.tensor([1, 0]))[:1, 0]
+    assert torch.equal(got, want)
+
+
+def test_autograd_and_other_cache_dtypes_go_to_the_pytorch_forward(model):
     step = model.layer_step
-    x = torch.zeros(1, step.max_rows + 1, dtype=torch.long)
+    x = torch.zeros(1, 100, dtype=torch.long)
     cache = KVCache(model.config, 1, 64, torch.float32, "cpu")
-    assert step.takes(x[:, :step.max_rows], cache) and not step.takes(x, cache)
+    assert step.takes(x, cache)
     with torch.enable_grad():
         model.norm.weight.requires_grad_(True)
         try:
@@ -123,6 +138,13 @@ def test_refusals_name_the_reason(tmp_path):
     assert "attention backend" in decode_step_reason(m)
     with pytest.raises(KernelUnavailableError, match="attention backend"):
         DecodeStep(m)
+    m.attn_fn = sdpa_attention
+
+    class Int8Like(torch.nn.Module):  # stands for a quantized module swap
+        weight = torch.zeros(1)
+
+    m.layers[1].mlp.down_proj = Int8Like()
+    assert decode_step_reason(m) == "layer 1 down_proj is Int8Like, not a plain fp32 projection"
     bf = load_model(path, torch.bfloat16)
     fuse_projections(bf)
     assert "float32" in install_decode_step(bf) and bf.layer_step is None
