@@ -13,7 +13,7 @@ from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
 from .cpu_decode import install_decode_step
-from .cpu_gemm import KERNEL_NAME
+from .cpu_gemm import small_gemm_status
 from .cpu_linear import fast_cpu_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
@@ -160,9 +160,11 @@ class Engine:
         if plan is None:
             target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
         # with the fp32 kernel: each model's few-row forward as one C++ call (engine/cpu_decode.py)
+        # (the draft stays fp32 on the CPU even beside a bf16 target, so it gets the step there too)
         step_w = {"target": torch.float32, "draft": resolve_dtype(draft_step_weights or "float16")}
+        kernel_ok = dev.type == "cpu" and cpu_pack is not False and small_gemm_status() is None
         stepped = [name for name, m in (("target", target), ("draft", draft_model))
-                   if cpu_kernel == KERNEL_NAME and m is not None and install_decode_step(m, step_w[name]) is None]
+                   if kernel_ok and m is not None and install_decode_step(m, step_w[name]) is None]
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)
