@@ -126,8 +126,8 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
   TORCH_CHECK(L <= k_cache.size(0) && k_cache.size(2) == n_kv && n_heads % n_kv == 0,
               "decode_layers: cache shape does not match the model");
   Dims d{x.size(0), x.size(1), n_heads, n_kv, k_cache.size(4), k_cache.size(3), k_cache.size(1), window};
-  TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && d.D % 2 == 0 && kv_len <= d.S,
-              "decode_layers: rotary tables [N, head_dim], kv_len <= cache length");
+  TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && d.D % 2 == 0 && kv_len >= 0 && kv_len <= d.S,
+              "decode_layers: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* rp = row.data_ptr<int64_t>();
   for (int64_t m = 0; m < d.M; ++m)
@@ -140,6 +140,7 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights + 9 * l;
+    TORCH_CHECK(w[0].numel() == d.H && w[5].numel() == d.H, "decode_layers: norm weights [H]");
     float* kc = const_cast<float*>(f32(k_cache, "k_cache")) + l * layer_kv;
     float* vc = const_cast<float*>(f32(v_cache, "v_cache")) + l * layer_kv;
     rms_norm(xp, f32(w[0], "input norm"), h.data(), d.M, d.H, static_cast<float>(eps));
@@ -245,6 +246,7 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, in
                          double eps)
     : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps) {
   TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
+  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
 }
 
 torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
