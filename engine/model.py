@@ -310,7 +310,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attn_fn: AttentionFn = sdpa_attention
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
-        self.layer_step: Any = None  # the forward as one kernel call for few rows (engine/cpu_decode.py)
+        self.layer_step: Any = None  # the cached forward as one C++ call (engine/cpu_decode.py), when installed
 
     def reset_rope(self) -> None:
         """Recompute the rotary frequencies (after building on the meta device)."""
@@ -380,11 +380,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             c = None if cache is None else (cache.k[i], cache.v[i])
             x = layer(x, cos, sin, self.attn_fn, c, ctx)
-        return self._head(x, logits_idx)
-
-    def _head(self, x: Tensor, logits_idx: Tensor | None) -> Tensor:
-        """Final norm and LM head on x [B,T,H], at the positions in logits_idx ([B] or [B,J]) when given."""
         if logits_idx is not None:
-            b = torch.arange(x.shape[0], device=x.device)
+            b = torch.arange(B, device=x.device)
             x = x[b, logits_idx] if logits_idx.dim() == 1 else x[b[:, None], logits_idx]
         return self.lm_head(self.norm(x))
