@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .cpu_gemm import _build, small_gemm_status
+from .cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
 from .errors import KernelUnavailableError
 from .model import FusedLinear, KVCache, Transformer, sdpa_attention
 
@@ -38,8 +38,6 @@ WEIGHT_DTYPES = (torch.float32, torch.float16)
 
 def _plain_weight(mod: Any) -> bool:
     """An unquantized fp32 CPU projection: nn.Linear, a fused group or their small-GEMM forms."""
-    from .cpu_gemm import SmallGemmLinear
-
     if not (type(mod) in (nn.Linear, SmallGemmLinear) or isinstance(mod, FusedLinear)):
         return False
     w = mod.weight
@@ -76,7 +74,7 @@ def decode_step_reason(model: Transformer) -> str | None:
 
 
 class DecodeStep:
-    """``model``'s forward with a cache for few rows as one C++ call (same inputs and result as PyTorch's)."""
+    """``model``'s forward with a cache as one C++ call (same inputs and result as PyTorch's)."""
 
     def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32) -> None:
         reason = decode_step_reason(model)
@@ -84,26 +82,26 @@ class DecodeStep:
             raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed torch.float32, torch.float16")
-        mod, _ = _build()
         self.model, self.weight_dtype = model, weight_dtype
 
         def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, an fp16 copy otherwise
             return t.detach().to(weight_dtype).contiguous()
 
-        self.weights: list[Tensor] = []
-        empty = torch.empty(0)
+        def vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
+            return torch.empty(0) if t is None else t.detach()
+
+        weights: list[Tensor] = []
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            for t in (layer.input_layernorm.weight, mat(a.qkv.weight), a.qkv.bias, mat(a.o_proj.weight),
-                      a.o_proj.bias, layer.post_attention_layernorm.weight, mat(m.gate_up.weight),
-                      mat(m.down_proj.weight), m.down_proj.bias):
-                self.weights.append(empty if t is None else t.detach())
-        self.weights += [model.embed_tokens.weight.detach(), model.norm.weight.detach(), mat(model.lm_head.weight)]
+            weights += [vec(layer.input_layernorm.weight), mat(a.qkv.weight), vec(a.qkv.bias), mat(a.o_proj.weight),
+                        vec(a.o_proj.bias), vec(layer.post_attention_layernorm.weight), mat(m.gate_up.weight),
+                        mat(m.down_proj.weight), vec(m.down_proj.bias)]
+        weights += [vec(model.embed_tokens.weight), vec(model.norm.weight), mat(model.lm_head.weight)]
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
-        # the C++ side holds the weights: a call passes only the step's tensors
-        self.impl = mod.DecodeModel(self.weights, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                    cfg.sliding_window or 0, cfg.rms_norm_eps)
+        # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
+        self.impl = cpu_kernels().DecodeModel(weights, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                              cfg.sliding_window or 0, cfg.rms_norm_eps)
         self._empty = torch.empty(0, dtype=torch.long)
 
     def takes(self, tokens: Tensor, cache: KVCache) -> bool:
@@ -121,7 +119,7 @@ class DecodeStep:
 
 
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype = torch.float32) -> str | None:
-    """Run ``model``'s few-row forwards through ``DecodeStep``; None when installed, else why not (logged)."""
+    """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged)."""
     reason = decode_step_reason(model)
     if reason is not None:
         log.info("the model's steps stay on PyTorch: %s", reason)

@@ -90,12 +90,17 @@ def small_gemm_status() -> str | None:
     return _build()[1]
 
 
-def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
-    """The compiled ``small_gemm(x [M, K] fp32 contiguous, w [N, K] fp32 or fp16 contiguous) -> [M, N]`` (fp32)."""
+def cpu_kernels() -> Any:
+    """The compiled extension (``small_gemm``, ``DecodeModel``); ``KernelUnavailableError`` saying why not."""
     mod, reason = _build()
     if mod is None:
         raise KernelUnavailableError(f"the fp32 small-GEMM CPU kernel is unavailable: {reason}")
-    return mod.small_gemm
+    return mod
+
+
+def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
+    """The compiled ``small_gemm(x [M, K] fp32 contiguous, w [N, K] fp32 or fp16 contiguous) -> [M, N]`` (fp32)."""
+    return cpu_kernels().small_gemm
 
 
 def _small_gemm_linear(kernel: Callable[[Tensor, Tensor], Tensor], x: Tensor, weight: Tensor,

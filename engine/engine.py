@@ -13,7 +13,6 @@ from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
 from .cpu_decode import install_decode_step
-from .cpu_gemm import small_gemm_status
 from .cpu_linear import fast_cpu_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
@@ -109,9 +108,8 @@ class Engine:
         conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's CPU linears on the fast kernel for
         its dtype (engine/cpu_linear.py): bf16 on oneDNN-packed weights (a verify pass of up to 16 tokens costs
         ~1.1x a one-token step), fp32 on the small-GEMM kernel (engine/cpu_gemm.py, compiled on first use:
-        8 tokens ~1.5x a step instead of ~2.5x; then both models' few-row forwards also run as one C++ call each,
-        few-row forward, engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps
-        PyTorch's.
+        8 tokens ~1.5x a step instead of ~2.5x; and each fp32 model's cached forward runs as one C++ call,
+        engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps PyTorch's.
         ``draft_step_weights``: with the fp32 step kernel, how it stores the draft's GEMM weights: "float16"
         (the default: half the bytes per draft step, ~30% faster; the target verifies every proposal, so only
         the acceptance can move) or "float32" (the draft model's own weights).
@@ -162,9 +160,9 @@ class Engine:
         # with the fp32 kernel: each model's few-row forward as one C++ call (engine/cpu_decode.py)
         # (the draft stays fp32 on the CPU even beside a bf16 target, so it gets the step there too)
         step_w = {"target": torch.float32, "draft": resolve_dtype(draft_step_weights or "float16")}
-        kernel_ok = dev.type == "cpu" and cpu_pack is not False and small_gemm_status() is None
-        stepped = [name for name, m in (("target", target), ("draft", draft_model))
-                   if kernel_ok and m is not None and install_decode_step(m, step_w[name]) is None]
+        stepped = [name for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
+                   if dev.type == "cpu" and cpu_pack is not False and m is not None
+                   and install_decode_step(m, step_w[name]) is None]
         d: Drafter | None = None
         if drafter == "model" and draft_model is not None:
             d = ModelDrafter(draft_model, None)

@@ -21,4 +21,5 @@ class DecodeModel {
   std::vector<torch::Tensor> weights_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;
+  int64_t n_layers_, hidden_, head_dim_, inter_;  // derived from the weights (checked once, in the constructor)
 };

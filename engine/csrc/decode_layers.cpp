@@ -92,8 +92,7 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
 }
 
 void add_bias(float* y, const torch::Tensor& b, int64_t M, int64_t N) {
-  if (!b.defined() || b.numel() == 0) return;  // no bias
-  TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat && b.is_contiguous(), "decode_layers: bias shape");
+  if (b.numel() == 0) return;  // no bias (shape checked by DecodeModel)
   const float* bp = b.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) y[m * N + n] += bp[n];
@@ -105,46 +104,21 @@ const float* f32(const torch::Tensor& t, const char* what) {
   return t.data_ptr<float>();
 }
 
-}  // namespace
-
-// x [M, H] (the embedded tokens, updated in place to the last layer's output); pos [M] the position
-// of each row and row [M] its cache row; k_cache, v_cache [L, max_batch, nkv, S, D]; weights: per layer
-// 9 tensors (input norm, qkv weight, qkv bias or empty, o weight, o bias or empty, post norm,
-// gate_up weight, down weight, down bias or empty; the four matrices float32 or float16, the rest
-// float32). Keys and values of every row are written before
-// any row attends, so a row sees the rows before it in the same call (its sequence's earlier tokens).
-void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tensor& row, int64_t kv_len,
-                   const torch::Tensor* weights, int64_t L, torch::Tensor k_cache, torch::Tensor v_cache,
-                   const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv,
-                   int64_t window, double eps) {
-  TORCH_CHECK(x.dim() == 2 && pos.dim() == 1 && row.dim() == 1 && pos.size(0) == x.size(0) &&
-              row.size(0) == x.size(0), "decode_layers: x [M, H], pos [M], row [M]");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && row.scalar_type() == at::kLong && pos.is_contiguous() &&
-              row.is_contiguous(), "decode_layers: pos and row are contiguous int64");
-  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(),
-              "decode_layers: caches [L, max_batch, nkv, S, D]");
-  TORCH_CHECK(L <= k_cache.size(0) && k_cache.size(2) == n_kv && n_heads % n_kv == 0,
-              "decode_layers: cache shape does not match the model");
-  Dims d{x.size(0), x.size(1), n_heads, n_kv, k_cache.size(4), k_cache.size(3), k_cache.size(1), window};
-  TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && d.D % 2 == 0 && kv_len >= 0 && kv_len <= d.S,
-              "decode_layers: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* rp = row.data_ptr<int64_t>();
-  for (int64_t m = 0; m < d.M; ++m)
-    TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && rp[m] >= 0 && rp[m] < d.max_batch,
-                "decode_layers: a position or cache row is out of range");
-  float* xp = const_cast<float*>(f32(x, "x"));
-  const float* cp = f32(cos, "cos");
-  const float* sp = f32(sin, "sin");
+// The layers on x [M, H] in place: pos [M] the position of each row, row [M] its cache row; kc0, vc0 the
+// caches [L, max_batch, nkv, S, D]; w the 9 weights per layer (DecodeModel checked their shapes). Keys and
+// values of every row are written before any row attends, so a row sees the rows before it in the same
+// call (its sequence's earlier tokens).
+void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, const torch::Tensor* weights,
+            int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp, const float* sp,
+            float eps) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
+  std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights + 9 * l;
-    TORCH_CHECK(w[0].numel() == d.H && w[5].numel() == d.H, "decode_layers: norm weights [H]");
-    float* kc = const_cast<float*>(f32(k_cache, "k_cache")) + l * layer_kv;
-    float* vc = const_cast<float*>(f32(v_cache, "v_cache")) + l * layer_kv;
-    rms_norm(xp, f32(w[0], "input norm"), h.data(), d.M, d.H, static_cast<float>(eps));
-    TORCH_CHECK(w[1].size(0) == width && w[1].size(1) == d.H, "decode_layers: qkv weight shape");
+    float* kc = kc0 + l * layer_kv;
+    float* vc = vc0 + l * layer_kv;
+    rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
     float* q = qkv.data();
     small_gemm_into(h.data(), w[1], q, d.M, d.H, width);
     add_bias(q, w[2], d.M, width);
@@ -159,61 +133,105 @@ void decode_layers(torch::Tensor x, const torch::Tensor& pos, const torch::Tenso
       }
     }
     attend(q, kc, vc, pp, rp, kv_len, d, attn.data());
-    TORCH_CHECK(w[3].size(0) == d.H && w[3].size(1) == d.nh * d.D, "decode_layers: o_proj weight shape");
     small_gemm_into(attn.data(), w[3], y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
-    rms_norm(xp, f32(w[5], "post norm"), h.data(), d.M, d.H, static_cast<float>(eps));
-    const int64_t I2 = w[6].size(0), I = I2 / 2;
-    TORCH_CHECK(w[6].size(1) == d.H && w[7].size(0) == d.H && w[7].size(1) == I, "decode_layers: MLP shapes");
-    std::vector<float> gu(d.M * I2), a(d.M * I);
-    small_gemm_into(h.data(), w[6], gu.data(), d.M, d.H, I2);
+    rms_norm(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
+    small_gemm_into(h.data(), w[6], gu.data(), d.M, d.H, 2 * inter);
     for (int64_t m = 0; m < d.M; ++m)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gu[m * I2 + i];
-        a[m * I + i] = g / (1.f + std::exp(-g)) * gu[m * I2 + I + i];
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = gu[m * 2 * inter + i];
+        act[m * inter + i] = g / (1.f + std::exp(-g)) * gu[m * 2 * inter + inter + i];
       }
-    small_gemm_into(a.data(), w[7], y.data(), d.M, I, d.H);
+    small_gemm_into(act.data(), w[7], y.data(), d.M, inter, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
   }
 }
 
-namespace {
+void check_matrix(const torch::Tensor& w, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() && w.device().is_cpu() &&
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
+              "DecodeModel: ", what, " must be a contiguous float32/float16 CPU matrix [", rows, ", ", cols, "]");
+}
 
-// The whole few-row forward: tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1)
-// -> logits of the rows chosen by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]. The first
-// 9 * n_layers weights are the layers' (as decode_layers), the last three embed [V, H] (float32), final
-// norm [H] (float32) and head [V', H].
-torch::Tensor decode_forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
-                             const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
-                             const std::vector<torch::Tensor>& weights, torch::Tensor k_cache, torch::Tensor v_cache,
-                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, int64_t n_kv,
-                             int64_t window, double eps) {
+void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.numel() == n, "DecodeModel: ", what, " must have ", n, " elements");
+  f32(t, what);
+}
+
+}  // namespace
+
+DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window,
+                         double eps)
+    : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps) {
+  TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
+  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
+  n_layers_ = static_cast<int64_t>(weights_.size() - 3) / 9;
+  const torch::Tensor &embed = weights_[9 * n_layers_], &head = weights_[9 * n_layers_ + 2];
+  f32(embed, "embed");
+  TORCH_CHECK(embed.dim() == 2, "DecodeModel: embed [V, H]");
+  hidden_ = embed.size(1);
+  check_vector(weights_[9 * n_layers_ + 1], hidden_, "final norm");
+  TORCH_CHECK(head.dim() == 2, "DecodeModel: head [V, H]");
+  check_matrix(head, head.size(0), hidden_, "head");
+  const torch::Tensor& qkv0 = weights_[1];
+  TORCH_CHECK(qkv0.dim() == 2 && qkv0.size(0) % (n_heads + 2 * n_kv) == 0, "DecodeModel: qkv weight rows");
+  head_dim_ = qkv0.size(0) / (n_heads + 2 * n_kv);
+  TORCH_CHECK(head_dim_ % 2 == 0, "DecodeModel: head_dim must be even");
+  inter_ = weights_[7].dim() == 2 ? weights_[7].size(1) : 0;
+  const int64_t width = (n_heads + 2 * n_kv) * head_dim_;
+  for (int64_t l = 0; l < n_layers_; ++l) {  // every weight checked once here, not on each call
+    const torch::Tensor* w = weights_.data() + 9 * l;
+    check_vector(w[0], hidden_, "input norm");
+    check_matrix(w[1], width, hidden_, "qkv weight");
+    if (w[2].numel()) check_vector(w[2], width, "qkv bias");
+    check_matrix(w[3], hidden_, n_heads * head_dim_, "o_proj weight");
+    if (w[4].numel()) check_vector(w[4], hidden_, "o_proj bias");
+    check_vector(w[5], hidden_, "post norm");
+    check_matrix(w[6], 2 * inter_, hidden_, "gate_up weight");
+    check_matrix(w[7], hidden_, inter_, "down weight");
+    if (w[8].numel()) check_vector(w[8], hidden_, "down bias");
+  }
+}
+
+// tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1) -> logits of the rows chosen
+// by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]; the first n_layers layers
+torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
+                                   const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
+                                   torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
+                                   const torch::Tensor& sin) const {
   TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
-  const int64_t n_all = static_cast<int64_t>(weights.size()) - 3;
-  TORCH_CHECK(n_all >= 9 * n_layers && n_all % 9 == 0 && n_layers >= 1, "decode_forward: weights");
-  const torch::Tensor &embed = weights[n_all], &norm = weights[n_all + 1], &head = weights[n_all + 2];
-  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = embed.size(1), V = head.size(0);
-  TORCH_CHECK(head.dim() == 2 && head.size(1) == H && norm.numel() == H, "decode_forward: head [V, H], norm [H]");
-  const torch::Tensor tok = tokens.contiguous(), posc = pos.contiguous().view({M});
-  const int64_t* tp = tok.data_ptr<int64_t>();
-  torch::Tensor row = torch::empty({M}, tokens.options());
-  int64_t* rp = row.data_ptr<int64_t>();
-  const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
+  TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
+  const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
+  const torch::Tensor& head = weights_[9 * n_layers_ + 2];
+  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = hidden_, V = head.size(0);
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && n_layers <= k_cache.size(0) &&
+              k_cache.size(2) == n_kv_ && k_cache.size(4) == head_dim_,
+              "decode_forward: caches [L, max_batch, n_kv, S, head_dim] matching the model");
+  const Dims d{M, H, n_heads_, n_kv_, head_dim_, k_cache.size(3), k_cache.size(1), window_};
+  TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && cos.size(0) == sin.size(0) && kv_len >= 0 &&
+              kv_len <= d.S, "decode_forward: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
   TORCH_CHECK(rows.numel() == 0 || (rows.numel() == B && rows.scalar_type() == at::kLong), "decode_forward: rows [B]");
-  for (int64_t m = 0; m < M; ++m) rp[m] = rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
-  torch::Tensor x = torch::empty({M, H}, embed.options());
-  const float* ep = f32(embed, "embed");
-  float* xp = x.data_ptr<float>();
+  const torch::Tensor tok = tokens.contiguous(), posc = pos.contiguous();
+  const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const int64_t* pp = posc.data_ptr<int64_t>();
+  std::vector<int64_t> row(M);
   for (int64_t m = 0; m < M; ++m) {
+    row[m] = rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
+    TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && row[m] >= 0 && row[m] < d.max_batch,
+                "decode_forward: a position or cache row is out of range");
     TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
-    std::copy_n(ep + tp[m] * H, H, xp + m * H);
   }
-  decode_layers(x, posc, row, kv_len, weights.data(), n_layers, k_cache, v_cache, cos, sin, n_heads, n_kv, window,
-                eps);
-  // the rows to score
+  std::vector<float> x(M * H);
+  const float* ep = embed.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
+  layers(x.data(), pp, row.data(), kv_len, weights_.data(), n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
+         const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
+         static_cast<float>(eps_));
+  // the rows to score, final norm and head
   std::vector<int64_t> sel;
   std::vector<int64_t> shape;
   if (idx.numel() == 0) {
@@ -232,27 +250,10 @@ torch::Tensor decode_forward(const torch::Tensor& tokens, const torch::Tensor& p
     shape = idx.dim() == 2 ? std::vector<int64_t>{B, J, V} : std::vector<int64_t>{B, V};
   }
   const int64_t R = static_cast<int64_t>(sel.size());
-  std::vector<float> picked(R * H), normed(R * H);
-  for (int64_t r = 0; r < R; ++r) std::copy_n(xp + sel[r] * H, H, picked.data() + r * H);
-  rms_norm(picked.data(), f32(norm, "final norm"), normed.data(), R, H, static_cast<float>(eps));
+  std::vector<float> normed(R * H);
+  for (int64_t r = 0; r < R; ++r)
+    rms_norm(x.data() + sel[r] * H, norm.data_ptr<float>(), normed.data() + r * H, 1, H, static_cast<float>(eps_));
   torch::Tensor logits = torch::empty(shape, embed.options());
   small_gemm_into(normed.data(), head, logits.data_ptr<float>(), R, H, V);
   return logits;
-}
-
-}  // namespace
-
-DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window,
-                         double eps)
-    : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps) {
-  TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
-  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
-}
-
-torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
-                                   const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
-                                   torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                                   const torch::Tensor& sin) const {
-  return decode_forward(tokens, pos, rows, idx, kv_len, n_layers, weights_, k_cache, v_cache, cos, sin, n_heads_,
-                        n_kv_, window_, eps_);
 }
