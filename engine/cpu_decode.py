@@ -24,16 +24,35 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
+from .cpu_gemm import SmallGemmLinear, amx_status, cpu_kernels, small_gemm_status
 from .errors import KernelUnavailableError
 from .model import FusedLinear, KVCache, Transformer, sdpa_attention
 
 log = logging.getLogger(__name__)
 
-# the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or float16 copies
-# (widened to fp32 in registers: half the bytes a step streams; for a draft, whose proposals the target
-# verifies, so the output is unchanged and only the acceptance can move)
-WEIGHT_DTYPES = (torch.float32, torch.float16)
+# the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or 16-bit copies
+# (widened to fp32 in registers: half the bytes a step streams). A copy is lossless when every weight
+# already has a value of that dtype (a bf16 or fp16 checkpoint loaded in fp32: see exact_weight_dtype);
+# otherwise it rounds, which only a draft may do (the target verifies its proposals: the output is
+# unchanged and only the acceptance can move)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gemm_weights(model: Transformer) -> list[Tensor]:
+    return [w for layer in model.layers for w in (layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight,
+                                                   layer.mlp.gate_up.weight, layer.mlp.down_proj.weight)] + [
+        model.lm_head.weight]  # type: ignore[union-attr]
+
+
+def exact_weight_dtype(model: Transformer) -> torch.dtype:
+    """The narrowest of ``WEIGHT_DTYPES`` holding every GEMM weight of ``model`` (a model
+    ``decode_step_reason`` accepts) exactly: bfloat16 or float16 when all their values are of
+    that dtype, else float32. A step on such a copy computes the very same fp32 numbers."""
+    weights = _gemm_weights(model)
+    for dtype in (torch.bfloat16, torch.float16):
+        if all(torch.equal(w.detach().to(dtype).float(), w.detach()) for w in weights):
+            return dtype
+    return torch.float32
 
 
 def _plain_weight(mod: Any) -> bool:
@@ -76,15 +95,23 @@ def decode_step_reason(model: Transformer) -> str | None:
 class DecodeStep:
     """``model``'s forward with a cache as one C++ call (same inputs and result as PyTorch's)."""
 
-    def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32, amx: bool | None = None) -> None:
+        """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them."""
         reason = decode_step_reason(model)
         if reason is not None:
             raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
         if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed torch.float32, torch.float16")
+            raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed "
+                             f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
+        if amx and weight_dtype != torch.bfloat16:
+            raise ValueError(f"amx=True is invalid with weight_dtype={weight_dtype}: allowed torch.bfloat16")
+        amx_reason = amx_status()
+        if amx and amx_reason:
+            raise KernelUnavailableError(f"AMX tiles are unavailable: {amx_reason}")
+        self.amx = bool(weight_dtype == torch.bfloat16 and amx is not False and not amx_reason)
         self.model, self.weight_dtype = model, weight_dtype
 
-        def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, an fp16 copy otherwise
+        def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
             return t.detach().to(weight_dtype).contiguous()
 
         def vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
@@ -101,7 +128,7 @@ class DecodeStep:
         self.n_layers = cfg.num_hidden_layers
         # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
         self.impl = cpu_kernels().DecodeModel(weights, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                              cfg.sliding_window or 0, cfg.rms_norm_eps)
+                                              cfg.sliding_window or 0, cfg.rms_norm_eps, self.amx)
         self._empty = torch.empty(0, dtype=torch.long)
 
     def takes(self, tokens: Tensor, cache: KVCache) -> bool:
@@ -118,12 +145,24 @@ class DecodeStep:
                                  self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin)
 
 
-def install_decode_step(model: Transformer, weight_dtype: torch.dtype = torch.float32) -> str | None:
-    """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged)."""
+def install_decode_step(model: Transformer, weight_dtype: torch.dtype | None = None) -> str | None:
+    """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).
+    ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless)."""
     reason = decode_step_reason(model)
     if reason is not None:
         log.info("the model's steps stay on PyTorch: %s", reason)
         model.layer_step = None
         return reason
-    model.layer_step = DecodeStep(model, weight_dtype)
+    model.layer_step = DecodeStep(model, exact_weight_dtype(model) if weight_dtype is None else weight_dtype)
     return None
+
+
+def step_info(models: dict[str, Transformer | None]) -> dict[str, Any]:
+    """For the engine's info, per named model: ``<name>_step_weights`` (the step's GEMM weight storage) and
+    ``<name>_step_amx`` (on AMX tiles), both None where the model has no step."""
+    info: dict[str, Any] = {}
+    for name, m in models.items():
+        step = getattr(m, "layer_step", None)
+        info[f"{name}_step_weights"] = None if step is None else str(step.weight_dtype).replace("torch.", "")
+        info[f"{name}_step_amx"] = None if step is None else step.amx
+    return info

@@ -13,8 +13,10 @@ Every output is one dot product accumulated in the same order for any row count,
 so row m of a verify pass equals the one-row step bit for bit (tested); with MKL
 they differ in the last bits. Above MAX_ROWS rows (a prefill) ``F.linear`` runs.
 
-fp16 weights are widened to fp32 in registers (exact; half the bytes to stream): the draft's
-decode step (engine/cpu_decode.py, built into the same extension) stores its weights so.
+fp16 and bf16 weights are widened to fp32 in registers (exact; half the bytes to stream): the draft's
+decode step (engine/cpu_decode.py, built into the same extension) stores its weights so, and a target
+whose weights are bf16 values (a bf16 checkpoint) runs on Intel AMX tiles where the CPU has them
+(engine/csrc/amx_gemm.cpp: a verify pass of up to 16 rows for about the cost of one).
 
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
 and ninja; ~20 s once, then cached by torch under ~/.cache/torch_extensions).
@@ -44,7 +46,7 @@ from .model import FusedLinear
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "small_gemm.cpp", CSRC / "decode_layers.cpp", CSRC / "bindings.cpp"]
+SOURCES = [CSRC / "small_gemm.cpp", CSRC / "amx_gemm.cpp", CSRC / "decode_layers.cpp", CSRC / "bindings.cpp"]
 MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (measured: 12.8 vs 13.7 ms at 32)
 KERNEL_NAME = "small-gemm-fp32"
 
@@ -88,6 +90,12 @@ def _build() -> tuple[Any, str | None]:
 def small_gemm_status() -> str | None:
     """None when the kernel runs here (building it on first call), else the reason it does not."""
     return _build()[1]
+
+
+def amx_status() -> str | None:
+    """None when the AMX tile kernel (bf16-valued weights, engine/csrc/amx_gemm.cpp) runs here, else why not."""
+    mod, reason = _build()
+    return reason if mod is None else (mod.amx_status() or None)
 
 
 def cpu_kernels() -> Any:

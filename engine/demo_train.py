@@ -51,6 +51,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
     t_all = time.perf_counter()
     texts = demo_texts()
     report: dict[str, Any] = {"size": size, "recipe_version": RECIPE_VERSION, "recipe": asdict(recipe)}
+    _value_dtype(recipe.weight_values)  # refused before any training
     with _torch_settings(recipe):
         bf16 = _use_bf16(recipe)
         t0 = time.perf_counter()
@@ -63,11 +64,13 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         target = _init_model(tcfg)
         t0 = time.perf_counter()
         tloss = _train_target(target, train_ids, recipe, bf16, progress)
+        _round_weights(target, recipe.weight_values)
         report["target"] = {"params": _params(target), "train_s": round(time.perf_counter() - t0, 1),
                             "steps": recipe.target_steps, "final_train_loss": round(tloss, 4)}
         draft = _init_model(dcfg)
         t0 = time.perf_counter()
         dloss = _distill_draft(draft, target, train_ids, recipe, bf16, progress)
+        _round_weights(draft, recipe.weight_values)
         report["draft"] = {"params": _params(draft), "train_s": round(time.perf_counter() - t0, 1),
                            "steps": recipe.draft_steps, "final_distill_loss": round(dloss, 4)}
         ev = evaluate_pair(target, draft, held_ids, recipe.eval_ctx)
@@ -128,6 +131,23 @@ def _init_model(cfg: ModelConfig) -> Transformer:
         else:
             torch.nn.init.normal_(p, std=0.02)
     return model
+
+
+_VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _value_dtype(values: str) -> torch.dtype:
+    if values not in _VALUE_DTYPES:
+        raise InvalidConfigError(f"weight_values={values!r} is invalid: allowed {', '.join(_VALUE_DTYPES)}")
+    return _VALUE_DTYPES[values]
+
+
+def _round_weights(model: Transformer, values: str) -> None:
+    """Round every parameter to the nearest value of dtype ``values`` (the tensors stay fp32)."""
+    dtype = _value_dtype(values)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
 
 
 def _schedule(step: int, total: int, warmup: int) -> float:

@@ -12,7 +12,7 @@ from .adaptive import Costs, KPolicy
 from .backends import ATTENTION_CHOICES, select_attention
 from .checkpoint import load_model, resolve_dtype
 from .costs import measure_costs
-from .cpu_decode import install_decode_step
+from .cpu_decode import install_decode_step, step_info
 from .cpu_linear import fast_cpu_linears, packed_bytes
 from .drafters import DRAFTERS, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from .errors import InvalidConfigError, InvalidRequestError, VocabMismatchError
@@ -112,15 +112,16 @@ class Engine:
         engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps PyTorch's.
         ``draft_step_weights``: with the fp32 step kernel, how it stores the draft's GEMM weights: "float16"
         (the default: half the bytes per draft step, ~30% faster; the target verifies every proposal, so only
-        the acceptance can move) or "float32" (the draft model's own weights).
+        the acceptance can move), "bfloat16" or "float32" (the draft model's own weights). The target's are
+        stored at 16 bits only where that is lossless (``cpu_decode.exact_weight_dtype``: a bf16 checkpoint).
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
         speculation reproduces the bf16 target exactly; it costs ~4% of speculative and ~17% of plain
         decode speed on the demo pair) and "sdpa" otherwise. With a plan it must be None (the plan names it).
         """
-        if draft_step_weights not in (None, "float16", "float32"):
+        if draft_step_weights not in (None, "float16", "bfloat16", "float32"):
             raise InvalidConfigError(f"draft_step_weights={draft_step_weights!r} is invalid: allowed 'float16', "
-                                     "'float32' or None (float16)")
+                                     "'bfloat16', 'float32' or None (float16)")
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -159,7 +160,8 @@ class Engine:
             target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
         # with the fp32 kernel: each model's few-row forward as one C++ call (engine/cpu_decode.py)
         # (the draft stays fp32 on the CPU even beside a bf16 target, so it gets the step there too)
-        step_w = {"target": torch.float32, "draft": resolve_dtype(draft_step_weights or "float16")}
+        # (the target's GEMM weights at 16 bits where that is lossless: None picks them)
+        step_w = {"target": None, "draft": resolve_dtype(draft_step_weights or "float16")}
         stepped = [name for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
                    if dev.type == "cpu" and cpu_pack is not False and m is not None
                    and install_decode_step(m, step_w[name]) is None]
@@ -183,8 +185,7 @@ class Engine:
                 "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
                 "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
                 "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_linear_kernel": cpu_kernel,
-                "cpu_decode_step": stepped,
-                "draft_step_weights": str(step_w["draft"]).replace("torch.", "") if "draft" in stepped else None,
+                "cpu_decode_step": stepped, **step_info({"target": target, "draft": draft_model}),
                 "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
                 "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
         return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,

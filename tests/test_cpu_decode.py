@@ -9,8 +9,8 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.checkpoint import load_model
-from engine.cpu_decode import DecodeStep, decode_step_reason, install_decode_step
-from engine.cpu_gemm import small_gemm_status
+from engine.cpu_decode import DecodeStep, decode_step_reason, exact_weight_dtype, install_decode_step
+from engine.cpu_gemm import amx_status, small_gemm_status
 from engine.cpu_linear import small_gemm_linears
 from engine.errors import InvalidConfigError, KernelUnavailableError
 from engine.model import KVCache, fuse_projections, sdpa_attention
@@ -161,38 +161,70 @@ def test_engine_greedy_output_is_the_same_with_and_without_it(ckpt_dir, draft_di
         want = ["target", "draft"] if drafter == "model" else ["target"]
         assert eng.info["cpu_decode_step"] == (want if pack is None else [])
         assert eng.info["draft_step_weights"] == ("float16" if pack is None and drafter == "model" else None)
+        assert eng.info["target_step_weights"] == ("float32" if pack is None else None)  # random fp32 weights
         outs[pack] = [o.token_ids for o in eng.generate(prompts, sp)]
     plain = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
     assert outs[None] == outs[False] == [o.token_ids for o in plain.generate(prompts, sp)]
 
 
-def test_float16_weights_widen_exactly(tmp_path):
-    """With weights that fp16 holds exactly, fp16 storage gives the fp32 kernel's logits bit for bit
-    (the widening is exact and the arithmetic is the same fp32); on the raw weights it stays close."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_weights_widen_exactly(tmp_path, dtype):
+    """With weights that fp16 / bf16 hold exactly, 16-bit storage gives the fp32 kernel's logits bit for
+    bit (the widening is exact and the arithmetic is the same fp32); on the raw weights it stays close.
+    exact_weight_dtype finds the narrowest exact storage (and install_decode_step uses it by default)."""
     path = make_checkpoint(tmp_path / "m", "qwen2", num_hidden_layers=2)
     m = load_model(path, torch.float32)
     fuse_projections(m)
     toks = torch.randint(0, m.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
     pos = torch.arange(5).expand(2, 5)
 
-    def logits(dtype):
+    def logits(dtype):  # (the AVX-512 kernel: AMX tiles add up in another order, tests/test_amx_gemm.py)
         cache = KVCache(m.config, 2, 32, torch.float32, "cpu")
         with torch.no_grad():
-            return DecodeStep(m, dtype)(toks, pos, None, cache, 5, None, None)
+            return DecodeStep(m, dtype, amx=False)(toks, pos, None, cache, 5, None, None)
 
-    raw32, raw16 = logits(torch.float32), logits(torch.float16)
+    raw32, raw16 = logits(torch.float32), logits(dtype)
     assert not torch.equal(raw32, raw16)
-    torch.testing.assert_close(raw16, raw32, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(raw16, raw32, rtol=0.05, atol=0.05)
+    assert exact_weight_dtype(m) == torch.float32
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(p.half().float())
-    assert torch.equal(logits(torch.float16), logits(torch.float32))
-    with pytest.raises(ValueError, match="weight_dtype"):
-        DecodeStep(m, torch.bfloat16)
+            p.copy_(p.to(dtype).float())
+    assert torch.equal(logits(dtype), logits(torch.float32))
+    # (bf16 values inside fp16's range are fp16 values too: bf16 is tried first)
+    assert exact_weight_dtype(m) == dtype
+    assert install_decode_step(m) is None and m.layer_step.weight_dtype == dtype
+    with pytest.raises(ValueError, match="weight_dtype=torch.float64 is invalid: allowed torch.float32"):
+        DecodeStep(m, torch.float64)
 
 
 def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
-    with pytest.raises(InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', 'float32'"):
+    with pytest.raises(InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', "
+                                                 "'bfloat16', 'float32'"):
         Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights="int8")
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights="float32")
-    assert eng.info["draft_step_weights"] == "float32"
+    for name in ("float32", "bfloat16"):
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights=name)
+        assert eng.info["draft_step_weights"] == name
+
+
+def test_the_bf16_valued_demo_pair_streams_bf16_weights_bit_for_bit(tiny_demo):
+    """The demo recipe publishes bf16-valued weights (like a bf16 checkpoint loaded in fp32): the engine
+    stores the target's GEMM weights in bf16 for its step, and the logits equal the fp32 storage's."""
+    target, draft = tiny_demo
+    m = load_model(target, torch.float32)
+    fuse_projections(m)
+    assert exact_weight_dtype(m) == torch.bfloat16
+    toks = torch.randint(0, m.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(6).expand(2, 6)
+
+    def logits(dtype, amx=False):
+        cache = KVCache(m.config, 2, 32, torch.float32, "cpu")
+        with torch.no_grad():
+            return DecodeStep(m, dtype, amx=amx)(toks, pos, None, cache, 6, None, None)
+
+    assert torch.equal(logits(torch.bfloat16), logits(torch.float32))
+    if amx_status() is None:  # AMX tiles: the same fp32 products, added in another order
+        torch.testing.assert_close(logits(torch.bfloat16, amx=None), logits(torch.float32), rtol=1e-4, atol=1e-4)
+    eng = Engine.from_pretrained(target, draft)
+    assert eng.info["target_step_weights"] == "bfloat16" and eng.info["draft_step_weights"] == "float16"
+    assert eng.info["target_step_amx"] is (amx_status() is None) and eng.info["draft_step_amx"] is False

@@ -39,18 +39,22 @@ def test_kernel_matches_linear_in_float64_and_rows_are_independent(K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("K,N", [(256, 768), (100, 37), (17, 9), (1, 5)])
-def test_float16_weights_are_widened_exactly(K, N):
-    """fp16 weights (the draft's step storage) give the kernel's fp32-weight result bit for bit on the
-    same values: the widening is exact, the accumulation the same, K tails included."""
+def test_16_bit_weights_are_widened_exactly(K, N, dtype):
+    """fp16 and bf16 weights (the draft's step storage; a bf16 checkpoint's target) give the kernel's
+    fp32-weight result bit for bit on the same values: the widening is exact, the accumulation the
+    same, K tails included; and match float64 like the fp32 kernel does."""
     g = torch.Generator().manual_seed(K + N)
     x = torch.randn(7, K, generator=g)
-    w16 = (torch.randn(N, K, generator=g) / K ** 0.5).half()
+    w16 = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
     gemm = small_gemm_kernel()
-    assert torch.equal(gemm(x, w16), gemm(x, w16.float()))
-    assert torch.equal(gemm(x[:1].contiguous(), w16), gemm(x, w16)[:1])
-    with pytest.raises(RuntimeError, match="float32 or float16"):
-        gemm(x, w16.bfloat16())
+    got = gemm(x, w16)
+    assert torch.equal(got, gemm(x, w16.float()))
+    assert torch.equal(gemm(x[:1].contiguous(), w16), got[:1])
+    torch.testing.assert_close(got.double(), x.double() @ w16.double().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        gemm(x, w16.to(torch.float64))
 
 
 @needs_kernel

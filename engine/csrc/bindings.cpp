@@ -5,14 +5,19 @@
 
 #include <vector>
 
+#include "amx_gemm.h"
 #include "decode.h"
 #include "small_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "fp32 y = x @ w^T for few rows, row-independent rounding",
         py::call_guard<py::gil_scoped_release>());
+  m.def("amx_status", []() { return amx_status(); }, "'' when AMX tiles run here, else why not");
+  m.def("amx_pack", &amx_pack, "bf16 w [N, K] -> the tile order amx_gemm reads");
+  m.def("amx_gemm", &amx_gemm, "fp32 y = x @ w^T on AMX tiles, w bf16-valued (packed), row-independent",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeModel>(m, "DecodeModel")
-      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>())
+      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &DecodeModel::forward, "fp32 Llama forward for few rows: embedding, layers, norm, head",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -9,9 +9,10 @@
 class DecodeModel {
  public:
   // weights: 9 per layer (input norm, qkv weight, qkv bias or empty, o weight, o bias or empty, post norm,
-  // gate_up weight, down weight, down bias or empty), then embed, final norm, head; GEMM weights float32
-  // or float16, everything else float32
-  DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window, double eps);
+  // gate_up weight, down weight, down bias or empty), then embed, final norm, head; GEMM weights float32,
+  // float16 or bfloat16, everything else float32. amx: the GEMMs on AMX tiles (bf16 GEMM weights, packed here)
+  DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window, double eps,
+              bool amx);
   // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
@@ -21,5 +22,6 @@ class DecodeModel {
   std::vector<torch::Tensor> weights_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;
-  int64_t n_layers_, hidden_, head_dim_, inter_;  // derived from the weights (checked once, in the constructor)
+  bool amx_;
+  int64_t n_layers_, hidden_, head_dim_, inter_, vocab_;  // derived from the weights (checked once, in the constructor)
 };

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "decode.h"
 #include "small_gemm.h"
 
@@ -104,13 +105,19 @@ const float* f32(const torch::Tensor& t, const char* what) {
   return t.data_ptr<float>();
 }
 
+// y[M, N] = x[M, K] @ w^T on the model's GEMM kernel: AMX tiles (w packed by amx_pack) or the small GEMM
+void gemm(bool amx, const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (amx) return amx_gemm_into(x, w, y, M, K, N);
+  small_gemm_into(x, w, y, M, K, N);
+}
+
 // The layers on x [M, H] in place: pos [M] the position of each row, row [M] its cache row; kc0, vc0 the
 // caches [L, max_batch, nkv, S, D]; w the 9 weights per layer (DecodeModel checked their shapes). Keys and
 // values of every row are written before any row attends, so a row sees the rows before it in the same
 // call (its sequence's earlier tokens).
 void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, const torch::Tensor* weights,
-            int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp, const float* sp,
-            float eps) {
+            bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
+            const float* sp, float eps) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
   std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
@@ -120,7 +127,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, con
     float* vc = vc0 + l * layer_kv;
     rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
     float* q = qkv.data();
-    small_gemm_into(h.data(), w[1], q, d.M, d.H, width);
+    gemm(amx, h.data(), w[1], q, d.M, d.H, width);
     add_bias(q, w[2], d.M, width);
     for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's position
       const int64_t p = pp[m];
@@ -133,17 +140,17 @@ void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, con
       }
     }
     attend(q, kc, vc, pp, rp, kv_len, d, attn.data());
-    small_gemm_into(attn.data(), w[3], y.data(), d.M, d.nh * d.D, d.H);
+    gemm(amx, attn.data(), w[3], y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
     rms_norm(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
-    small_gemm_into(h.data(), w[6], gu.data(), d.M, d.H, 2 * inter);
+    gemm(amx, h.data(), w[6], gu.data(), d.M, d.H, 2 * inter);
     for (int64_t m = 0; m < d.M; ++m)
       for (int64_t i = 0; i < inter; ++i) {
         const float g = gu[m * 2 * inter + i];
         act[m * inter + i] = g / (1.f + std::exp(-g)) * gu[m * 2 * inter + inter + i];
       }
-    small_gemm_into(act.data(), w[7], y.data(), d.M, inter, d.H);
+    gemm(amx, act.data(), w[7], y.data(), d.M, inter, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
   }
@@ -151,8 +158,9 @@ void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, con
 
 void check_matrix(const torch::Tensor& w, int64_t rows, int64_t cols, const char* what) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() && w.device().is_cpu() &&
-              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
-              "DecodeModel: ", what, " must be a contiguous float32/float16 CPU matrix [", rows, ", ", cols, "]");
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
+              "DecodeModel: ", what, " must be a contiguous float32/float16/bfloat16 CPU matrix [", rows, ", ",
+              cols, "]");
 }
 
 void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
@@ -163,8 +171,8 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
 }  // namespace
 
 DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window,
-                         double eps)
-    : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps) {
+                         double eps, bool amx)
+    : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps), amx_(amx) {
   TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
   TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
   n_layers_ = static_cast<int64_t>(weights_.size() - 3) / 9;
@@ -193,6 +201,18 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, in
     check_matrix(w[7], hidden_, inter_, "down weight");
     if (w[8].numel()) check_vector(w[8], hidden_, "down bias");
   }
+  vocab_ = head.size(0);
+  if (amx_) {  // every GEMM weight (bf16) replaced by its tiles: the 4 matrices of each layer and the head
+    TORCH_CHECK(amx_status().empty(), "DecodeModel: amx=True, but ", amx_status());
+    std::vector<size_t> mats;
+    for (int64_t l = 0; l < n_layers_; ++l)
+      for (int64_t j : {1, 3, 6, 7}) mats.push_back(static_cast<size_t>(9 * l + j));
+    mats.push_back(static_cast<size_t>(9 * n_layers_ + 2));
+    for (size_t i : mats) {
+      TORCH_CHECK(weights_[i].scalar_type() == at::kBFloat16, "DecodeModel: amx=True needs bfloat16 GEMM weights");
+      weights_[i] = amx_pack(weights_[i]);
+    }
+  }
 }
 
 // tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1) -> logits of the rows chosen
@@ -206,7 +226,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
   const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
   const torch::Tensor& head = weights_[9 * n_layers_ + 2];
-  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = hidden_, V = head.size(0);
+  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = hidden_, V = vocab_;
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && n_layers <= k_cache.size(0) &&
               k_cache.size(2) == n_kv_ && k_cache.size(4) == head_dim_,
               "decode_forward: caches [L, max_batch, n_kv, S, head_dim] matching the model");
@@ -228,7 +248,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   std::vector<float> x(M * H);
   const float* ep = embed.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
-  layers(x.data(), pp, row.data(), kv_len, weights_.data(), n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
+  layers(x.data(), pp, row.data(), kv_len, weights_.data(), amx_, n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
          static_cast<float>(eps_));
   // the rows to score, final norm and head
@@ -254,6 +274,6 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   for (int64_t r = 0; r < R; ++r)
     rms_norm(x.data() + sel[r] * H, norm.data_ptr<float>(), normed.data() + r * H, 1, H, static_cast<float>(eps_));
   torch::Tensor logits = torch::empty(shape, embed.options());
-  small_gemm_into(normed.data(), head, logits.data_ptr<float>(), R, H, V);
+  gemm(amx_, normed.data(), head, logits.data_ptr<float>(), R, H, V);
   return logits;
 }

@@ -21,16 +21,26 @@ constexpr int NB = 8;            // weight rows per block
 constexpr int MB = 4;            // input rows per pass over a block
 constexpr int PREFETCH = 1024;   // bytes ahead on each weight row stream
 
-// 16 weights widened to fp32 (fp16 weights: vcvtph2ps, exact); the tail loads n < 16 of them, zeros after
+// 16-bit weight formats (their bits): fp16 and bf16
+struct F16 { uint16_t bits; };
+struct BF16 { uint16_t bits; };
+
+// 16 weights widened to fp32, exactly (fp16: vcvtph2ps; bf16: the 16 bits moved to the top of a float);
+// the tail loads n < 16 of them, zeros after
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
+inline __m512 load16(const F16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const BF16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline __m512 load_tail(const float* p, int64_t n) {
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
-inline __m512 load_tail(const uint16_t* p, int64_t n) {
-  uint16_t buf[16] = {0};
+template <typename W>
+inline __m512 load_tail(const W* p, int64_t n) {
+  W buf[16] = {};
   std::copy_n(p, n, buf);
   return load16(buf);
 }
@@ -95,16 +105,16 @@ void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_
   gemm(x, w, y, M, K, N);
 }
 
-void small_gemm_into(const float* x, const at::Half* w, float* y, int64_t M, int64_t K, int64_t N) {
-  gemm(x, reinterpret_cast<const uint16_t*>(w), y, M, K, N);
-}
 
 void small_gemm_into(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t K, int64_t N) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K && w.is_contiguous() && w.device().is_cpu(),
               "small_gemm: weight [", N, ", ", K, "] contiguous on the CPU, got ", w.sizes());
-  if (w.scalar_type() == at::kFloat) return gemm(x, w.data_ptr<float>(), y, M, K, N);
-  TORCH_CHECK(w.scalar_type() == at::kHalf, "small_gemm: float32 or float16 weights, got ", w.scalar_type());
-  gemm(x, reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>()), y, M, K, N);
+  switch (w.scalar_type()) {
+    case at::kFloat: return gemm(x, w.data_ptr<float>(), y, M, K, N);
+    case at::kHalf: return gemm(x, reinterpret_cast<const F16*>(w.data_ptr<at::Half>()), y, M, K, N);
+    case at::kBFloat16: return gemm(x, reinterpret_cast<const BF16*>(w.data_ptr<at::BFloat16>()), y, M, K, N);
+    default: TORCH_CHECK(false, "small_gemm: float32, float16 or bfloat16 weights, got ", w.scalar_type());
+  }
 }
 
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w) {

@@ -1,0 +1,92 @@
+"""The AMX tile kernel for bf16-valued weights (engine/csrc/amx_gemm.cpp) against float64 and against the
+AVX-512 small-GEMM kernel on the same weights (its fallback, same inputs and outputs); rows independent
+bit for bit at every row count, 16-row chunks included; the decode step on it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint import load_model
+from engine.cpu_decode import DecodeStep, exact_weight_dtype, install_decode_step
+from engine.cpu_gemm import amx_status, cpu_kernels
+from engine.errors import KernelUnavailableError
+from engine.model import KVCache, fuse_projections
+from util import make_checkpoint
+
+STATUS = amx_status()
+pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"AMX tiles unavailable: {STATUS}")
+
+
+@pytest.mark.parametrize("K,N", [(768, 2304), (2048, 768), (100, 37), (33, 17), (32, 16), (1, 1)])
+def test_matches_float64_and_the_avx512_kernel_with_independent_rows(K, N):
+    g = torch.Generator().manual_seed(K * N)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
+    x = torch.randn(40, K, generator=g) * 3  # 40 rows: chunks of 16, 16 and 8
+    k = cpu_kernels()
+    packed = k.amx_pack(w)
+    got = k.amx_gemm(x, packed, N)
+    want = x.double() @ w.double().T
+    # an fp32 dot product of exact inputs: within a few fp32 roundings of the true value
+    scale = (x.double().abs() @ w.double().abs().T).clamp_min(1e-30)
+    assert ((got.double() - want).abs() / scale).max() < 2e-6
+    torch.testing.assert_close(got, k.small_gemm(x, w), rtol=1e-5, atol=1e-5)
+    for m in (0, 5, 15, 16, 17, 39):  # each row alone == the same row inside a 40-row call
+        assert torch.equal(k.amx_gemm(x[m:m + 1].contiguous(), packed, N), got[m:m + 1])
+    assert torch.equal(k.amx_gemm(x[3:9].contiguous(), packed, N), got[3:9])
+
+
+def test_inputs_are_split_exactly():
+    """Inputs that need all 24 bits (and bf16-exact ones) give the exactly rounded product on a one-term dot."""
+    k = cpu_kernels()
+    x = torch.tensor([[1 + 2 ** -23, -(1 + 2 ** -9 + 2 ** -17 + 2 ** -23), 3.0, 1e-3]], dtype=torch.float32).T.contiguous()
+    w = torch.tensor([[1.0], [0.5]]).bfloat16()  # [N=2, K=1]
+    got = k.amx_gemm(x, k.amx_pack(w), 2)
+    assert torch.equal(got, (x.double() @ w.double().T).float())
+
+
+def test_bad_input_is_refused():
+    k = cpu_kernels()
+    with pytest.raises(RuntimeError, match="amx_pack: a bfloat16 CPU matrix"):
+        k.amx_pack(torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match=r"amx_gemm: a packed weight of \[20, 8\]"):
+        k.amx_gemm(torch.randn(2, 8), k.amx_pack(torch.randn(4, 8).bfloat16()), 20)
+    with pytest.raises(RuntimeError, match=r"amx_gemm: a packed weight of \[4, 40\]"):
+        k.amx_gemm(torch.randn(2, 40), k.amx_pack(torch.randn(4, 8).bfloat16()), 4)
+
+
+def test_decode_step_on_tiles(tmp_path):
+    """A bf16-valued model's step runs on the tiles by default: close to the PyTorch forward, a block of
+    tokens equal to one-token steps bit for bit; amx=True needs bf16 storage."""
+    m = load_model(make_checkpoint(tmp_path / "m", "llama", num_hidden_layers=2), torch.float32)
+    fuse_projections(m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.bfloat16().float())
+    assert exact_weight_dtype(m) == torch.bfloat16
+    assert install_decode_step(m) is None and m.layer_step.amx
+    with pytest.raises(ValueError, match="amx=True is invalid with weight_dtype=torch.float32"):
+        DecodeStep(m, torch.float32, amx=True)
+    toks = torch.randint(0, m.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(20).expand(2, 20)
+    with torch.no_grad():
+        c1, c2 = (KVCache(m.config, 2, 32, torch.float32, "cpu") for _ in range(2))
+        full = m(toks, cache=c1, kv_len=20)
+        step, m.layer_step = m.layer_step, None
+        ref = m(toks, cache=c2, kv_len=20)
+        m.layer_step = step
+        torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c1.k, c2.k, rtol=1e-4, atol=1e-4)
+        c3 = KVCache(m.config, 2, 32, torch.float32, "cpu")
+        m(toks[:, :12], cache=c3, kv_len=12)
+        steps = [m(toks[:, i:i + 1], input_pos=pos[:, i:i + 1], cache=c3, kv_len=i + 1, start=i) for i in range(12, 20)]
+    assert torch.equal(torch.cat(steps, 1), full[:, 12:])
+
+
+def test_unavailable_tiles_are_said(tmp_path, monkeypatch):
+    import engine.cpu_decode as cd
+    m = load_model(make_checkpoint(tmp_path / "m", "llama", num_hidden_layers=1), torch.float32)
+    fuse_projections(m)
+    monkeypatch.setattr(cd, "amx_status", lambda: "the CPU has no AMX-BF16 tiles")
+    with pytest.raises(KernelUnavailableError, match="AMX tiles are unavailable: the CPU has no AMX-BF16 tiles"):
+        DecodeStep(m, torch.bfloat16, amx=True)
+    assert not DecodeStep(m, torch.bfloat16).amx  # the AVX-512 kernel instead
