@@ -262,6 +262,8 @@ def bench(a: argparse.Namespace) -> int:
                            "attention": engines["plain"].info["attention"],
                            "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
                            "cpu_decode_step": engines["specmix-model"].info.get("cpu_decode_step"),
+                           **{k: engines["specmix-model"].info.get(k) for k in (
+                               "target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")},
                            "batch": 1, "sweep_k": sweep},
               "sweep": sweep_result}
     from engine.profile import write_bytes_atomic, write_json_atomic

@@ -40,7 +40,7 @@ namespace {
 constexpr int64_t KT = 32;  // k per tile (16 bf16 pairs)
 constexpr int64_t NT = 16;  // output columns per tile
 constexpr int64_t TILE = KT * NT;  // bf16 elements per packed tile
-constexpr int64_t G = 4;    // output tiles per pass over the inputs (tmm0-3; tmm4-6 the input parts, tmm7 the weights)
+constexpr int64_t CHUNK = 5;  // input rows per tile: their 3 parts each take a tile row (15 of 16)
 
 inline uint16_t bf16_rne(float f) {
   uint32_t u;
@@ -77,49 +77,98 @@ std::string probe() {
   return "";
 }
 
+// Load the tile shapes of a pass over P chunks of input rows (chunk p fills trows[p] tile rows): tmm4+p its
+// inputs, tmm(p * G + j) its outputs for weight column block j (G = 4 / P blocks per weight load), tmm7 a
+// weight tile (16 k-pairs x 16 columns).
 __attribute__((target("amx-tile,amx-bf16")))
-void tiles(const uint16_t* parts, const uint16_t* w, float* y, int64_t rows, int64_t Kp, int64_t N,
-           int64_t g0, int64_t g1) {
-  const int64_t KB = Kp / KT, NB = (N + NT - 1) / NT, chunks = (rows + 15) / 16;
+void configure(int64_t P, const int64_t* trows) {
   TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+  const int64_t G = 4 / P;
+  for (int64_t p = 0; p < P; ++p) {
+    cfg.rows[4 + p] = static_cast<uint8_t>(trows[p]);
+    for (int64_t j = 0; j < G; ++j) cfg.rows[p * G + j] = static_cast<uint8_t>(trows[p]);
   }
+  cfg.rows[7] = KT / 2;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
   _tile_loadconfig(&cfg);
-  alignas(64) float out[16 * NT];
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t nb0 = g * G, nbs = std::min(G, NB - nb0);
-    for (int64_t c = 0; c < chunks; ++c) {  // 16 input rows at a time (the group's weights stay in L2)
-      const uint16_t* a = parts + c * 3 * 16 * Kp;
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        _tile_loadd(4, a + kb * KT, Kp * 2);
-        _tile_loadd(5, a + 16 * Kp + kb * KT, Kp * 2);
-        _tile_loadd(6, a + 32 * Kp + kb * KT, Kp * 2);
-        const uint16_t* wt = w + (nb0 * KB + kb) * TILE;
-        // tile numbers are immediates: one line per output tile
-#define SPECMIX_TILE_STEP(j)                            \
-  if (j < nbs) {                                        \
-    _tile_loadd(7, wt + j * KB * TILE, 64);             \
-    _tile_dpbf16ps(j, 4, 7);                            \
-    _tile_dpbf16ps(j, 5, 7);                            \
-    _tile_dpbf16ps(j, 6, 7);                            \
+}
+
+// tile numbers are immediates in the instructions: each pass shape is spelled out
+#define SPECMIX_B(j) _tile_loadd(7, wt + (j) * KB * TILE, 64)
+#define SPECMIX_DP(c, a) _tile_dpbf16ps(c, a, 7)
+
+// One pass: rows m0.. (P chunks of CHUNK rows, mr[p] in chunk p) times weight column blocks nb0..nb0+nbs
+// (nbs <= 4 / P), accumulated over all of K, then y = (hi . w + mid . w) + lo . w per row.
+__attribute__((target("amx-tile,amx-bf16")))
+void pass(const uint16_t* a, int64_t P, const int64_t* mr, const uint16_t* w, float* y, int64_t m0, int64_t KB,
+          int64_t Kp, int64_t N, int64_t nb0, int64_t nbs) {
+  const int64_t G = 4 / P, stride = Kp * 2, chunk = 16 * Kp;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2);
+  if (P != 3) _tile_zero(3);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint16_t* ak = a + kb * KT;
+    const uint16_t* wt = w + (nb0 * KB + kb) * TILE;
+    if (P == 1) {
+      _tile_loadd(4, ak, stride);
+      SPECMIX_B(0); SPECMIX_DP(0, 4);
+      if (nbs > 1) { SPECMIX_B(1); SPECMIX_DP(1, 4); }
+      if (nbs > 2) { SPECMIX_B(2); SPECMIX_DP(2, 4); }
+      if (nbs > 3) { SPECMIX_B(3); SPECMIX_DP(3, 4); }
+    } else if (P == 2) {
+      _tile_loadd(4, ak, stride);
+      _tile_loadd(5, ak + chunk, stride);
+      SPECMIX_B(0); SPECMIX_DP(0, 4); SPECMIX_DP(2, 5);
+      if (nbs > 1) { SPECMIX_B(1); SPECMIX_DP(1, 4); SPECMIX_DP(3, 5); }
+    } else {
+      _tile_loadd(4, ak, stride);
+      _tile_loadd(5, ak + chunk, stride);
+      _tile_loadd(6, ak + 2 * chunk, stride);
+      SPECMIX_B(0); SPECMIX_DP(0, 4); SPECMIX_DP(1, 5); SPECMIX_DP(2, 6);
+    }
   }
-        SPECMIX_TILE_STEP(0) SPECMIX_TILE_STEP(1) SPECMIX_TILE_STEP(2) SPECMIX_TILE_STEP(3)
-#undef SPECMIX_TILE_STEP
+  alignas(64) float out[16 * NT];
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t j = 0; j < nbs; ++j) {
+      switch (p * G + j) {
+        case 0: _tile_stored(0, out, 64); break;
+        case 1: _tile_stored(1, out, 64); break;
+        case 2: _tile_stored(2, out, 64); break;
+        default: _tile_stored(3, out, 64); break;
       }
-      const int64_t m0 = c * 16, mr = std::min<int64_t>(16, rows - m0);
-      for (int64_t j = 0; j < nbs; ++j) {
-        switch (j) {
-          case 0: _tile_stored(0, out, 64); break;
-          case 1: _tile_stored(1, out, 64); break;
-          case 2: _tile_stored(2, out, 64); break;
-          default: _tile_stored(3, out, 64); break;
-        }
-        const int64_t n0 = (nb0 + j) * NT, nn = std::min(NT, N - n0);
-        for (int64_t m = 0; m < mr; ++m) std::copy_n(out + m * NT, nn, y + (m0 + m) * N + n0);
+      const int64_t n0 = (nb0 + j) * NT, nn = std::min(NT, N - n0);
+      for (int64_t m = 0; m < mr[p]; ++m) {  // the same order of additions for every row
+        const float* r = out + 3 * m * NT;
+        float* yr = y + (m0 + p * CHUNK + m) * N + n0;
+        for (int64_t n = 0; n < nn; ++n) yr[n] = (r[n] + r[NT + n]) + r[2 * NT + n];
       }
+    }
+}
+#undef SPECMIX_B
+#undef SPECMIX_DP
+
+// y's weight column blocks [nb_begin, nb_end) for all M rows: blocks of 4 column blocks (64 columns) at a time,
+// each taking every pass of up to 3 chunks (15 rows) while its weights stay in L2
+__attribute__((target("amx-tile,amx-bf16")))
+void tiles(const uint16_t* parts, const uint16_t* w, float* y, int64_t M, int64_t Kp, int64_t N, int64_t nb_begin,
+           int64_t nb_end) {
+  const int64_t KB = Kp / KT, chunks = (M + CHUNK - 1) / CHUNK;
+  int64_t shape = -1;  // the loaded configuration: 16 * P + the last chunk's rows
+  for (int64_t nb = nb_begin; nb < nb_end; nb += 4) {
+    const int64_t blocks = std::min<int64_t>(4, nb_end - nb);
+    for (int64_t c0 = 0; c0 < chunks; c0 += 3) {
+      const int64_t P = std::min<int64_t>(3, chunks - c0);
+      int64_t mr[3], trows[3];
+      for (int64_t p = 0; p < P; ++p) {
+        mr[p] = std::min(CHUNK, M - (c0 + p) * CHUNK);
+        trows[p] = 3 * mr[p];
+      }
+      if (16 * P + mr[P - 1] != shape) {
+        configure(P, trows);
+        shape = 16 * P + mr[P - 1];
+      }
+      const int64_t G = 4 / P;
+      for (int64_t j = 0; j < blocks; j += G)
+        pass(parts + c0 * 16 * Kp, P, mr, w, y, c0 * CHUNK, KB, Kp, N, nb + j, std::min(G, blocks - j));
     }
   }
   _tile_release();
@@ -134,27 +183,25 @@ const std::string& amx_status() {
 
 void amx_gemm_into(const float* x, const torch::Tensor& packed, float* y, int64_t M, int64_t K, int64_t N) {
   TORCH_CHECK(amx_status().empty(), "amx_gemm: ", amx_status());
-  const int64_t Kp = (K + KT - 1) / KT * KT, NB = (N + NT - 1) / NT, chunks = (M + 15) / 16;
+  const int64_t Kp = (K + KT - 1) / KT * KT, NB = (N + NT - 1) / NT, chunks = (M + CHUNK - 1) / CHUNK;
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == NB * Kp * NT,
               "amx_gemm: a packed weight of [", N, ", ", K, "] (amx_pack)");
-  // the inputs' exact three-part split, [chunks][3][16][Kp] bf16, zero-padded
-  std::vector<uint16_t> parts(static_cast<size_t>(chunks * 3 * 16 * Kp), 0);
+  // the inputs' exact three-part split, [chunks][16][Kp] bf16: row m at tile rows 3 (m % CHUNK) + part
+  std::vector<uint16_t> parts(static_cast<size_t>(chunks * 16 * Kp), 0);
   for (int64_t m = 0; m < M; ++m) {
-    uint16_t* p = parts.data() + (m / 16) * 3 * 16 * Kp + (m % 16) * Kp;
+    uint16_t* p = parts.data() + (m / CHUNK) * 16 * Kp + 3 * (m % CHUNK) * Kp;
     for (int64_t k = 0; k < K; ++k) {
       const float v = x[m * K + k];
       const uint16_t hi = bf16_rne(v);
       const float r1 = v - widen(hi);  // exact: |r1| <= half an ulp of hi, 16 significant bits at most
       const uint16_t mid = bf16_rne(r1);
       p[k] = hi;
-      p[16 * Kp + k] = mid;
-      p[32 * Kp + k] = bf16_rne(r1 - widen(mid));  // exact: the last 8 bits
+      p[Kp + k] = mid;
+      p[2 * Kp + k] = bf16_rne(r1 - widen(mid));  // exact: the last 8 bits
     }
   }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, (NB + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
-    tiles(parts.data(), w, y, M, Kp, N, g0, g1);
-  });
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) { tiles(parts.data(), w, y, M, Kp, N, b0, b1); });
 }
 
 #else  // a compiler or CPU without AMX intrinsics: the status says so and nothing else runs
