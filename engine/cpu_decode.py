@@ -144,6 +144,16 @@ class DecodeStep:
                                  self._empty if logits_idx is None else logits_idx, kv_len,
                                  self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin)
 
+    def greedy(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
+               n_layers: int | None, last: Tensor, steps: int, vocab: int) -> Tensor:
+        """Greedy drafting in one call: this forward scored at ``last`` [B], then ``steps`` - 1 one-token
+        forwards, each on the previous argmax over the first ``vocab`` logits -> the argmaxes [B, steps]
+        (what calling ``__call__`` and ``argmax`` in a loop returns, without the Python between steps)."""
+        cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
+        return self.impl.greedy(tokens, pos, self._empty if rows is None else rows, last, kv_len,
+                                self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin,
+                                steps, vocab)
+
 
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype | None = None) -> str | None:
     """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).

@@ -99,11 +99,17 @@ class ModelDrafter:
         toks, pos, last, kv_len = catch_up_batch(seqs, starts, batch.scratch_pos, dev)
         cache = self.cache if self.cache is not None else batch.target_cache
         n_tok = [len(s.tokens) for s in seqs]
+        greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
+        step = self.model.layer_step
+        if greedy and step is not None and step.takes(toks, cache):  # the C++ step drafts all k in one call
+            drafts = step.greedy(toks, pos, batch.rows, cache, kv_len, self.n_layers, last, batch.k, V)
+            for s in seqs:
+                s.dlen = len(s.tokens)
+            return drafts, None, None
         aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
         logits = self.model(toks, pos, cache, kv_len, batch.rows, logits_idx=last, n_layers=self.n_layers,
                             start=starts[0] if aligned else None)
         next_pos = torch.tensor(n_tok, device=dev)  # where d1 goes
-        greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
         drafts, probs = [], []
         for i in range(batch.k):
             if greedy:

@@ -87,6 +87,35 @@ def test_early_exit_layers_and_start_path_match(model):
     assert torch.equal(c1.k[1:, :, :, 12], torch.zeros_like(c1.k[1:, :, :, 12]))  # later layers untouched
 
 
+def test_greedy_drafting_in_one_call_equals_the_step_loop(model):
+    """DecodeStep.greedy == a forward at `last`, then one-token forwards on each argmax (ragged, re-rowed,
+    a vocabulary cut, n_layers): the same ids and the same caches."""
+    B, S, k, V = 3, 64, 5, model.config.vocab_size - 3
+    c1, c2 = _prefilled(model, B, S), _prefilled(model, B, S)
+    toks = torch.randint(0, model.config.vocab_size, (B, 3), generator=torch.Generator().manual_seed(6))
+    pos = torch.full((B, 3), S - 1)
+    lens, real = [12, 10, 11], [3, 1, 2]
+    for b in range(B):
+        pos[b, : real[b]] = torch.arange(lens[b], lens[b] + real[b])
+    rows, last = torch.tensor([1, 2, 0]), torch.tensor(real) - 1
+    kv_len = max(l + r for l, r in zip(lens, real))
+    step = model.layer_step
+    for n_layers in (None, 1):
+        with torch.no_grad():
+            got = step.greedy(toks, pos, rows, c1, kv_len, n_layers, last, k, V)
+            logits, want = step(toks, pos, rows, c2, kv_len, n_layers, last), []
+            nxt = torch.tensor([l + r for l, r in zip(lens, real)])
+            for i in range(k):
+                want.append(logits[:, :V].argmax(-1))
+                if i + 1 < k:
+                    logits = step(want[-1][:, None], (nxt + i)[:, None], rows, c2, kv_len + i + 1, n_layers,
+                                  torch.zeros(B, dtype=torch.long))
+        assert torch.equal(got, torch.stack(want, 1)) and got.shape == (B, k)
+        assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
+    with pytest.raises(RuntimeError, match="greedy: steps >= 1"):
+        step.greedy(toks, pos, rows, c1, kv_len, None, last, 0, V)
+
+
 def test_a_block_equals_one_token_steps_bit_for_bit(model):
     T = 6  # longer than the Mistral window: the window applies inside the block too
     toks = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(4))

@@ -19,5 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &DecodeModel::forward, "fp32 Llama forward for few rows: embedding, layers, norm, head",
+           py::call_guard<py::gil_scoped_release>())
+      .def("greedy", &DecodeModel::greedy, "greedy drafting: a forward, then steps - 1 steps on its argmax",
            py::call_guard<py::gil_scoped_release>());
 }

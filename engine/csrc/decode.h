@@ -17,6 +17,12 @@ class DecodeModel {
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin) const;
+  // greedy drafting in one call: forward scored at last [B], then steps - 1 one-token forwards on the argmax
+  // over the first vocab logits -> the steps argmaxes [B, steps] int64 (the caches hold every fed token)
+  torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
+                       const torch::Tensor& last, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
+                       torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin, int64_t steps,
+                       int64_t vocab) const;
 
  private:
   std::vector<torch::Tensor> weights_;

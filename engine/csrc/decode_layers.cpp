@@ -57,6 +57,36 @@ struct Dims {
   int64_t M, H, nh, nkv, D, S, max_batch, window;  // window <= 0: none
 };
 
+// e^x for 16 lanes (Cephes' expf polynomial on x - n ln2, scaled by 2^n; ~1 ulp): one vector op chain
+// instead of 16 libm calls. x below -88 gives 0 (as e^x does in fp32 but for denormals), NaN stays NaN.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512 y = _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.f), _CMP_NLT_UQ), y);
+}
+
+// out[0, 16 C) = inv * sum_{lo <= j < hi} w[j] v[j * 16 C ...] (v rows of 16 C floats), in C registers
+template <int C>
+inline void weighted_sum(const float* w, const float* v, int64_t lo, int64_t hi, float inv, float* out) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = lo; j < hi; ++j) {
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * 16 * C + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+}
+
 // o[m, head, :] = softmax(q . k_j / sqrt(D)) v over the visible cache slots j of row m's sequence
 void attend(const float* qkv, const float* kc, const float* vc, const int64_t* pos, const int64_t* row,
             int64_t kv_len, const Dims& d, float* o) {
@@ -65,29 +95,42 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
   const int64_t items = d.M * d.nh;
   const int64_t work = items * kv_len * d.D;
   at::parallel_for(0, items, work < (1 << 18) ? items : 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(static_cast<size_t>(kv_len));
+    std::vector<float> s(static_cast<size_t>(kv_len) + 16);
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t m = it / d.nh, h = it % d.nh, kvh = h / group, p = pos[m];
+      // head-major: the rows of a call that share a head run one after another, on one thread, while
+      // that head's keys and values are still in L2 (row-major order re-read them from L3 per row)
+      const int64_t h = it / d.M, m = it % d.M, kvh = h / group, p = pos[m];
       const int64_t hi = std::min(p + 1, kv_len);
       const int64_t lo = d.window > 0 ? std::max<int64_t>(0, p - d.window + 1) : 0;
       const float* q = qkv + m * width + h * d.D;
       const int64_t base = ((row[m] * d.nkv + kvh) * d.S) * d.D;
+      float* out = o + m * d.nh * d.D + h * d.D;
+      std::fill_n(out, d.D, 0.f);
+      if (hi <= lo) continue;
       float mx = -INFINITY;
       for (int64_t j = lo; j < hi; ++j) {
         s[j] = dot(q, kc + base + j * d.D, d.D) * scale;
         mx = std::max(mx, s[j]);
       }
-      float* out = o + m * d.nh * d.D + h * d.D;
-      for (int64_t e = 0; e < d.D; ++e) out[e] = 0.f;
-      float sum = 0.f;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float w = std::exp(s[j] - mx);
-        sum += w;
-        const float* v = vc + base + j * d.D;
-        for (int64_t e = 0; e < d.D; ++e) out[e] += w * v[e];
+      // weights e^(s - max), 16 at a time (the tail masked), summed lane-wise then across lanes
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = lo; j < hi; j += 16) {
+        const __mmask16 mask = static_cast<__mmask16>(hi - j >= 16 ? 0xFFFF : (1u << (hi - j)) - 1);
+        const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s.data() + j), _mm512_set1_ps(mx)));
+        _mm512_mask_storeu_ps(s.data() + j, mask, w);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, w));
       }
-      const float inv = hi > lo ? 1.f / sum : 0.f;
-      for (int64_t e = 0; e < d.D; ++e) out[e] *= inv;
+      const float inv = 1.f / _mm512_reduce_add_ps(acc);
+      if (d.D == 64 || d.D == 128) {  // out = sum_j w_j v_j with the head in registers: V read once
+        if (d.D == 64) weighted_sum<4>(s.data(), vc + base, lo, hi, inv, out);
+        else weighted_sum<8>(s.data(), vc + base, lo, hi, inv, out);
+      } else {
+        for (int64_t j = lo; j < hi; ++j) {
+          const float* v = vc + base + j * d.D;
+          for (int64_t e = 0; e < d.D; ++e) out[e] = std::fma(s[j], v[e], out[e]);
+        }
+        for (int64_t e = 0; e < d.D; ++e) out[e] *= inv;
+      }
     }
   });
 }
@@ -276,4 +319,36 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   torch::Tensor logits = torch::empty(shape, embed.options());
   gemm(amx_, normed.data(), head, logits.data_ptr<float>(), R, H, V);
   return logits;
+}
+
+// greedy drafting: the forward above scored at `last` [B], then steps - 1 more one-token forwards on its own
+// argmax (the first maximum, NaN counted as the maximum, like torch.argmax) over the first vocab logits
+torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
+                                  const torch::Tensor& last, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
+                                  torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  int64_t steps, int64_t vocab) const {
+  TORCH_CHECK(steps >= 1 && vocab >= 1 && vocab <= vocab_, "greedy: steps >= 1 and 1 <= vocab <= ", vocab_);
+  TORCH_CHECK(last.dim() == 1, "greedy: last [B]");
+  torch::Tensor logits = forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin);
+  const int64_t B = tokens.size(0), T = tokens.size(1);
+  const torch::Tensor pc = pos.contiguous(), lc = last.contiguous();
+  auto opts = tokens.options().dtype(at::kLong);
+  torch::Tensor out = torch::empty({B, steps}, opts), tok = torch::empty({B, 1}, opts);
+  torch::Tensor next = torch::empty({B, 1}, opts), zero = torch::zeros({B}, opts);
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < steps; ++i) {
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      const float* r = lp + b * vocab_;
+      int64_t best = 0;
+      for (int64_t j = 1; j < vocab; ++j)
+        if (!std::isnan(r[best]) && (r[j] > r[best] || std::isnan(r[j]))) best = j;
+      op[b * steps + i] = best;
+      tok.data_ptr<int64_t>()[b] = best;
+      next.data_ptr<int64_t>()[b] = pc.data_ptr<int64_t>()[b * T + lc.data_ptr<int64_t>()[b]] + 1 + i;
+    }
+    if (i + 1 < steps)
+      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin);
+  }
+  return out;
 }
