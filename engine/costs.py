@@ -7,12 +7,6 @@ target's weights through the caches, so it costs more than the K - 1 steps after
 K * c; the first step's extra is a per-round cost like the verify pass, so c is the warm
 step and the extra is added to every v(K): c_cold + (K-1) c_warm + verify = K c + v(K).
 
-Where the drafting model has the C++ decode step (engine/cpu_decode.py), a greedy round drafts
-all K tokens in one call (``DecodeStep.greedy``), without Python between the steps; the draft is
-then timed that way: c from the difference between drafting k_max tokens and one, the rest of
-the one-token call as the per-round extra. (A sampled round drafts step by step from Python and
-costs a little more per step than this c says.)
-
 Each repeat times every forward once (target step, draft step, verify of 2..k_max+1
 tokens) and forms the ratios within that repeat; the result is the median over
 repeats. Ratios taken side by side cancel the slow drifts of a shared machine, and a
@@ -45,19 +39,6 @@ def cached_forward(model: Transformer, n_tokens: int, *, context: int = 64, batc
                          start=context)
 
 
-def greedy_drafting(model: Transformer, k: int, *, context: int = 64, batch: int = 1,
-                    n_layers: int | None = None) -> Callable[[], object]:
-    """A greedy draft of k tokens per row in one call of the model's C++ step (a one-token catch-up,
-    then k - 1 steps), after ``context`` cached tokens."""
-    w = model.norm.weight
-    cache = KVCache(model.config, batch, context + k + 1, w.dtype, w.device)
-    toks = torch.randint(0, model.config.vocab_size, (batch, 1))
-    pos = torch.full((batch, 1), context)
-    last = torch.zeros(batch, dtype=torch.long)
-    step = model.layer_step
-    return lambda: step.greedy(toks, pos, None, cache, context + 1, n_layers, last, k, model.config.vocab_size)
-
-
 @torch.no_grad()
 def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int = 8,
                   draft_layers: int | None = None, batch: int = 1, reps: int = 7) -> Costs:
@@ -66,14 +47,12 @@ def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     step = cached_forward(target, 1, batch=batch)
     verify = {k: cached_forward(target, k + 1, batch=batch) for k in range(1, k_max + 1)}
-    dmodel = draft if draft is not None else (target if draft_layers is not None else None)
-    dstep: Callable[[], object] | None = None
-    drafting: dict[int, Callable[[], object]] = {}  # k -> a greedy draft of k tokens in one C++ call
-    if dmodel is not None:
-        dstep = cached_forward(dmodel, 1, batch=batch, n_layers=draft_layers if draft is None else None)
-        if getattr(dmodel, "layer_step", None) is not None and k_max > 1:
-            drafting = {k: greedy_drafting(dmodel, k, batch=batch, n_layers=draft_layers if draft is None else None)
-                        for k in (1, k_max)}
+    if draft is not None:
+        dstep: Callable[[], object] | None = cached_forward(draft, 1, batch=batch)
+    elif draft_layers is not None:
+        dstep = cached_forward(target, 1, batch=batch, n_layers=draft_layers)
+    else:
+        dstep = None
 
     def timed(fn: Callable[[], object]) -> float:
         sync()
@@ -82,7 +61,7 @@ def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int 
         sync()
         return time.perf_counter() - t0
 
-    fns = [step, *verify.values(), *drafting.values()] + ([dstep] if dstep is not None else [])
+    fns = [step, *verify.values()] + ([dstep] if dstep is not None else [])
     for fn in fns:  # warm-up
         fn()
     cs, cold, vs = [], [], {k: [] for k in verify}
@@ -90,12 +69,7 @@ def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int 
         t1 = timed(step)
         for k, fn in verify.items():
             vs[k].append(timed(fn) / t1)
-        if drafting:  # after the largest verify, as in a round: one-call greedy drafts of 1 and k_max tokens
-            one = timed(drafting[1])
-            many = timed(drafting[k_max])
-            cs.append((many - one) / (k_max - 1) / t1)
-            cold.append(one / t1)
-        elif dstep is not None:  # a cold step, then a warm one
+        if dstep is not None:  # after the largest verify, as in a round: a cold step, then a warm one
             first = timed(dstep)
             cs.append(timed(dstep) / t1)
             cold.append(first / t1)
