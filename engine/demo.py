@@ -83,7 +83,7 @@ RECIPES: dict[str, DemoRecipe] = {
     "tiny": DemoRecipe(
         vocab_size=512, target=ModelShape(192, 2, 512, 4, 4), draft=ModelShape(64, 1, 192, 2, 2),
         target_steps=200, draft_steps=200, batch=4, seq_len=128, long_every=0, max_position_embeddings=256,
-        target_lr=3e-3, draft_lr=1e-2, warmup=10, eval_ctx=256, distill_topk=32, weight_values="bfloat16"),
+        target_lr=3e-3, draft_lr=1e-2, warmup=10, eval_ctx=256, distill_topk=32),
 }
 
 

@@ -90,3 +90,36 @@ def test_unavailable_tiles_are_said(tmp_path, monkeypatch):
     with pytest.raises(KernelUnavailableError, match="AMX tiles are unavailable: the CPU has no AMX-BF16 tiles"):
         DecodeStep(m, torch.bfloat16, amx=True)
     assert not DecodeStep(m, torch.bfloat16).amx  # the AVX-512 kernel instead
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tmp_path_factory):
+    """A target and a draft (its weights plus noise) whose weights are bf16 values, like a bf16 checkpoint."""
+    root = tmp_path_factory.mktemp("bf16")
+    return (make_checkpoint(root / "t", "llama", num_hidden_layers=3, values=torch.bfloat16),
+            make_checkpoint(root / "d", "llama", num_hidden_layers=3, perturb=0.005, values=torch.bfloat16))
+
+
+def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16_pair):
+    """The engine finds the lossless bf16 storage, runs the target's step on AMX tiles, and greedy
+    speculation (every K, alone and batched) reproduces its plain output token for token, which is
+    transformers' greedy output of the same checkpoint."""
+    import transformers as tf
+
+    from engine import Engine, SamplingParams
+
+    target, draft = bf16_pair
+    prompts = [[5, 17, 33], [200, 3, 3, 9, 41, 7], [88], [1, 2, 3, 4, 5, 6, 7, 8]]
+    sp = SamplingParams(max_new_tokens=20)
+    plain = Engine.from_pretrained(target, drafter=None)
+    assert plain.info["target_step_weights"] == "bfloat16" and plain.info["target_step_amx"] is True
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    hf = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for p, w in zip(prompts, want):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+        assert out[0, len(p):].tolist() == w
+    for drafter, k in [("model", 2), ("model", 5), ("early-exit", 3)]:
+        eng = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=k,
+                                     adaptive_k=False)
+        assert [eng.generate([p], sp)[0].token_ids for p in prompts] == want, (drafter, k)
+        assert [o.token_ids for o in eng.generate(prompts, sp)] == want, (drafter, k)

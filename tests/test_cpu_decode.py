@@ -234,26 +234,3 @@ def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
     for name in ("float32", "bfloat16"):
         eng = Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights=name)
         assert eng.info["draft_step_weights"] == name
-
-
-def test_the_bf16_valued_demo_pair_streams_bf16_weights_bit_for_bit(tiny_demo):
-    """The demo recipe publishes bf16-valued weights (like a bf16 checkpoint loaded in fp32): the engine
-    stores the target's GEMM weights in bf16 for its step, and the logits equal the fp32 storage's."""
-    target, draft = tiny_demo
-    m = load_model(target, torch.float32)
-    fuse_projections(m)
-    assert exact_weight_dtype(m) == torch.bfloat16
-    toks = torch.randint(0, m.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
-    pos = torch.arange(6).expand(2, 6)
-
-    def logits(dtype, amx=False):
-        cache = KVCache(m.config, 2, 32, torch.float32, "cpu")
-        with torch.no_grad():
-            return DecodeStep(m, dtype, amx=amx)(toks, pos, None, cache, 6, None, None)
-
-    assert torch.equal(logits(torch.bfloat16), logits(torch.float32))
-    if amx_status() is None:  # AMX tiles: the same fp32 products, added in another order
-        torch.testing.assert_close(logits(torch.bfloat16, amx=None), logits(torch.float32), rtol=1e-4, atol=1e-4)
-    eng = Engine.from_pretrained(target, draft)
-    assert eng.info["target_step_weights"] == "bfloat16" and eng.info["draft_step_weights"] == "float16"
-    assert eng.info["target_step_amx"] is (amx_status() is None) and eng.info["draft_step_amx"] is False

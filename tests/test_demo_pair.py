@@ -61,6 +61,8 @@ def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
     fp8 = Engine.from_pretrained(demo["target"], demo["draft"], plan=plan, **kw)
     fp16 = Engine.from_pretrained(demo["target"], demo["draft"], plan=dataclasses.replace(plan, draft=None), **kw)
     assert type(fp8.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
-    prompts = calib_prompts(fp8.tokenizer, demo["calib"], n=8)
+    # 24 prompts (~1000 drafts; the difference's standard error ~1 point): with 8, the v3 pair's
+    # difference read 3.3 points on one set and 1.3 on 24
+    prompts = calib_prompts(fp8.tokenizer, demo["calib"], n=24)
     a8, a16 = acceptance(fp8, prompts, 48), acceptance(fp16, prompts, 48)
     assert abs(a8 - a16) <= 0.02, (a8, a16)

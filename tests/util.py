@@ -24,11 +24,12 @@ def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
 
 
 def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed: int = 0,
-                    perturb: float = 0.0, **overrides) -> Path:
+                    perturb: float = 0.0, values: torch.dtype | None = None, **overrides) -> Path:
     """Save a random transformers model of the given family + tokenizer into `out`.
 
     perturb > 0 adds N(0, perturb) noise to every matrix after the seeded init: with the
     target's seed that gives a draft that agrees with the target often, but not always.
+    values: every weight rounded to that dtype's values (saved in fp32: a bf16 checkpoint loaded in fp32).
     """
     import transformers as tf
 
@@ -48,6 +49,9 @@ def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed:
         for p in model.parameters():
             if perturb and p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=g) * perturb)
+        if values is not None:
+            for p in model.parameters():
+                p.copy_(p.to(values).float())
     model.save_pretrained(out)
     make_tokenizer(out, vocab_size)
     return out
