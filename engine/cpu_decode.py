@@ -1,18 +1,25 @@
 """A fp32 model's few-row forward as one C++ call (engine/csrc/decode_layers.cpp).
 
 Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic. The demo draft's
-step cost ~0.73 ms through ~50 PyTorch ops, of which the GEMMs are ~0.2 ms (now ~0.22 ms in all,
-~0.15 with fp16 weights); the demo target's step went from ~5.3 to ~3.2-3.5 ms. ``DecodeStep``
-runs the same forward (embedding; per layer RMSNorm, fused q/k/v, rotary, the static KV cache,
-causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down; final norm and LM head on the
-scored rows) in one call, with the small-GEMM kernel for every projection. ``Transformer.forward`` uses it when installed (``model.layer_step``)
-for every call with a fp32 cache and no autograd, prompts included: a decode step often carries a
-new sequence's prompt beside the others' tokens, and one path for all of them keeps every row's
-result independent of what else is in the batch (the PyTorch forward rounds a large batch
-differently). The PyTorch forward is its fallback with the same inputs and outputs (tests run both
-and compare). Cost: a long prompt's prefill runs on the few-row GEMM, which MKL beats at many rows.
+step cost ~0.73 ms through ~50 PyTorch ops, of which the GEMMs are ~0.2 ms (now ~0.14 ms in all
+with fp16 weights). ``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused
+q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down;
+final norm and LM head on the scored rows) in one call. ``Transformer.forward`` uses it when
+installed (``model.layer_step``) for every call with a fp32 cache and no autograd, prompts
+included: a decode step often carries a new sequence's prompt beside the others' tokens, and one
+path for all of them keeps every row's result independent of what else is in the batch (the
+PyTorch forward rounds a large batch differently). The PyTorch forward is its fallback with the
+same inputs and outputs (tests run both and compare). ``DecodeStep.greedy`` drafts k greedy tokens
+in one call (no Python between the draft steps).
 
-Every row is computed the same way whatever the number of rows in the call (the GEMM kernel is
+The GEMM weights: fp32 (the model's own tensors) on the AVX-512 small-GEMM kernel, or 16-bit
+copies widened in registers. A model whose weights are all bf16 values (a bf16 checkpoint loaded
+in fp32, as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a
+CPU with AMX its GEMMs run on tiles (engine/csrc/amx_gemm.cpp: fp32 inputs split exactly into
+three bf16 parts, fp32 accumulation): the demo target's step went 3.0 -> 1.43 ms, and a verify of
+6 tokens costs ~1.4x a step instead of ~1.6x.
+
+Every row is computed the same way whatever the number of rows in the call (both GEMM kernels are
 row-independent and each query's attention is its own loop), so a verify pass and the one-token
 steps agree bit for bit.
 """

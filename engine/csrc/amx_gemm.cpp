@@ -2,16 +2,17 @@
 // decode step or a verify pass.
 //
 // Why: on AVX-512 each extra row of a verify pass costs its full share of FMAs (the demo target: ~0.4 ms
-// a row on 2 cores, so a 6-token verify costs ~2.3 one-token steps once the weights stream at 16 bits).
-// An AMX tile multiply takes 16 rows at once for the cost of one, so a pass of up to 16 rows streams the
-// weights once and costs about one step.
+// a row on 2 cores, so a 6-token verify costs ~2.2 one-token steps once the weights stream at 16 bits).
+// A tile multiply takes 16 rows for about the cost of a few: the demo target's forward is 1.43 ms for 1
+// row, 1.77 for 5, 1.98 for 6, 2.28 for 9 (memory-bound: each weight tile is loaded once per pass).
 //
 // Exact inputs, fp32 arithmetic: the weights are bf16 values (a bf16 checkpoint; the caller checks), and
 // each fp32 input is split into three bf16 parts hi + mid + lo == x exactly (8 + 8 + 8 significant bits).
-// TDPBF16PS multiplies bf16 pairs exactly and accumulates in fp32, so y = sum_k (hi_k + mid_k + lo_k) w_k
-// is an fp32 dot product of the exact inputs (its error ~2x the AVX-512 kernel's, tested against
-// float64). Every row runs the same tile operations in the same order whatever else is in the call
-// (rows of a tile never mix), so a verify pass equals the one-token steps bit for bit.
+// TDPBF16PS multiplies bf16 pairs exactly and accumulates in fp32. Each part of a row takes a tile row (5
+// input rows per tile, up to 3 tiles share each weight tile load), and y = (hi . w + mid . w) + lo . w:
+// an fp32 dot product of the exact inputs (its error ~2x the AVX-512 kernel's, tested against float64).
+// A row's tile operations are the same whatever else is in the call (rows of a tile never mix), so a
+// verify pass equals the one-token steps bit for bit.
 //
 // Packed layout (amx_pack): for each block of 16 output columns, for each block of 32 k, one 1 KiB tile
 // of 16 k-pairs x 16 columns x 2 (the "VNNI" order TDPBF16PS reads); N and K zero-padded.

@@ -5,8 +5,9 @@
 // PyTorch, ~0.2 ms of which is arithmetic. This runs the same computation as engine/model.py
 // (RMSNorm, fused q/k/v GEMM, rotary embedding, static position-indexed KV cache, causal attention
 // with an optional sliding window, o_proj, RMSNorm, fused gate/up GEMM, SiLU, down_proj) with the
-// small-GEMM kernel for every projection. Every row (one token of one sequence) is computed the same
-// way whatever the number of rows in the call, so a verify pass equals the one-token steps bit for bit.
+// small-GEMM kernel for every projection, or AMX tiles for bf16-valued weights (amx_gemm.cpp). Every row
+// (one token of one sequence) is computed the same way whatever the number of rows in the call, so a
+// verify pass equals the one-token steps bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
