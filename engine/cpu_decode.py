@@ -54,7 +54,8 @@ def _gemm_weights(model: Transformer) -> list[Tensor]:
 def exact_weight_dtype(model: Transformer) -> torch.dtype:
     """The narrowest of ``WEIGHT_DTYPES`` holding every GEMM weight of ``model`` (a model
     ``decode_step_reason`` accepts) exactly: bfloat16 or float16 when all their values are of
-    that dtype, else float32. A step on such a copy computes the very same fp32 numbers."""
+    that dtype, else float32. The AVX-512 kernel computes the very same fp32 numbers on such a
+    copy; AMX tiles (bf16) compute the same products and add them in another order."""
     weights = _gemm_weights(model)
     for dtype in (torch.bfloat16, torch.float16):
         if all(torch.equal(w.detach().to(dtype).float(), w.detach()) for w in weights):
@@ -162,15 +163,19 @@ class DecodeStep:
                                 steps, vocab)
 
 
-def install_decode_step(model: Transformer, weight_dtype: torch.dtype | None = None) -> str | None:
+def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | None = None) -> str | None:
     """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).
-    ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless)."""
+    ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless); "auto": that when it is 16-bit, else
+    float16 (for a draft: rounding its weights moves only the acceptance)."""
     reason = decode_step_reason(model)
     if reason is not None:
         log.info("the model's steps stay on PyTorch: %s", reason)
         model.layer_step = None
         return reason
-    model.layer_step = DecodeStep(model, exact_weight_dtype(model) if weight_dtype is None else weight_dtype)
+    if weight_dtype is None or weight_dtype == "auto":
+        exact = exact_weight_dtype(model)
+        weight_dtype = torch.float16 if weight_dtype == "auto" and exact == torch.float32 else exact
+    model.layer_step = DecodeStep(model, weight_dtype)  # type: ignore[arg-type]
     return None
 
 

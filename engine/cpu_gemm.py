@@ -66,25 +66,38 @@ def _unsupported_reason() -> str | None:
     return None
 
 
-@functools.cache
-def _build() -> tuple[Any, str | None]:
-    """(the compiled module, None) or (None, why not). Built once per process; torch caches the binary."""
-    reason = _unsupported_reason()
-    if reason is not None:
-        return None, reason
+def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
+    """torch's extension build of SOURCES: (the module, None) or (None, the compiler's first error line)."""
     from torch.utils.cpp_extension import load
 
     try:
-        mod = load(name="specmix_small_gemm", sources=[str(s) for s in SOURCES],
-                   extra_cflags=["-O3", "-mavx512f", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-mavx512f", "-fopenmp", *cflags],
+                    extra_ldflags=["-fopenmp"]), None
     except (RuntimeError, OSError, ImportError) as e:  # a compiler or linker failure: say so, never hide it
         lines = str(e).strip().splitlines()
         # torch's message starts with the compile command; the compiler's first "error:" line says what broke
         first = next((ln.strip() for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
-        log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", first)
         log.debug("full build output:\n%s", e)
-        return None, f"the build failed: {first}"
-    return mod, None
+        return None, first
+
+
+@functools.cache
+def _build() -> tuple[Any, str | None, str | None]:
+    """(the compiled module, None, why AMX is off or None) or (None, why not, why not). Built once per process;
+    torch caches the binary. When only the AMX code fails to build (an old assembler), the rest is rebuilt
+    without it, so the AVX-512 kernels still run."""
+    reason = _unsupported_reason()
+    if reason is not None:
+        return None, reason, reason
+    mod, error = _load("specmix_small_gemm", [])
+    if mod is not None:
+        return mod, None, mod.amx_status() or None
+    mod, error2 = _load("specmix_small_gemm_noamx", ["-DSPECMIX_NO_AMX"])
+    if mod is None:
+        log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error2)
+        return None, f"the build failed: {error2}", f"the build failed: {error2}"
+    log.warning("the AMX kernel did not build (the AVX-512 kernels run without it): %s", error)
+    return mod, None, f"the AMX code did not build: {error}"
 
 
 def small_gemm_status() -> str | None:
@@ -94,13 +107,12 @@ def small_gemm_status() -> str | None:
 
 def amx_status() -> str | None:
     """None when the AMX tile kernel (bf16-valued weights, engine/csrc/amx_gemm.cpp) runs here, else why not."""
-    mod, reason = _build()
-    return reason if mod is None else (mod.amx_status() or None)
+    return _build()[2]
 
 
 def cpu_kernels() -> Any:
     """The compiled extension (``small_gemm``, ``DecodeModel``); ``KernelUnavailableError`` saying why not."""
-    mod, reason = _build()
+    mod, reason, _ = _build()
     if mod is None:
         raise KernelUnavailableError(f"the fp32 small-GEMM CPU kernel is unavailable: {reason}")
     return mod

@@ -111,9 +111,10 @@ class Engine:
         8 tokens ~1.5x a step instead of ~2.5x; and each fp32 model's cached forward runs as one C++ call,
         engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps PyTorch's.
         ``draft_step_weights``: with the fp32 step kernel, how it stores the draft's GEMM weights: "float16"
-        (the default: half the bytes per draft step, ~30% faster; the target verifies every proposal, so only
-        the acceptance can move), "bfloat16" or "float32" (the draft model's own weights). The target's are
-        stored at 16 bits only where that is lossless (``cpu_decode.exact_weight_dtype``: a bf16 checkpoint).
+        (half the bytes per draft step, ~30% faster; the target verifies every proposal, so only the acceptance
+        can move), "bfloat16" or "float32" (the draft model's own weights); None: bfloat16 where that is
+        lossless (a bf16 checkpoint), else float16. The target's are stored at 16 bits only where that is
+        lossless (``cpu_decode.exact_weight_dtype``).
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
         speculation reproduces the bf16 target exactly; it costs ~4% of speculative and ~17% of plain
@@ -121,7 +122,7 @@ class Engine:
         """
         if draft_step_weights not in (None, "float16", "bfloat16", "float32"):
             raise InvalidConfigError(f"draft_step_weights={draft_step_weights!r} is invalid: allowed 'float16', "
-                                     "'bfloat16', 'float32' or None (float16)")
+                                     "'bfloat16', 'float32' or None (bfloat16 where lossless, else float16)")
         if drafter is not None and drafter not in DRAFTERS:
             raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -161,7 +162,8 @@ class Engine:
         # with the fp32 kernel: each model's few-row forward as one C++ call (engine/cpu_decode.py)
         # (the draft stays fp32 on the CPU even beside a bf16 target, so it gets the step there too)
         # (the target's GEMM weights at 16 bits where that is lossless: None picks them)
-        step_w = {"target": None, "draft": resolve_dtype(draft_step_weights or "float16")}
+        # (the draft's: bf16 where lossless, so AMX tiles take it; fp16 otherwise, unless asked)
+        step_w = {"target": None, "draft": resolve_dtype(draft_step_weights) if draft_step_weights else "auto"}
         stepped = [name for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
                    if dev.type == "cpu" and cpu_pack is not False and m is not None
                    and install_decode_step(m, step_w[name]) is None]

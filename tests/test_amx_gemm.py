@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"AMX tiles unavailab
 def test_matches_float64_and_the_avx512_kernel_with_independent_rows(K, N):
     g = torch.Generator().manual_seed(K * N)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
-    x = torch.randn(40, K, generator=g) * 3  # 40 rows: chunks of 16, 16 and 8
+    x = torch.randn(40, K, generator=g) * 3  # 40 rows: tiles of 5 rows, passes of up to 3 tiles (15 rows)
     k = cpu_kernels()
     packed = k.amx_pack(w)
     got = k.amx_gemm(x, packed, N)
@@ -36,12 +36,21 @@ def test_matches_float64_and_the_avx512_kernel_with_independent_rows(K, N):
 
 
 def test_inputs_are_split_exactly():
-    """Inputs that need all 24 bits (and bf16-exact ones) give the exactly rounded product on a one-term dot."""
+    """Inputs that need all 24 bits, the largest floats, infinities and NaNs of any payload come out of a
+    one-term dot product (w = 1) exactly as they went in; below ~1e-31 the last bits drop (the tiles flush
+    subnormal parts), below 2^-126 the input counts as zero."""
     k = cpu_kernels()
-    x = torch.tensor([[1 + 2 ** -23, -(1 + 2 ** -9 + 2 ** -17 + 2 ** -23), 3.0, 1e-3]], dtype=torch.float32).T.contiguous()
-    w = torch.tensor([[1.0], [0.5]]).bfloat16()  # [N=2, K=1]
-    got = k.amx_gemm(x, k.amx_pack(w), 2)
-    assert torch.equal(got, (x.double() @ w.double().T).float())
+    bits = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000], dtype=torch.int64).to(torch.int32)
+    special = torch.cat([torch.tensor([1 + 2 ** -23, -(1 + 2 ** -9 + 2 ** -17 + 2 ** -23), 3.0, 1e-3, 3.4028235e38,
+                                       -3.3961776e38, float("inf"), float("-inf"), 1e-30, -0.0]),
+                         bits.view(torch.float32)])
+    x = torch.cat([special, torch.randn(2000) * torch.logspace(-20, 30, 2000)])[:, None].contiguous()
+    one = k.amx_pack(torch.ones(1, 1, dtype=torch.bfloat16))
+    got = k.amx_gemm(x, one, 1)
+    assert torch.equal(got[:10], x[:10]) and got[10:14].isnan().all()
+    assert torch.equal(got[14:], x[14:])
+    tiny = torch.tensor([[2.0 ** -110 * (1 + 2 ** -20)], [2.0 ** -127]])
+    assert torch.equal(k.amx_gemm(tiny, one, 1), torch.tensor([[2.0 ** -110], [0.0]]))
 
 
 def test_bad_input_is_refused():
@@ -52,6 +61,8 @@ def test_bad_input_is_refused():
         k.amx_gemm(torch.randn(2, 8), k.amx_pack(torch.randn(4, 8).bfloat16()), 20)
     with pytest.raises(RuntimeError, match=r"amx_gemm: a packed weight of \[4, 40\]"):
         k.amx_gemm(torch.randn(2, 40), k.amx_pack(torch.randn(4, 8).bfloat16()), 4)
+    with pytest.raises(RuntimeError, match=r"amx_gemm: a packed weight of \[16, 32\]"):  # not packed
+        k.amx_gemm(torch.randn(2, 32), torch.randn(16, 32).bfloat16(), 16)
 
 
 def test_decode_step_on_tiles(tmp_path):
@@ -121,5 +132,7 @@ def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16
     for drafter, k in [("model", 2), ("model", 5), ("early-exit", 3)]:
         eng = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=k,
                                      adaptive_k=False)
+        if drafter == "model":  # a bf16-valued draft: its step on tiles too (lossless: the default)
+            assert eng.info["draft_step_weights"] == "bfloat16" and eng.info["draft_step_amx"] is True
         assert [eng.generate([p], sp)[0].token_ids for p in prompts] == want, (drafter, k)
         assert [o.token_ids for o in eng.generate(prompts, sp)] == want, (drafter, k)

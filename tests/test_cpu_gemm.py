@@ -120,10 +120,31 @@ def test_engine_uses_the_kernel_for_fp32_on_the_cpu(ckpt_dir, draft_dir):
     assert eng.stats()["drafted"] > 0
 
 
+def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
+    """Only the AMX code failing to compile (an old assembler) rebuilds without it, and says so."""
+    import engine.cpu_gemm as cg
+
+    built = []
+
+    def fake_load(name, cflags):
+        built.append((name, cflags))
+        return (None, "error: no such instruction: tdpbf16ps") if not cflags else (object(), None)
+
+    monkeypatch.setattr(cg, "_unsupported_reason", lambda: None)
+    monkeypatch.setattr(cg, "_load", fake_load)
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_gemm"):
+        mod, reason, amx = cg._build.__wrapped__()
+    assert mod is not None and reason is None and amx == "the AMX code did not build: error: no such " \
+                                                          "instruction: tdpbf16ps"
+    assert built == [("specmix_small_gemm", []), ("specmix_small_gemm_noamx", ["-DSPECMIX_NO_AMX"])]
+    assert "the AMX kernel did not build" in caplog.text
+
+
 def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatch, caplog):
     import engine.cpu_gemm as cg
 
-    monkeypatch.setattr(cg, "_build", lambda: (None, "needs a C++ compiler ('c++' not found)"))
+    why = "needs a C++ compiler ('c++' not found)"
+    monkeypatch.setattr(cg, "_build", lambda: (None, why, why))
     with caplog.at_level(logging.INFO, logger="engine.cpu_linear"):
         eng = Engine.from_pretrained(ckpt_dir, drafter=None)
     assert eng.info["cpu_linear_kernel"] is None and eng.info["cpu_packed_linears"] == 0

@@ -7,7 +7,9 @@
 // row, 1.77 for 5, 1.98 for 6, 2.28 for 9 (memory-bound: each weight tile is loaded once per pass).
 //
 // Exact inputs, fp32 arithmetic: the weights are bf16 values (a bf16 checkpoint; the caller checks), and
-// each fp32 input is split into three bf16 parts hi + mid + lo == x exactly (8 + 8 + 8 significant bits).
+// each fp32 input is split into three bf16 parts hi + mid + lo == x exactly (8 + 8 + 8 significant bits,
+// by truncation; the tiles treat subnormal parts as zero, so below ~1e-31 the last bits of an input are
+// dropped and below 2^-126 (~1.2e-38) the input counts as zero, as with flush-to-zero arithmetic).
 // TDPBF16PS multiplies bf16 pairs exactly and accumulates in fp32. Each part of a row takes a tile row (5
 // input rows per tile, up to 3 tiles share each weight tile load), and y = (hi . w + mid . w) + lo . w:
 // an fp32 dot product of the exact inputs (its error ~2x the AVX-512 kernel's, tested against float64).
@@ -20,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -27,8 +30,8 @@
 
 #include "amx_gemm.h"
 
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#if !defined(SPECMIX_NO_AMX) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define SPECMIX_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
@@ -43,10 +46,10 @@ constexpr int64_t NT = 16;  // output columns per tile
 constexpr int64_t TILE = KT * NT;  // bf16 elements per packed tile
 constexpr int64_t CHUNK = 5;  // input rows per tile: their 3 parts each take a tile row (15 of 16)
 
-inline uint16_t bf16_rne(float f) {
+// the top 16 bits of f: bf16 by truncation (never overflows; the rest is exactly f minus it)
+inline uint16_t bf16_top(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
 
@@ -185,7 +188,8 @@ const std::string& amx_status() {
 void amx_gemm_into(const float* x, const torch::Tensor& packed, float* y, int64_t M, int64_t K, int64_t N) {
   TORCH_CHECK(amx_status().empty(), "amx_gemm: ", amx_status());
   const int64_t Kp = (K + KT - 1) / KT * KT, NB = (N + NT - 1) / NT, chunks = (M + CHUNK - 1) / CHUNK;
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.numel() == NB * Kp * NT,
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 3 &&
+              packed.size(0) == NB && packed.size(1) == Kp / KT && packed.size(2) == TILE,
               "amx_gemm: a packed weight of [", N, ", ", K, "] (amx_pack)");
   // the inputs' exact three-part split, [chunks][16][Kp] bf16: row m at tile rows 3 (m % CHUNK) + part
   std::vector<uint16_t> parts(static_cast<size_t>(chunks * 16 * Kp), 0);
@@ -193,12 +197,17 @@ void amx_gemm_into(const float* x, const torch::Tensor& packed, float* y, int64_
     uint16_t* p = parts.data() + (m / CHUNK) * 16 * Kp + 3 * (m % CHUNK) * Kp;
     for (int64_t k = 0; k < K; ++k) {
       const float v = x[m * K + k];
-      const uint16_t hi = bf16_rne(v);
-      const float r1 = v - widen(hi);  // exact: |r1| <= half an ulp of hi, 16 significant bits at most
-      const uint16_t mid = bf16_rne(r1);
+      uint16_t hi = bf16_top(v), mid = 0, lo = 0;
+      if (std::isfinite(v)) {  // v = hi + mid + lo exactly: the top 8 significant bits, the next 8, the last 8
+        const float r1 = v - widen(hi);  // exact, same sign as v, 16 significant bits at most
+        mid = bf16_top(r1);
+        lo = bf16_top(r1 - widen(mid));  // exact: 8 significant bits at most
+      } else if (std::isnan(v)) {
+        hi |= 0x40;  // a quiet NaN whatever its payload (truncation could leave an infinity's bits)
+      }  // +-inf: hi alone
       p[k] = hi;
       p[Kp + k] = mid;
-      p[2 * Kp + k] = bf16_rne(r1 - widen(mid));  // exact: the last 8 bits
+      p[2 * Kp + k] = lo;
     }
   }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -208,7 +217,7 @@ void amx_gemm_into(const float* x, const torch::Tensor& packed, float* y, int64_
 #else  // a compiler or CPU without AMX intrinsics: the status says so and nothing else runs
 
 const std::string& amx_status() {
-  static const std::string reason = "built without AMX support (needs x86-64 and GCC >= 11 or Clang >= 12)";
+  static const std::string reason = "built without AMX support (SPECMIX_NO_AMX, or not x86-64 with GCC >= 11 or Clang >= 12)";
   return reason;
 }
 
@@ -223,7 +232,7 @@ torch::Tensor amx_pack(const torch::Tensor& w) {
               "amx_pack: a bfloat16 CPU matrix [N, K]");
   const torch::Tensor wc = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NB = (N + NT - 1) / NT, KB = (K + KT - 1) / KT;
-  torch::Tensor out = torch::zeros({NB * KB * TILE}, w.options());
+  torch::Tensor out = torch::zeros({NB, KB, TILE}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   for (int64_t nb = 0; nb < NB; ++nb)
