@@ -104,17 +104,13 @@ class Engine:
         quantizes both models by module swap; None keeps them unquantized. ``calib`` (text or
         token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
         ``dtype``: the models' dtype (default float32 on the CPU, float16 on CUDA). ``draft_dtype``: the draft
-        model's (default: float32 on the CPU, whose draft step is dispatch-bound and only slowed by bf16
-        conversions; ``dtype`` on CUDA). ``cpu_pack``: run the target's CPU linears on the fast kernel for
-        its dtype (engine/cpu_linear.py): bf16 on oneDNN-packed weights (a verify pass of up to 16 tokens costs
-        ~1.1x a one-token step), fp32 on the small-GEMM kernel (engine/cpu_gemm.py, compiled on first use:
-        8 tokens ~1.5x a step instead of ~2.5x; and each fp32 model's cached forward runs as one C++ call,
-        engine/cpu_decode.py); None uses it where it runs, True requires it, False keeps PyTorch's.
-        ``draft_step_weights``: with the fp32 step kernel, how it stores the draft's GEMM weights: "float16"
-        (half the bytes per draft step, ~30% faster; the target verifies every proposal, so only the acceptance
-        can move), "bfloat16" or "float32" (the draft model's own weights); None: bfloat16 where that is
-        lossless (a bf16 checkpoint), else float16. The target's are stored at 16 bits only where that is
-        lossless (``cpu_decode.exact_weight_dtype``).
+        model's (default: float32 on the CPU, where its C++ step runs; ``dtype`` on CUDA). ``cpu_pack``: the
+        CPU's fast kernels (engine/cpu_linear.py): bf16 linears on oneDNN-packed weights, fp32 ones on the
+        small-GEMM kernel, and each fp32 model's cached forward as one C++ call (engine/cpu_decode.py; AMX
+        tiles for bf16-valued weights); None uses them where they run, True requires them, False keeps PyTorch's.
+        ``draft_step_weights``: how that step stores the draft's GEMM weights: "float16", "bfloat16" (half
+        the bytes; the target verifies every proposal, so only the acceptance can move) or "float32"; None:
+        bfloat16 where lossless, else float16. The target's are 16-bit only where lossless (a bf16 checkpoint).
         ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
         "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
         speculation reproduces the bf16 target exactly; it costs ~4% of speculative and ~17% of plain
@@ -159,10 +155,8 @@ class Engine:
         packed, cpu_kernel = fast_cpu_linears(target, dev, cpu_pack)
         if plan is None:
             target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
-        # with the fp32 kernel: each model's few-row forward as one C++ call (engine/cpu_decode.py)
-        # (the draft stays fp32 on the CPU even beside a bf16 target, so it gets the step there too)
-        # (the target's GEMM weights at 16 bits where that is lossless: None picks them)
-        # (the draft's: bf16 where lossless, so AMX tiles take it; fp16 otherwise, unless asked)
+        # each fp32 model's few-row forward as one C++ call (engine/cpu_decode.py; the draft stays fp32 on the
+        # CPU beside a bf16 target too); GEMM weights 16-bit where lossless ("auto": else fp16, for the draft)
         step_w = {"target": None, "draft": resolve_dtype(draft_step_weights) if draft_step_weights else "auto"}
         stepped = [name for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
                    if dev.type == "cpu" and cpu_pack is not False and m is not None
