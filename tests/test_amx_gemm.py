@@ -136,3 +136,28 @@ def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16
             assert eng.info["draft_step_weights"] == "bfloat16" and eng.info["draft_step_amx"] is True
         assert [eng.generate([p], sp)[0].token_ids for p in prompts] == want, (drafter, k)
         assert [o.token_ids for o in eng.generate(prompts, sp)] == want, (drafter, k)
+
+
+def test_two_engines_on_tiles_in_two_threads_give_their_sequential_outputs(bf16_pair):
+    """Each OS thread configures its own tiles: two engines generating at once (their C++ calls release
+    the GIL) give exactly what each gives alone."""
+    import threading
+
+    from engine import Engine, SamplingParams
+
+    target, draft = bf16_pair
+    sp = SamplingParams(max_new_tokens=16)
+    prompts = [[5, 17, 33], [200, 3, 3, 9], [88, 1], [7, 7, 7, 7, 2]]
+    engines = [Engine.from_pretrained(target, drafter=None), Engine.from_pretrained(target, draft, k=3)]
+    want = [[o.token_ids for o in e.generate(prompts, sp)] for e in engines]
+    got: list = [None, None]
+
+    def run(i):
+        got[i] = [[o.token_ids for o in engines[i].generate([p], sp)][0] for p in prompts * 3]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0] == want[0] * 3 and got[1] == want[1] * 3 and want[0] == want[1]
