@@ -72,6 +72,43 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// v = hi + mid + lo exactly: its top 8 significant bits (bf16 by truncation: never overflows), the next 8,
+// the last 8 (each difference is exact: same sign as v, at most 16 then 8 significant bits). A non-finite
+// v goes through hi alone (a NaN made quiet whatever its payload: truncation could leave an infinity).
+inline void split1(float v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
+  uint16_t h = bf16_top(v), md = 0, l = 0;
+  if (std::isfinite(v)) {
+    const float r1 = v - widen(h);
+    md = bf16_top(r1);
+    l = bf16_top(r1 - widen(md));
+  } else if (std::isnan(v)) {
+    h |= 0x40;
+  }
+  *hi = h;
+  *mid = md;
+  *lo = l;
+}
+
+// split1 on 16 floats at once (the same IEEE operations, so the same bits)
+inline void split16(const float* v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 x = _mm512_loadu_ps(v);
+  const __m512i u = _mm512_castps_si512(x);
+  __m512i h = _mm512_and_si512(u, top);
+  const __m512 r1 = _mm512_sub_ps(x, _mm512_castsi512_ps(h));
+  __m512i md = _mm512_and_si512(_mm512_castps_si512(r1), top);
+  __m512i l = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(md))), top);
+  const __m512i exp_bits = _mm512_set1_epi32(0x7F800000);
+  const __mmask16 nonfinite = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, exp_bits), exp_bits);
+  const __mmask16 nan = _mm512_mask_test_epi32_mask(nonfinite, u, _mm512_set1_epi32(0x007FFFFF));
+  h = _mm512_mask_or_epi32(h, nan, h, _mm512_set1_epi32(0x00400000));
+  md = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nonfinite), md);
+  l = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nonfinite), l);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mid), _mm512_cvtepi32_epi16(_mm512_srli_epi32(md, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
+}
+
 std::string probe() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "the CPU does not report its features (cpuid leaf 7)";
@@ -195,20 +232,9 @@ void amx_gemm_into(const float* x, const torch::Tensor& packed, float* y, int64_
   std::vector<uint16_t> parts(static_cast<size_t>(chunks * 16 * Kp), 0);
   for (int64_t m = 0; m < M; ++m) {
     uint16_t* p = parts.data() + (m / CHUNK) * 16 * Kp + 3 * (m % CHUNK) * Kp;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = x[m * K + k];
-      uint16_t hi = bf16_top(v), mid = 0, lo = 0;
-      if (std::isfinite(v)) {  // v = hi + mid + lo exactly: the top 8 significant bits, the next 8, the last 8
-        const float r1 = v - widen(hi);  // exact, same sign as v, 16 significant bits at most
-        mid = bf16_top(r1);
-        lo = bf16_top(r1 - widen(mid));  // exact: 8 significant bits at most
-      } else if (std::isnan(v)) {
-        hi |= 0x40;  // a quiet NaN whatever its payload (truncation could leave an infinity's bits)
-      }  // +-inf: hi alone
-      p[k] = hi;
-      p[Kp + k] = mid;
-      p[2 * Kp + k] = lo;
-    }
+    const int64_t full = K / 16 * 16;
+    for (int64_t k = 0; k < full; k += 16) split16(x + m * K + k, p + k, p + Kp + k, p + 2 * Kp + k);
+    for (int64_t k = full; k < K; ++k) split1(x[m * K + k], p + k, p + Kp + k, p + 2 * Kp + k);
   }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) { tiles(parts.data(), w, y, M, Kp, N, b0, b1); });
