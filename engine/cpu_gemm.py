@@ -16,7 +16,7 @@ they differ in the last bits. Above MAX_ROWS rows (a prefill) ``F.linear`` runs.
 fp16 and bf16 weights are widened to fp32 in registers (exact; half the bytes to stream): the draft's
 decode step (engine/cpu_decode.py, built into the same extension) stores its weights so, and a target
 whose weights are bf16 values (a bf16 checkpoint) runs on Intel AMX tiles where the CPU has them
-(engine/csrc/amx_gemm.cpp: the demo target's verify of 5 rows costs ~1.24x its one-row step).
+(engine/csrc/amx_gemm.cpp: a 30M target's verify of 5 rows costs ~1.2x its one-row step).
 
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
 and ninja; ~20 s once, then cached by torch under ~/.cache/torch_extensions).
