@@ -1,4 +1,4 @@
-"""Checks on the full demo pair (built once into the specmix cache when missing, ~10 min)."""
+"""Checks on the full demo pair (built once into the specmix cache when missing, ~33 min on 2 cores)."""
 from __future__ import annotations
 
 import dataclasses
