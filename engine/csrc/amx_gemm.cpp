@@ -229,8 +229,10 @@ void amx_gemm_into(const float* x, const torch::Tensor& packed, float* y, int64_
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 3 &&
               packed.size(0) == NB && packed.size(1) == Kp / KT && packed.size(2) == TILE,
               "amx_gemm: a packed weight of [", N, ", ", K, "] (amx_pack)");
-  // the inputs' exact three-part split, [chunks][16][Kp] bf16: row m at tile rows 3 (m % CHUNK) + part
-  std::vector<uint16_t> parts(static_cast<size_t>(chunks * 16 * Kp), 0);
+  // the inputs' exact three-part split, [chunks][16][Kp] bf16: row m at tile rows 3 (m % CHUNK) + part; the
+  // last chunk only as far as its tiles read (3 rows of each of its inputs: a one-row step zeroes 3 rows, not 16)
+  const int64_t last_rows = M > 0 ? 3 * (M - (chunks - 1) * CHUNK) : 0;
+  std::vector<uint16_t> parts(static_cast<size_t>(std::max<int64_t>(0, chunks - 1) * 16 * Kp + last_rows * Kp), 0);
   for (int64_t m = 0; m < M; ++m) {
     uint16_t* p = parts.data() + (m / CHUNK) * 16 * Kp + 3 * (m % CHUNK) * Kp;
     const int64_t full = K / 16 * 16;

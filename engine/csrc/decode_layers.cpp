@@ -122,9 +122,11 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
         acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, w));
       }
       const float inv = 1.f / _mm512_reduce_add_ps(acc);
-      if (d.D == 64 || d.D == 128) {  // out = sum_j w_j v_j with the head in registers: V read once
-        if (d.D == 64) weighted_sum<4>(s.data(), vc + base, lo, hi, inv, out);
-        else weighted_sum<8>(s.data(), vc + base, lo, hi, inv, out);
+      // out = sum_j w_j v_j: with the head in registers for the usual head sizes (V read once)
+      if (d.D == 64) {
+        weighted_sum<4>(s.data(), vc + base, lo, hi, inv, out);
+      } else if (d.D == 128) {
+        weighted_sum<8>(s.data(), vc + base, lo, hi, inv, out);
       } else {
         for (int64_t j = lo; j < hi; ++j) {
           const float* v = vc + base + j * d.D;

@@ -101,11 +101,6 @@ void gemm(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N)
 
 }  // namespace
 
-void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
-  gemm(x, w, y, M, K, N);
-}
-
-
 void small_gemm_into(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t K, int64_t N) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K && w.is_contiguous() && w.device().is_cpu(),
               "small_gemm: weight [", N, ", ", K, "] contiguous on the CPU, got ", w.sizes());

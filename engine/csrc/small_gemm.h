@@ -6,7 +6,6 @@
 
 // y[M, N] = x[M, K] @ w[N, K]^T, row-major and contiguous; each output accumulated the same way for any M.
 // fp16 and bf16 weights are widened to fp32 in registers (exact): half the bytes to stream, fp32 arithmetic.
-void small_gemm_into(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N);
 // w a float32, float16 or bfloat16 [N, K] tensor (checked)
 void small_gemm_into(const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t K, int64_t N);
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w);
