@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import Engine, EngineError, SamplingParams  # noqa: E402
-from engine.errors import InvalidRequestError, OverloadedError  # noqa: E402
+from engine.core.errors import InvalidRequestError, OverloadedError  # noqa: E402
 
 log = logging.getLogger("specmix.server")
 
@@ -155,7 +155,7 @@ def load_engine(args: argparse.Namespace) -> Engine:
     profile = args.profile or (ROOT / "profiles" / "a100-demo.json")
     if args.profile or Path(profile).is_file():
         return Engine.from_profile(profile, device=args.device, **opts)
-    from engine.demo import demo_pair
+    from engine.demo.pair import demo_pair
 
     target, draft = demo_pair("tiny", progress=False)
     return Engine.from_pretrained(target, draft, device=args.device or "cpu", **opts)

@@ -18,8 +18,8 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-from engine.errors import InvalidConfigError
-from engine.model import Transformer
+from engine.core.errors import InvalidConfigError
+from engine.core.model import Transformer
 
 from .kernels import require_kernel
 from .linear import FP8Embedding, FP8Linear, Int8Linear

@@ -1,4 +1,4 @@
-"""The GPU catalog (profiles/gpus.json): look-up by name, case-insensitive, with aliases.
+"""The GPU catalog (quant/gpus.json, shipped in the package): look-up by name, case-insensitive, with aliases.
 
 An entry, as returned by :func:`lookup_gpu` (a fresh dict; ``name`` added)::
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidConfigError, ProfileError
+from engine.core.errors import InvalidConfigError, ProfileError
 
 CATALOG_SCHEMA_VERSION = 1
-DEFAULT_CATALOG = Path(__file__).resolve().parent.parent / "profiles" / "gpus.json"
 REQUIRED_FIELDS = ("compute_capability", "memory_bytes", "memory_bandwidth_gbps", "tensor_cores",
                    "flash_attn_2", "source")
 TENSOR_CORE_KINDS = ("fp16", "bf16", "int8", "fp8")
@@ -52,8 +52,8 @@ def compute_capability(entry: dict[str, Any], where: str = "gpu") -> tuple[int, 
 
 
 def load_catalog(path: str | Path | None = None) -> dict[str, Any]:
-    """Read and validate the catalog (default: profiles/gpus.json of this checkout)."""
-    p = Path(path) if path is not None else DEFAULT_CATALOG
+    """Read and validate the catalog (default: the one shipped in this package, quant/gpus.json)."""
+    p = Path(path) if path is not None else resources.files("quant") / "gpus.json"
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:

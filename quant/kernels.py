@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.errors import InvalidConfigError, KernelUnavailableError
+from engine.core.errors import InvalidConfigError, KernelUnavailableError
 
 from .fp8 import dequantize_fp8, quantize_fp8_rowwise
 from .int8 import int_mm, quantize_int8_rowwise

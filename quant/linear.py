@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.errors import InvalidConfigError
+from engine.core.errors import InvalidConfigError
 
 from .fp8 import FP8_DTYPE, quantize_fp8_rowwise
 from .int8 import quantize_int8_rowwise

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 
 if TYPE_CHECKING:
     from .plan import FamilyPlan, ModelPlan

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
-from engine.errors import InvalidConfigError, KernelUnavailableError, ProfileError
+from engine.core.config import ModelConfig
+from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
 
 from . import memory as mem
 from .catalog import compute_capability, validate_gpu
@@ -138,7 +138,9 @@ class PrecisionPlan:
 
     @classmethod
     def from_dict(cls, d: Any) -> "PrecisionPlan":
-        from .plan_io import plan_from_dict  # validation lives beside, to keep this file short
+        from .plan_io import (
+            plan_from_dict,  # validation lives beside, to keep this file short
+        )
         return plan_from_dict(d)
 
     @classmethod

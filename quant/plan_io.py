@@ -4,11 +4,20 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from engine.errors import InvalidConfigError, ProfileError
+from engine.core.errors import InvalidConfigError, ProfileError
 
 from .kernels import FP8_KERNELS, INT8_KERNELS
-from .plan import (DENSE_STORAGE, FAMILIES, PLAN_SCHEMA_VERSION, STORAGE, FamilyPlan, MemoryPlan, ModelPlan,
-                   PrecisionPlan, validate_precision)
+from .plan import (
+    DENSE_STORAGE,
+    FAMILIES,
+    PLAN_SCHEMA_VERSION,
+    STORAGE,
+    FamilyPlan,
+    MemoryPlan,
+    ModelPlan,
+    PrecisionPlan,
+    validate_precision,
+)
 
 _KERNELS_BY_STORAGE = {**{s: ("dense",) for s in DENSE_STORAGE}, "fp8_e4m3": FP8_KERNELS, "int8": INT8_KERNELS}
 

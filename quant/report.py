@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, load_config
+from engine.core.config import ModelConfig, load_config
 
 from .catalog import known_gpus, lookup_gpu
 from .kernels import KERNELS

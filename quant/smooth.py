@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.errors import InvalidConfigError
+from engine.core.errors import InvalidConfigError
 
 DEFAULT_ALPHA = 0.5
 _MIN_SCALE = 1e-5

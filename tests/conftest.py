@@ -46,6 +46,6 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_demo():
     """The tiny demo pair (built once into the specmix cache: $SPECMIX_CACHE or ~/.cache/specmix)."""
-    from engine.demo import demo_pair
+    from engine.demo.pair import demo_pair
 
     return demo_pair("tiny", progress=False)

@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.adaptive import Costs, KController, KPolicy, best_k, expected_speedup, expected_tokens
-from engine.errors import InvalidConfigError
+from engine.core.errors import InvalidConfigError
+from engine.spec.adaptive import (
+    Costs,
+    KController,
+    KPolicy,
+    best_k,
+    expected_speedup,
+    expected_tokens,
+)
 
 COSTS = Costs(c=0.05, v={1: 1.0, 2: 1.02, 4: 1.05, 8: 1.2})
 
@@ -73,7 +80,7 @@ def test_policy_validation():
 def test_token_acceptance_counts_tested_positions_only():
     """accepted / trials is the MLE of the per-token acceptance of a geometric run: a round of K drafts
     that accepts n tests min(n + 1, K) positions. accepted / drafted would be biased low."""
-    from engine.loop import SeqStats
+    from engine.spec.loop import SeqStats
 
     st = SeqStats()
     for k, n in [(4, 2), (4, 4), (2, 0), (3, 1)]:
@@ -95,8 +102,8 @@ def test_token_acceptance_counts_tested_positions_only():
 
 
 def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
-    from engine.checkpoint import load_model
-    from engine.costs import measure_costs
+    from engine.core.checkpoint import load_model
+    from engine.spec.costs import measure_costs
 
     target, draft = (load_model(d, torch.float32, "cpu") for d in (ckpt_dir, draft_dir))
     costs = measure_costs(target, draft, k_max=6, reps=2)

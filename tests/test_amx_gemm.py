@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.checkpoint import load_model
-from engine.cpu_decode import DecodeStep, exact_weight_dtype, install_decode_step
-from engine.cpu_gemm import amx_status, cpu_kernels
-from engine.errors import KernelUnavailableError
-from engine.model import KVCache, fuse_projections
 from util import make_checkpoint
+
+from engine.core.checkpoint import load_model
+from engine.core.errors import KernelUnavailableError
+from engine.core.model import KVCache, fuse_projections
+from engine.kernels.cpu_decode import (
+    DecodeStep,
+    exact_weight_dtype,
+    install_decode_step,
+)
+from engine.kernels.cpu_gemm import amx_status, cpu_kernels
 
 STATUS = amx_status()
 pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"AMX tiles unavailable: {STATUS}")
@@ -94,7 +98,7 @@ def test_decode_step_on_tiles(tmp_path):
 
 
 def test_unavailable_tiles_are_said(tmp_path, monkeypatch):
-    import engine.cpu_decode as cd
+    import engine.kernels.cpu_decode as cd
     m = load_model(make_checkpoint(tmp_path / "m", "llama", num_hidden_layers=1), torch.float32)
     fuse_projections(m)
     monkeypatch.setattr(cd, "amx_status", lambda: "the CPU has no AMX-BF16 tiles")

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from util import make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.checkpoint import load_model
-from engine.cpu_decode import DecodeStep, decode_step_reason, exact_weight_dtype, install_decode_step
-from engine.cpu_gemm import amx_status, small_gemm_status
-from engine.cpu_linear import small_gemm_linears
-from engine.errors import InvalidConfigError, KernelUnavailableError
-from engine.model import KVCache, fuse_projections, sdpa_attention
-from util import make_checkpoint
+from engine.core.checkpoint import load_model
+from engine.core.errors import InvalidConfigError, KernelUnavailableError
+from engine.core.model import KVCache, fuse_projections, sdpa_attention
+from engine.kernels.cpu_decode import (
+    DecodeStep,
+    decode_step_reason,
+    exact_weight_dtype,
+    install_decode_step,
+)
+from engine.kernels.cpu_gemm import small_gemm_status
+from engine.kernels.cpu_linear import small_gemm_linears
 
 STATUS = small_gemm_status()
 pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"fp32 CPU kernels unavailable: {STATUS}")

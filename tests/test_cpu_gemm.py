@@ -8,13 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from util import fused_gemm_count
 
 from engine import Engine, SamplingParams
-from engine.checkpoint import load_model
-from engine.cpu_gemm import MAX_ROWS, SmallGemmFused, SmallGemmLinear, small_gemm_kernel, small_gemm_status
-from engine.cpu_linear import fast_cpu_linears, small_gemm_linears
-from engine.errors import InvalidConfigError, KernelUnavailableError
-from util import fused_gemm_count
+from engine.core.checkpoint import load_model
+from engine.core.errors import InvalidConfigError, KernelUnavailableError
+from engine.kernels.cpu_gemm import (
+    MAX_ROWS,
+    SmallGemmFused,
+    SmallGemmLinear,
+    small_gemm_kernel,
+    small_gemm_status,
+)
+from engine.kernels.cpu_linear import fast_cpu_linears, small_gemm_linears
 
 STATUS = small_gemm_status()
 needs_kernel = pytest.mark.skipif(STATUS is not None, reason=f"small-GEMM kernel unavailable: {STATUS}")
@@ -122,7 +128,7 @@ def test_engine_uses_the_kernel_for_fp32_on_the_cpu(ckpt_dir, draft_dir):
 
 def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
     """Only the AMX code failing to compile (an old assembler) rebuilds without it, and says so."""
-    import engine.cpu_gemm as cg
+    import engine.kernels.cpu_gemm as cg
 
     built = []
 
@@ -132,7 +138,7 @@ def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
 
     monkeypatch.setattr(cg, "_unsupported_reason", lambda: None)
     monkeypatch.setattr(cg, "_load", fake_load)
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_gemm"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_gemm"):
         mod, reason, amx = cg._build.__wrapped__()
     assert mod is not None and reason is None and amx == "the AMX code did not build: error: no such " \
                                                           "instruction: tdpbf16ps"
@@ -141,11 +147,11 @@ def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
 
 
 def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatch, caplog):
-    import engine.cpu_gemm as cg
+    import engine.kernels.cpu_gemm as cg
 
     why = "needs a C++ compiler ('c++' not found)"
     monkeypatch.setattr(cg, "_build", lambda: (None, why, why))
-    with caplog.at_level(logging.INFO, logger="engine.cpu_linear"):
+    with caplog.at_level(logging.INFO, logger="engine.kernels.cpu_linear"):
         eng = Engine.from_pretrained(ckpt_dir, drafter=None)
     assert eng.info["cpu_linear_kernel"] is None and eng.info["cpu_packed_linears"] == 0
     assert "not found" in caplog.text

@@ -4,13 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from util import fused_gemm_count
 
 from engine import Engine, SamplingParams
-from engine.checkpoint import load_model
-from engine.cpu_linear import OneDNNLinear, PackedFused, onednn_bf16_available, pack_linears, packed_bytes
-from engine.errors import InvalidConfigError
-from engine.model import FusedLinear, fuse_projections
-from util import fused_gemm_count
+from engine.core.checkpoint import load_model
+from engine.core.errors import InvalidConfigError
+from engine.core.model import FusedLinear, fuse_projections
+from engine.kernels.cpu_linear import (
+    OneDNNLinear,
+    PackedFused,
+    onednn_bf16_available,
+    pack_linears,
+    packed_bytes,
+)
 
 needs_onednn = pytest.mark.skipif(not onednn_bf16_available(), reason="this CPU/PyTorch has no oneDNN bf16 kernels")
 
@@ -74,7 +80,7 @@ def test_engine_packs_bf16_by_default_and_decodes(ckpt_dir, draft_dir):
 
 
 def test_attention_choice_and_refusals(ckpt_dir):
-    from engine.errors import EngineError
+    from engine.core.errors import EngineError
 
     assert Engine.from_pretrained(ckpt_dir, drafter=None).info["attention"] == "sdpa_attention"
     assert Engine.from_pretrained(ckpt_dir, drafter=None, attention="math").info["attention"] == "math_attention"
@@ -89,7 +95,7 @@ def test_attention_choice_and_refusals(ckpt_dir):
 
 
 def test_cpu_pack_refused_without_onednn_bf16(ckpt_dir, monkeypatch):
-    import engine.cpu_linear as cl
+    import engine.kernels.cpu_linear as cl
 
     monkeypatch.setattr(cl, "onednn_bf16_available", lambda: False)
     with pytest.raises(InvalidConfigError, match="cpu_pack=True is invalid here: this CPU/PyTorch has no oneDNN bf16"):
@@ -113,7 +119,7 @@ PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]
 
 @needs_onednn
 def test_bf16_verify_block_equals_one_token_steps_bit_for_bit(ckpt_dir):
-    from engine.model import KVCache, math_attention
+    from engine.core.model import KVCache, math_attention
 
     m = load_model(ckpt_dir, torch.bfloat16)
     fuse_projections(m)
@@ -154,8 +160,9 @@ def test_bf16_greedy_speculation_equals_the_bf16_target_alone(ckpt_dir, draft_di
 @pytest.mark.parametrize("arch,kw", [("llama", {}), ("mistral", {"num_key_value_heads": 1, "sliding_window": 24})])
 def test_math_attention_through_the_cache_equals_sdpa(tmp_path, arch, kw):
     """fp32, any CPU: the math backend's cache path (bucketed keys, rows, ragged positions, a window)."""
-    from engine.model import KVCache, math_attention, sdpa_attention
     from util import make_checkpoint
+
+    from engine.core.model import KVCache, math_attention, sdpa_attention
 
     m = load_model(make_checkpoint(tmp_path / arch, arch, **kw), torch.float32)
     g = torch.Generator().manual_seed(4)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import demo, demo_train
-from engine.checkpoint import load_model
-from engine.errors import InvalidConfigError
-from engine.tokenizer import Tokenizer
+from engine.core.checkpoint import load_model
+from engine.core.errors import InvalidConfigError
+from engine.core.tokenizer import Tokenizer
+from engine.demo import pair, recipe
+from engine.demo import train as demo_train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,7 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_cache: Path) -> tuple[Path, Path]:
     """(target_dir, draft_dir) of the tiny demo pair, built once into a temporary cache."""
-    return demo.demo_pair("tiny", cache_dir=tiny_cache, progress=False)
+    return pair.demo_pair("tiny", cache_dir=tiny_cache, progress=False)
 
 
 def _digest(path: Path) -> str:
@@ -41,8 +42,8 @@ def _digest(path: Path) -> str:
 
 
 def test_splits_are_disjoint_and_cover_the_corpus() -> None:
-    t = demo.demo_texts()
-    text = demo.corpus_text()
+    t = recipe.demo_texts()
+    text = recipe.corpus_text()
     assert t["train"] + t["heldout"] == text
     assert t["train"].endswith("\n")  # cut at a line boundary
     assert 0.09 < len(t["heldout"]) / len(text) < 0.11
@@ -57,21 +58,21 @@ def test_splits_are_disjoint_and_cover_the_corpus() -> None:
 def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SPECMIX_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo.default_cache_dir() == tmp_path / "xdg" / "specmix"
+    assert recipe.default_cache_dir() == tmp_path / "xdg" / "specmix"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert demo.default_cache_dir() == Path.home() / ".cache" / "specmix"
+    assert recipe.default_cache_dir() == Path.home() / ".cache" / "specmix"
     monkeypatch.setenv("SPECMIX_CACHE", str(tmp_path / "env"))
-    assert demo.pair_dir("tiny").parent == tmp_path / "env"
-    assert demo.pair_dir("tiny", tmp_path / "arg").parent == tmp_path / "arg"
-    name = demo.pair_dir("tiny").name
-    assert name.startswith(f"demo-tiny-v{demo.RECIPE_VERSION}-") and name != demo.pair_dir("demo").name
-    monkeypatch.setattr(demo, "RECIPE_VERSION", demo.RECIPE_VERSION + 1)
-    assert demo.pair_dir("tiny").name != name  # a new recipe version is a new directory
+    assert recipe.pair_dir("tiny").parent == tmp_path / "env"
+    assert recipe.pair_dir("tiny", tmp_path / "arg").parent == tmp_path / "arg"
+    name = recipe.pair_dir("tiny").name
+    assert name.startswith(f"demo-tiny-v{recipe.RECIPE_VERSION}-") and name != recipe.pair_dir("demo").name
+    monkeypatch.setattr(recipe, "RECIPE_VERSION", recipe.RECIPE_VERSION + 1)
+    assert recipe.pair_dir("tiny").name != name  # a new recipe version is a new directory
 
 
 def test_unknown_size_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidConfigError, match="size='huge'.*demo, tiny"):
-        demo.demo_pair("huge", cache_dir=tmp_path)
+        pair.demo_pair("huge", cache_dir=tmp_path)
     assert not any(tmp_path.iterdir())
 
 
@@ -82,10 +83,10 @@ def test_pair_layout_and_report(tiny_pair: tuple[Path, Path]) -> None:
     target, draft = tiny_pair
     root = target.parent
     assert draft.parent == root and root.name.startswith("demo-tiny-")
-    t = demo.demo_texts()
+    t = recipe.demo_texts()
     assert (root / "heldout.txt").read_text(encoding="utf-8") == t["heldout"]
     assert (root / "calib.txt").read_text(encoding="utf-8") == t["calib"]
-    rep = demo.demo_report("tiny", root.parent)
+    rep = pair.demo_report("tiny", root.parent)
     assert rep == json.loads((root / "report.json").read_text(encoding="utf-8"))
     assert rep["agreement"] >= 0.5
     assert rep["eval_positions"] > 1000
@@ -122,7 +123,7 @@ def test_tokenizer_round_trips(tiny_pair: tuple[Path, Path]) -> None:
     ours = Tokenizer(target)
     hf = AutoTokenizer.from_pretrained(str(target))
     fast = PreTrainedTokenizerFast(tokenizer_file=str(target / "tokenizer.json"))
-    samples = [demo.demo_texts()["heldout"][:3000], "  leading spaces\n\n\ttabs and ünïcödé — “quotes” 🐍\n",
+    samples = [recipe.demo_texts()["heldout"][:3000], "  leading spaces\n\n\ttabs and ünïcödé — “quotes” 🐍\n",
                "def f(x):\n    return x ** 2  # comment\n"]
     for s in samples:
         ids = ours.encode(s)
@@ -130,7 +131,7 @@ def test_tokenizer_round_trips(tiny_pair: tuple[Path, Path]) -> None:
         assert hf.encode(s, add_special_tokens=False) == ids == fast.encode(s, add_special_tokens=False)
         assert hf.decode(ids) == s
     assert hf.eos_token == "<|endoftext|>" and hf.eos_token_id == ours.token_to_id("<|endoftext|>")
-    assert ours.vocab_size == demo.get_recipe("tiny").vocab_size
+    assert ours.vocab_size == recipe.get_recipe("tiny").vocab_size
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["target", "draft"])
@@ -139,7 +140,7 @@ def test_logits_match_transformers(tiny_pair: tuple[Path, Path], which: int) -> 
     d = tiny_pair[which]
     ours = load_model(d, dtype=torch.float32)
     theirs = LlamaForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-    text = demo.demo_texts()["heldout"][:4000]
+    text = recipe.demo_texts()["heldout"][:4000]
     ids = torch.tensor([Tokenizer(d).encode(text)[:200]])
     with torch.no_grad():
         a, b = ours(ids), theirs(ids).logits
@@ -154,7 +155,7 @@ def test_draft_agrees_with_target(tiny_pair: tuple[Path, Path]) -> None:
     """Recompute the reported agreement from the saved checkpoints."""
     target, draft = tiny_pair
     ids = torch.tensor(Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8")))
-    ev = demo_train.evaluate_pair(load_model(target), load_model(draft), ids, demo.get_recipe("tiny").eval_ctx)
+    ev = demo_train.evaluate_pair(load_model(target), load_model(draft), ids, recipe.get_recipe("tiny").eval_ctx)
     rep = json.loads((target.parent / "report.json").read_text())
     assert ev["agreement"] == pytest.approx(rep["agreement"], abs=2e-3)
     assert ev["target_ppl"] == pytest.approx(rep["target"]["heldout_ppl"], rel=1e-3)
@@ -169,14 +170,14 @@ def test_second_call_is_a_cache_hit(tiny_pair: tuple[Path, Path], tiny_cache: Pa
 
     def no_build(*a: object, **k: object) -> None:
         raise AssertionError("rebuilt a cached pair")
-    monkeypatch.setattr(demo, "build_pair", no_build)
+    monkeypatch.setattr(pair, "build_pair", no_build)
     t0 = time.perf_counter()
-    assert demo.demo_pair("tiny", cache_dir=tiny_cache, progress=False) == tiny_pair
+    assert pair.demo_pair("tiny", cache_dir=tiny_cache, progress=False) == tiny_pair
     assert time.perf_counter() - t0 < 1.0
     assert _digest(tiny_pair[0] / "model.safetensors") == before
 
 
-def _fake_build(recipe: demo.DemoRecipe, out: Path, progress: bool = True, size: str = "") -> dict:
+def _fake_build(recipe: recipe.DemoRecipe, out: Path, progress: bool = True, size: str = "") -> dict:
     for name in ("target", "draft"):
         (out / name).mkdir()
     (out / "report.json").write_text("{}")
@@ -187,7 +188,7 @@ def test_killed_build_leaves_no_pair_and_is_cleaned(tmp_path: Path, monkeypatch:
     # a build that is killed (SIGKILL) half-way through writing its files
     code = (
         "import sys, time, pathlib\n"
-        "import engine.demo as d\n"
+        "import engine.demo.pair as d\n"
         "def build(recipe, out, progress=True, size=''):\n"
         "    (out / 'target').mkdir(); (out / 'target' / 'config.json').write_text('{}')\n"
         "    pathlib.Path(sys.argv[2]).write_text('started'); time.sleep(120)\n"
@@ -205,25 +206,25 @@ def test_killed_build_leaves_no_pair_and_is_cleaned(tmp_path: Path, monkeypatch:
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    final = demo.pair_dir("tiny", cache)
+    final = recipe.pair_dir("tiny", cache)
     assert not final.exists()  # no half pair under the final name
     stale = list(cache.glob(f".{final.name}.tmp-*"))
     assert len(stale) == 1 and (stale[0] / "target" / "config.json").is_file()
     # the next call ignores the killed build's files, cleans them and builds (here: a fake builder)
-    monkeypatch.setattr(demo, "build_pair", _fake_build)
-    target, draft = demo.demo_pair("tiny", cache_dir=cache, progress=False)
+    monkeypatch.setattr(pair, "build_pair", _fake_build)
+    target, draft = pair.demo_pair("tiny", cache_dir=cache, progress=False)
     assert target == final / "target" and target.is_dir() and draft.is_dir()
     assert not (target / "config.json").exists()
     assert not list(cache.glob(f".{final.name}.tmp-*"))
 
 
 def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing(recipe: demo.DemoRecipe, out: Path, progress: bool = True, size: str = "") -> dict:
+    def failing(recipe: recipe.DemoRecipe, out: Path, progress: bool = True, size: str = "") -> dict:
         (out / "target").mkdir()
         raise RuntimeError("boom")
-    monkeypatch.setattr(demo, "build_pair", failing)
+    monkeypatch.setattr(pair, "build_pair", failing)
     with pytest.raises(RuntimeError, match="boom"):
-        demo.demo_pair("tiny", cache_dir=tmp_path, progress=False)
+        pair.demo_pair("tiny", cache_dir=tmp_path, progress=False)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
@@ -235,7 +236,7 @@ def test_tool_prints_the_report(tiny_pair: tuple[Path, Path], tiny_cache: Path) 
                         "--cache-dir", str(tiny_cache), "--quiet"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    rep = demo.demo_report("tiny", tiny_cache)
+    rep = pair.demo_report("tiny", tiny_cache)
     assert f"{rep['agreement']:.3f}" in r.stdout
     assert f"{rep['target']['heldout_ppl']:.2f}" in r.stdout and f"{rep['draft']['heldout_ppl']:.2f}" in r.stdout
     assert str(tiny_pair[0]) in r.stdout

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from engine import Engine, SamplingParams
-from engine.calibrate import acceptance, calib_prompts
-from engine.config import load_config
-from engine.quality import compare_models, load_eval_ids
+from engine.build.calibrate import acceptance, calib_prompts
+from engine.build.quality import compare_models, load_eval_ids
+from engine.core.config import load_config
 from quant.catalog import lookup_gpu
 from quant.plan import make_plan
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def demo():
-    from engine.demo import demo_pair
+    from engine.demo.pair import demo_pair
 
     target, draft = demo_pair("demo", progress=False)
     root = target.parent

@@ -5,12 +5,17 @@ import json
 import shutil
 
 import pytest
+from util import make_checkpoint
 
 from engine import Engine, EngineError, SamplingParams
-from engine.checkpoint import load_model
-from engine.errors import (CheckpointError, InvalidConfigError, InvalidRequestError,
-                           UnsupportedArchitectureError, VocabMismatchError)
-from util import make_checkpoint
+from engine.core.checkpoint import load_model
+from engine.core.errors import (
+    CheckpointError,
+    InvalidConfigError,
+    InvalidRequestError,
+    UnsupportedArchitectureError,
+    VocabMismatchError,
+)
 
 
 @pytest.fixture()

@@ -15,14 +15,30 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
-from engine.backends import (FlashAttention, HardwareFacts, attention_available, choose_attention, facts_for_gpu,
-                             select_attention)
-from engine.cudagraphs import GraphedForward, batch_bucket, enable_cuda_graphs, kv_bucket
-from engine.errors import InvalidConfigError, KernelUnavailableError, ProfileError
-from engine.model import KVCache, sdpa_attention
-from engine.model import math_attention as engine_math_attention
-from engine.runtime import RuntimeSettings, install_load_window, parse_runtime, runtime_settings
-from engine.telemetry import GpuReading, LoadGovernor, LoadWindow
+from engine.api.runtime import (
+    RuntimeSettings,
+    install_load_window,
+    parse_runtime,
+    runtime_settings,
+)
+from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
+from engine.core.model import KVCache, sdpa_attention
+from engine.core.model import math_attention as engine_math_attention
+from engine.kernels.backends import (
+    FlashAttention,
+    HardwareFacts,
+    attention_available,
+    choose_attention,
+    facts_for_gpu,
+    select_attention,
+)
+from engine.kernels.cudagraphs import (
+    GraphedForward,
+    batch_bucket,
+    enable_cuda_graphs,
+    kv_bucket,
+)
+from engine.serve.telemetry import GpuReading, LoadGovernor, LoadWindow
 from quant.catalog import load_catalog, lookup_gpu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +113,7 @@ def test_sdpa_lower_right_dense_mask_and_math_agree(T, S, heads):
 
 def test_flash_adapter_with_reference_kernel_matches_sdpa_in_the_cache():
     """Ragged rows (different offsets, explicit cache rows, padding) through with_cache == the masked path."""
-    from engine.model import _Ctx, position_mask
+    from engine.core.model import _Ctx, position_mask
 
     g = torch.Generator().manual_seed(3)
     H, Hkv, D, S, T = 4, 2, 16, 32, 4
@@ -353,9 +369,10 @@ def _gpu_engine(dtype: torch.dtype = torch.float32, k: int = 3) -> Engine:
     """A random target (GQA) and draft built on the GPU, peaked (std 0.08) so greedy has no near-ties."""
     sys.path.insert(0, str(REPO / "tools"))
     import gpu_bench
-    from engine.adaptive import KPolicy
-    from engine.config import ModelConfig
-    from engine.drafters import ModelDrafter
+
+    from engine.core.config import ModelConfig
+    from engine.spec.adaptive import KPolicy
+    from engine.spec.drafters import ModelDrafter
 
     def cfg(h, layers):
         return ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=h, intermediate_size=2 * h,
@@ -384,7 +401,7 @@ def test_gpu_flash_attn_agrees_with_sdpa_fp16():
     pytest.importorskip("flash_attn")
     if _cc() < (8, 0):
         pytest.skip("flash-attn 2 needs compute capability >= 8.0")
-    from engine.model import _Ctx, position_mask
+    from engine.core.model import _Ctx, position_mask
 
     g = torch.Generator(device="cuda").manual_seed(1)
     kc, vc = (torch.randn(4, 4, 256, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
@@ -434,7 +451,7 @@ def test_gpu_graph_logits_match_eager_fp16():
 @pytest.mark.gpu
 def test_gpu_nvml_readings_present():
     pytest.importorskip("pynvml")
-    from engine.telemetry import NvmlReader
+    from engine.serve.telemetry import NvmlReader
 
     r = NvmlReader(torch.device("cuda"))
     reading = r.read()
@@ -452,6 +469,7 @@ def test_gpu_native_fp8_draft_agrees_with_weight_only():
         pytest.skip("native FP8 needs compute capability >= 8.9 (Ada/Hopper)")
     sys.path.insert(0, str(REPO / "tools"))
     import gpu_bench
+
     from quant.fp8 import FP8_REL_ERROR
     from quant.linear import FP8Linear
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from util import make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.checkpoint import load_model
-from engine.model import KVCache, fuse_projections
-from util import make_checkpoint
+from engine.core.checkpoint import load_model
+from engine.core.model import KVCache, fuse_projections
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}

@@ -15,10 +15,16 @@ import torch
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from engine.checkpoint import load_model  # noqa: E402
-from engine.errors import InvalidConfigError, UnsupportedArchitectureError  # noqa: E402
-from engine.onnx_export import (OnnxStep, build_model, check_exportable, decode_parity,  # noqa: E402
-                                export_step, module_parity)
+from engine.core.checkpoint import load_model  # noqa: E402
+from engine.core.errors import InvalidConfigError, UnsupportedArchitectureError  # noqa: E402
+from engine.export.onnx_export import (  # noqa: E402
+    OnnxStep,
+    build_model,
+    check_exportable,
+    decode_parity,
+    export_step,
+    module_parity,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "export_onnx.py"
@@ -110,7 +116,7 @@ def planned(tiny_demo) -> dict:
     """The tiny pair quantized by the a100 plan (INT8 w8a8 FFN + SmoothQuant, FP8 weight-only draft)
     and by the h100 plan (FP8 native draft: per-token e4m3 activations)."""
     from engine import Engine
-    from engine.config import load_config
+    from engine.core.config import load_config
     from quant.catalog import lookup_gpu
     from quant.plan import make_plan
 
@@ -182,8 +188,8 @@ def test_dropping_the_activation_quantization_is_caught(tmp_path: Path, planned:
 
 
 def test_refusals(planned: dict) -> None:
-    from engine.config import ModelConfig
-    from engine.model import Transformer
+    from engine.core.config import ModelConfig
+    from engine.core.model import Transformer
 
     model = planned["a100"]["target"]
     down = model.layers[0].mlp.down_proj

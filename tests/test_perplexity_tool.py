@@ -167,7 +167,7 @@ def test_bad_input_exit_2(tool, built: dict, capsys, tmp_path: Path, case: str) 
 @pytest.mark.slow
 def test_reproduces_the_demo_tiny_build(tmp_path: Path) -> None:
     """build_profile on the tiny demo pair (eval text as a ``demo:`` reference), then perplexity.py on it."""
-    from engine.demo import pair_dir
+    from engine.demo.recipe import pair_dir
     if not (pair_dir("tiny") / "report.json").is_file():
         pytest.skip("the tiny demo pair is not built (python tools/make_demo_models.py --size tiny)")
     out = tmp_path / "tiny.json"
@@ -175,7 +175,7 @@ def test_reproduces_the_demo_tiny_build(tmp_path: Path) -> None:
              "--quiet", tool=BUILD, timeout=600)
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())["quality"]
-    assert rec["eval_text"] == "demo:tiny/heldout.txt" and rec["max_tokens"] == 3000
+    assert rec["eval_text"] == f"demo:{pair_dir('tiny').name}/heldout.txt" and rec["max_tokens"] == 3000
     r = _run("--profile", out, "--json", "--quiet")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)

@@ -7,11 +7,16 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import InvalidConfigError, KernelUnavailableError, ProfileError
-from engine.model import Transformer
+from engine.core.config import ModelConfig
+from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
+from engine.core.model import Transformer
 from quant.apply import apply_plan, collect_activation_stats, model_weight_bytes
-from quant.catalog import compute_capability, gpu_for_device_name, load_catalog, lookup_gpu
+from quant.catalog import (
+    compute_capability,
+    gpu_for_device_name,
+    load_catalog,
+    lookup_gpu,
+)
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 from quant.memory import weight_bytes
 from quant.plan import DEFAULT_PRECISION, PlanDoesNotFitError, PrecisionPlan, make_plan

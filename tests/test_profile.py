@@ -1,7 +1,6 @@
 """tools/build_profile.py and Engine.from_profile on the tiny demo pair."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
-from engine.errors import KernelUnavailableError, ProfileError
+from engine.core.errors import KernelUnavailableError, ProfileError
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "tools" / "build_profile.py"
@@ -37,7 +36,7 @@ def builds(tool, tiny_demo, tmp_path_factory):
     return out
 
 
-def test_demo_builds_pass_the_gate_and_plans_follow_the_catalog(builds):
+def test_demo_builds_pass_the_gate_and_plans_follow_the_catalog(builds, tiny_demo):
     a100, h100 = (json.loads(builds[g].read_text()) for g in ("a100", "h100"))
     for p in (a100, h100):
         q = p["quality"]
@@ -45,7 +44,7 @@ def test_demo_builds_pass_the_gate_and_plans_follow_the_catalog(builds):
         assert p["precision"] == {"draft_model": "fp8", "main_model": {"attention": "fp16", "ffn": "int8"},
                                   "verifier": "fp16"}
         assert p["plan"]["target"]["families"]["lm_head"]["storage"] in ("fp32", "fp16")
-        assert p["models"]["target"]["path"] == "demo:tiny/target"
+        assert p["models"]["target"]["path"] == f"demo:{tiny_demo[0].parent.name}/target"  # demo-tiny-v<N>-<digest>
         s = p["speculation"]
         assert s["k_min"] <= s["k"] <= s["k_max"] and 0 <= s["acceptance"] <= 1
         for key in ("drafter", "policy", "acceptance_fp16_draft", "c", "v", "predicted_speedup"):

@@ -9,9 +9,19 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.errors import EngineError, InvalidRequestError
-from engine.quality import (EvalTextError, QualityReport, compare_models, default_context, drift_interval,
-                            eval_windows, load_eval_ids, perplexity, t_quantile_975, text_sha256)
+from engine.build.quality import (
+    EvalTextError,
+    QualityReport,
+    compare_models,
+    default_context,
+    drift_interval,
+    eval_windows,
+    load_eval_ids,
+    perplexity,
+    t_quantile_975,
+    text_sha256,
+)
+from engine.core.errors import EngineError, InvalidRequestError
 
 WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 
@@ -150,8 +160,9 @@ def test_perturbed_copy_kld_matches_independent_computation(ckpt_dir: Path, text
 
 
 def test_planned_engine_against_its_unquantized_self(ckpt_dir: Path, text_ids: list[int]) -> None:
-    from quant import lookup_gpu, make_plan
     from util import TEXT
+
+    from quant import lookup_gpu, make_plan
     ref = Engine.from_pretrained(ckpt_dir, drafter=None)
     plan = make_plan(lookup_gpu("a100"), ref.config, None, device="cpu")
     assert plan.target.families["ffn"].storage == "int8"

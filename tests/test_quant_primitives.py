@@ -4,10 +4,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import InvalidConfigError
-from quant.fp8 import (FP8_DTYPE, FP8_MAX, FP8_MIN_NORMAL, FP8_REL_ERROR, dequantize_fp8, quantize_fp8,
-                       quantize_fp8_rowwise)
-from quant.int8 import (dequantize_int8, int8_linear_reference, int_mm, quantize_int8, quantize_int8_rowwise)
+from engine.core.errors import InvalidConfigError
+from quant.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_MIN_NORMAL,
+    FP8_REL_ERROR,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_rowwise,
+)
+from quant.int8 import (
+    dequantize_int8,
+    int8_linear_reference,
+    int_mm,
+    quantize_int8,
+    quantize_int8_rowwise,
+)
 from quant.linear import Int8Linear
 from quant.smooth import smooth_scales
 

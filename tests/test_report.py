@@ -11,19 +11,22 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine.adaptive import Costs, expected_speedup
-from engine.errors import InvalidConfigError
-from engine.report import aggregate_positions, bench_series, build_report, build_report_files, profile_series
+from engine.build.report import (
+    aggregate_positions,
+    bench_series,
+    build_report,
+    build_report_files,
+    profile_series,
+)
+from engine.core.errors import InvalidConfigError
+from engine.spec.adaptive import Costs, expected_speedup
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def load_tool(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"{name}_tool_for_report", REPO / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"engine.cli.{name}")
 
 
 def mode(name: str, tps: float, ppa: list | None = None) -> dict[str, Any]:
@@ -96,7 +99,7 @@ def check_png(path: Path) -> tuple[int, int]:
 
 def test_bench_png_opens(result, tmp_path):
     pytest.importorskip("matplotlib")
-    from engine.report import draw_bench
+    from engine.build.report import draw_bench
 
     (tmp_path / "b.png").write_bytes(draw_bench(bench_series(result)))
     w, h = check_png(tmp_path / "b.png")
@@ -176,7 +179,7 @@ def test_bench_match_rate_on_hand_made_outputs():
 
 
 def test_bench_bfloat16_reports_match_rates_against_float32(tiny_demo, tmp_path, capsys):
-    from engine.cpu_linear import onednn_bf16_available
+    from engine.kernels.cpu_linear import onednn_bf16_available
 
     if not onednn_bf16_available():
         pytest.skip("no oneDNN bf16 kernels on this CPU")
@@ -274,7 +277,7 @@ def test_report_without_matplotlib_says_the_plot_was_skipped(built, monkeypatch,
 
 def test_profile_plot_with_per_position_acceptance(built, tmp_path):
     pytest.importorskip("matplotlib")
-    from engine.report import draw_profile
+    from engine.build.report import draw_profile
 
     _, prof = built
     s = profile_series(prof)

@@ -13,8 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.errors import EngineError, InvalidRequestError
-from engine.sampling import (
+from engine.core.errors import EngineError, InvalidRequestError
+from engine.spec.sampling import (
     SamplingParams,
     draw_noise,
     draw_uniforms,
@@ -264,7 +264,7 @@ def test_process_logits_cuda_matches_cpu_without_sync() -> None:
 
 
 def test_row_processing_fast_paths_equal_process_logits():
-    from engine.sampling import RowProcessing
+    from engine.spec.sampling import RowProcessing
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g) * 3

@@ -1,16 +1,14 @@
 """Lossless speculative decoding: greedy identity, exact sampling distribution, reproducibility."""
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from util import make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.sampling import params_to_tensors, process_logits
-from util import make_checkpoint
+from engine.spec.sampling import params_to_tensors, process_logits
 
 PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
 PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]  # repetitive: n-gram lookup has something to find

@@ -62,7 +62,7 @@ def fused_gemm_count(model) -> int:
     Linears, less the 5 per layer that run inside the 2 fused groups, plus those 2 groups."""
     from torch import nn
 
-    from engine.model import fuse_projections
+    from engine.core.model import fuse_projections
 
     fuse_projections(model)
     n_lin = sum(type(m) is nn.Linear for m in model.modules())

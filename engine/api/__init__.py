@@ -1,0 +1,1 @@
+"""The public API: Engine, its config objects and the profile reader."""

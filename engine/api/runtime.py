@@ -1,0 +1,131 @@
+"""The profile's optional ``runtime`` section: CUDA graphs and the load-aware window.
+
+```json
+"runtime": {
+  "cuda_graphs": {"enabled": true, "batch_buckets": [1, 2, 4, 8, 16, 32]},
+  "load_window": {"enabled": true, "memory_threshold": 0.80, "resume_below": 0.70}
+}
+```
+
+A profile without the section (or without ``cuda_graphs``) runs eagerly; a present
+``cuda_graphs`` object defaults to enabled with the buckets above. The load window
+defaults to on with threshold 0.80; it needs a GPU reader, so on the CPU it is a no-op.
+A CUDA profile that enables graphs on a machine that cannot capture them fails at
+load with KernelUnavailableError; a CPU profile runs eagerly (graphs are a GPU
+runtime matter, never a plan choice). Bad values are ProfileErrors naming the field.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.core.errors import InvalidConfigError, ProfileError
+from engine.kernels.backends import HardwareFacts, probe_hardware, require_cuda_graphs
+from engine.kernels.cudagraphs import (
+    DEFAULT_BATCH_BUCKETS,
+    check_buckets,
+    enable_cuda_graphs,
+)
+from engine.serve.telemetry import (
+    DEFAULT_RESUME,
+    DEFAULT_THRESHOLD,
+    LoadGovernor,
+    LoadWindow,
+    make_reader,
+)
+
+if TYPE_CHECKING:
+    from engine.api.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    cuda_graphs: bool = False
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    load_window: bool = True
+    memory_threshold: float = DEFAULT_THRESHOLD
+    resume_below: float = DEFAULT_RESUME
+
+
+def _obj(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ProfileError(f"{where}={v!r} is invalid: allowed a JSON object")
+    return v
+
+
+def _bool(d: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise ProfileError(f"{where}.{key}={v!r} is invalid: allowed true or false")
+    return v
+
+
+def parse_runtime(section: Any, where: str = "runtime") -> RuntimeSettings:
+    """Validate a runtime section (None: the defaults)."""
+    if section is None:
+        return RuntimeSettings()
+    sec = _obj(section, where)
+    unknown = sorted(set(sec) - {"cuda_graphs", "load_window"})
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: cuda_graphs, load_window")
+    kw: dict[str, Any] = {}
+    if "cuda_graphs" in sec:
+        cg = _obj(sec["cuda_graphs"], f"{where}.cuda_graphs")
+        kw["cuda_graphs"] = _bool(cg, "enabled", True, f"{where}.cuda_graphs")
+        try:
+            kw["batch_buckets"] = check_buckets(cg.get("batch_buckets", list(DEFAULT_BATCH_BUCKETS)),
+                                                f"{where}.cuda_graphs.batch_buckets")
+        except InvalidConfigError as e:
+            raise ProfileError(str(e)) from None
+    if "load_window" in sec:
+        lw = _obj(sec["load_window"], f"{where}.load_window")
+        kw["load_window"] = _bool(lw, "enabled", True, f"{where}.load_window")
+        thr, res = lw.get("memory_threshold", DEFAULT_THRESHOLD), lw.get("resume_below", DEFAULT_RESUME)
+        try:
+            LoadWindow(1, 1, threshold=thr, resume=res)  # the same checks the policy makes
+        except InvalidConfigError as e:
+            raise ProfileError(f"{where}.load_window: {e}") from None
+        kw["memory_threshold"], kw["resume_below"] = float(thr), float(res)
+    return RuntimeSettings(**kw)
+
+
+def runtime_settings(prof: dict[str, Any], device: torch.device, facts: HardwareFacts | None = None
+                     ) -> RuntimeSettings:
+    """The profile's runtime, checked against the machine (KernelUnavailableError for missing CUDA graphs)."""
+    where = f"{prof.get('_path', 'profile')}: runtime"
+    rt = parse_runtime(prof.get("runtime"), where)
+    if rt.cuda_graphs:
+        if device.type == "cpu":
+            log.info("%s.cuda_graphs is enabled but the engine runs on the CPU: eager execution", where)
+            return RuntimeSettings(False, rt.batch_buckets, rt.load_window, rt.memory_threshold, rt.resume_below)
+        require_cuda_graphs(facts or probe_hardware(device), f"{where}.cuda_graphs")
+    return rt
+
+
+def apply_runtime(engine: "Engine", rt: RuntimeSettings) -> None:
+    """Install CUDA graphs and the load window on a freshly built engine."""
+    if rt.cuda_graphs and engine.device.type == "cuda":
+        enable_cuda_graphs(engine, rt.batch_buckets)
+    if rt.load_window:
+        install_load_window(engine, rt.memory_threshold, rt.resume_below)
+
+
+def install_load_window(engine: "Engine", threshold: float = DEFAULT_THRESHOLD, resume: float = DEFAULT_RESUME,
+                        reader: Any = None) -> LoadGovernor | None:
+    """Wire the load window into the engine's scheduler; None (a no-op) without a GPU reader."""
+    reader = reader if reader is not None else make_reader(engine.device)
+    engine.gpu_reader = reader
+    if reader is None:
+        return None
+    k_max = engine.policy.k_max if engine.policy is not None else 0
+    k_min = engine.policy.k_min if engine.policy is not None else 0
+    window = LoadWindow(k_max=k_max, batch_max=engine.scheduler.max_batch, threshold=threshold, resume=resume,
+                        k_min=k_min)
+    gov = LoadGovernor(reader, window)
+    engine.scheduler.governor = gov
+    return gov

@@ -1,0 +1,1 @@
+"""The profile build: quality gate, K calibration and the build report."""

@@ -1,0 +1,1 @@
+"""Command-line entry points (tools/*.py and the specmix-* console scripts run these ``main`` functions)."""

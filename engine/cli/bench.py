@@ -1,0 +1,316 @@
+#!/usr/bin/env python
+"""Decode speed of plain, speculative and transformers generation on one pair.
+
+    python tools/bench.py [--target DIR --draft DIR] [--prompts FILE] [--json FILE] [--plot FILE.png]
+
+--sweep-k 1,2,4 adds the draft-model drafter at each fixed K (adaptive K off) as modes
+specmix-model-k1, ...; --plot draws speedup vs K (measured and predicted by the cost model),
+acceptance per draft position and tokens/s per mode (needs matplotlib: the `plot` extra).
+
+Same prompts and max_new_tokens for every mode, greedy, batch 1 (the prompts run one
+after another). Modes are interleaved within each repeat; one warm-up round, then
+--repeats rounds; figures are medians. Speedups are ratios within this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from engine import Engine, SamplingParams
+from engine.build.report import (
+    aggregate_positions,
+    bench_series,
+    draw_bench,
+    require_matplotlib,
+)
+from engine.core.cli import run_tool
+from engine.core.errors import InvalidConfigError
+from engine.spec.adaptive import Costs, best_k, expected_speedup
+
+SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit"}
+HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
+DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
+DTYPES = ("float32", "bfloat16")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path)
+    p.add_argument("--draft", type=Path)
+    p.add_argument("--demo-size", default="demo")
+    p.add_argument("--prompts", type=Path, help="one prompt per line (default: 4 from the demo held-out text)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="the target's dtype for every mode, transformers' too (default float32; the draft stays "
+                        "float32 on the CPU). bfloat16 is not token-identical to float32: the table then "
+                        "reports each mode's greedy match rate against the float32 target")
+    p.add_argument("--modes", default=None, help="comma-separated subset of modes")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
+    p.add_argument("--attention", default=None, help="the target's attention backend (default: the engine's "
+                   "choice: math with --dtype bfloat16, which keeps speculation exact; sdpa is faster, not exact)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
+    p.add_argument("--sweep-k", default=None,
+                   help=f"comma-separated fixed K values for the draft-model drafter, adaptive K off "
+                        f"(default {DEFAULT_SWEEP} with --plot, none without; '' for none)")
+    return p.parse_args(argv)
+
+
+def parse_sweep(a: argparse.Namespace) -> list[int]:
+    spec = a.sweep_k if a.sweep_k is not None else (DEFAULT_SWEEP if a.plot else "")
+    try:
+        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        ks = [0]
+    if any(k < 1 for k in ks):
+        raise InvalidConfigError(f"--sweep-k={spec!r} is invalid: allowed comma-separated ints >= 1, "
+                                 f"e.g. {DEFAULT_SWEEP}")
+    return ks
+
+
+def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
+    if a.prompts is not None:
+        try:
+            lines = [ln.strip() for ln in a.prompts.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidConfigError(f"--prompts {a.prompts}: unreadable ({e})") from None
+        if not lines:
+            raise InvalidConfigError(f"--prompts {a.prompts}: no prompts in the file")
+        return lines
+    if root is None:
+        raise InvalidConfigError("--prompts is required with --target/--draft")
+    text = (root / "heldout.txt").read_text(encoding="utf-8")
+    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
+    step = max(1, len(paras) // 4)
+    return [paras[i * step][:160] for i in range(4)]
+
+
+def spec_runner(eng: Engine, prompts: list[str], n: int, sink: list[dict[str, Any]] | None = None,
+                outputs: list[list[int]] | None = None) -> Callable[[], tuple[int, float]]:
+    """Generate every prompt once; each Completion's stats go to ``sink`` and the token ids of the latest
+    run to ``outputs`` (when given)."""
+    sp = SamplingParams(max_new_tokens=n)
+
+    def run() -> tuple[int, float]:
+        t0, toks, ids = time.perf_counter(), 0, []
+        for p in prompts:
+            out = eng.generate(p, sp)[0]
+            toks += len(out.token_ids)
+            ids.append(out.token_ids)
+            if sink is not None:
+                sink.append(out.stats)
+        secs = time.perf_counter() - t0
+        if outputs is not None:
+            outputs[:] = ids
+        return toks, secs
+    return run
+
+
+def match_rate(outs: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
+    """Greedy agreement of outputs with reference outputs of the same prompts: the share of prompts whose
+    output is identical, and the mean share of each reference output that the output reproduces before
+    its first differing token (after one flip the continuations diverge, so later tokens say nothing)."""
+    if len(outs) != len(ref) or not ref:
+        raise ValueError("match_rate needs one output per reference output")
+    prefix = []
+    for o, r in zip(outs, ref):
+        same = next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), min(len(o), len(r)))
+        prefix.append(same / max(1, len(r)))
+    return {"identical": sum(o == r for o, r in zip(outs, ref)) / len(ref), "prefix": statistics.fmean(prefix)}
+
+
+def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int,
+              dtype: torch.dtype = torch.float32):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(target / "tokenizer.json"))
+    kw: dict[str, Any] = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    counts = {"target": 0, "draft": 0}
+    model.register_forward_hook(lambda *_: counts.__setitem__("target", counts["target"] + 1))
+    if mode != "hf-plain":
+        assistant = tf.AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        if mode == "hf-assisted-k5":  # transformers 5 reads these from the assistant's generation_config
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+        assistant.register_forward_hook(lambda *_: counts.__setitem__("draft", counts["draft"] + 1))
+        kw["assistant_model"] = assistant
+    ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
+
+    def run() -> tuple[int, float]:
+        t0, toks = time.perf_counter(), 0
+        with torch.no_grad():
+            for x in ids:
+                out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+                toks += out.shape[1] - x.shape[1]
+        return toks, time.perf_counter() - t0
+    return run, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    return run_tool("bench", lambda: bench(a))
+
+
+def bench(a: argparse.Namespace) -> int:
+    sweep = parse_sweep(a)
+    if a.plot is not None:
+        require_matplotlib("--plot")  # before any benchmarking
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    root = None
+    if a.target is None:
+        from engine.demo.pair import demo_pair
+
+        target, draft = demo_pair(a.demo_size)
+        root = target.parent
+    else:
+        target, draft = a.target, a.draft
+    prompts = load_prompts(a, root)
+    n = a.max_new_tokens
+    dt = a.dtype
+    opts = {"dtype": dt, "attention": a.attention}
+    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None, **opts)}
+    for mode, drafter in SPEC_MODES.items():
+        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k,
+                                               **opts)
+    costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
+    sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
+    for mode, k in sweep_modes.items():
+        engines[mode] = Engine.from_pretrained(target, draft, drafter="model", k=k, adaptive_k=False, costs=costs,
+                                               **opts)
+    sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
+    outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
+    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m), outputs[m])
+                                                          for m, e in engines.items()}
+    hf_counts = {}
+    have_hf = not a.no_hf
+    if have_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            have_hf = False
+    if have_hf:
+        for mode in HF_MODES:
+            runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k, getattr(torch, dt))
+    if a.modes:
+        keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes)
+        runners = {m: r for m, r in runners.items() if m in keep}
+    for r in runners.values():  # warm-up
+        r()
+    for e in engines.values():
+        e.reset_stats()  # count only the measured repeats
+    for sink in sinks.values():
+        sink.clear()
+    for c in hf_counts.values():
+        c.update(target=0, draft=0)
+    rates: dict[str, list[float]] = {m: [] for m in runners}
+    for _ in tqdm(range(a.repeats), desc="repeats"):
+        for m, r in runners.items():
+            toks, secs = r()
+            rates[m].append(toks / secs)
+    plain = statistics.median(rates["plain"])
+    reference = outputs["plain"]  # greedy outputs of the target alone, in --dtype
+    if dt != "float32":  # ... and of the float32 target, which the reduced precision is measured against
+        reference = []
+        spec_runner(Engine.from_pretrained(target, drafter=None), prompts, n, outputs=reference)()
+    modes = []
+    for m in runners:
+        tps = statistics.median(rates[m])
+        row: dict[str, Any] = {"name": m, "tokens_per_s": tps, "speedup_vs_plain": tps / plain,
+                               "acceptance_rate": None, "mean_accepted_length": None, "predicted_speedup": None,
+                               "repeats": rates[m], "fixed_k": sweep_modes.get(m)}
+        if m in outputs:  # spec vs the target alone in this dtype (1.0 in float32), and vs the float32 target
+            row["match_vs_plain"] = match_rate(outputs[m], outputs["plain"])
+            row["match_vs_float32"] = match_rate(outputs[m], reference)
+        if m in sinks:
+            pos = aggregate_positions(sinks[m])
+            row["per_position_acceptance"], row["per_position_requests"] = pos["acceptance"], pos["requests"]
+        if m in sweep_modes:
+            st = engines[m].stats()
+            row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
+        if m in SPEC_MODES and m in engines:
+            st, eng = engines[m].stats(), engines[m]
+            row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
+            row["token_acceptance"] = st["token_acceptance"]
+            if st["token_acceptance"] is not None and eng.costs is not None:
+                acc = st["token_acceptance"]  # the cost model's per-token a (accepted / drafted is biased low)
+                k = best_k(min(acc, 0.999), eng.costs, 1, eng.policy.k_max)
+                row["predicted_speedup"] = expected_speedup(acc, k, eng.costs)
+                row["costs"] = eng.costs.to_dict()
+        if m in hf_counts and m != "hf-plain":
+            c = hf_counts[m]
+            row["draft_forwards_per_target_forward"] = c["draft"] / max(1, c["target"])
+        modes.append(row)
+    sweep_result = sweep_summary(modes, sweep_modes, sinks, costs)
+    print_table(modes)
+    result = {"modes": modes, "pair": {"target": str(target), "draft": str(draft)},
+              "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
+                           "prompts": prompts, "threads": torch.get_num_threads(),
+                           "greedy": True, "dtype": dt, "draft_dtype": engines["specmix-model"].info["draft_dtype"],
+                           "attention": engines["plain"].info["attention"],
+                           "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
+                           "cpu_decode_step": engines["specmix-model"].info.get("cpu_decode_step"),
+                           **{k: engines["specmix-model"].info.get(k) for k in (
+                               "target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")},
+                           "batch": 1, "sweep_k": sweep},
+              "sweep": sweep_result}
+    from engine.core.files import write_bytes_atomic, write_json_atomic
+
+    if a.json:
+        write_json_atomic(a.json, result)
+    if a.plot is not None:
+        write_bytes_atomic(a.plot, draw_bench(bench_series(result)))
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def sweep_summary(modes: list[dict[str, Any]], sweep_modes: dict[str, int], sinks: dict[str, list[dict[str, Any]]],
+                  costs: Costs | None) -> dict[str, Any] | None:
+    """The fixed-K runs with the cost model's prediction: one acceptance a for all K (the cost model
+    takes a as a property of the pair), estimated as the first draft position's acceptance over the
+    sweep's requests (unbiased under the model's i.i.d. acceptance; accepted/drafted is not for K > 1)."""
+    if not sweep_modes or costs is None:
+        return None
+    rows = {m["name"]: m for m in modes if m["name"] in sweep_modes}
+    first = aggregate_positions(st for m in rows for st in sinks[m])["acceptance"]
+    acc = first[0] if first else None
+    runs = []
+    for name, row in rows.items():
+        k = sweep_modes[name]
+        row["predicted_speedup"] = None if acc is None else expected_speedup(acc, k, costs)
+        runs.append({"k": k, "mode": name, **{f: row[f] for f in ("tokens_per_s", "speedup_vs_plain", "acceptance_rate",
+                                                                  "mean_accepted_length", "predicted_speedup")}})
+    return {"drafter": "model", "adaptive_k": False, "acceptance": acc,
+            "acceptance_estimate": "first draft position, mean over the sweep's requests",
+            "costs": costs.to_dict(), "runs": sorted(runs, key=lambda r: r["k"])}
+
+
+def print_table(modes: list[dict[str, Any]]) -> None:
+    fmt = (lambda x, f: "-" if x is None else format(x, f))
+    rows = [("mode", "tok/s", "x plain", "accept", "mean len", "predicted", "same as plain", "same as fp32")]
+    for m in modes:
+        same = [None if m.get(f) is None else m[f]["identical"] for f in ("match_vs_plain", "match_vs_float32")]
+        rows.append((m["name"], fmt(m["tokens_per_s"], ".1f"), fmt(m["speedup_vs_plain"], ".2f"),
+                     fmt(m["acceptance_rate"], ".3f"), fmt(m["mean_accepted_length"], ".2f"),
+                     fmt(m["predicted_speedup"], ".2f"), fmt(same[0], ".0%"), fmt(same[1], ".0%")))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(x) for c, x in zip(r, w)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""A Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2).
+
+Module names match the Hugging Face checkpoints (without the ``model.`` prefix),
+so loading is a rename and quantization is a module swap of ``nn.Linear``s:
+
+    embed_tokens, layers[i].{input_layernorm, self_attn.{q,k,v,o}_proj,
+    post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head
+
+The KV cache is static and position-indexed (gpt-fast style): one tensor per
+k/v of shape [layers, max_batch, kv_heads, max_seq_len, head_dim]. A forward
+writes the new keys at ``input_pos`` and attends over the first ``kv_len``
+slots with a position mask, so each sequence of a ragged batch has its own
+length, and rolling a sequence back is just using a smaller position next time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.core.config import ModelConfig
+
+# attn_fn(q [B,H,T,D], k [B,Hkv,S,D], v [B,Hkv,S,D], mask [B,1,T,S] bool | None, causal) -> [B,H,T,D]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """PyTorch SDPA; GQA handled by the kernel (no repeat of k/v). ``causal`` without a mask is aligned
+    bottom-right as in flash-attn (query i of T sees keys <= S - T + i): a verify block at a cache offset
+    passes no dense mask, so SDPA can pick its flash kernel (torch.nn.attention.bias.causal_lower_right)."""
+    gqa = q.shape[1] != k.shape[1]
+    T, S = q.shape[2], k.shape[2]
+    if mask is None and causal and T != S:
+        if T == 1:
+            causal = False  # the one query sees every key
+        elif gqa:  # CausalBias's flash dispatch takes no GQA: a small [T, S] mask instead
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=gqa)
+
+
+def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """Attention as two matmuls in the model's dtype around an fp32 softmax (scaled in fp32), with the
+    same API and causal alignment as ``sdpa_attention``. With bf16 on the CPU (oneDNN) every query row
+    comes out bit for bit the same whether it is one query over its own keys or one row of a verify
+    block over more, masked, keys (tests/test_cpu_linear.py); SDPA's fused kernel does not give that.
+    GQA: q is viewed as [B, Hkv, H/Hkv, T, D] against k [B, Hkv, 1, S, D] (broadcast by matmul)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if mask is None and causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    qg = q.view(B, Hkv, H // Hkv, T, D)
+    # k @ q^T, transposed back: the same values as q @ k^T (checked bitwise) and ~1.7x faster with bf16 on
+    # oneDNN, which otherwise re-lays out the transposed cache slice every call
+    scores = torch.matmul(k.unsqueeze(2), qg.transpose(-1, -2)).transpose(-1, -2).float() * (D ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~(mask if mask.dim() < 4 else mask.unsqueeze(2)), float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v.unsqueeze(2))  # [B, Hkv, G, T, D]
+    return out.view(B, H, T, D)
+
+
+MATH_KEY_BUCKET = 32
+
+
+def _math_with_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: "_Ctx", window: int | None) -> Tensor:
+    """``math_attention`` over the cache with the key count rounded up to a multiple of MATH_KEY_BUCKET
+    (masked by position): oneDNN builds a kernel per matmul shape, and a key count that grows by one
+    every step made each call pay for a new one (~1 ms instead of ~0.1 ms, measured)."""
+    B = q.shape[0]
+    # never the cache's last slot (the loop's scratch, written by padding, never to be read) unless kv_len says so
+    S = max(ctx.kv_len, min(-(-ctx.kv_len // MATH_KEY_BUCKET) * MATH_KEY_BUCKET, k_cache.shape[2] - 1))
+    if ctx.rows_are_prefix:
+        ks, vs = k_cache[:B, :, :S], v_cache[:B, :, :S]
+    else:
+        ks, vs = k_cache[ctx.rows, :, :S], v_cache[ctx.rows, :, :S]
+    memo = getattr(ctx, "math_mask", None)  # one mask per forward, shared by the layers
+    if memo is None or memo[0] != (S, window):
+        memo = ctx.math_mask = ((S, window), position_mask(ctx.pos, S, window))
+    return math_attention(q, ks.to(q.dtype), vs.to(q.dtype), memo[1], False)
+
+
+math_attention.with_cache = _math_with_cache  # type: ignore[attr-defined]  (the backends' cache extension)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x * rsqrt(mean(x^2) + eps) in fp32, as HF Llama does, in one dispatch
+        if x.dtype == torch.float32:
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with Llama-3 / linear scaling."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    factor = float(s["factor"])
+    if s["rope_type"] == "linear":
+        return inv / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate between
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, inv_l)
+
+
+def rope_cos_sin(inv_freq: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """pos [B,T] -> cos [B,1,T,D] and the sign-folded sin [B,1,T,D]: (-sin, sin) over the two
+    halves (D = 2 * len(inv_freq)), the form apply_rope takes."""
+    freqs = pos.float()[..., None] * inv_freq  # [B,T,D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    sin = emb.sin()
+    return emb.cos().to(dtype), torch.cat((-sin[..., : freqs.shape[-1]], sin[..., freqs.shape[-1]:]), -1).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_folded: Tensor) -> Tensor:
+    """x [B,H,T,D] rotated in the half-split (rotate_half) convention of HF Llama:
+    x * cos + cat(-x2, x1) * sin == x * cos + roll(x, D/2) * (-sin, sin), bit for bit (a sign
+    moved between the factors of a product is exact), in 4 ops instead of 8."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_folded
+
+
+class KVCache:
+    """Static cache: k, v [layers, max_batch, kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device | str, n_layers: int | None = None) -> None:
+        n = cfg.num_hidden_layers if n_layers is None else n_layers
+        shape = (n, max_batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.window = cfg.sliding_window
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=cfg.o_bias)
+        self.qkv: FusedLinear | None = None  # q/k/v as one GEMM (fuse_projections)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
+                cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        if self.qkv is not None:  # one GEMM, one rotation for q and k together
+            qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+            qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+        else:
+            q = apply_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), cos, sin)
+            k = apply_rope(self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)
+            v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+        if cache is None:
+            o = attn_fn(q, k, v, ctx.mask, True)
+        else:
+            kc, vc = cache  # [max_batch, Hkv, S, D]
+            if ctx.start is not None:  # rows 0..B-1 all write start..start+T-1: a slice copy
+                kc[:B, :, ctx.start: ctx.start + T] = k
+                vc[:B, :, ctx.start: ctx.start + T] = v
+            else:  # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
+                kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
+                vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
+            with_cache = getattr(attn_fn, "with_cache", None)  # flash-attn reads the cache in place (backends.py)
+            o = None if with_cache is None else with_cache(q, kc, vc, ctx, self.window)
+            if o is None:
+                if ctx.rows_are_prefix:
+                    ks, vs = kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len]
+                else:
+                    ks, vs = kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len]
+                o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, False)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.gate_up: FusedLinear | None = None  # gate/up as one GEMM (fuse_projections)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedLinear:
+    """Several Linears' outputs from one GEMM. Not a Module: the Linears keep the parameters (as views
+    of ``weight``), so state_dict and checkpoints are unchanged. engine/cpu_linear.py packs it."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fuse(mods: tuple[nn.Module, ...]) -> FusedLinear | None:
+    """One weight (and bias) stacking the Linears' outputs; each Linear's weight becomes a view of it,
+    so no memory is added and the modules (names, state_dict) stay as the checkpoint has them.
+    None when any of them is not a plain nn.Linear (a quantized or packed layer) or they differ in
+    dtype, device or having a bias."""
+    if any(type(m) is not nn.Linear for m in mods):
+        return None
+    ws = [m.weight for m in mods]  # type: ignore[union-attr]
+    bs = [m.bias for m in mods]  # type: ignore[union-attr]
+    if len({(w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in bs}) != 1:
+        return None
+    w = torch.cat([x.detach() for x in ws])
+    b = None if bs[0] is None else torch.cat([x.detach() for x in bs])  # type: ignore[union-attr]
+    rows = [x.shape[0] for x in ws]
+    for m, part in zip(mods, w.split(rows)):
+        m.weight = nn.Parameter(part, requires_grad=False)
+    if b is not None:
+        for m, part in zip(mods, b.split(rows)):
+            m.bias = nn.Parameter(part, requires_grad=False)
+    return FusedLinear(w, b)
+
+
+def fuse_projections(model: "Transformer") -> int:
+    """Run q/k/v as one GEMM and gate/up as one (inference only, after any quantization module swap:
+    quantized layers are left alone). Per layer 3 GEMMs and their dispatch fewer, which is most of a
+    small model's step on a CPU. Returns the number of fused groups."""
+    n = 0
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv is None:
+            a.qkv = _fuse((a.q_proj, a.k_proj, a.v_proj))
+        if m.gate_up is None:
+            m.gate_up = _fuse((m.gate_proj, m.up_proj))
+        n += (a.qkv is not None) + (m.gate_up is not None)
+    return n
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
+                cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Ctx:
+    """Per-forward indexing shared by all layers (built once, not per layer)."""
+
+    def __init__(self, pos: Tensor, rows: Tensor, rows_are_prefix: bool, kv_len: int, mask: Tensor | None,
+                 start: int | None = None) -> None:
+        self.pos, self.rows, self.rows_are_prefix, self.kv_len, self.mask = pos, rows, rows_are_prefix, kv_len, mask
+        self.start = start  # set when rows 0..B-1 all hold positions start..start+T-1 (no padding)
+
+
+def position_mask(pos: Tensor, kv_len: int, window: int | None) -> Tensor:
+    """pos [B,T] -> bool mask [B,1,T,kv_len]: key j visible to the query at pos p iff j <= p (and p - j < window)."""
+    j = torch.arange(kv_len, device=pos.device)[None, None, None, :]
+    p = pos[:, None, :, None]
+    m = j <= p
+    if window is not None:
+        m = m & (j > p - window)
+    return m
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attn_fn: AttentionFn = sdpa_attention
+        self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
+        self.layer_step: Any = None  # the cached forward as one C++ call (engine/cpu_decode.py), when installed
+
+    def reset_rope(self) -> None:
+        """Recompute the rotary frequencies (after building on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+        self._rope = None
+
+    def rope_table(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [N, D] (N >= n) for positions 0..N-1: the same values rope_cos_sin computes."""
+        t = self._rope
+        if t is None or t[0].shape[0] < n or t[0].dtype != dtype or t[0].device != self.inv_freq.device:
+            pos = torch.arange(max(n, self.config.max_position_embeddings), device=self.inv_freq.device)
+            cos, sin = rope_cos_sin(self.inv_freq, pos[None], dtype)
+            self._rope = t = (cos[0, 0], sin[0, 0])
+        return t
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(
+        self,
+        tokens: Tensor,  # [B,T] int64
+        input_pos: Tensor | None = None,  # [B,T] int64 positions; None -> 0..T-1
+        cache: KVCache | None = None,
+        kv_len: int | None = None,  # cache slots to attend over (> max position in the batch)
+        rows: Tensor | None = None,  # [B] cache rows of the batch; None -> 0..B-1
+        logits_idx: Tensor | None = None,  # [B] -> logits [B,V]; [B,J] -> [B,J,V]: positions to score
+        n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
+        start: int | None = None,  # promise: rows is None and input_pos[b] == start..start+T-1 for every b
+    ) -> Tensor:
+        """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward.
+
+        ``start`` lets the cache path skip index scatters and gathers: the new keys go in with a
+        slice copy, the rotary table is sliced, and a single-token step needs no mask.
+        """
+        B, T = tokens.shape
+        if input_pos is None:
+            input_pos = torch.arange(T, device=tokens.device).expand(B, T)
+        step = self.layer_step
+        if cache is not None and step is not None and step.takes(tokens, cache):
+            assert kv_len is not None, "kv_len is required with a cache"
+            return step(tokens, input_pos, rows, cache, kv_len, n_layers, logits_idx)
+        x = self.embed_tokens(tokens)
+        window = self.config.sliding_window
+        if cache is None:
+            cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
+            mask = position_mask(input_pos, T, window) if window is not None and window < T else None
+            ctx = _Ctx(input_pos, None, True, T, mask)  # type: ignore[arg-type]
+        else:
+            assert kv_len is not None, "kv_len is required with a cache"
+            cos_t, sin_t = self.rope_table(cache.max_seq_len, x.dtype)
+            if start is not None:
+                assert rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"
+                cos, sin = cos_t[None, None, start: start + T], sin_t[None, None, start: start + T]
+                # one query that sees every key needs no mask; a block gets its mask built once here,
+                # shared by every layer (not rebuilt by the attention function in each of them)
+                full = T == 1 and (window is None or kv_len <= window)
+                mask = None if full else position_mask(input_pos, kv_len, window)
+                ctx = _Ctx(input_pos, None, True, kv_len, mask, start)  # type: ignore[arg-type]
+            else:
+                cos, sin = cos_t[input_pos][:, None], sin_t[input_pos][:, None]
+                prefix = rows is None
+                if rows is None:
+                    rows = torch.arange(B, device=tokens.device)
+                ctx = _Ctx(input_pos, rows, prefix, kv_len, position_mask(input_pos, kv_len, window))
+        layers = self.layers if n_layers is None else self.layers[:n_layers]
+        for i, layer in enumerate(layers):
+            c = None if cache is None else (cache.k[i], cache.v[i])
+            x = layer(x, cos, sin, self.attn_fn, c, ctx)
+        if logits_idx is not None:
+            b = torch.arange(B, device=x.device)
+            x = x[b, logits_idx] if logits_idx.dim() == 1 else x[b[:, None], logits_idx]
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,1 @@
+"""Export: the decode step as ONNX."""

@@ -1,0 +1,195 @@
+"""A fp32 model's few-row forward as one C++ call (engine/csrc/decode_layers.cpp).
+
+Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic. The demo draft's
+step cost ~0.73 ms through ~50 PyTorch ops, of which the GEMMs are ~0.2 ms (now ~0.14 ms in all
+with fp16 weights). ``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused
+q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down;
+final norm and LM head on the scored rows) in one call. ``Transformer.forward`` uses it when
+installed (``model.layer_step``) for every call with a fp32 cache and no autograd, prompts
+included: a decode step often carries a new sequence's prompt beside the others' tokens, and one
+path for all of them keeps every row's result independent of what else is in the batch (the
+PyTorch forward rounds a large batch differently). The PyTorch forward is its fallback with the
+same inputs and outputs (tests run both and compare). ``DecodeStep.greedy`` drafts k greedy tokens
+in one call (no Python between the draft steps).
+
+The GEMM weights: fp32 (the model's own tensors) on the AVX-512 small-GEMM kernel, or 16-bit
+copies widened in registers. A model whose weights are all bf16 values (a bf16 checkpoint loaded
+in fp32, as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a
+CPU with AMX its GEMMs run on tiles (engine/csrc/amx_gemm.cpp: fp32 inputs split exactly into
+three bf16 parts, fp32 accumulation): a 30M target's step (768 hidden, 4 layers) went 3.0 -> 1.43 ms,
+and a verify of 5 tokens costs ~1.2x a step instead of ~1.5x.
+
+Every row is computed the same way whatever the number of rows in the call (both GEMM kernels are
+row-independent and each query's attention is its own loop), so a verify pass and the one-token
+steps agree bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.core.errors import KernelUnavailableError
+from engine.core.model import FusedLinear, KVCache, Transformer, sdpa_attention
+from engine.kernels.cpu_gemm import (
+    SmallGemmLinear,
+    amx_status,
+    cpu_kernels,
+    small_gemm_status,
+)
+
+log = logging.getLogger(__name__)
+
+# the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or 16-bit copies
+# (widened to fp32 in registers: half the bytes a step streams). A copy is lossless when every weight
+# already has a value of that dtype (a bf16 or fp16 checkpoint loaded in fp32: see exact_weight_dtype);
+# otherwise it rounds, which only a draft may do (the target verifies its proposals: the output is
+# unchanged and only the acceptance can move)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gemm_weights(model: Transformer) -> list[Tensor]:
+    return [w for layer in model.layers for w in (layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight,
+                                                   layer.mlp.gate_up.weight, layer.mlp.down_proj.weight)] + [
+        model.lm_head.weight]  # type: ignore[union-attr]
+
+
+def exact_weight_dtype(model: Transformer) -> torch.dtype:
+    """The narrowest of ``WEIGHT_DTYPES`` holding every GEMM weight of ``model`` (a model
+    ``decode_step_reason`` accepts) exactly: bfloat16 or float16 when all their values are of
+    that dtype, else float32. The AVX-512 kernel computes the very same fp32 numbers on such a
+    copy; AMX tiles (bf16) compute the same products and add them in another order."""
+    weights = _gemm_weights(model)
+    for dtype in (torch.bfloat16, torch.float16):
+        if all(torch.equal(w.detach().to(dtype).float(), w.detach()) for w in weights):
+            return dtype
+    return torch.float32
+
+
+def _plain_weight(mod: Any) -> bool:
+    """An unquantized fp32 CPU projection: nn.Linear, a fused group or their small-GEMM forms."""
+    if not (type(mod) in (nn.Linear, SmallGemmLinear) or isinstance(mod, FusedLinear)):
+        return False
+    w = mod.weight
+    return w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() and (
+        mod.bias is None or mod.bias.dtype == torch.float32)
+
+
+def decode_step_reason(model: Transformer) -> str | None:
+    """None when ``DecodeStep`` can run this model here, else why not."""
+    if model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
+        return f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on " \
+               f"{model.norm.weight.device.type})"
+    if model.attn_fn is not sdpa_attention:
+        return f"the model's attention backend is {getattr(model.attn_fn, '__name__', model.attn_fn)!r}, not sdpa"
+    cfg = model.config
+    if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
+        return "needs heads divisible by kv heads and an even head_dim"
+    for i, layer in enumerate(model.layers):
+        a, m = layer.self_attn, layer.mlp
+        # (the module, or the unfused Linear standing for a group fuse_projections left alone)
+        parts = {"qkv": (a.qkv, a.q_proj), "o_proj": (a.o_proj, a.o_proj), "gate_up": (m.gate_up, m.gate_proj),
+                 "down_proj": (m.down_proj, m.down_proj)}
+        for name, (mod, alone) in parts.items():
+            if mod is None and type(alone) is nn.Linear:
+                return f"layer {i} {name} is not fused (fuse_projections first)"
+            if mod is None or not _plain_weight(mod):
+                return f"layer {i} {name} is {type(alone if mod is None else mod).__name__}, not a plain fp32 projection"
+        if m.gate_up.bias is not None:  # type: ignore[union-attr]
+            return f"layer {i} gate_up has a bias"
+    if type(model.embed_tokens) is not nn.Embedding or not _plain_weight(model.lm_head) \
+            or model.lm_head.bias is not None:
+        return f"the embedding or LM head is not a plain fp32 one ({type(model.lm_head).__name__})"
+    return small_gemm_status()
+
+
+class DecodeStep:
+    """``model``'s forward with a cache as one C++ call (same inputs and result as PyTorch's)."""
+
+    def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32, amx: bool | None = None) -> None:
+        """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them."""
+        reason = decode_step_reason(model)
+        if reason is not None:
+            raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed "
+                             f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
+        if amx and weight_dtype != torch.bfloat16:
+            raise ValueError(f"amx=True is invalid with weight_dtype={weight_dtype}: allowed torch.bfloat16")
+        amx_reason = amx_status()
+        if amx and amx_reason:
+            raise KernelUnavailableError(f"AMX tiles are unavailable: {amx_reason}")
+        self.amx = bool(weight_dtype == torch.bfloat16 and amx is not False and not amx_reason)
+        self.model, self.weight_dtype = model, weight_dtype
+
+        def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
+            return t.detach().to(weight_dtype).contiguous()
+
+        def vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
+            return torch.empty(0) if t is None else t.detach()
+
+        weights: list[Tensor] = []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            weights += [vec(layer.input_layernorm.weight), mat(a.qkv.weight), vec(a.qkv.bias), mat(a.o_proj.weight),
+                        vec(a.o_proj.bias), vec(layer.post_attention_layernorm.weight), mat(m.gate_up.weight),
+                        mat(m.down_proj.weight), vec(m.down_proj.bias)]
+        weights += [vec(model.embed_tokens.weight), vec(model.norm.weight), mat(model.lm_head.weight)]
+        cfg = model.config
+        self.n_layers = cfg.num_hidden_layers
+        # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
+        self.impl = cpu_kernels().DecodeModel(weights, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                              cfg.sliding_window or 0, cfg.rms_norm_eps, self.amx)
+        self._empty = torch.empty(0, dtype=torch.long)
+
+    def takes(self, tokens: Tensor, cache: KVCache) -> bool:
+        """Whether this call (tokens [B,T]) goes through the kernel: a fp32 cache and no autograd."""
+        return cache.k.dtype == torch.float32 and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
+
+    def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
+                 n_layers: int | None, logits_idx: Tensor | None) -> Tensor:
+        """tokens, pos [B,T]; rows [B] cache rows (None: 0..B-1) -> logits [B,T,V] ([B,V] / [B,J,V] at
+        logits_idx [B] / [B,J]), like ``Transformer.forward``."""
+        cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
+        return self.impl.forward(tokens, pos, self._empty if rows is None else rows,
+                                 self._empty if logits_idx is None else logits_idx, kv_len,
+                                 self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin)
+
+    def greedy(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
+               n_layers: int | None, last: Tensor, steps: int, vocab: int) -> Tensor:
+        """Greedy drafting in one call: this forward scored at ``last`` [B], then ``steps`` - 1 one-token
+        forwards, each on the previous argmax over the first ``vocab`` logits -> the argmaxes [B, steps]
+        (what calling ``__call__`` and ``argmax`` in a loop returns, without the Python between steps)."""
+        cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
+        return self.impl.greedy(tokens, pos, self._empty if rows is None else rows, last, kv_len,
+                                self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin,
+                                steps, vocab)
+
+
+def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | None = None) -> str | None:
+    """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).
+    ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless); "auto": that when it is 16-bit, else
+    float16 (for a draft: rounding its weights moves only the acceptance)."""
+    reason = decode_step_reason(model)
+    if reason is not None:
+        log.info("the model's steps stay on PyTorch: %s", reason)
+        model.layer_step = None
+        return reason
+    if weight_dtype is None or weight_dtype == "auto":
+        exact = exact_weight_dtype(model)
+        weight_dtype = torch.float16 if weight_dtype == "auto" and exact == torch.float32 else exact
+    model.layer_step = DecodeStep(model, weight_dtype)  # type: ignore[arg-type]
+    return None
+
+
+def step_info(models: dict[str, Transformer | None]) -> dict[str, Any]:
+    """For the engine's info, per named model: ``<name>_step_weights`` (the step's GEMM weight storage) and
+    ``<name>_step_amx`` (on AMX tiles), both None where the model has no step."""
+    info: dict[str, Any] = {}
+    for name, m in models.items():
+        step = getattr(m, "layer_step", None)
+        info[f"{name}_step_weights"] = None if step is None else str(step.weight_dtype).replace("torch.", "")
+        info[f"{name}_step_amx"] = None if step is None else step.amx
+    return info

@@ -1,0 +1,177 @@
+"""fp32 CPU linears for the few rows of a decode step or a verify pass (engine/csrc/small_gemm.cpp).
+
+Why: PyTorch's fp32 linear (MKL) streams the weights at memory speed for one row,
+but from 4 rows on it switches to a GEMM kernel that costs ~2x a row on the 2-core
+machine this project is developed on (the demo target's 17 GEMMs: 3.8 ms at 1 row,
+7.3 at 4, 10.5 at 8). A speculative verify pass is such a GEMM, so in fp32 the
+verify of K+1 tokens cost ~2x a decode step and the best K was 2. The small AVX-512
+kernel here streams each block of weight rows once and reuses it from L1 for every
+input row (2.9 ms at 1 row, 4.1 at 4, 5.5 at 8; 32 rows still beat MKL): a verify
+pass of 4-8 tokens costs 1.2-1.5x a step, so larger K pay off.
+
+Every output is one dot product accumulated in the same order for any row count,
+so row m of a verify pass equals the one-row step bit for bit (tested); with MKL
+they differ in the last bits. Above MAX_ROWS rows (a prefill) ``F.linear`` runs.
+
+fp16 and bf16 weights are widened to fp32 in registers (exact; half the bytes to stream): the draft's
+decode step (engine/cpu_decode.py, built into the same extension) stores its weights so, and a target
+whose weights are bf16 values (a bf16 checkpoint) runs on Intel AMX tiles where the CPU has them
+(engine/csrc/amx_gemm.cpp: a 30M target's verify of 5 rows costs ~1.2x its one-row step).
+
+The kernel is compiled on first use with torch's extension builder (a C++ compiler
+and ninja; ~20 s once, then cached by torch under ~/.cache/torch_extensions).
+A build killed half way leaves torch's lock file in that directory and the next
+build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm``.
+``small_gemm_status()`` says whether this machine can run it and, if not, why;
+``SmallGemmLinear`` has the same API and parameters as the ``nn.Linear`` it replaces,
+and ``F.linear`` is its fallback with the same API (tests compare the two).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.core.errors import KernelUnavailableError
+from engine.core.model import FusedLinear
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "small_gemm.cpp", CSRC / "amx_gemm.cpp", CSRC / "decode_layers.cpp", CSRC / "bindings.cpp"]
+MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (measured: 12.8 vs 13.7 ms at 32)
+KERNEL_NAME = "small-gemm-fp32"
+
+
+def _unsupported_reason() -> str | None:
+    """Why this machine cannot build or run the kernel, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU (this is {platform.machine()})"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX512",):
+        return f"needs AVX-512 (PyTorch reports CPU capability {cap})"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"needs a C++ compiler ({cxx!r} not found)"
+    if shutil.which("ninja") is None:
+        return "needs ninja (pip install ninja)"
+    return None
+
+
+def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
+    """torch's extension build of SOURCES: (the module, None) or (None, the compiler's first error line)."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(name=name, sources=[str(s) for s in SOURCES],
+                    extra_cflags=["-O3", "-mavx512f", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"]), None
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler or linker failure: say so, never hide it
+        lines = str(e).strip().splitlines()
+        # torch's message starts with the compile command; the compiler's first "error:" line says what broke
+        first = next((ln.strip() for ln in lines if "error:" in ln), lines[0] if lines else type(e).__name__)
+        log.debug("full build output:\n%s", e)
+        return None, first
+
+
+@functools.cache
+def _build() -> tuple[Any, str | None, str | None]:
+    """(the compiled module, None, why AMX is off or None) or (None, why not, why not). Built once per process;
+    torch caches the binary. When only the AMX code fails to build (an old assembler), the rest is rebuilt
+    without it, so the AVX-512 kernels still run."""
+    reason = _unsupported_reason()
+    if reason is not None:
+        return None, reason, reason
+    mod, error = _load("specmix_small_gemm", [])
+    if mod is not None:
+        return mod, None, mod.amx_status() or None
+    mod, error2 = _load("specmix_small_gemm_noamx", ["-DSPECMIX_NO_AMX"])
+    if mod is None:
+        log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error2)
+        return None, f"the build failed: {error2}", f"the build failed: {error2}"
+    log.warning("the AMX kernel did not build (the AVX-512 kernels run without it): %s", error)
+    return mod, None, f"the AMX code did not build: {error}"
+
+
+def small_gemm_status() -> str | None:
+    """None when the kernel runs here (building it on first call), else the reason it does not."""
+    return _build()[1]
+
+
+def amx_status() -> str | None:
+    """None when the AMX tile kernel (bf16-valued weights, engine/csrc/amx_gemm.cpp) runs here, else why not."""
+    return _build()[2]
+
+
+def cpu_kernels() -> Any:
+    """The compiled extension (``small_gemm``, ``DecodeModel``); ``KernelUnavailableError`` saying why not."""
+    mod, reason, _ = _build()
+    if mod is None:
+        raise KernelUnavailableError(f"the fp32 small-GEMM CPU kernel is unavailable: {reason}")
+    return mod
+
+
+def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
+    """The compiled ``small_gemm(x [M, K] fp32 contiguous, w [N, K] fp32 or fp16 contiguous) -> [M, N]`` (fp32)."""
+    return cpu_kernels().small_gemm
+
+
+def _small_gemm_linear(kernel: Callable[[Tensor, Tensor], Tensor], x: Tensor, weight: Tensor,
+                       bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` through the kernel when x has at most MAX_ROWS rows."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or _needs_torch(x, weight, bias):
+        return F.linear(x, weight, bias)
+    y = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y.add_(bias)
+
+
+def _needs_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Autograd or CPU autocast: the kernel has neither (inference never needs them), F.linear has both."""
+    if torch.is_autocast_enabled("cpu"):
+        return True
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
+def _check_weight(weight: Tensor) -> None:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"the small-GEMM kernel needs a contiguous fp32 CPU weight, got {weight.dtype} on "
+                         f"{weight.device} (contiguous={weight.is_contiguous()})")
+
+
+class SmallGemmLinear(nn.Module):
+    """Same API and parameters as the fp32 ``nn.Linear`` it replaces (the weight is shared, not copied)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        _check_weight(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared (a tied LM head stays tied to the embedding)
+        self.bias = linear.bias
+        self.kernel = small_gemm_kernel()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _small_gemm_linear(self.kernel, x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp32 small-GEMM kernel up to {MAX_ROWS} rows"
+
+
+class SmallGemmFused(FusedLinear):
+    """A fused projection (``model.FusedLinear``) whose GEMM runs on the small-GEMM kernel."""
+
+    def __init__(self, fused: FusedLinear) -> None:
+        _check_weight(fused.weight)
+        super().__init__(fused.weight, fused.bias)
+        self.kernel = small_gemm_kernel()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _small_gemm_linear(self.kernel, x, self.weight, self.bias)

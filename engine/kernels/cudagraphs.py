@@ -1,0 +1,287 @@
+"""CUDA graphs for the decode loop's cached forwards (target verify, draft steps).
+
+``GraphedForward`` wraps a Transformer: calling it is the model's cached forward,
+replayed from a captured graph when the call fits one; every other attribute is
+the model's, so the loop (``loop.target``) and a drafter (``drafter.model``) use
+it unchanged. ``enable_cuda_graphs(engine, buckets)`` installs the wrappers.
+
+A graph is keyed by (batch bucket, T, logits_idx shape, kv bucket, row layout,
+n_layers) and captured lazily on first use:
+
+- batch: the smallest bucket (1, 2, 4, 8, 16, 32 by default) >= B; padding rows
+  get token 0 at the cache's scratch position (written, never read by a real
+  query) and, with explicit rows, cache row 0; their outputs are cut off.
+- T: one graph per verify width T = K + 1 the controller picks. One graph at
+  k_max with masked padding would verify up to k_max + 1 tokens for a K = 2
+  round: free at batch 1 (weight-bound), not at batch 32 where the GEMMs see 288
+  instead of 96 rows; k_min..k_max is a handful of widths, so per-T graphs cost
+  a few captures and no extra compute per round.
+- kv: the attention spans a fixed number of cache slots, the power of two >= kv_len
+  (at least 256, at most the cache length), with the position mask computed inside
+  the graph from the static positions; at most 2x the live KV is read.
+- the draft: its one-token step (and the T <= 2 catch-up) is graphed and replayed
+  K - 1 times; sampling between steps stays eager. A graph of the whole K-step
+  loop would need one graph per (bucket, K, sampling set-up) and the top-k/top-p
+  branches are chosen on the host per batch; the step graph serves every K.
+
+A call that fits no graph (no cache, prefill wider than ``max_tokens``, a batch
+above the largest bucket or the cache's rows) runs eagerly and is counted. A new
+cache (the scheduler grows it between rounds) drops the graphs. ``emulate=True``
+runs the same static padded forward without capturing (what the CPU tests check).
+Graphs share one memory pool; outputs are cloned right after replay, so a later
+replay of another graph never overwrites what a caller holds.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import Tensor
+
+from engine.core.errors import InvalidConfigError
+from engine.core.model import KVCache, Transformer
+
+if TYPE_CHECKING:
+    from engine.api.engine import Engine
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+KV_BUCKET_MIN = 256
+DEFAULT_MAX_GRAPHS = 96
+
+
+def check_buckets(buckets: Sequence[int], where: str = "runtime.cuda_graphs.batch_buckets") -> tuple[int, ...]:
+    """Sorted distinct positive ints; InvalidConfigError naming ``where`` otherwise."""
+    if (not isinstance(buckets, (list, tuple)) or not buckets
+            or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 4096 for b in buckets)):
+        raise InvalidConfigError(f"{where}={buckets!r} is invalid: allowed a non-empty list of ints in 1..4096")
+    return tuple(sorted(set(buckets)))
+
+
+def batch_bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= n, or None when n is above them all."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def kv_bucket(kv_len: int, max_seq_len: int) -> int:
+    """Cache slots a graph attends over: the power of two >= kv_len (>= KV_BUCKET_MIN), capped by the cache."""
+    b = KV_BUCKET_MIN
+    while b < kv_len:
+        b *= 2
+    return min(b, max_seq_len)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    tokens: int  # T
+    idx: tuple[int, ...] | None  # logits_idx shape without the batch dim (None: no logits_idx)
+    kv: int
+    prefix: bool  # rows 0..B-1 (no rows tensor: no gather of the cache)
+    n_layers: int | None
+
+
+@dataclass
+class GraphStats:
+    graphs: int = 0  # held now
+    captures: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+    eager_calls: int = 0
+    evictions: int = 0
+    resets: int = 0  # the cache was replaced: graphs dropped
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Static:
+    """Static inputs of one graph and, once captured, its output and the graph."""
+
+    def __init__(self, key: GraphKey, device: torch.device) -> None:
+        B, T = key.batch, key.tokens
+        self.tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.pos = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.rows = None if key.prefix else torch.zeros(B, dtype=torch.long, device=device)
+        self.idx = None if key.idx is None else torch.zeros(B, *key.idx, dtype=torch.long, device=device)
+        self.out: Tensor | None = None
+        self.graph: Any = None  # torch.cuda.CUDAGraph
+
+
+class GraphedForward:
+    """The cached forward of ``model`` from CUDA graphs where the call fits one (see the module doc)."""
+
+    def __init__(self, model: Transformer, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, *,
+                 max_tokens: int = 16, emulate: bool = False, max_graphs: int = DEFAULT_MAX_GRAPHS,
+                 pool: Any = None) -> None:
+        dev = model.norm.weight.device
+        if not emulate and dev.type != "cuda":
+            raise InvalidConfigError(f"CUDA graphs need the model on a CUDA device, not {dev.type!r} "
+                                     "(emulate=True runs the static forward eagerly)")
+        self._model, self.device, self.emulate = model, dev, emulate
+        self.buckets = check_buckets(list(batch_buckets), "batch_buckets")
+        self.max_tokens, self.max_graphs = max_tokens, max_graphs
+        self.pool = pool if pool is not None or emulate else torch.cuda.graph_pool_handle()
+        self.stats = GraphStats()
+        self._graphs: OrderedDict[GraphKey, _Static] = OrderedDict()
+        self._cache_id: tuple[int, ...] | None = None
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped model's attributes (config, norm, ...)
+        if name == "_model":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+    @property
+    def model(self) -> Transformer:
+        return self._model
+
+    # ------------------------------------------------------------ the call
+    def key_for(self, tokens: Tensor, input_pos: Tensor | None, cache: KVCache | None, kv_len: int | None,
+                rows: Tensor | None, logits_idx: Tensor | None, n_layers: int | None) -> GraphKey | None:
+        """The graph a call would replay, or None (eager)."""
+        if cache is None or input_pos is None or kv_len is None:
+            return None
+        B, T = tokens.shape
+        bb = batch_bucket(B, self.buckets)
+        if bb is None or bb > cache.max_batch or T > self.max_tokens:
+            return None
+        idx = None if logits_idx is None else tuple(logits_idx.shape[1:])
+        return GraphKey(bb, T, idx, kv_bucket(kv_len, cache.max_seq_len), rows is None, n_layers)
+
+    def __call__(self, tokens: Tensor, input_pos: Tensor | None = None, cache: KVCache | None = None,
+                 kv_len: int | None = None, rows: Tensor | None = None, logits_idx: Tensor | None = None,
+                 n_layers: int | None = None, start: int | None = None) -> Tensor:
+        key = self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers)
+        if key is None:
+            self.stats.eager_calls += 1
+            return self._model(tokens, input_pos, cache, kv_len, rows, logits_idx=logits_idx, n_layers=n_layers,
+                               start=start)
+        assert cache is not None and input_pos is not None
+        self._check_cache(cache)
+        g = self._graphs.get(key)
+        fresh = g is None
+        if g is None:
+            g = self._graphs[key] = _Static(key, self.device)
+        else:
+            self._graphs.move_to_end(key)
+        self._fill(g, tokens, input_pos, rows, logits_idx, cache.max_seq_len - 1)
+        if self.emulate:
+            out = self._forward(g, cache, key)
+            if fresh:
+                self._count_capture(0.0)
+        else:
+            if fresh:
+                self._capture(g, cache, key)
+            g.graph.replay()
+            out = g.out
+        self.stats.replays += 1  # emulated: the same static forward, run eagerly
+        assert out is not None
+        return out[: tokens.shape[0]].clone()
+
+    # ------------------------------------------------------------ internals
+    def _check_cache(self, cache: KVCache) -> None:
+        ident = (cache.k.data_ptr(), cache.v.data_ptr(), *cache.k.shape)
+        if self._cache_id != ident:
+            if self._graphs:
+                log.info("KV cache replaced: dropping %d CUDA graphs", len(self._graphs))
+                self.stats.resets += 1
+            self.reset()
+            self._cache_id = ident
+
+    def reset(self) -> None:
+        """Drop every graph (they hold the old cache's addresses)."""
+        self._graphs.clear()
+        self.stats.graphs = 0
+
+    @staticmethod
+    def _fill(g: _Static, tokens: Tensor, pos: Tensor, rows: Tensor | None, idx: Tensor | None, scratch: int) -> None:
+        B = tokens.shape[0]
+        g.tokens[:B].copy_(tokens)
+        g.tokens[B:].zero_()
+        g.pos[:B].copy_(pos)
+        g.pos[B:].fill_(scratch)  # padding rows write the scratch slot, which no real query reads
+        if g.rows is not None:
+            assert rows is not None
+            g.rows[:B].copy_(rows)
+            g.rows[B:].zero_()
+        if g.idx is not None:
+            assert idx is not None
+            g.idx[:B].copy_(idx)
+            g.idx[B:].zero_()
+
+    @torch.no_grad()
+    def _forward(self, g: _Static, cache: KVCache, key: GraphKey) -> Tensor:
+        return self._model(g.tokens, g.pos, cache, key.kv, g.rows, logits_idx=g.idx, n_layers=key.n_layers)
+
+    def _count_capture(self, seconds: float) -> None:
+        self.stats.captures += 1
+        self.stats.capture_seconds += seconds
+        while len(self._graphs) > self.max_graphs:  # least recently used first
+            self._graphs.popitem(last=False)
+            self.stats.evictions += 1
+        self.stats.graphs = len(self._graphs)
+
+    def _capture(self, g: _Static, cache: KVCache, key: GraphKey) -> None:  # pragma: no cover - needs CUDA
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS handles, rotary table) happen here
+                self._forward(g, cache, key)  # idempotent: rewrites the same cache slots with the same keys
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                g.out = self._forward(g, cache, key)
+            g.graph = graph
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        log.debug("captured CUDA graph %s in %.3f s", key, dt)
+        self._count_capture(dt)
+
+
+def enable_cuda_graphs(engine: "Engine", batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, *,
+                       emulate: bool = False) -> list[GraphedForward]:
+    """Route the engine's loop (and its model drafter) through graphed forwards; returns the wrappers.
+
+    The target's wrapper serves verify widths up to k_max + 2; a draft model's serves its steps
+    and catch-up (T <= 2); the early-exit drafter shares the target's (n_layers is in the key).
+    """
+    from engine.spec.drafters import EarlyExitDrafter, ModelDrafter
+
+    loop = engine.loop
+    if isinstance(loop.target, GraphedForward):
+        return list(engine.cuda_graphs or [])
+    k_max = engine.policy.k_max if engine.policy is not None else 0
+    target = GraphedForward(loop.target, batch_buckets, max_tokens=k_max + 2, emulate=emulate)
+    runners = [target]
+    loop.target = target  # type: ignore[assignment]
+    d = engine.drafter
+    if isinstance(d, EarlyExitDrafter):
+        d.model = target  # type: ignore[assignment]
+    elif isinstance(d, ModelDrafter):
+        draft = GraphedForward(d.model, batch_buckets, max_tokens=2, emulate=emulate, pool=target.pool)
+        d.model = draft  # type: ignore[assignment]
+        runners.append(draft)
+    engine.cuda_graphs = runners
+    log.info("CUDA graphs on (batch buckets %s%s)", ",".join(map(str, target.buckets)), ", emulated" if emulate else "")
+    return runners
+
+
+def graph_stats(runners: Sequence[GraphedForward] | None) -> dict[str, Any] | None:
+    """Totals over the wrappers for Engine.stats() (None: graphs off)."""
+    if not runners:
+        return None
+    tot = GraphStats()
+    for r in runners:
+        for k, v in r.stats.to_dict().items():
+            setattr(tot, k, getattr(tot, k) + v)
+    out = tot.to_dict()
+    out["capture_seconds"] = round(out["capture_seconds"], 4)
+    out["emulated"] = runners[0].emulate
+    out["batch_buckets"] = list(runners[0].buckets)
+    return out

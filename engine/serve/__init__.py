@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching scheduler, metrics and the GPU load window."""

@@ -1,0 +1,432 @@
+"""Continuous batching: one worker thread owns the decode loop and the KV caches.
+
+Callers (any thread) validate their request, then ``submit`` it and wait on its
+``Request`` handle; they never touch the loop. The worker, per round:
+
+1. drops cancelled requests (waiting or running) and frees their cache rows;
+2. admits waiting requests in FIFO order into free rows (at most ``max_batch``
+   run at once);
+3. runs ONE ``DecodeLoop.step`` over every running sequence (a request that
+   joined this round has its prefill in the same round as the others' decode);
+4. hands each request its new tokens; a finished request leaves and frees its row.
+
+Cache policy: the cache has ``max_batch`` rows; its length is what the admitted
+requests need (prompt + max_new_tokens + k_max + 2, rounded up to 128) and it
+only grows, and only between rounds when no sequence is running: a request
+longer than the cache waits at the head of the queue until the batch drains
+(FIFO, so it is never starved). Memory is proportional to the real lengths, and
+a request beyond ``max_seq_len`` (default: the model's context) is refused at
+submission. A round that raises ends the requests in it with
+``RequestFailedError``; the worker logs it and keeps serving. The worker exits
+after ``idle_exit_s`` without work (so an unused Engine can be collected) and
+is restarted by the next submission; at interpreter exit it cancels what is
+left and ends between rounds (it is not a daemon, so no torch op is cut off).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
+
+from engine.core.errors import EngineError, OverloadedError
+from engine.spec.adaptive import KController
+from engine.spec.loop import Seq
+from engine.spec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.api.engine import Completion, Engine
+    from engine.serve.telemetry import LoadGovernor
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class RequestFailedError(EngineError, RuntimeError):
+    """The round that ran this request failed (the engine logged why and keeps serving)."""
+
+
+@dataclass
+class Totals:
+    """Engine-wide counters (what ``stats()`` and ``metrics_text()`` report)."""
+
+    requests: int = 0  # finished requests (any reason)
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    iterations: int = 0  # sequence-rounds (one per sequence per target pass it took part in)
+    target_forwards: int = 0  # batched target passes (rounds)
+    seconds: float = 0.0  # worker time spent in rounds
+    pos_tried: list[int] = field(default_factory=list)
+    pos_accepted: list[int] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
+    nonfinite: int = 0  # sequences ended by NaN/inf logits
+    round_failures: int = 0  # rounds that raised
+    failed: int = 0  # requests ended by a failed round (RequestFailedError)
+    rejected_overload: int = 0  # submissions refused with OverloadedError
+
+
+class Request:
+    """One submitted prompt. Iterate it for text pieces as tokens are accepted (never a partial
+    character or a possible stop-string prefix), ``result()`` for the Completion, ``cancel()`` to stop.
+
+    Closing the iterator early (``break`` in a for loop, GeneratorExit) cancels the request.
+    """
+
+    def __init__(self, sched: "Scheduler", prompt: list[int], params: SamplingParams) -> None:
+        self.prompt, self.params = prompt, params
+        self._sched = sched
+        self._cv = threading.Condition()
+        self._tokens: list[int] = []
+        self._completion: Completion | None = None
+        self._error: EngineError | None = None
+        self._cancelled = False
+        self.seq: Seq | None = None  # the worker's sequence while running
+
+    # ------------------------------------------------------------ caller side
+    def cancel(self) -> None:
+        """Stop generating; the request's cache row is freed at the next round."""
+        self._cancelled = True
+        self._sched.wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        with self._cv:
+            return self._completion is not None or self._error is not None
+
+    def result(self, timeout: float | None = None) -> "Completion":
+        """The Completion (finish_reason stop, length, cancelled or error); raises RequestFailedError
+        when its round failed, TimeoutError when ``timeout`` seconds pass first."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._completion is not None or self._error is not None, timeout):
+                raise TimeoutError(f"request not finished within timeout={timeout} s")
+            if self._error is not None:
+                raise self._error
+            assert self._completion is not None
+            return self._completion
+
+    def __iter__(self) -> Iterator[str]:
+        return self.text_pieces()
+
+    def text_pieces(self) -> Iterator[str]:
+        tok, stops = self._sched.tokenizer, self.params.stop
+        sent = seen = 0
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: len(self._tokens) > seen or self._completion is not None
+                                      or self._error is not None)
+                    if self._error is not None:
+                        raise self._error
+                    comp, toks = self._completion, list(self._tokens)
+                if comp is not None:
+                    if len(comp.text) > sent:
+                        yield comp.text[sent:]
+                    return
+                seen = len(toks)
+                text = tok.decode(toks)
+                safe = safe_prefix(text, stops)
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+        finally:
+            if not self.done():
+                self.cancel()
+
+    # ------------------------------------------------------------ worker side
+    def _deliver(self, tokens: list[int], completion: "Completion | None" = None,
+                 error: EngineError | None = None) -> None:
+        with self._cv:
+            self._tokens.extend(tokens)
+            self._completion, self._error = completion, error
+            self._cv.notify_all()
+
+
+class Scheduler:
+    """The worker thread, its wait queue, the cache rows and the engine-wide counters."""
+
+    def __init__(self, engine: "Engine", max_batch: int, max_waiting: int, max_seq_len: int,
+                 idle_exit_s: float = 0.5) -> None:
+        self.engine, self.loop, self.tokenizer = engine, engine.loop, engine.tokenizer
+        self.max_batch, self.max_waiting, self.max_seq_len = max_batch, max_waiting, max_seq_len
+        self.idle_exit_s = idle_exit_s
+        self.k_max = engine.policy.k_max if engine.policy is not None else 0
+        self.totals = Totals()
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # the worker's; read elsewhere only for len()
+        self._reserved = 0  # rows held by running requests (under the lock)
+        self._free_rows = list(range(max_batch))  # a heap: low rows first keep the batch a row prefix
+        self._thread: threading.Thread | None = None
+        self._driver = threading.Lock()  # held by whichever thread runs a round (the worker or a caller)
+        self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
+        self.governor: LoadGovernor | None = None  # the load window (engine/telemetry.py); None: no caps
+        self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
+        self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
+
+    # ------------------------------------------------------------ submission
+    def need(self, prompt: list[int], params: SamplingParams) -> int:
+        """Cache positions a request needs: its tokens, K headroom and the scratch slot."""
+        return len(prompt) + params.max_new_tokens + self.k_max + 2
+
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+               drive: bool = False) -> list[Request]:
+        """Queue the (validated) prompts together, or refuse them all with OverloadedError.
+        ``drive``: the caller will run rounds itself (``drive``), counted before the worker can start."""
+        reqs = [Request(self, p, sp) for p, sp in zip(prompts, params)]
+        with self._lock:
+            room = self.max_waiting + (self.max_batch - self._reserved) - len(self._waiting)
+            if len(reqs) > room:
+                self.totals.rejected_overload += len(reqs)
+                raise OverloadedError(
+                    f"overloaded: {len(self._waiting)} requests waiting and {self._reserved} running "
+                    f"(max_waiting={self.max_waiting}, max_batch={self.max_batch}); "
+                    f"{len(reqs)} more do not fit, retry later")
+            self._waiting.extend(reqs)
+            self._callers += drive
+            if self._thread is None:
+                # not a daemon: at interpreter exit it cancels what runs and ends between rounds
+                self._thread = threading.Thread(target=self._run, name="specmix-worker", daemon=False)
+                self._thread.start()
+            self._lock.notify_all()
+        return reqs
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------ driving rounds
+    # Rounds run in the worker thread, or in a caller that waits for its requests (generate): on the
+    # CPU, an OpenMP team in a second thread is throttled (libgomp stops spinning when its threads
+    # outnumber the cores) and a round there costs ~1.5x one in the thread that loaded the model.
+    # The worker stands by while a caller drives; one lock keeps rounds one at a time.
+
+    def drive(self, reqs: Sequence[Request]) -> None:
+        """Run rounds in this thread until ``reqs`` are done (they were submitted with drive=True)."""
+        try:
+            while not all(r.done() for r in reqs):
+                with self._driver:
+                    worked = not all(r.done() for r in reqs) and self._work_once()
+                if not worked:  # nothing ran (our requests wait for rows): wait without holding the rounds
+                    with self._lock:
+                        self._lock.wait(0.01)
+        finally:
+            with self._lock:
+                self._callers -= 1
+                self._lock.notify_all()
+
+    def _work_once(self) -> bool:
+        """Admit what fits, start it, run one round; False when there was nothing to run."""
+        with self._lock:
+            self._drop_cancelled_waiting()
+            admitted = self._admit()
+        for r in admitted:
+            self._running.append(r)
+            try:
+                self._start(r)
+            except Exception as e:  # noqa: BLE001 - e.g. measuring costs failed: fail it, keep serving
+                log.exception("could not start a request")
+                self._retire(r, RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
+        if not self._running:
+            return False
+        self._round()
+        return True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not threading.main_thread().is_alive():  # interpreter shutdown: stop, leave no torch op running
+                    with self._driver:
+                        self._cancel_all()
+                    return
+                with self._lock:
+                    if self._callers:  # a caller drives: stand by
+                        self._lock.wait(0.05)
+                        continue
+                with self._driver:
+                    worked = self._work_once()
+                if not worked:
+                    with self._lock:
+                        if self._callers:
+                            continue
+                        if not self._waiting:
+                            self._lock.wait(self.idle_exit_s)
+                            self._drop_cancelled_waiting()
+                            if not self._waiting and not self._callers and not self._running:
+                                self._thread = None
+                                return
+                        else:  # the head waits for rows; a round of others frees them
+                            self._lock.wait(0.01)
+        finally:
+            with self._lock:  # a dying worker (a bug, SystemExit) lets the next submission start a new one
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _cancel_all(self) -> None:
+        for r in list(self._waiting) + self._running:
+            r._cancelled = True
+        with self._lock:
+            self._drop_cancelled_waiting()
+        for r in list(self._running):
+            assert r.seq is not None
+            r.seq.finish("cancelled")
+            self._retire(r)
+
+    def _drop_cancelled_waiting(self) -> None:
+        if any(r.cancelled for r in self._waiting):
+            for r in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(r)
+                self._finish_unstarted(r)
+
+    def _admit(self) -> list[Request]:
+        """Pop waiting requests into free rows (under the lock); the cache grows only when idle."""
+        admitted: list[Request] = []
+        while self._waiting and self._free_rows and self._reserved < self.batch_cap:
+            r = self._waiting[0]
+            need = self.need(r.prompt, r.params)
+            cache = self.loop.cache
+            if cache is None or cache.max_seq_len < need:
+                if self._running or admitted:
+                    break  # the head waits until the batch drains, then the cache grows
+                longest = max(len(w.prompt) + w.params.max_new_tokens for w in self._waiting)
+                try:
+                    self.loop.ensure_cache(self.max_batch, min(longest, self.max_seq_len), self.k_max)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail the request, keep serving
+                    log.exception("could not allocate the KV cache for %d positions", need)
+                    self._waiting.popleft()
+                    r._deliver([], error=RequestFailedError(f"KV cache allocation failed: {type(e).__name__}: {e}"))
+                    continue
+            self._waiting.popleft()
+            row = heapq.heappop(self._free_rows)
+            r.seq = Seq(prompt=r.prompt, params=r.params, generator=torch.Generator(device=self.engine.device),
+                        row=row)
+            self._reserved += 1
+            admitted.append(r)
+        return admitted
+
+    def _start(self, r: Request) -> None:
+        """Seed the sequence's generator and build its K controller (outside the lock: costs may be measured)."""
+        assert r.seq is not None
+        sp = r.params
+        r.seq.generator.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+        pol = self.engine.policy
+        if pol is not None:  # costs are measured (once) only for the cost-model policy
+            r.seq.k_ctl = KController(pol, self.engine.costs if pol.name == "cost-model" else None)
+
+    def _round(self) -> None:
+        for r in [r for r in self._running if r.cancelled]:
+            assert r.seq is not None
+            r.seq.finish("cancelled")
+            self._retire(r)
+        if not self._running:
+            return
+        if self.governor is not None:  # GPU memory pressure lowers K and the admitted batch, never fails
+            self.loop.k_cap, self.batch_cap = self.governor.poll()
+        self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
+        seqs = [r.seq for r in self._running if r.seq is not None]
+        t0 = time.perf_counter()
+        try:
+            if self.on_round is not None:
+                self.on_round()
+            events = self.loop.step(seqs)
+        except Exception as e:  # noqa: BLE001 - the one place: fail this round's requests, keep serving
+            log.exception("decode round over %d sequences failed; ending their requests", len(seqs))
+            with self._lock:
+                self.totals.round_failures += 1
+            err = f"generation failed in a decode round: {type(e).__name__}: {e}"
+            for r in list(self._running):
+                self._retire(r, RequestFailedError(err))
+            return
+        with self._lock:
+            self.totals.seconds += time.perf_counter() - t0
+            self.totals.target_forwards += 1
+        by_seq = {id(s): toks for s, toks in events}
+        for r in list(self._running):
+            assert r.seq is not None
+            new = by_seq.get(id(r.seq), [])
+            if r.seq.finished:
+                self._retire(r, new=new)
+            elif new:
+                r._deliver(new)
+
+    def _retire(self, r: Request, error: EngineError | None = None, new: Sequence[int] = ()) -> None:
+        """Leave the batch: free the row, account, hand the caller its completion (or error)."""
+        s = r.seq
+        assert s is not None
+        self._running.remove(r)
+        with self._lock:
+            heapq.heappush(self._free_rows, s.row)
+            self._reserved -= 1
+            if error is None:
+                self._account(s)
+            else:
+                self.totals.failed += 1
+            self._lock.notify_all()
+        r._deliver(list(new), completion=None if error else self.engine._completion(s), error=error)
+
+    def _finish_unstarted(self, r: Request) -> None:
+        from engine.api.engine import Completion
+
+        self.totals.requests += 1
+        self.totals.finished["cancelled"] += 1
+        r._deliver([], completion=Completion(text="", token_ids=[], finish_reason="cancelled",
+                                             prompt_token_ids=r.prompt))
+
+    def _account(self, s: Seq) -> None:
+        t, st = self.totals, s.stats
+        reason = s.finish_reason or "length"
+        t.requests += 1
+        t.finished[reason] = t.finished.get(reason, 0) + 1
+        if reason == "error":
+            t.nonfinite += 1
+        t.generated += len(s.generated)
+        t.drafted += st.drafted
+        t.accepted += st.accepted
+        t.iterations += st.target_passes
+        if len(t.pos_tried) < len(st.pos_tried):
+            t.pos_tried += [0] * (len(st.pos_tried) - len(t.pos_tried))
+            t.pos_accepted += [0] * (len(st.pos_tried) - len(t.pos_accepted))
+        for i, (a, n) in enumerate(zip(st.pos_accepted, st.pos_tried)):
+            t.pos_tried[i] += n
+            t.pos_accepted[i] += a
+
+    def reset_totals(self) -> None:
+        with self._lock:
+            self.totals = Totals()
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of the counters plus the queue gauges."""
+        with self._lock:
+            t = self.totals
+            return {"totals": Totals(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict)
+                                            else v) for k, v in vars(t).items()}),
+                    "waiting": len(self._waiting), "running": self._reserved}
+
+
+def safe_prefix(text: str, stops: Sequence[str]) -> int:
+    """Length of text safe to emit: no trailing partial character, no possible start of a stop string."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    for s in stops:
+        for j in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:j]):
+                n -= j
+                break
+    return n

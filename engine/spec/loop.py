@@ -1,0 +1,279 @@
+"""The decode loop: one speculative round over a ragged batch.
+
+Prefill and decode are the same round. Each sequence keeps its committed tokens
+(prompt + output), ``tlen`` (tokens whose KV is in the target cache, always
+len(tokens) - 1 after a round: the last sampled token is fed next round) and
+``dlen`` (the same for the draft model). A round:
+
+1. draws this round's randomness from each sequence's own generator (so a seed
+   gives the same output whatever else is in the batch);
+2. lets the drafter propose K_b tokens per row (K_b from the row's controller);
+3. runs ONE target forward over tokens[tlen:] + drafts, scoring the K+1
+   positions from the last committed token on;
+4. runs the pure acceptance function on the device; the one host sync of the
+   round is reading its result;
+5. applies stop conditions inside the accepted run, moves lengths back (a
+   rejection is just a smaller tlen: stale cache slots are overwritten later).
+
+Fault isolation: a row whose scored target logits hold NaN or inf ends with
+finish_reason "error" (a logged warning); the check is a [B] flag computed on
+the device and read in the same single host synchronisation. ``inject_nan``
+(a test hook: Seq -> bool) poisons the logits of the rows it picks.
+
+Without a drafter K is 0 and a round is a plain decode step (or the prefill).
+Padding tokens are written to a scratch slot (the cache's last position),
+which no real position ever reads.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from engine.core.model import KVCache, Transformer
+from engine.core.tokenizer import Tokenizer
+from engine.spec.adaptive import KController
+from engine.spec.drafters import DraftBatch, Drafter
+from engine.spec.rejection import greedy_accept, rejection_sample
+from engine.spec.sampling import RowProcessing, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqStats:
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    pos_tried: list[int] = field(default_factory=list)  # rounds that tested draft position i
+    pos_accepted: list[int] = field(default_factory=list)  # rounds that accepted draft position i
+
+    def record(self, k: int, a: int) -> None:
+        self.drafted += k
+        self.accepted += a
+        self.target_passes += 1
+        need = k
+        if len(self.pos_tried) < need:
+            self.pos_tried += [0] * (need - len(self.pos_tried))
+            self.pos_accepted += [0] * (need - len(self.pos_accepted))
+        for i in range(min(a + 1, k)):
+            self.pos_tried[i] += 1
+        for i in range(a):
+            self.pos_accepted[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "target_passes": self.target_passes,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            # draft positions tested (accepted ones + one per round that rejected): accepted / trials is the
+            # per-token acceptance a of the cost model (accepted / drafted is biased low for K > 1)
+            "draft_trials": sum(self.pos_tried),
+            "per_position_acceptance": [a / t if t else None for a, t in zip(self.pos_accepted, self.pos_tried)],
+        }
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    row: int = 0
+    k_ctl: KController | None = None
+    tokens: list[int] = field(default_factory=list)
+    tlen: int = 0
+    dlen: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_cut: int | None = None  # where a stop string starts in the generated text
+    checked_chars: int = 0  # generated text already searched for stop strings
+    stats: SeqStats = field(default_factory=SeqStats)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    def finish(self, reason: str) -> None:
+        if not self.finished:
+            self.finished, self.finish_reason = True, reason
+
+
+class DecodeLoop:
+    def __init__(self, target: Transformer, tokenizer: Tokenizer, drafter: Drafter | None,
+                 eos_ids: list[int], vocab: int, device: torch.device) -> None:
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.eos = set(eos_ids)
+        self.vocab, self.device = vocab, device
+        self.cache: KVCache | None = None
+        self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
+        self.k_cap = 1 << 30  # the load window (engine/telemetry.py) lowers it under GPU memory pressure
+
+    def ensure_cache(self, rows: int, positions: int, k_max: int) -> KVCache:
+        """A cache with >= rows rows and room for `positions` + K headroom + the scratch slot."""
+        need = positions + k_max + 2
+        c = self.cache
+        if c is None or c.max_batch < rows or c.max_seq_len < need:
+            seq_len = -(-need // 128) * 128
+            if c is not None:
+                seq_len = max(seq_len, c.max_seq_len)
+                rows = max(rows, c.max_batch)
+            self.cache = None  # free before allocating the bigger one
+            w = self.target.norm.weight
+            self.cache = KVCache(self.target.config, rows, seq_len, w.dtype, w.device)
+            log.debug("allocated KV cache rows=%d seq_len=%d (%.1f MB)", rows, seq_len, self.cache.nbytes / 2**20)
+        if self.drafter is not None:
+            self.drafter.ensure_cache(self.cache.max_batch, self.cache.max_seq_len)
+        return self.cache
+
+    def k_for(self, s: Seq) -> int:
+        if self.drafter is None or s.k_ctl is None:
+            return 0
+        remaining = s.params.max_new_tokens - len(s.generated)
+        return max(0, min(s.k_ctl.k, remaining - 1, self.k_cap))
+
+    @torch.no_grad()
+    def step(self, seqs: list[Seq]) -> list[tuple[Seq, list[int]]]:
+        """One round over the unfinished sequences; returns each one's newly committed tokens."""
+        active = [s for s in seqs if not s.finished]
+        if not active:
+            return []
+        cache = self.cache
+        assert cache is not None, "ensure_cache first"
+        dev, V, B = self.device, self.vocab, len(active)
+        scratch = cache.max_seq_len - 1
+        row_ids = [s.row for s in active]
+        rows = None if row_ids == list(range(B)) else torch.tensor(row_ids, device=dev)
+        proc = RowProcessing.of([s.params for s in active], dev)
+        ks = [self.k_for(s) for s in active]
+        kmax = max(ks)
+
+        # this round's randomness, drawn up front from each sequence's own generator (a greedy row uses
+        # none: its target and draft distributions are one-hot; an all-greedy batch allocates none)
+        greedy = proc.mode == "greedy"
+        final_noise = uniforms = draft_noise = None
+        if not greedy:
+            final_noise = torch.ones(B, V, device=dev)
+            uniforms = torch.full((B, kmax), 0.5, device=dev)
+            draft_noise = torch.ones(B, kmax, V, device=dev)
+            for b, s in enumerate(active):
+                if s.params.greedy:
+                    continue
+                if ks[b]:
+                    draft_noise[b, : ks[b]].exponential_(generator=s.generator)
+                    uniforms[b, : ks[b]].uniform_(generator=s.generator)
+                final_noise[b].exponential_(generator=s.generator)
+
+        drafts = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        dprobs: Tensor | None = None
+        proposed = 0
+        if kmax > 0:
+            assert self.drafter is not None
+            batch = DraftBatch(active, rows, proc, kmax, draft_noise, V, scratch, cache)
+            drafts, dprobs, num = self.drafter.propose(batch)
+            proposed = kmax
+            if num is not None:  # a deterministic drafter may find fewer
+                ks = [min(k, n) for k, n in zip(ks, num)]
+                kmax = max(ks)
+                drafts = drafts[:, :kmax]
+                uniforms = None if uniforms is None else uniforms[:, :kmax]
+                dprobs = None if dprobs is None else dprobs[:, :kmax]
+
+        # one verify pass over tokens[tlen:] + drafts
+        catch = [len(s.tokens) - s.tlen for s in active]
+        T = max(catch) + kmax
+        toks = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.full((B, T), scratch, dtype=torch.long)
+        for b, s in enumerate(active):
+            toks[b, : catch[b]] = torch.tensor(s.tokens[s.tlen:], dtype=torch.long)
+            pos[b, : catch[b] + ks[b]] = torch.arange(s.tlen, s.tlen + catch[b] + ks[b])
+        toks, pos = toks.to(dev), pos.to(dev)
+        catch_t = torch.tensor(catch, dtype=torch.long, device=dev)
+        if kmax:
+            cols = catch_t[:, None] + torch.arange(kmax, device=dev)
+            toks.scatter_(1, cols, drafts)
+        kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
+        idx = (catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)  # [B, K+1]
+        aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
+        logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
+                             start=active[0].tlen if aligned else None)  # [B, K+1, Vt]
+        if self.inject_nan is not None:
+            for b, s in enumerate(active):
+                if self.inject_nan(s):
+                    logits[b] = float("nan")
+        num_draft = torch.tensor(ks, dtype=torch.long, device=dev)
+        scored = torch.arange(kmax + 1, device=dev) <= num_draft[:, None]  # [B, K+1] positions that count
+        bad = ((~torch.isfinite(logits[..., :V])).any(-1) & scored).any(-1)  # [B] non-finite rows
+        if greedy:  # one-hot q: accept while d == argmax q, else take argmax q (whatever p is); no distributions
+            out, nacc = greedy_accept(drafts, logits[..., :V].argmax(-1), num_draft)
+        else:
+            assert uniforms is not None and final_noise is not None
+            q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
+            out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
+        res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
+
+        events = []
+        for b, s in enumerate(active):
+            if res[b][-1]:
+                log.warning("non-finite target logits in the row of a %d-token sequence (cache row %d) after "
+                            "%d generated tokens: ending it with finish_reason 'error'",
+                            len(s.prompt), s.row, len(s.generated))
+                s.finish("error")
+                # its keys/values may be non-finite too: a later sequence in this row must not read them
+                # (the math attention reads a bucket of slots past kv_len, masked, and 0 * NaN is NaN)
+                cache.k[:, s.row].zero_()
+                cache.v[:, s.row].zero_()
+                events.append((s, []))
+                continue
+            n_before, a, k = len(s.tokens), res[b][-2], ks[b]
+            s.tlen = n_before + a
+            if proposed and self.drafter is not None:
+                self.drafter.after_verify(s, n_before, a, proposed)
+            s.stats.record(k, a)
+            if s.k_ctl is not None and k > 0:
+                s.k_ctl.update(k, a)
+            kept = self._stop_checks(s, res[b][: a + 1])
+            s.tokens.extend(kept)
+            events.append((s, kept))
+        return events
+
+    def _stop_checks(self, s: Seq, new: list[int]) -> list[int]:
+        """Cut the accepted run at eos, max_new_tokens or a stop string; finish the sequence."""
+        remaining = s.params.max_new_tokens - len(s.generated)
+        kept: list[int] = []
+        for t in new:
+            kept.append(t)
+            if t in self.eos:
+                s.finish("stop")
+                break
+            if len(kept) >= remaining:
+                s.finish("length")
+                break
+        stops = s.params.stop
+        if stops and kept:
+            prev = s.generated
+            longest = max(len(x) for x in stops)
+            start = max(0, s.checked_chars - longest + 1)
+            text = self.tokenizer.decode(prev + kept)
+            if any(x in text[start:] for x in stops):
+                for m in range(1, len(kept) + 1):  # the first token that completes a stop string
+                    t_m = self.tokenizer.decode(prev + kept[:m])
+                    hits = [i for i in (t_m.find(x, start) for x in stops) if i >= 0]
+                    if hits:
+                        s.stop_cut = min(hits)
+                        s.finished, s.finish_reason = False, None
+                        s.finish("stop")
+                        return kept[:m]
+            s.checked_chars = len(text)
+        return kept
+
+    def final_text(self, s: Seq) -> str:
+        text = self.tokenizer.decode(s.generated)
+        return text if s.stop_cut is None else text[: s.stop_cut]

@@ -1,0 +1,242 @@
+"""Sampling parameters, logits processing and noise-based sampling.
+
+``process_logits`` turns raw logits into the distribution a request samples
+from: temperature -> top-k -> top-p, with the semantics of transformers'
+``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper``.
+Rows are processed together with per-row parameters (no Python loop over
+rows), because the same function runs on the decode and verify hot path.
+
+Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
+picks token ``t`` with probability ``probs[t] / sum(probs)``. The noise is drawn
+up front (per request, from the request's own generator), so sampling itself
+needs no host synchronisation and is invariant to the scale of ``probs``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.core.errors import InvalidConfigError, InvalidRequestError
+
+# torch.Generator.manual_seed accepts exactly this range
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _refuse(name: str, value: object, allowed: str) -> InvalidRequestError:
+    return InvalidRequestError(f"SamplingParams.{name}={value!r} is invalid: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated where they are built.
+
+    ``stop`` accepts a list (or tuple) of strings and is stored as a tuple so the
+    object stays immutable and hashable.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        mnt = self.max_new_tokens
+        if not _is_int(mnt) or mnt < 1:
+            raise _refuse("max_new_tokens", mnt, "an int >= 1")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(float(t)) or t < 0:
+            raise _refuse("temperature", t, "a finite float >= 0 (0 = greedy)")
+        k = self.top_k
+        if not _is_int(k) or k < 0:
+            raise _refuse("top_k", k, "an int >= 0 (0 = disabled)")
+        p = self.top_p
+        if not _is_real(p) or not (0.0 < float(p) <= 1.0):  # NaN fails the comparison
+            raise _refuse("top_p", p, "a float in (0, 1] (1 = disabled)")
+        s = self.seed
+        if s is not None and (not _is_int(s) or not _SEED_MIN <= s <= _SEED_MAX):
+            raise _refuse("seed", s, f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]")
+        stop = self.stop
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)):
+            raise _refuse("stop", stop, "a list of non-empty str")
+        for i, item in enumerate(stop):
+            if not isinstance(item, str) or not item:
+                raise _refuse(f"stop[{i}]", item, "a non-empty str")
+        object.__setattr__(self, "max_new_tokens", int(mnt))
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "seed", None if s is None else int(s))
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        """True when temperature is 0: the argmax of the raw logits is taken."""
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator on ``device`` seeded with ``seed``; None (global RNG) when unseeded."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(seed)
+    return g
+
+
+def params_to_tensors(
+    params_list: Sequence[SamplingParams], device: torch.device | str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row parameter tensors for ``process_logits``.
+
+    Returns temperature [N] float32, top_k [N] int64, top_p [N] float32 on ``device``.
+    """
+    temperature = torch.tensor([p.temperature for p in params_list], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params_list], dtype=torch.int64, device=device)
+    top_p = torch.tensor([p.top_p for p in params_list], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p
+
+
+def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Logits -> sampling distribution, per row, in fp32.
+
+    logits [N, V] (any float dtype); temperature [N] float32; top_k [N] int64
+    (0 = disabled; values above V act as V); top_p [N] float32 in (0, 1]
+    (1 = disabled). Returns probs [N, V] float32.
+
+    Order and semantics are transformers' temperature -> top-k (ties with the
+    k-th value are kept) -> top-p (the smallest set of highest-probability
+    tokens whose mass reaches top_p; at least one token is kept). Rows with
+    temperature 0 get one-hot(argmax of the raw logits), first index on ties.
+    The row maximum is subtracted before dividing by the temperature, which
+    changes nothing mathematically and keeps tiny temperatures free of inf/NaN.
+    """
+    x = logits.float()
+    n, v = x.shape
+    greedy = temperature <= 0  # [N]
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)  # [N, 1]
+    scaled = (x - x.amax(dim=-1, keepdim=True)) / t  # [N, V]
+
+    # One descending sort serves both filters: top-k only blanks the tail of it.
+    sorted_desc, order = torch.sort(scaled, dim=-1, descending=True)  # [N, V]
+    k = top_k.clamp(min=0, max=v)  # [N]
+    kth = sorted_desc.gather(-1, (k.clamp(min=1) - 1).unsqueeze(-1))  # [N, 1]
+    remove = (k > 0).unsqueeze(-1) & (sorted_desc < kth)  # [N, V], sorted order
+
+    # top-p exactly as transformers does it: ascending order, cumulative
+    # softmax mass, drop tokens whose cumulative mass is <= 1 - top_p, keep the top one.
+    ascending = sorted_desc.masked_fill(remove, float("-inf")).flip(-1)  # [N, V]
+    cum = ascending.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+    drop_p = cum <= (1.0 - top_p).unsqueeze(-1)
+    drop_p[:, -1] = False
+    drop_p &= (top_p < 1.0).unsqueeze(-1)
+    remove |= drop_p.flip(-1)
+
+    remove_orig = torch.empty_like(remove).scatter_(-1, order, remove)  # [N, V], vocab order
+    probs = scaled.masked_fill(remove_orig, float("-inf")).softmax(dim=-1)  # [N, V]
+    onehot = torch.zeros_like(probs).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(-1), onehot, probs)
+
+
+def sample_from_probs(probs: Tensor, noise: Tensor) -> Tensor:
+    """Exponential-race sample: argmax(probs / noise) per row.
+
+    probs [N, V] non-negative (need not be normalised); noise [N, V] Exp(1).
+    Returns [N] int64. A token with probability 0 is never chosen while the row
+    has any positive mass; noise that is exactly 0 is treated as the smallest
+    positive float so no 0/0 can appear.
+    """
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.argmax(probs.float() / noise.float().clamp_min(tiny), dim=-1)
+
+
+def _check_generator(i: int, g: torch.Generator | None, device: torch.device) -> None:
+    if g is not None and g.device.type != device.type:
+        raise InvalidConfigError(
+            f"generators[{i}] lives on {g.device}, but the noise is drawn on {device}: "
+            f"allowed a generator on {device.type} or None"
+        )
+
+
+def draw_noise(
+    generators: Sequence[torch.Generator | None], V: int, device: torch.device | str
+) -> Tensor:
+    """Exp(1) noise [N, V] float32, row i drawn from generators[i] (None = global RNG)."""
+    dev = torch.device(device)
+    rows = []
+    for i, g in enumerate(generators):
+        _check_generator(i, g, dev)
+        rows.append(torch.empty(V, dtype=torch.float32, device=dev).exponential_(generator=g))
+    if not rows:
+        return torch.empty(0, V, dtype=torch.float32, device=dev)
+    return torch.stack(rows)
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None], n: int, device: torch.device | str
+) -> Tensor:
+    """Uniforms [N, n] float32 in [0, 1), row i drawn from generators[i] (None = global RNG)."""
+    dev = torch.device(device)
+    rows = []
+    for i, g in enumerate(generators):
+        _check_generator(i, g, dev)
+        rows.append(torch.rand(n, dtype=torch.float32, device=dev, generator=g))
+    if not rows:
+        return torch.empty(0, n, dtype=torch.float32, device=dev)
+    return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class RowProcessing:
+    """The per-row processing of one batch, with its fast path chosen on the host.
+
+    ``mode``: "greedy" (every row has temperature 0: one-hot argmax, no sort),
+    "softmax" (no row greedy, none filtered by top-k/top-p: a tempered softmax) or
+    "general" (``process_logits``). All three give exactly ``process_logits``'s output.
+    """
+
+    temperature: Tensor  # [N] float32
+    top_k: Tensor  # [N] int64
+    top_p: Tensor  # [N] float32
+    mode: str
+
+    @classmethod
+    def of(cls, params_list: Sequence[SamplingParams], device: torch.device | str) -> "RowProcessing":
+        t, k, p = params_to_tensors(params_list, device)
+        if all(x.greedy for x in params_list):
+            mode = "greedy"
+        elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 for x in params_list):
+            mode = "softmax"
+        else:
+            mode = "general"
+        return cls(t, k, p, mode)
+
+    def repeat(self, n: int) -> "RowProcessing":
+        """Each row repeated n times in place (row b -> rows b*n .. b*n+n-1)."""
+        return RowProcessing(self.temperature.repeat_interleave(n), self.top_k.repeat_interleave(n),
+                             self.top_p.repeat_interleave(n), self.mode)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """logits [N, V] -> probs [N, V] float32."""
+        if self.mode == "greedy":
+            return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+                -1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if self.mode == "softmax":
+            x = logits.float()
+            return ((x - x.amax(dim=-1, keepdim=True)) / self.temperature.unsqueeze(-1)).softmax(dim=-1)
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
