@@ -2,7 +2,7 @@
 
     python examples/server.py [--profile FILE | --target DIR [--draft DIR]] [--host H] [--port N]
 
-Default model: profiles/a100-demo.json if it exists, else the tiny demo pair
+Default model: profiles/a100-80gb-demo.json if it exists, else the tiny demo pair
 (engine.demo.demo_pair("tiny"), built on the first run).
 
 POST /generate  JSON {"prompt": str | [int], "max_new_tokens", "temperature", "top_k", "top_p",
@@ -25,12 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+DEFAULT_PROFILE = Path("profiles") / "a100-80gb-demo.json"  # relative to the working directory
 
-from engine import Engine, EngineError, SamplingParams  # noqa: E402
-from engine.core.errors import InvalidRequestError, OverloadedError  # noqa: E402
+from engine import Engine, EngineError, SamplingParams
+from engine.api.options import Limits
+from engine.core.errors import InvalidRequestError, OverloadedError
 
 log = logging.getLogger("specmix.server")
 
@@ -148,23 +147,25 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000) -> Th
 
 
 def load_engine(args: argparse.Namespace) -> Engine:
-    opts = dict(max_batch=args.max_batch, max_waiting=args.max_waiting)
+    limits = Limits(max_batch=args.max_batch, max_waiting=args.max_waiting)
     if args.target:
-        return Engine.from_pretrained(args.target, args.draft, drafter="model" if args.draft else None,
-                                      device=args.device, **opts)
-    profile = args.profile or (ROOT / "profiles" / "a100-demo.json")
+        return Engine.from_pretrained(args.target, args.draft, limits=limits, device=args.device)
+    profile = args.profile or DEFAULT_PROFILE  # what `python tools/build_profile.py --gpu a100` writes
     if args.profile or Path(profile).is_file():
-        return Engine.from_profile(profile, device=args.device, **opts)
+        log.info("serving the profile %s", profile)
+        return Engine.from_profile(profile, device=args.device, limits=limits)
     from engine.demo.pair import demo_pair
 
+    log.info("no profile at %s (build it: python tools/build_profile.py --gpu a100): serving the tiny demo pair, "
+             "unquantized", profile)
     target, draft = demo_pair("tiny", progress=False)
-    return Engine.from_pretrained(target, draft, device=args.device or "cpu", **opts)
+    return Engine.from_pretrained(target, draft, device=args.device, limits=limits)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--profile", help="a built profile (default: profiles/a100-demo.json if present)")
+    src.add_argument("--profile", help="a built profile (default: profiles/a100-80gb-demo.json if present)")
     src.add_argument("--target", help="a target checkpoint directory (HF format)")
     ap.add_argument("--draft", help="a draft checkpoint directory (with --target)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the profile's or cpu)")

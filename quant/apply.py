@@ -1,4 +1,4 @@
-"""Apply a ModelPlan to a loaded ``engine.model.Transformer`` by module swap.
+"""Apply a ModelPlan to a loaded ``engine.core.model.Transformer`` by module swap.
 
     target = apply_plan(target, plan.target, calib=collect_activation_stats(target, calib_batches))
     draft = apply_plan(draft, plan.draft)

@@ -14,7 +14,7 @@ each of them on the same data and compare.
     int8/w8a8        torch._int_mm, per-token dynamic x scales (CPU; CUDA >= 7.5)
     int8/llm-int8    bitsandbytes LLM.int8 (int8 matmul + fp16 outlier columns, threshold 6.0)
 
-engine/backends.py chooses among them; a kernel the machine lacks is a
+engine/kernels/backends.py chooses among them; a kernel the machine lacks is a
 KernelUnavailableError naming it and what would provide it, never a fallback.
 """
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _fp8_native(mod: Any, x: Tensor) -> Tensor:
 
 def _fp8_weight_only(mod: Any, x: Tensor) -> Tensor:
     if x.device.type == "cpu":
-        # The CPU has no FP8 memory to save and converts e4m3 ~30x slower than it multiplies, so
+        # The CPU has no FP8 memory to save and converts e4m3 far slower than it multiplies, so
         # the dequantized weight (bit-identical to a fresh dequantization) is kept; GPUs never keep it.
         key = ("dequant", x.dtype, mod.weight.data_ptr())
         w = mod.kernel_state.get(key)

@@ -1,7 +1,7 @@
 """The precision plan: *what* each module family of the target and the draft becomes.
 
 ``make_plan(gpu, target_cfg, draft_cfg)`` turns a catalog entry, the model configs
-and the precision section (DESIGN.md section 4) into a ``PrecisionPlan``; the *how*
+and the precision section (docs/design.md, the precision plan) into a ``PrecisionPlan``; the *how*
 (kernels) is quant.kernels, the module swap is quant.apply. Rules:
 
 - draft "fp8": every Linear, the LM head and the embedding table in e4m3 (per-row
@@ -161,7 +161,7 @@ class PrecisionPlan:
 
 
 def validate_precision(precision: Any) -> dict[str, Any]:
-    """The precision section, exactly DESIGN.md section 4's shape; bad fields name themselves."""
+    """The precision section, exactly the shape in docs/design.md; bad fields name themselves."""
     if not isinstance(precision, dict):
         raise InvalidConfigError(f"precision must be an object like {json.dumps(DEFAULT_PRECISION)}")
     extra = set(precision) - {"draft_model", "main_model", "verifier"}

@@ -80,7 +80,7 @@ def test_policy_validation():
 def test_token_acceptance_counts_tested_positions_only():
     """accepted / trials is the MLE of the per-token acceptance of a geometric run: a round of K drafts
     that accepts n tests min(n + 1, K) positions. accepted / drafted would be biased low."""
-    from engine.spec.loop import SeqStats
+    from engine.spec.seq import SeqStats
 
     st = SeqStats()
     for k, n in [(4, 2), (4, 4), (2, 0), (3, 1)]:

@@ -1,4 +1,4 @@
-"""The AMX tile kernel for bf16-valued weights (engine/csrc/amx_gemm.cpp) against float64 and against the
+"""The AMX tile kernel for bf16-valued weights (engine/kernels/csrc/amx_gemm.cpp) against float64 and against the
 AVX-512 small-GEMM kernel on the same weights (its fallback, same inputs and outputs); rows independent
 bit for bit at every row count, 16-row chunks included; the decode step on it."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 from util import make_checkpoint
 
+from engine.api.options import SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import KVCache, fuse_projections
@@ -126,7 +127,7 @@ def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16
     target, draft = bf16_pair
     prompts = [[5, 17, 33], [200, 3, 3, 9, 41, 7], [88], [1, 2, 3, 4, 5, 6, 7, 8]]
     sp = SamplingParams(max_new_tokens=20)
-    plain = Engine.from_pretrained(target, drafter=None)
+    plain = Engine.from_pretrained(target)
     assert plain.info["target_step_weights"] == "bfloat16" and plain.info["target_step_amx"] is True
     want = [o.token_ids for o in plain.generate(prompts, sp)]
     hf = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -134,8 +135,7 @@ def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16
         out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
         assert out[0, len(p):].tolist() == w
     for drafter, k in [("model", 2), ("model", 5), ("early-exit", 3)]:
-        eng = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=k,
-                                     adaptive_k=False)
+        eng = Engine.from_pretrained(target, draft if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"))
         if drafter == "model":  # a bf16-valued draft: its step on tiles too (lossless: the default)
             assert eng.info["draft_step_weights"] == "bfloat16" and eng.info["draft_step_amx"] is True
         assert [eng.generate([p], sp)[0].token_ids for p in prompts] == want, (drafter, k)
@@ -152,7 +152,7 @@ def test_two_engines_on_tiles_in_two_threads_give_their_sequential_outputs(bf16_
     target, draft = bf16_pair
     sp = SamplingParams(max_new_tokens=16)
     prompts = [[5, 17, 33], [200, 3, 3, 9], [88, 1], [7, 7, 7, 7, 2]]
-    engines = [Engine.from_pretrained(target, drafter=None), Engine.from_pretrained(target, draft, k=3)]
+    engines = [Engine.from_pretrained(target), Engine.from_pretrained(target, draft, speculation=SpeculationConfig(k=3))]
     want = [[o.token_ids for o in e.generate(prompts, sp)] for e in engines]
     got: list = [None, None]
 

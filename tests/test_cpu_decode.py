@@ -1,4 +1,4 @@
-"""The fp32 decode-step kernel (engine/cpu_decode.py) against the model's PyTorch forward (its fallback,
+"""The fp32 decode-step kernel (engine/kernels/cpu_decode.py) against the model's PyTorch forward (its fallback,
 same inputs and outputs): logits and KV cache on ragged, padded, re-rowed calls for Llama (GQA), Qwen2
 (q/k/v bias) and Mistral (sliding window); a block of tokens equals one-token steps bit for bit; refusals
 name the reason; the engine's greedy output is unchanged by it."""
@@ -9,6 +9,7 @@ import torch
 from util import make_checkpoint
 
 from engine import Engine, SamplingParams
+from engine.api.options import KernelOptions, SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 from engine.core.model import KVCache, fuse_projections, sdpa_attention
@@ -190,14 +191,13 @@ def test_engine_greedy_output_is_the_same_with_and_without_it(ckpt_dir, draft_di
     sp = SamplingParams(max_new_tokens=24)
     outs = {}
     for pack in (None, False):
-        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter,
-                                     k=4, adaptive_k=False, cpu_pack=pack)
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=4, k_policy="constant"), kernels=KernelOptions(cpu_pack=pack))
         want = ["target", "draft"] if drafter == "model" else ["target"]
         assert eng.info["cpu_decode_step"] == (want if pack is None else [])
         assert eng.info["draft_step_weights"] == ("float16" if pack is None and drafter == "model" else None)
         assert eng.info["target_step_weights"] == ("float32" if pack is None else None)  # random fp32 weights
         outs[pack] = [o.token_ids for o in eng.generate(prompts, sp)]
-    plain = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
+    plain = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=False))
     assert outs[None] == outs[False] == [o.token_ids for o in plain.generate(prompts, sp)]
 
 
@@ -235,7 +235,7 @@ def test_16_bit_weights_widen_exactly(tmp_path, dtype):
 def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
     with pytest.raises(InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', "
                                                  "'bfloat16', 'float32'"):
-        Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights="int8")
+        Engine.from_pretrained(ckpt_dir, draft_dir, kernels=KernelOptions(draft_step_weights="int8"))
     for name in ("float32", "bfloat16"):
-        eng = Engine.from_pretrained(ckpt_dir, draft_dir, draft_step_weights=name)
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir, kernels=KernelOptions(draft_step_weights=name))
         assert eng.info["draft_step_weights"] == name

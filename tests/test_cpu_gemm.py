@@ -1,4 +1,4 @@
-"""The fp32 small-GEMM CPU kernel (engine/cpu_gemm.py) against F.linear (its fallback, same API) in float64,
+"""The fp32 small-GEMM CPU kernel (engine/kernels/cpu_gemm.py) against F.linear (its fallback, same API) in float64,
 row independence bit for bit, the module swap and the engine's choice of kernel."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from util import fused_gemm_count
 
 from engine import Engine, SamplingParams
+from engine.api.options import KernelOptions, SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 from engine.kernels.cpu_gemm import (
@@ -113,12 +114,12 @@ def test_swap_covers_every_fp32_gemm_and_keeps_the_model(ckpt_dir):
 
 @needs_kernel
 def test_engine_uses_the_kernel_for_fp32_on_the_cpu(ckpt_dir, draft_dir):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4, adaptive_k=False)
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=4, k_policy="constant"))
     assert eng.info["cpu_linear_kernel"] == "small-gemm-fp32" and eng.info["cpu_packed_linears"] > 0
     assert eng.info["attention"] == "sdpa_attention" and eng.stats()["memory"]["cpu_packed_bytes"] == 0
-    off = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=False)
+    off = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=False))
     assert off.info["cpu_linear_kernel"] is None and off.info["cpu_packed_linears"] == 0
-    required = Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
+    required = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=True))
     assert required.info["cpu_linear_kernel"] == "small-gemm-fp32"
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 9, 10, 11, 9]]
     params = SamplingParams(max_new_tokens=24)
@@ -152,11 +153,11 @@ def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatc
     why = "needs a C++ compiler ('c++' not found)"
     monkeypatch.setattr(cg, "_build", lambda: (None, why, why))
     with caplog.at_level(logging.INFO, logger="engine.kernels.cpu_linear"):
-        eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+        eng = Engine.from_pretrained(ckpt_dir)
     assert eng.info["cpu_linear_kernel"] is None and eng.info["cpu_packed_linears"] == 0
     assert "not found" in caplog.text
     with pytest.raises(InvalidConfigError, match=r"cpu_pack=True is invalid here: needs a C\+\+ compiler"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=True)
+        Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=True))
     with pytest.raises(KernelUnavailableError, match="unavailable: needs a C"):
         small_gemm_kernel()
 
@@ -164,7 +165,7 @@ def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatc
 def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
     with pytest.raises(InvalidConfigError, match="cpu_pack=True is invalid here: no fast CPU kernel for dtype "
                                                  "float16.*allowed: device 'cpu' with dtype bfloat16"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, dtype="float16", cpu_pack=True)
+        Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=True), dtype="float16")
     model = load_model(ckpt_dir, torch.float32)
     assert fast_cpu_linears(model, torch.device("cpu"), False) == (0, None)
     assert fast_cpu_linears(model, torch.device("meta"), None) == (0, None)
@@ -173,4 +174,4 @@ def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
     for bad in (0, "false", 1):
         with pytest.raises(InvalidConfigError, match=r"cpu_pack=.* is invalid: allowed None \(where it runs\), True, "
                                                      "False"):
-            Engine.from_pretrained(ckpt_dir, drafter=None, cpu_pack=bad)
+            Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=bad))

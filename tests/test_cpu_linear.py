@@ -7,6 +7,7 @@ from torch import nn
 from util import fused_gemm_count
 
 from engine import Engine, SamplingParams
+from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError
 from engine.core.model import FusedLinear, fuse_projections
@@ -70,27 +71,27 @@ def test_packed_model_logits_match_the_fp32_model_within_bf16_rounding(ckpt_dir)
 
 @needs_onednn
 def test_engine_packs_bf16_by_default_and_decodes(ckpt_dir, draft_dir):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4, adaptive_k=False, dtype="bfloat16")
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=4, k_policy="constant"), dtype="bfloat16")
     assert eng.info["cpu_packed_linears"] > 0 and eng.info["draft_dtype"] == "float32"
     assert eng.stats()["memory"]["cpu_packed_bytes"] > 0
     out = eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=24))[0]
     assert len(out.token_ids) == 24 and eng.stats()["drafted"] > 0
-    off = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", cpu_pack=False)
+    off = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=False), dtype="bfloat16")
     assert off.info["cpu_packed_linears"] == 0
 
 
 def test_attention_choice_and_refusals(ckpt_dir):
     from engine.core.errors import EngineError
 
-    assert Engine.from_pretrained(ckpt_dir, drafter=None).info["attention"] == "sdpa_attention"
-    assert Engine.from_pretrained(ckpt_dir, drafter=None, attention="math").info["attention"] == "math_attention"
+    assert Engine.from_pretrained(ckpt_dir).info["attention"] == "sdpa_attention"
+    assert Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="math")).info["attention"] == "math_attention"
     with pytest.raises(InvalidConfigError, match="attention='bogus' is invalid: allowed sdpa, math"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, attention="bogus")
+        Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="bogus"))
     with pytest.raises(EngineError, match="attention='math' is invalid with a plan"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, attention="math", plan=object())
+        Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(object()), kernels=KernelOptions(attention="math"))
     if onednn_bf16_available():  # bf16 with packed GEMMs: math by default, sdpa on request
-        assert Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16").info["attention"] == "math_attention"
-        eng = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", attention="sdpa")
+        assert Engine.from_pretrained(ckpt_dir, dtype="bfloat16").info["attention"] == "math_attention"
+        eng = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="sdpa"), dtype="bfloat16")
         assert eng.info["attention"] == "sdpa_attention"
 
 
@@ -99,8 +100,8 @@ def test_cpu_pack_refused_without_onednn_bf16(ckpt_dir, monkeypatch):
 
     monkeypatch.setattr(cl, "onednn_bf16_available", lambda: False)
     with pytest.raises(InvalidConfigError, match="cpu_pack=True is invalid here: this CPU/PyTorch has no oneDNN bf16"):
-        Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16", cpu_pack=True)
-    assert Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16").info["cpu_linear_kernel"] is None
+        Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=True), dtype="bfloat16")
+    assert Engine.from_pretrained(ckpt_dir, dtype="bfloat16").info["cpu_linear_kernel"] is None
 
 
 def test_fused_linear_is_the_stacked_linears():
@@ -143,12 +144,11 @@ def test_bf16_verify_block_equals_one_token_steps_bit_for_bit(ckpt_dir):
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_bf16_greedy_speculation_equals_the_bf16_target_alone(ckpt_dir, draft_dir, drafter):
     params = SamplingParams(max_new_tokens=40)
-    plain = Engine.from_pretrained(ckpt_dir, drafter=None, dtype="bfloat16")
+    plain = Engine.from_pretrained(ckpt_dir, dtype="bfloat16")
     assert plain.info["attention"] == "math_attention" and plain.info["cpu_packed_linears"] > 0
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
     for k in (1, 2, 4, 8):
-        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter, k=k,
-                                     adaptive_k=False, dtype="bfloat16")
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"), dtype="bfloat16")
         for batch in (1, 4):
             got = []
             for i in range(0, len(PROMPTS), batch):

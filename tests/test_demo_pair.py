@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.build.calibrate import acceptance, calib_prompts
 from engine.build.quality import compare_models, load_eval_ids
 from engine.core.config import load_config
@@ -31,13 +32,12 @@ def plan(demo):
 
 
 def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
-    plain = Engine.from_pretrained(demo["target"], drafter=None)
+    plain = Engine.from_pretrained(demo["target"])
     prompts = calib_prompts(plain.tokenizer, demo["heldout"], n=6, prompt_len=24)
     sp = SamplingParams(max_new_tokens=40)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
     for drafter, k in [("model", 2), ("model", 5), ("ngram", 4), ("early-exit", 3)]:
-        eng = Engine.from_pretrained(demo["target"], demo["draft"] if drafter == "model" else None,
-                                     drafter=drafter, k=k, adaptive_k=False)
+        eng = Engine.from_pretrained(demo["target"], demo["draft"] if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"))
         one = [eng.generate([p], sp)[0].token_ids for p in prompts]
         batched = [o.token_ids for o in eng.generate(prompts, sp)]
         assert one == ref and batched == ref, (drafter, k)
@@ -46,9 +46,8 @@ def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
 
 
 def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
-    ref = Engine.from_pretrained(demo["target"], drafter=None)
-    planned = Engine.from_pretrained(demo["target"], drafter=None, calib=demo["calib"],
-                                     plan=dataclasses.replace(plan, draft=None))
+    ref = Engine.from_pretrained(demo["target"])
+    planned = Engine.from_pretrained(demo["target"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None), demo["calib"]))
     assert type(planned.target.layers[0].mlp.down_proj).__name__ == "Int8Linear"
     ids = load_eval_ids(ref.tokenizer, demo["heldout"], max_tokens=4096)
     rep = compare_models(ref.logits, planned.logits, ids, 512)
@@ -58,8 +57,8 @@ def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
 
 def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
     kw = dict(k=4, adaptive_k=False, calib=demo["calib"])
-    fp8 = Engine.from_pretrained(demo["target"], demo["draft"], plan=plan, **kw)
-    fp16 = Engine.from_pretrained(demo["target"], demo["draft"], plan=dataclasses.replace(plan, draft=None), **kw)
+    fp8 = Engine.from_pretrained(demo["target"], demo["draft"], precision=PrecisionConfig(plan), **kw)
+    fp16 = Engine.from_pretrained(demo["target"], demo["draft"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None)), **kw)
     assert type(fp8.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
     # 24 prompts (~1000 drafts; the difference's standard error ~1 point): with 8, the v3 pair's
     # difference read 3.3 points on one set and 1.3 on 24

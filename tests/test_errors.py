@@ -8,6 +8,7 @@ import pytest
 from util import make_checkpoint
 
 from engine import Engine, EngineError, SamplingParams
+from engine.api.options import SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import (
     CheckpointError,
@@ -134,16 +135,16 @@ def test_vocab_mismatch(ckpt_dir, tmp_path):
 
 def test_unknown_drafter_and_bad_k(ckpt_dir):
     with pytest.raises(InvalidConfigError, match="drafter='medusa'.*model, ngram, early-exit"):
-        Engine.from_pretrained(ckpt_dir, drafter="medusa")
+        Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="medusa"))
     with pytest.raises(InvalidConfigError, match="k=0.*>= 1"):
-        Engine.from_pretrained(ckpt_dir, drafter="ngram", k=0)
+        Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=0))
     with pytest.raises(InvalidConfigError, match="device"):
         Engine.from_pretrained(ckpt_dir, device="tpu")
 
 
 @pytest.fixture(scope="module")
 def engine(ckpt_dir):
-    return Engine.from_pretrained(ckpt_dir, drafter="ngram", k=3)
+    return Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=3))
 
 
 BAD_REQUESTS = [

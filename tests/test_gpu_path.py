@@ -15,12 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
-from engine.api.runtime import (
-    RuntimeSettings,
-    install_load_window,
-    parse_runtime,
-    runtime_settings,
+from engine.api.assemble import parts_from_models
+from engine.api.options import (
+    KernelOptions,
+    Limits,
+    LoadWindowConfig,
+    SpeculationConfig,
 )
+from engine.api.runtime import RuntimeSettings, parse_runtime, runtime_settings
 from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
 from engine.core.model import KVCache, sdpa_attention
 from engine.core.model import math_attention as engine_math_attention
@@ -32,12 +34,7 @@ from engine.kernels.backends import (
     facts_for_gpu,
     select_attention,
 )
-from engine.kernels.cudagraphs import (
-    GraphedForward,
-    batch_bucket,
-    enable_cuda_graphs,
-    kv_bucket,
-)
+from engine.kernels.cudagraphs import GraphedForward, batch_bucket, kv_bucket
 from engine.serve.telemetry import GpuReading, LoadGovernor, LoadWindow
 from quant.catalog import load_catalog, lookup_gpu
 
@@ -87,9 +84,14 @@ def pair(ckpt_dir, draft_dir):
     return ckpt_dir, draft_dir
 
 
-def _engine(pair, **kw) -> Engine:
+def _engine(pair, limits: Limits = Limits(max_batch=8), **kw) -> Engine:
     t, d = pair
-    return Engine.from_pretrained(t, d, device="cpu", k=3, adaptive_k=False, max_batch=8, **kw)
+    return Engine.from_pretrained(t, d, speculation=SpeculationConfig(k=3, k_policy="constant"), limits=limits,
+                                  device="cpu", **kw)
+
+
+def _graphed(pair, buckets) -> Engine:
+    return _engine(pair, kernels=KernelOptions(cuda_graphs=True, batch_buckets=buckets, emulate_graphs=True))
 
 
 def _ids(outs):
@@ -203,9 +205,7 @@ def test_cuda_graphs_in_a_profile_fail_at_load_without_them_unless_on_the_cpu():
 def test_from_profile_reads_the_runtime_section(tiny_demo, tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("build_profile_tool", REPO / "tools" / "build_profile.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = importlib.import_module("engine.cli.build_profile")
     path = tmp_path / "h100.json"
     assert tool.main(["--gpu", "h100", "--demo-size", "tiny", "--out", str(path), "--device", "cpu", "--quiet"]) == 0
     prof = json.loads(path.read_text())
@@ -236,8 +236,8 @@ def test_graphed_forward_refuses_a_cpu_model_unless_emulated(pair):
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_new_tokens=24, temperature=0.8, seed=5)])
 def test_emulated_graphs_give_the_eager_output(pair, params):
     ref = _engine(pair)
-    eng = _engine(pair)
-    runners = enable_cuda_graphs(eng, (1, 2, 4), emulate=True)
+    eng = _graphed(pair, (1, 2, 4))
+    runners = eng.cuda_graphs
     assert eng.loop.target is runners[0] and eng.drafter.model is runners[1]
     plist = [SamplingParams(max_new_tokens=n, temperature=params.temperature, seed=params.seed) for n in (24, 5, 17, 9)]
     assert _ids(eng.generate(PROMPTS, plist)) == _ids(ref.generate(PROMPTS, plist))  # ragged, rows leave early
@@ -249,8 +249,8 @@ def test_emulated_graphs_give_the_eager_output(pair, params):
 
 
 def test_batches_outside_the_buckets_run_eagerly(pair):
-    eng = _engine(pair)
-    t_runner, d_runner = enable_cuda_graphs(eng, (1, 2), emulate=True)
+    eng = _graphed(pair, (1, 2))
+    t_runner, d_runner = eng.cuda_graphs
     ref = _engine(pair)
     assert _ids(eng.generate(PROMPTS[:3], GREEDY)) == _ids(ref.generate(PROMPTS[:3], GREEDY))
     cache = eng.loop.cache
@@ -263,8 +263,8 @@ def test_batches_outside_the_buckets_run_eagerly(pair):
 
 
 def test_a_new_cache_drops_the_graphs(pair):
-    eng = _engine(pair)
-    t_runner, _ = enable_cuda_graphs(eng, (1, 2), emulate=True)
+    eng = _graphed(pair, (1, 2))
+    t_runner, _ = eng.cuda_graphs
     eng.generate(PROMPTS[:1], GREEDY)
     assert t_runner.stats.graphs > 0
     eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=300, temperature=0.0))  # the cache grows
@@ -316,8 +316,8 @@ def test_governor_reads_at_most_every_interval_and_holds_on_a_failed_read():
 
 def test_memory_pressure_lowers_k_and_batch_instead_of_failing(pair):
     ref = _engine(pair)
-    eng = _engine(pair)
-    gov = install_load_window(eng, reader=FakeReader([0.95]))
+    eng = _engine(pair, Limits(max_batch=8, load_window=LoadWindowConfig(reader=FakeReader([0.95]))))
+    gov = eng.scheduler.governor
     gov.interval_s = 0.0
     seen = []
     eng.scheduler.on_round = lambda: seen.append((eng.loop.k_cap, eng.scheduler.running()))
@@ -327,7 +327,8 @@ def test_memory_pressure_lowers_k_and_batch_instead_of_failing(pair):
     assert st["k_cap"] == 1 and st["batch_cap"] == 1 and st["throttled"] and st["source"] == "fake"
     assert seen[-1][0] == 1 and max(len(o.stats["per_position_acceptance"]) for o in outs) <= 3
     assert "specmix_load_window_k_cap 1" in eng.metrics_text()
-    assert install_load_window(_engine(pair)) is None  # the CPU: no reader, no window
+    cpu = _engine(pair, Limits(max_batch=8, load_window=LoadWindowConfig()))
+    assert cpu.scheduler.governor is None  # the CPU: no reader, no window
 
 
 # ------------------------------------------------------------------ 5. tools
@@ -365,14 +366,11 @@ class _IdTokenizer:
         return [int(t) for t in text.split()]
 
 
-def _gpu_engine(dtype: torch.dtype = torch.float32, k: int = 3) -> Engine:
+def _gpu_engine(dtype: torch.dtype = torch.float32, k: int = 3, graphs: bool = False,
+                load_window: bool = False) -> Engine:
     """A random target (GQA) and draft built on the GPU, peaked (std 0.08) so greedy has no near-ties."""
-    sys.path.insert(0, str(REPO / "tools"))
-    import gpu_bench
-
+    from engine.cli import gpu_bench
     from engine.core.config import ModelConfig
-    from engine.spec.adaptive import KPolicy
-    from engine.spec.drafters import ModelDrafter
 
     def cfg(h, layers):
         return ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=h, intermediate_size=2 * h,
@@ -381,8 +379,9 @@ def _gpu_engine(dtype: torch.dtype = torch.float32, k: int = 3) -> Engine:
     dev = torch.device("cuda")
     t = gpu_bench.random_model(cfg(128, 3), dtype, dev, 0, std=0.08)
     d = gpu_bench.random_model(cfg(64, 1), dtype, dev, 1, std=0.08)
-    return Engine(t, _IdTokenizer(), drafter=ModelDrafter(d, None), draft_model=d,
-                  policy=KPolicy(name="constant", k=k, k_min=1, k_max=k), vocab=300, device=dev, max_batch=8)
+    parts = parts_from_models(t, _IdTokenizer(), d, "model", SpeculationConfig(k=k, k_policy="constant", k_max=k),
+                              KernelOptions(cuda_graphs=graphs), dev, vocab=300)
+    return Engine(parts, Limits(max_batch=8, load_window=LoadWindowConfig() if load_window else None))
 
 
 @pytest.mark.gpu
@@ -423,8 +422,7 @@ def test_gpu_graph_replay_equals_eager_token_for_token(batch):
     prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] * (i % 3) for i in range(batch)]  # ragged
     params = SamplingParams(max_new_tokens=64, temperature=0.0)
     eager = _gpu_engine()
-    graphed = _gpu_engine()
-    enable_cuda_graphs(graphed)
+    graphed = _gpu_engine(graphs=True)
     assert _ids(graphed.generate(prompts, params)) == _ids(eager.generate(prompts, params))
     st = graphed.stats()["cuda_graphs"]
     assert st["captures"] > 0 and st["capture_seconds"] > 0 and st["replays"] > 0 and not st["emulated"]
@@ -456,8 +454,8 @@ def test_gpu_nvml_readings_present():
     r = NvmlReader(torch.device("cuda"))
     reading = r.read()
     assert 0 < reading.used_bytes <= reading.total_bytes and 0 <= reading.utilization_pct <= 100
-    eng = _gpu_engine()
-    assert install_load_window(eng) is not None
+    eng = _gpu_engine(load_window=True)
+    assert eng.scheduler.governor is not None
     st = eng.stats()
     assert st["gpu"]["source"] == "nvml" and st["gpu"]["memory_total_bytes"] == reading.total_bytes
     assert st["load_window"]["memory_threshold"] == 0.8
@@ -467,9 +465,7 @@ def test_gpu_nvml_readings_present():
 def test_gpu_native_fp8_draft_agrees_with_weight_only():
     if _cc() < (8, 9):
         pytest.skip("native FP8 needs compute capability >= 8.9 (Ada/Hopper)")
-    sys.path.insert(0, str(REPO / "tools"))
-    import gpu_bench
-
+    from engine.cli import gpu_bench
     from quant.fp8 import FP8_REL_ERROR
     from quant.linear import FP8Linear
 

@@ -70,7 +70,7 @@ def _recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_kv_cache_decoding_equals_recompute(ckpt_dir, batch):
-    eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+    eng = Engine.from_pretrained(ckpt_dir)
     prompts = [[7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38]][:batch]
     eos_free = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_new_tokens=64))]
     for p, got in zip(prompts, eos_free):
@@ -82,7 +82,7 @@ def test_kv_cache_decoding_equals_recompute(ckpt_dir, batch):
 
 def test_greedy_equals_transformers_generate(ckpt_dir):
     hf = tf.LlamaForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
-    eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+    eng = Engine.from_pretrained(ckpt_dir)
     for p in ([5, 6, 7, 8], [100, 3, 250, 17, 9, 42]):
         out = eng.generate([p], SamplingParams(max_new_tokens=64))[0]
         ref = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False,

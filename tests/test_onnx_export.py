@@ -15,6 +15,7 @@ import torch
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+from engine.api.options import PrecisionConfig
 from engine.core.checkpoint import load_model  # noqa: E402
 from engine.core.errors import InvalidConfigError, UnsupportedArchitectureError  # noqa: E402
 from engine.export.onnx_export import (  # noqa: E402
@@ -125,7 +126,7 @@ def planned(tiny_demo) -> dict:
     out = {"ref": {"target": load_model(t_dir), "draft": load_model(d_dir)}}
     for gpu in ("a100", "h100"):
         plan = make_plan(lookup_gpu(gpu), load_config(t_dir), load_config(d_dir), device="cpu")
-        eng = Engine.from_pretrained(t_dir, d_dir, plan=plan, calib=calib, device="cpu")
+        eng = Engine.from_pretrained(t_dir, d_dir, precision=PrecisionConfig(plan, calib), device="cpu")
         out[gpu] = {"target": eng.target, "draft": eng.draft_model, "tok": eng.tokenizer}
     return out
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import KernelUnavailableError, ProfileError
+from engine.spec.adaptive import Costs
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "tools" / "build_profile.py"
@@ -85,8 +87,7 @@ def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
     assert plan.to_dict() == prof["plan"]
     calib = (tiny_demo[0].parent / "calib.txt").read_text(encoding="utf-8")
     s = prof["speculation"]
-    validated = Engine.from_pretrained(*tiny_demo, plan=plan, calib=calib, k=s["k"], k_min=s["k_min"],
-                                       k_max=s["k_max"], k_policy=s["policy"], costs={"c": s["c"], "v": s["v"]})
+    validated = Engine.from_pretrained(*tiny_demo, speculation=SpeculationConfig(k=s["k"], k_policy=s["policy"], k_min=s["k_min"], k_max=s["k_max"], costs=Costs.from_dict({"c": s["c"], "v": s["v"]})), precision=PrecisionConfig(plan, calib))
     prompts = ["The with statement", "A class definition", "import sys\n"]
     sp = SamplingParams(max_new_tokens=32)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in validated.generate(prompts, sp)]

@@ -1,4 +1,4 @@
-"""engine.quality: windows, PPL against transformers, KL divergence, the drift interval, WikiText-2."""
+"""engine.build.quality: windows, PPL against transformers, KL divergence, the drift interval, WikiText-2."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import Engine
+from engine.api.options import PrecisionConfig
 from engine.build.quality import (
     EvalTextError,
     QualityReport,
@@ -36,7 +37,7 @@ def short_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def text_ids(ckpt_dir: Path) -> list[int]:
     from util import TEXT
-    ids = load_eval_ids(Engine.from_pretrained(ckpt_dir, drafter=None).tokenizer, TEXT * 8)
+    ids = load_eval_ids(Engine.from_pretrained(ckpt_dir).tokenizer, TEXT * 8)
     assert len(ids) > 1000
     return ids
 
@@ -96,7 +97,7 @@ def _hf_strided_ppl(model, ids: list[int], ctx: int) -> tuple[float, float, int]
 def test_ppl_matches_transformers_with_model_max_context(short_ckpt: Path) -> None:
     import transformers as tf
     from util import TEXT
-    eng = Engine.from_pretrained(short_ckpt, drafter=None)
+    eng = Engine.from_pretrained(short_ckpt)
     ids = load_eval_ids(eng.tokenizer, TEXT * 3)
     ctx = default_context(eng.config.max_position_embeddings)
     assert ctx == 96 and len(ids) > 3 * ctx
@@ -112,7 +113,7 @@ def test_ppl_matches_transformers_with_model_max_context(short_ckpt: Path) -> No
 
 # ---------------------------------------------------------------------------- compare_models
 def test_identical_models_have_zero_drift_and_kld(ckpt_dir: Path, text_ids: list[int]) -> None:
-    eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+    eng = Engine.from_pretrained(ckpt_dir)
     r = compare_models(eng.logits, eng.logits, text_ids, 128, max_tokens=700)
     assert r.tokens == 699 and r.windows == len(eval_windows(700, 128))
     assert r.drift == 0.0 and r.drift_ci95 == (0.0, 0.0) and r.kld_mean == 0.0 and r.kld_p99 == 0.0
@@ -126,8 +127,8 @@ def test_perturbed_copy_kld_matches_independent_computation(ckpt_dir: Path, text
     from scipy.special import rel_entr
     from util import make_checkpoint
     other = make_checkpoint(tmp_path / "pert", "llama", num_hidden_layers=4, perturb=0.02)
-    a = Engine.from_pretrained(ckpt_dir, drafter=None)
-    b = Engine.from_pretrained(other, drafter=None)
+    a = Engine.from_pretrained(ckpt_dir)
+    b = Engine.from_pretrained(other)
     ids, ctx = text_ids[:900], 128
     r = compare_models(a.logits, b.logits, ids, ctx)
     # independent: scipy's rel_entr on float64 softmaxes, tokens gathered per window by hand
@@ -163,10 +164,10 @@ def test_planned_engine_against_its_unquantized_self(ckpt_dir: Path, text_ids: l
     from util import TEXT
 
     from quant import lookup_gpu, make_plan
-    ref = Engine.from_pretrained(ckpt_dir, drafter=None)
+    ref = Engine.from_pretrained(ckpt_dir)
     plan = make_plan(lookup_gpu("a100"), ref.config, None, device="cpu")
     assert plan.target.families["ffn"].storage == "int8"
-    planned = Engine.from_pretrained(ckpt_dir, drafter=None, plan=plan, calib=TEXT)
+    planned = Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(plan, TEXT))
     r = compare_models(ref.logits, planned.logits, text_ids, 128, max_tokens=800)
     figures = [r.ppl_ref, r.ppl, r.drift, *r.drift_ci95, r.ppl_err, r.kld_mean, r.kld_p99, r.top1]
     assert all(math.isfinite(f) for f in figures)
@@ -225,7 +226,7 @@ def test_drift_interval_equal_windows_and_coverage() -> None:
 # ------------------------------------------------------------------------------------ eval text
 def test_load_eval_ids_and_sha(tmp_path: Path, ckpt_dir: Path) -> None:
     import hashlib
-    tok = Engine.from_pretrained(ckpt_dir, drafter=None).tokenizer
+    tok = Engine.from_pretrained(ckpt_dir).tokenizer
     text = "hello world\nthe quick brown fox\n"
     f = tmp_path / "e.txt"
     f.write_text(text, encoding="utf-8")
@@ -248,11 +249,10 @@ def test_load_eval_ids_and_sha(tmp_path: Path, ckpt_dir: Path) -> None:
 @pytest.mark.skipif(not WIKI.is_file(), reason=f"WikiText-2 test split not found at {WIKI}")
 def test_wikitext2_first_20k_tokens(ckpt_dir: Path, tmp_path: Path) -> None:
     from util import make_checkpoint
-    ref = Engine.from_pretrained(ckpt_dir, drafter=None)
+    ref = Engine.from_pretrained(ckpt_dir)
     ids = load_eval_ids(ref.tokenizer, WIKI, max_tokens=20_000)
     assert len(ids) == 20_000
-    test = Engine.from_pretrained(make_checkpoint(tmp_path / "p", "llama", num_hidden_layers=4, perturb=0.01),
-                                  drafter=None)
+    test = Engine.from_pretrained(make_checkpoint(tmp_path / "p", "llama", num_hidden_layers=4, perturb=0.01))
     ctx = default_context(ref.config.max_position_embeddings)
     r = compare_models(ref.logits, test.logits, ids, ctx)
     assert isinstance(r, QualityReport) and ctx == 512 and r.tokens == 19_999 and r.windows == 78

@@ -1,4 +1,4 @@
-"""engine/report.py: the bench plot's series and PNG, the build report, and the tools that write them."""
+"""engine/build/report.py: the bench plot's series and PNG, the build report, and the tools that write them."""
 from __future__ import annotations
 
 import copy

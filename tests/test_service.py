@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineError, SamplingParams
+from engine.api.options import KernelOptions, Limits, SpeculationConfig
 from engine.core.errors import InvalidConfigError, InvalidRequestError, OverloadedError
 from engine.serve.scheduler import RequestFailedError
 
@@ -41,7 +42,7 @@ def _params(i: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def eng(ckpt_dir, draft_dir):
     # heuristic K: each sequence's K depends only on its own acceptance, so solo == batched for seeds too
-    return Engine.from_pretrained(ckpt_dir, draft_dir, k=3, k_policy="heuristic", max_batch=8)
+    return Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8))
 
 
 def _wait(cond, timeout: float = 10.0) -> bool:
@@ -101,7 +102,7 @@ def test_16_threads_x_8_requests_equal_their_solo_runs(eng):
                                        ("max_seq_len", 513), ("max_seq_len", 1)])
 def test_bad_engine_options(ckpt_dir, opt, value):
     with pytest.raises(InvalidConfigError, match=opt):
-        Engine.from_pretrained(ckpt_dir, drafter=None, **{opt: value})
+        Engine.from_pretrained(ckpt_dir, **{opt: value})
 
 
 BAD = [
@@ -123,7 +124,7 @@ def test_bad_submissions_then_engine_still_works(eng, name, call, match):
 
 
 def test_max_seq_len_limit_is_named(ckpt_dir):
-    e = Engine.from_pretrained(ckpt_dir, drafter="ngram", k=2, max_seq_len=64)
+    e = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=2), limits=Limits(max_seq_len=64))
     with pytest.raises(InvalidRequestError, match="max_seq_len=64.*k_max"):
         e.generate([[1] * 40], SamplingParams(max_new_tokens=30))
     assert len(e.generate([[1] * 40], SamplingParams(max_new_tokens=24))[0].token_ids) >= 1
@@ -198,7 +199,7 @@ def test_a_nonfinite_row_is_cleared_before_the_next_sequence_uses_it(ckpt_dir):
     reads a bucket of masked slots there, and 0 * NaN is NaN)."""
     import torch
 
-    eng = Engine.from_pretrained(ckpt_dir, drafter=None, attention="math")
+    eng = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="math"))
     sp = SamplingParams(max_new_tokens=6)
     ref = eng.generate([[4, 5, 6]], sp)[0].token_ids
     for t in (eng.loop.cache.k, eng.loop.cache.v):  # as if a failed sequence's forward had made NaN k/v
@@ -233,7 +234,7 @@ def test_failed_round_fails_its_requests_and_the_engine_keeps_serving(eng):
 
 # ---------------------------------------------------------------- admission
 def test_overload_refuses_some_and_the_rest_complete(ckpt_dir, draft_dir):
-    e = Engine.from_pretrained(ckpt_dir, draft_dir, k=2, adaptive_k=False, max_batch=1, max_waiting=2)
+    e = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=2, k_policy="constant"), limits=Limits(max_batch=1, max_waiting=2))
     e.scheduler.on_round = lambda: time.sleep(0.001)
     jobs = [(_prompt(i), SamplingParams(max_new_tokens=30, temperature=0.9, seed=i)) for i in range(12)]
     handles, refused = [], 0
@@ -349,7 +350,7 @@ def test_http_example(eng, ckpt_dir, draft_dir):
         srv.shutdown()
         srv.server_close()
     # overload -> 503
-    small = Engine.from_pretrained(ckpt_dir, draft_dir, k=2, adaptive_k=False, max_batch=1, max_waiting=0)
+    small = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=2, k_policy="constant"), limits=Limits(max_batch=1, max_waiting=0))
     srv = mod.make_server(small, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     small.scheduler.on_round = lambda: time.sleep(0.005)
@@ -372,7 +373,7 @@ def _rss() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
 def test_soak_500_requests_8_threads_rss_stable(tiny_demo):
-    e = Engine.from_pretrained(*tiny_demo, k=3, k_policy="heuristic", max_batch=8)
+    e = Engine.from_pretrained(*tiny_demo, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8))
     words = ["The with statement", "def f(x):", "import os", "class A:", "for i in range", "Return the"]
     jobs = [(words[i % 6] + " " * (i % 3), SamplingParams(max_new_tokens=4 + i % 9, temperature=(i % 3) * 0.5,
                                                           seed=i)) for i in range(500)]

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 from util import make_checkpoint
 
 from engine import Engine, SamplingParams
+from engine.api.options import SpeculationConfig
 from engine.spec.sampling import params_to_tensors, process_logits
 
 PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
@@ -17,15 +18,15 @@ PROMPTS[6] = PROMPTS[0] * 3
 
 @pytest.fixture(scope="module")
 def plain(ckpt_dir):
-    eng = Engine.from_pretrained(ckpt_dir, drafter=None)
+    eng = Engine.from_pretrained(ckpt_dir)
     return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, drafter=drafter,
-                                 k=k, adaptive_k=False, early_exit_layers=2)
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant",
+                                 early_exit_layers=2 if drafter == "early-exit" else None))
     params = SamplingParams(max_new_tokens=40)
     for batch in (1, 4):
         outs = []
@@ -39,7 +40,7 @@ def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k)
 
 
 def test_adaptive_k_greedy_identity_and_stats(ckpt_dir, draft_dir, plain):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=3)  # cost-model policy, measured costs
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3))  # cost-model policy, measured costs
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
     assert [o.token_ids for o in outs] == plain
     st = outs[0].stats
@@ -52,7 +53,7 @@ def test_adaptive_k_greedy_identity_and_stats(ckpt_dir, draft_dir, plain):
 
 
 def test_stop_conditions_inside_an_accepted_run(ckpt_dir, draft_dir, plain):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=8, adaptive_k=False)
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=8, k_policy="constant"))
     ref = plain[1]
     # max_new_tokens cuts the run exactly
     out = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=7))[0]
@@ -97,7 +98,7 @@ def _exact_joint(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarr
                                 SamplingParams(max_new_tokens=2, temperature=1.5, top_k=10, top_p=0.85)],
                          ids=["t1.0", "t1.5-k10-p0.85"])
 def test_joint_distribution_of_two_tokens_matches_target(tiny_pair, sp):
-    eng = Engine.from_pretrained(*tiny_pair, k=2, adaptive_k=False)
+    eng = Engine.from_pretrained(*tiny_pair, speculation=SpeculationConfig(k=2, k_policy="constant"))
     prompt = [1, 2, 3]
     exact = _exact_joint(eng, prompt, sp)
     V = eng.vocab
@@ -120,7 +121,7 @@ def test_joint_distribution_of_two_tokens_matches_target(tiny_pair, sp):
 
 # ---------------------------------------------------------------- reproducibility
 def test_seeded_output_is_the_same_alone_and_in_a_batch(tiny_pair):
-    eng = Engine.from_pretrained(*tiny_pair, k=3)
+    eng = Engine.from_pretrained(*tiny_pair, speculation=SpeculationConfig(k=3))
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1234)
     alone = eng.generate([[1, 2, 3]], sp)[0].token_ids
     again = eng.generate([[1, 2, 3]], sp)[0].token_ids
@@ -140,7 +141,7 @@ def test_seeded_output_is_the_same_alone_and_in_a_batch(tiny_pair):
 
 
 def test_stream_concatenates_to_the_text(ckpt_dir, draft_dir):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, k=4)
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=4))
     sp = SamplingParams(max_new_tokens=30, temperature=0.8, seed=5)
     pieces = list(eng.stream("The quick brown", sp))
     assert "".join(pieces) == eng.generate("The quick brown", sp)[0].text

@@ -2,220 +2,109 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from engine.api.plan_apply import apply_precision_plan
-from engine.core.checkpoint import load_model, resolve_dtype
-from engine.core.errors import (
-    InvalidConfigError,
-    InvalidRequestError,
-    VocabMismatchError,
-)
-from engine.core.model import Transformer, fuse_projections
-from engine.core.tokenizer import Tokenizer
-from engine.kernels.backends import ATTENTION_CHOICES, select_attention
-from engine.kernels.cpu_decode import install_decode_step, step_info
-from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
+from engine.api.assemble import Parts, assemble, resolve_device
+from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
+from engine.api.runtime import make_governor
+from engine.core.errors import InvalidConfigError, InvalidRequestError
+from engine.kernels.cpu_linear import packed_bytes
+from engine.kernels.cudagraphs import graph_stats
 from engine.serve.metrics import metrics_text
-from engine.serve.scheduler import Request, Scheduler
-from engine.spec.adaptive import Costs, KPolicy
+from engine.serve.request import Completion, Request
+from engine.serve.scheduler import Scheduler
+from engine.serve.telemetry import gpu_stats
+from engine.spec.adaptive import Costs
 from engine.spec.costs import measure_costs
-from engine.spec.drafters import (
-    DRAFTERS,
-    Drafter,
-    EarlyExitDrafter,
-    ModelDrafter,
-    NGramDrafter,
-)
-from engine.spec.loop import DecodeLoop, Seq
+from engine.spec.drafters import EarlyExitDrafter
+from engine.spec.loop import DecodeLoop
 from engine.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (eos or a stop string), "length", "error"
-    prompt_token_ids: list[int]
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidConfigError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise InvalidConfigError(f"device={device!r} is invalid: allowed 'cpu', 'cuda' or 'cuda:N'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidConfigError(f"device={device!r} is not available here: no CUDA device; use 'cpu'")
-    return dev
+__all__ = ["Completion", "Engine", "Prompts"]
 
 
 class Engine:
     """Speculative (or plain) generation with a Llama-family target.
 
     Build it with ``Engine.from_pretrained`` or ``Engine.from_profile``. Safe to call from any
-    number of threads: requests join a continuously batched worker (engine/scheduler.py).
-    Options: ``max_batch`` sequences decoded at once (cache rows), ``max_waiting`` requests
-    queued beyond them (more -> OverloadedError), ``max_seq_len`` the longest request
-    (prompt + max_new_tokens; default the model's context).
+    number of threads: requests join a continuously batched worker (engine/serve/scheduler.py).
     """
 
-    def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter: Drafter | None = None,
-                 draft_model: Transformer | None = None, policy: KPolicy | None = None,
-                 costs: Costs | None = None, vocab: int | None = None, device: torch.device | None = None,
-                 info: dict[str, Any] | None = None, max_batch: int = 64, max_waiting: int = 4096,
-                 max_seq_len: int | None = None) -> None:
-        self.target, self.tokenizer, self.drafter, self.draft_model = target, tokenizer, drafter, draft_model
-        self.config = target.config
-        self.device = device or target.norm.weight.device
-        self.policy = policy if drafter is not None else None
+    def __init__(self, parts: Parts, limits: Limits = Limits(), costs: Costs | None = None,
+                 profile: dict[str, Any] | None = None) -> None:
+        """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``."""
+        self.target, self.tokenizer, self.drafter = parts.target, parts.tokenizer, parts.drafter
+        self.draft_model, self.policy, self.vocab, self.device = parts.draft_model, parts.policy, parts.vocab, parts.device
+        self.config = parts.target.config
+        self.info = dict(parts.info)
+        self.profile = profile
+        self.limits = limits
+        self.cuda_graphs = parts.graphs or None  # GraphedForward wrappers (engine/kernels/cudagraphs.py)
         self._costs = costs
-        self.vocab = vocab or target.config.vocab_size
-        self.info = dict(info or {})
-        self.loop = DecodeLoop(target, tokenizer, drafter, target.config.eos_token_ids, self.vocab, self.device)
-        self.profile: dict[str, Any] | None = None
         ctx = self.config.max_position_embeddings
-        for name, v, lo, hi in (("max_batch", max_batch, 1, 1 << 16), ("max_waiting", max_waiting, 0, 1 << 30),
-                                ("max_seq_len", ctx if max_seq_len is None else max_seq_len, 2, ctx)):
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int in {lo}..{hi}")
-        self.max_seq_len = ctx if max_seq_len is None else max_seq_len
-        self.scheduler = Scheduler(self, max_batch, max_waiting, self.max_seq_len)
-        self.cuda_graphs: list[Any] | None = None  # GraphedForward wrappers when graphs are on (cudagraphs.py)
-        self.gpu_reader: Any = None  # NVML / cudaMemGetInfo reader (telemetry.py); None on the CPU
+        if limits.max_seq_len is not None and limits.max_seq_len > ctx:
+            raise InvalidConfigError(f"limits.max_seq_len={limits.max_seq_len} is invalid: allowed an int in "
+                                     f"2..{ctx} (the model's context)")
+        self.max_seq_len = limits.max_seq_len if limits.max_seq_len is not None else ctx
+        self.loop = DecodeLoop(parts.target_forward, parts.tokenizer, parts.drafter,
+                               self.config.eos_token_ids, self.vocab, self.device)
+        self.gpu_reader, governor = None, None
+        if limits.load_window is not None:
+            pol = self.policy
+            self.gpu_reader, governor = make_governor(self.device, limits.load_window, pol.k_min if pol else 0,
+                                                      pol.k_max if pol else 0, limits.max_batch)
+        self.scheduler = Scheduler(self.loop, policy=self.policy, costs=lambda: self.costs, device=self.device,
+                                   max_batch=limits.max_batch, max_waiting=limits.max_waiting,
+                                   max_seq_len=self.max_seq_len, governor=governor)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, target_dir: str | Path, draft_dir: str | Path | None = None, *,
-                        drafter: str | None = "model", k: int = 5, adaptive_k: bool = True,
-                        device: str | torch.device | None = "cpu", plan: Any = None,
-                        dtype: str | torch.dtype | None = None, k_policy: str | None = None,
-                        k_min: int = 1, k_max: int | None = None, early_exit_layers: int | None = None,
-                        costs: Costs | dict | None = None,
-                        calib: str | Sequence[Sequence[int]] | None = None, max_batch: int = 64,
-                        max_waiting: int = 4096, max_seq_len: int | None = None,
-                        cpu_pack: bool | None = None, draft_dtype: str | torch.dtype | None = None,
-                        attention: str | None = None, draft_step_weights: str | None = None) -> "Engine":
-        """Load a target (and a drafter). drafter: "model" (needs draft_dir), "ngram", "early-exit" or None.
+    def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *,
+                        speculation: SpeculationConfig = SpeculationConfig(),
+                        precision: PrecisionConfig | None = None, limits: Limits = Limits(),
+                        kernels: KernelOptions = KernelOptions(), device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None) -> "Engine":
+        """Load a target checkpoint (and a draft checkpoint) and build the engine.
 
-        With drafter="model" and no draft_dir the engine decodes plainly. ``plan`` (a PrecisionPlan)
-        quantizes both models by module swap; None keeps them unquantized. ``calib`` (text or
-        token lists, never the eval text) feeds SmoothQuant when the plan asks for it.
-        ``dtype``: the models' dtype (default float32 on the CPU, float16 on CUDA). ``draft_dtype``: the draft
-        model's (default: float32 on the CPU, where its C++ step runs; ``dtype`` on CUDA). ``cpu_pack``: the
-        CPU's fast kernels (engine/cpu_linear.py): bf16 linears on oneDNN-packed weights, fp32 ones on the
-        small-GEMM kernel, and each fp32 model's cached forward as one C++ call (engine/cpu_decode.py; AMX
-        tiles for bf16-valued weights); None uses them where they run, True requires them, False keeps PyTorch's.
-        ``draft_step_weights``: how that step stores the draft's GEMM weights: "float16", "bfloat16" (half
-        the bytes; the target verifies every proposal, so only the acceptance can move) or "float32"; None:
-        bfloat16 where lossless, else float16. The target's are 16-bit only where lossless (a bf16 checkpoint).
-        ``attention``: the target's attention backend (engine/backends.py: "sdpa", "math", ...). None picks
-        "math" with packed bf16 linears (then a verify row equals the one-token step bit for bit, so greedy
-        speculation reproduces the bf16 target exactly; it costs ~4% of speculative and ~17% of plain
-        decode speed on the demo pair) and "sdpa" otherwise. With a plan it must be None (the plan names it).
+        ``speculation``: the drafter and the K policy (without a draft checkpoint and a drafter, plain
+        decoding); ``precision``: the precision plan (None: unquantized); ``limits``: batch, queue and
+        length limits and the load window; ``kernels``: the kernel choices. ``device`` None: CUDA when
+        present, else the CPU; ``dtype`` None: fp32 on the CPU, the checkpoint's own 16-bit dtype on CUDA.
+        Each option object documents its fields (engine/api/options.py); contradictions raise
+        InvalidConfigError naming both sides.
         """
-        if draft_step_weights not in (None, "float16", "bfloat16", "float32"):
-            raise InvalidConfigError(f"draft_step_weights={draft_step_weights!r} is invalid: allowed 'float16', "
-                                     "'bfloat16', 'float32' or None (bfloat16 where lossless, else float16)")
-        if drafter is not None and drafter not in DRAFTERS:
-            raise InvalidConfigError(f"drafter={drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise InvalidConfigError(f"k={k!r} is invalid: allowed an int >= 1")
-        if attention is not None and attention not in ATTENTION_CHOICES:
-            raise InvalidConfigError(f"attention={attention!r} is invalid: allowed {', '.join(ATTENTION_CHOICES)} "
-                                     "or None")
-        if plan is not None and attention is not None:
-            raise InvalidConfigError(f"attention={attention!r} is invalid with a plan: the plan names the backend "
-                                     f"(plan.attention_backend={getattr(plan, 'attention_backend', None)!r}); "
-                                     "allowed None")
-        dev = _resolve_device(device)
-        dt = resolve_dtype(dtype) if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
-        target = load_model(target_dir, dt, dev)
-        tok = Tokenizer(target_dir)
-        draft_model: Transformer | None = None
-        vocab = target.config.vocab_size
-        if drafter == "model" and draft_dir is not None:
-            dtok = Tokenizer(draft_dir)
-            default_ddt = torch.float32 if dev.type == "cpu" else dt
-            ddt = resolve_dtype(draft_dtype) if draft_dtype is not None else default_ddt
-            draft_model = load_model(draft_dir, ddt, dev)
-            if dtok.vocab() != tok.vocab():
-                raise VocabMismatchError(
-                    f"draft {draft_dir} and target {target_dir} have different vocabularies: "
-                    f"draft tokenizer has {dtok.vocab_size} tokens (model vocab {draft_model.config.vocab_size}), "
-                    f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})")
-            vocab = min(vocab, draft_model.config.vocab_size)
-        if plan is not None:
-            apply_precision_plan(plan, target, draft_model, tok, dev, calib)
-        # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
-        fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
-        # then the CPU linears on the fast kernel for the weights' dtype after any plan (a CPU plan computes in fp32)
-        packed, cpu_kernel = fast_cpu_linears(target, dev, cpu_pack)
-        if plan is None:
-            target.attn_fn = select_attention(attention or ("math" if cpu_kernel == "onednn-bf16" else "sdpa"), dev)
-        # each fp32 model's few-row forward as one C++ call (engine/cpu_decode.py; the draft stays fp32 on the
-        # CPU beside a bf16 target too); GEMM weights 16-bit where lossless ("auto": else fp16, for the draft)
-        step_w = {"target": None, "draft": resolve_dtype(draft_step_weights) if draft_step_weights else "auto"}
-        stepped = [name for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
-                   if dev.type == "cpu" and cpu_pack is not False and m is not None
-                   and install_decode_step(m, step_w[name]) is None]
-        d: Drafter | None = None
-        if drafter == "model" and draft_model is not None:
-            d = ModelDrafter(draft_model, None)
-        elif drafter == "ngram":
-            d = NGramDrafter()
-        elif drafter == "early-exit":
-            n = target.config.num_hidden_layers
-            L = early_exit_layers if early_exit_layers is not None else max(1, n // 4)
-            if not isinstance(L, int) or not 1 <= L < n:
-                raise InvalidConfigError(f"early_exit_layers={L!r} is invalid: allowed 1..{n - 1}")
-            d = EarlyExitDrafter(target, L)
-        k_max = k_max if k_max is not None else max(8, k)
-        name = k_policy or ("cost-model" if adaptive_k else "constant")
-        policy = KPolicy(name=name, k=k, k_min=min(k_min, k), k_max=k_max) if d is not None else None
-        if isinstance(costs, dict):
-            costs = Costs.from_dict(costs)
-        info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
-                "drafter": drafter if d is not None else None, "dtype": str(dt).replace("torch.", ""),
-                "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
-                "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_linear_kernel": cpu_kernel,
-                "cpu_decode_step": stepped, **step_info({"target": target, "draft": draft_model}),
-                "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
-                "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
-        return cls(target, tok, drafter=d, draft_model=draft_model, policy=policy, costs=costs,
-                   vocab=vocab, device=dev, info=info, max_batch=max_batch, max_waiting=max_waiting,
-                   max_seq_len=max_seq_len)
+        for name, v, typ in (("speculation", speculation, SpeculationConfig), ("limits", limits, Limits),
+                             ("kernels", kernels, KernelOptions)):
+            if not isinstance(v, typ):
+                raise InvalidConfigError(f"{name}={v!r:.60} is invalid: allowed a {typ.__name__}")
+        if precision is not None and not isinstance(precision, PrecisionConfig):
+            raise InvalidConfigError(f"precision={precision!r:.60} is invalid: allowed a PrecisionConfig or None")
+        dev = resolve_device(device)
+        parts = assemble(target, draft, speculation, precision, kernels, dev, dtype)
+        return cls(parts, limits, costs=speculation.costs)
 
     @classmethod
-    def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *, max_batch: int = 64,
-                     max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
+    def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *,
+                     limits: Limits | None = None) -> "Engine":
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
 
-        Refuses with a ProfileError naming the file and the field: a missing file, invalid
-        JSON, an unknown schema version, missing fields, weights whose sha256 changed; and
-        with KernelUnavailableError a kernel this machine lacks.
+        ``limits``: batch and queue limits (the profile's load window is kept). Refuses with a
+        ProfileError naming the file and the field: a missing file, invalid JSON, an unknown schema
+        version, missing fields, weights whose sha256 changed; and with KernelUnavailableError a
+        kernel this machine lacks.
         """
-        from engine.api.profile import engine_kwargs, load_profile
-        from engine.api.runtime import apply_runtime, runtime_settings
+        from engine.api.profile import engine_options, load_profile
 
         prof = load_profile(path)
-        kw = engine_kwargs(prof, device)
-        runtime = runtime_settings(prof, kw["device"])  # missing CUDA graphs fail before any weight loads
-        eng = cls.from_pretrained(**kw, max_batch=max_batch, max_waiting=max_waiting, max_seq_len=max_seq_len)
+        opts = engine_options(prof, device, limits or Limits())
+        eng = cls.from_pretrained(**opts)
         eng.profile = prof
-        apply_runtime(eng, runtime)
         return eng
 
     # ------------------------------------------------------------------ costs
@@ -288,11 +177,6 @@ class Engine:
                     f"engine's max_seq_len={lim} (the KV cache holds max_seq_len + k_max {k} + 2 positions per row)")
         return ids, plist
 
-    def _completion(self, s: Seq) -> Completion:
-        return Completion(text=self.loop.final_text(s), token_ids=s.generated,
-                          finish_reason=s.finish_reason or "length", prompt_token_ids=s.prompt,
-                          stats=s.stats.to_dict())
-
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue one prompt; the handle has ``result()``, ``cancel()``, ``done()`` and iterates text pieces.
@@ -329,7 +213,9 @@ class Engine:
 
     def metrics_text(self) -> str:
         """Counters and gauges in the Prometheus text exposition format."""
-        return metrics_text(self)
+        cache = self.loop.cache
+        return metrics_text(self.scheduler.snapshot(), kv_cache_bytes=cache.nbytes if cache is not None else 0,
+                            device=self.device, governor=self.scheduler.governor, graphs=graph_stats(self.cuda_graphs))
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
@@ -388,9 +274,6 @@ class Engine:
 
 def _runtime_stats(engine: Engine) -> dict[str, Any]:
     """CUDA graph counters and capture time, GPU memory/utilization and the load window (None when off)."""
-    from engine.kernels.cudagraphs import graph_stats
-    from engine.serve.telemetry import gpu_stats
-
     gov = engine.scheduler.governor
     return {"cuda_graphs": graph_stats(engine.cuda_graphs), "gpu": gpu_stats(engine.device, engine.gpu_reader),
             "load_window": None if gov is None else gov.snapshot()}

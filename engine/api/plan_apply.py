@@ -39,7 +39,7 @@ def apply_precision_plan(plan: Any, target: Transformer, draft: Transformer | No
     attn = select_attention(plan.attention_backend, dev)
     for m in (target, draft):
         if m is not None:
-            m.attn_fn = attn
+            m.use_kernels(attention=attn, step=m.layer_step)
     stats = None
     if any(f.scaling.get("smoothquant_alpha") is not None for f in plan.target.families.values() if f.quantized):
         if calib is None:

@@ -1,6 +1,6 @@
 """Profiles: the JSON a build writes and a service loads (``Engine.from_profile``).
 
-A profile names its models (demo pairs as ``demo:<size>/target``, other models by
+A profile names its models (demo pairs as ``demo:<pair directory>/<role>``, other models by
 path), the sha256 of every weight file, the precision section and plan, the
 quality gate's figures, the speculation settings, and versions. Loading checks
 all of it and refuses, with a ProfileError naming the file and the field, a
@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import weight_files
-from engine.core.errors import ProfileError
+from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.files import default_cache_dir, sha256_file
+from quant.plan import PrecisionPlan
 
 PROFILE_SCHEMA_VERSION = 1
 REQUIRED = ("schema_version", "gpu", "validated_on", "device", "models", "precision", "plan", "memory",
@@ -112,9 +114,13 @@ def profile_device(prof: dict[str, Any], device: str | torch.device | None) -> t
     return want
 
 
-def engine_kwargs(prof: dict[str, Any], device: str | torch.device | None = None) -> dict[str, Any]:
-    """Arguments of Engine.from_pretrained that rebuild exactly the profile's engine."""
-    from quant.plan import PrecisionPlan
+def engine_options(prof: dict[str, Any], device: str | torch.device | None = None,
+                   limits: Limits | None = None) -> dict[str, Any]:
+    """Arguments of Engine.from_pretrained that rebuild exactly the profile's engine: its models, its
+    ``speculation`` section as a SpeculationConfig, its plan as a PrecisionConfig and its ``runtime``
+    section as KernelOptions and the load window of ``limits`` (missing CUDA graphs fail here, before
+    any weight loads)."""
+    from engine.api.runtime import runtime_options, runtime_settings
 
     where = prof.get("_path", "profile")
     dev = profile_device(prof, device)
@@ -124,7 +130,6 @@ def engine_kwargs(prof: dict[str, Any], device: str | torch.device | None = None
         raise ProfileError(f"{where}: {e}") from None
     if plan.device != dev.type:
         raise ProfileError(f"{where}: plan.device={plan.device!r} does not match device={dev.type!r}")
-    spec = prof["speculation"]
     cal = prof["calibration"]
     calib = None
     if cal.get("text"):
@@ -135,24 +140,14 @@ def engine_kwargs(prof: dict[str, Any], device: str | torch.device | None = None
         if hashlib.sha256(calib.encode()).hexdigest() != cal.get("sha256"):
             raise ProfileError(f"{where}: calibration.sha256 does not match {cpath}")
     draft = prof["models"].get("draft")
-    return dict(
-        target_dir=resolve_ref(prof["models"]["target"]["path"]),
-        draft_dir=resolve_ref(draft["path"]) if draft else None,
-        drafter=spec["drafter"], k=int(spec["k"]), k_min=int(spec["k_min"]), k_max=int(spec["k_max"]),
-        k_policy=spec["policy"], costs={"c": spec["c"], "v": spec["v"]} if "c" in spec else None,
-        device=dev, plan=plan, calib=calib,
-    )
-
-
-def engines_for_profile(prof: dict[str, Any], device: str | torch.device | None = None) -> tuple[Any, Any]:
-    """(the profile's planned engine, the unquantized reference engine of its target)."""
-    from engine.api.engine import Engine
-
-    kw = engine_kwargs(prof, device)
-    planned = Engine.from_pretrained(**kw)
-    planned.profile = prof
-    reference = Engine.from_pretrained(kw["target_dir"], drafter=None, device=kw["device"])
-    return planned, reference
+    try:
+        spec = SpeculationConfig.from_profile(prof["speculation"])
+    except (InvalidConfigError, KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: speculation: {e}") from None
+    kernels, lim = runtime_options(runtime_settings(prof, dev), dev, KernelOptions(), limits or Limits())
+    return dict(target=resolve_ref(prof["models"]["target"]["path"]),
+                draft=resolve_ref(draft["path"]) if draft else None,
+                speculation=spec, precision=PrecisionConfig(plan, calib), limits=lim, kernels=kernels, device=dev)
 
 
 def resolve_eval_text(prof: dict[str, Any]) -> Path:

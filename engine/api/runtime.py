@@ -17,18 +17,15 @@ runtime matter, never a plan choice). Bad values are ProfileErrors naming the fi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from engine.api.options import KernelOptions, Limits, LoadWindowConfig
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.kernels.backends import HardwareFacts, probe_hardware, require_cuda_graphs
-from engine.kernels.cudagraphs import (
-    DEFAULT_BATCH_BUCKETS,
-    check_buckets,
-    enable_cuda_graphs,
-)
+from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS, check_buckets
 from engine.serve.telemetry import (
     DEFAULT_RESUME,
     DEFAULT_THRESHOLD,
@@ -36,9 +33,6 @@ from engine.serve.telemetry import (
     LoadWindow,
     make_reader,
 )
-
-if TYPE_CHECKING:
-    from engine.api.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -107,25 +101,20 @@ def runtime_settings(prof: dict[str, Any], device: torch.device, facts: Hardware
     return rt
 
 
-def apply_runtime(engine: "Engine", rt: RuntimeSettings) -> None:
-    """Install CUDA graphs and the load window on a freshly built engine."""
-    if rt.cuda_graphs and engine.device.type == "cuda":
-        enable_cuda_graphs(engine, rt.batch_buckets)
-    if rt.load_window:
-        install_load_window(engine, rt.memory_threshold, rt.resume_below)
-
-
-def install_load_window(engine: "Engine", threshold: float = DEFAULT_THRESHOLD, resume: float = DEFAULT_RESUME,
-                        reader: Any = None) -> LoadGovernor | None:
-    """Wire the load window into the engine's scheduler; None (a no-op) without a GPU reader."""
-    reader = reader if reader is not None else make_reader(engine.device)
-    engine.gpu_reader = reader
+def make_governor(device: torch.device, cfg: LoadWindowConfig, k_min: int, k_max: int, max_batch: int
+                  ) -> tuple[Any, LoadGovernor | None]:
+    """(the GPU reader, the load window's governor) for an engine; (None, None) where no reader runs (the CPU)."""
+    reader = cfg.reader if cfg.reader is not None else make_reader(device)
     if reader is None:
-        return None
-    k_max = engine.policy.k_max if engine.policy is not None else 0
-    k_min = engine.policy.k_min if engine.policy is not None else 0
-    window = LoadWindow(k_max=k_max, batch_max=engine.scheduler.max_batch, threshold=threshold, resume=resume,
-                        k_min=k_min)
-    gov = LoadGovernor(reader, window)
-    engine.scheduler.governor = gov
-    return gov
+        return None, None
+    window = LoadWindow(k_max=k_max, batch_max=max_batch, threshold=cfg.memory_threshold,
+                        resume=cfg.resume_below, k_min=k_min)
+    return reader, LoadGovernor(reader, window)
+
+
+def runtime_options(rt: RuntimeSettings, device: torch.device, kernels: KernelOptions, limits: Limits
+                    ) -> tuple[KernelOptions, Limits]:
+    """The profile's runtime section as the engine's options (graphs only on CUDA)."""
+    kernels = replace(kernels, cuda_graphs=rt.cuda_graphs and device.type == "cuda", batch_buckets=rt.batch_buckets)
+    lw = LoadWindowConfig(rt.memory_threshold, rt.resume_below) if rt.load_window else None
+    return kernels, replace(limits, load_window=lw)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.api.engine import Engine
+from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.tokenizer import Tokenizer
 from engine.spec.adaptive import Costs, best_k, expected_speedup
 from engine.spec.sampling import SamplingParams
@@ -39,11 +40,13 @@ def k_bounds(a: float, costs: Costs, k_search: int = 8, within: float = 0.9) -> 
 def calibrate(target_dir: Path, draft_dir: Path, plan: Any, calib_text: str, *, device: str = "cpu",
               k_probe: int = 4, k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48) -> dict[str, Any]:
     """The profile's speculation section for a model drafter."""
-    kw = dict(k=k_probe, adaptive_k=False, device=device, calib=calib_text, k_max=k_search)
-    planned = Engine.from_pretrained(target_dir, draft_dir, plan=plan, **kw)
+    spec = SpeculationConfig(k=k_probe, k_policy="constant", k_max=k_search)
+    planned = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text),
+                                     device=device)
     prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
     a = acceptance(planned, prompts, max_new_tokens)
-    fp16_draft = Engine.from_pretrained(target_dir, draft_dir, plan=dataclasses.replace(plan, draft=None), **kw)
+    fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device,
+                                        precision=PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text))
     a16 = acceptance(fp16_draft, prompts, max_new_tokens)
     costs = planned.costs
     assert costs is not None

@@ -6,7 +6,7 @@ and ``profile_series`` (a profile dict) return the plotted series and need no ma
 lazily (the ``plot`` extra). ``build_report`` renders the Markdown report that
 ``tools/build_profile.py`` writes beside a profile.
 
-Predicted speedups come from the cost model of ``engine.adaptive``:
+Predicted speedups come from the cost model of ``engine.spec.adaptive``:
 ``expected_speedup(a, K, Costs(c, v))`` = (1 - a^(K+1)) / ((1 - a) (K c + v(K))).
 Per-position acceptance is P(draft position i accepted | position i was verified), aggregated
 over requests as the mean of their per-request rates (``aggregate_positions``).
@@ -309,7 +309,7 @@ def _quality_section(q: Mapping[str, Any]) -> list[str]:
            f"{q['tokens']} scored tokens in {q['windows']} windows of context {q['context']} "
            f"(eval token cap: {fmt(q.get('max_tokens'))}). Gates: |dPPL| <= {fmt(g['max_drift'])} and "
            f"KLD mean <= {fmt(g['max_kld'])}. The dPPL interval is a 95% CI over {q['method']} "
-           "(see engine/quality.py); ± is one standard error.", ""]
+           "(see engine/build/quality.py); ± is one standard error.", ""]
     head = ["PPL ref", "PPL", "dPPL (95% CI)", "KLD mean", "KLD p99", "top-1 agreement"]
     out += _table(head, [_figures(q)])
     out += ["### Fallback ladder (every attempt)", ""]

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine, SamplingParams
+from engine.api.options import KernelOptions, SpeculationConfig
 from engine.build.report import (
     aggregate_positions,
     bench_series,
@@ -182,16 +183,14 @@ def bench(a: argparse.Namespace) -> int:
     prompts = load_prompts(a, root)
     n = a.max_new_tokens
     dt = a.dtype
-    opts = {"dtype": dt, "attention": a.attention}
-    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, drafter=None, **opts)}
+    opts = {"dtype": dt, "kernels": KernelOptions(attention=a.attention)}
+    engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, **opts)}
     for mode, drafter in SPEC_MODES.items():
-        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, drafter=drafter, k=a.k,
-                                               **opts)
+        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=a.k), **opts)
     costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
     for mode, k in sweep_modes.items():
-        engines[mode] = Engine.from_pretrained(target, draft, drafter="model", k=k, adaptive_k=False, costs=costs,
-                                               **opts)
+        engines[mode] = Engine.from_pretrained(target, draft, speculation=SpeculationConfig(k=k, k_policy="constant", costs=costs), **opts)
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
     runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m), outputs[m])
@@ -226,7 +225,7 @@ def bench(a: argparse.Namespace) -> int:
     reference = outputs["plain"]  # greedy outputs of the target alone, in --dtype
     if dt != "float32":  # ... and of the float32 target, which the reduced precision is measured against
         reference = []
-        spec_runner(Engine.from_pretrained(target, drafter=None), prompts, n, outputs=reference)()
+        spec_runner(Engine.from_pretrained(target), prompts, n, outputs=reference)()
     modes = []
     for m in runners:
         tps = statistics.median(rates[m])

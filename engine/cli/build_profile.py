@@ -27,6 +27,7 @@ import torch
 
 import engine
 from engine import Engine
+from engine.api.options import PrecisionConfig
 from engine.api.profile import PROFILE_SCHEMA_VERSION, model_ref, weight_hashes
 from engine.build.calibrate import calibrate
 from engine.build.quality import compare_models, load_eval_ids
@@ -116,15 +117,14 @@ def ladder(no_fallback: bool) -> list[tuple[str, dict[str, Any]]]:
 def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], device: str) -> tuple[Any, list]:
     """Try the plans in order; return (the first passing plan or None, every attempt's record)."""
     tcfg, dcfg = load_config(inp["target"]), load_config(inp["draft"])
-    ref = Engine.from_pretrained(inp["target"], drafter=None, device=device)
+    ref = Engine.from_pretrained(inp["target"], device=device)
     ids = load_eval_ids(ref.tokenizer, inp["eval_text"], max_tokens=a.max_eval_tokens)
     context = min(512, tcfg.max_position_embeddings)
     attempts = []
     for label, kw in ladder(a.no_fallback):
         plan = make_plan(gpu, tcfg, dcfg, device=device, **kw)
         ffn = plan.target.families["ffn"]
-        planned = Engine.from_pretrained(inp["target"], drafter=None, device=device, calib=inp["calib_text"],
-                                         plan=dataclasses.replace(plan, draft=None))
+        planned = Engine.from_pretrained(inp["target"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"]), device=device)
         rep = compare_models(ref.logits, planned.logits, ids, context, progress=not a.quiet)
         ok = rep.passes(a.max_drift, a.max_kld)
         attempts.append({"plan": label, "ffn": {"storage": ffn.storage, "kernel": ffn.kernel},

@@ -9,7 +9,7 @@ DIR/manifest.json (inputs/outputs, opset, quantization, parity), each atomically
 DIR: build/onnx/<profile name>. Each graph takes input_ids and positions [batch, step]
 and past_key_values.{i}.key/.value [batch, kv_heads, past_seq, head_dim] and returns
 logits [batch, step, vocab] and present.{i}.key/.value (past ++ new): the caller keeps the
-cache (engine/onnx_export.py). The target's INT8 FFN is int8 weights -> DequantizeLinear
+cache (engine/export/onnx_export.py). The target's INT8 FFN is int8 weights -> DequantizeLinear
 with per-token dynamic int8 QuantizeLinear/DequantizeLinear of the activations (W8A8 as
 specmix runs it, SmoothQuant divide included); the FP8 draft keeps its e4m3 weights as
 FLOAT8E4M3FN initializers -> DequantizeLinear (onnxruntime runs them on the CPU).
@@ -17,7 +17,7 @@ FLOAT8E4M3FN initializers -> DequantizeLinear (onnxruntime runs them on the CPU)
 Unless --no-check, onnxruntime (CPU) runs a prefill and --steps greedy decode steps and a
 4-token verify step, and the manifest records max and mean |ONNX - specmix| for each graph
 next to the quantization error |specmix planned - specmix unquantized| and specmix's own
-one-ulp sensitivity (engine/onnx_export.py Parity), and each quantized Linear alone on the
+one-ulp sensitivity (engine/export/onnx_export.py Parity), and each quantized Linear alone on the
 inputs it sees in specmix (module_parity). A graph passes when max |diff| <= --max-rel of
 the logit scale, or, quantized, when max |diff| <= its quantization error's max and mean
 |diff| <= a fifth of its mean; and its quantized Linears match specmix's to --max-rel with

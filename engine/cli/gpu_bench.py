@@ -10,7 +10,7 @@ shape (2 layers, hidden 768), every Linear FP8 (kernel native: torch._scaled_mm
 where the GPU has FP8 tensor cores, weight-only below). For each batch (1, 8, 32):
 
 - the target's decode step (T = 1 after ``--context`` cached tokens), eager and
-  replayed from a CUDA graph (engine/cudagraphs.py);
+  replayed from a CUDA graph (engine/kernels/cudagraphs.py);
 - verify(K) / decode step for K in 1, 2, 4, 8 (T = K + 1, graphs where available);
 - the decode step's achieved bandwidth: bytes read per step (every weight but the
   embedding table, of which only B rows are read, plus the live KV cache) / time,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Recompute a profile's quality gate: the regression check to put in CI.
 
-    python tools/perplexity.py --profile profiles/a100-demo.json
+    python tools/perplexity.py --profile profiles/a100-80gb-demo.json
     python tools/perplexity.py --profile P.json --eval-text wiki.test.raw --max-tokens 20000 --json
 
 Runs the profile's planned target and its unquantized (FP16) reference on the same fixed
@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine import Engine
+from engine.api.profile import engine_options
 from engine.core.cli import OneLineParser, run_tool
 from engine.core.errors import ProfileError
 
@@ -87,7 +89,7 @@ def _number(prof: dict[str, Any], path: str) -> float:
 
 def evaluate(a: argparse.Namespace) -> dict[str, Any]:
     """Recompute the figures; the result dict of the JSON output (``exit_code`` included)."""
-    from engine.api.profile import engines_for_profile, load_profile, resolve_eval_text
+    from engine.api.profile import load_profile, resolve_eval_text
     from engine.build.quality import (
         compare_models,
         default_context,
@@ -168,6 +170,15 @@ def format_report(r: dict[str, Any]) -> str:
                  f"KLD {q['kld_mean']:.6f} {'<=' if c['kld'] else '>'} {b['max_kld']:g}: "
                  f"{'PASS' if r['passed'] else 'FAIL'}")
     return "\n".join(lines)
+
+
+def engines_for_profile(prof: dict[str, Any], device: str | None = None) -> tuple[Any, Any]:
+    """(the profile's planned engine, the unquantized reference engine of its target)."""
+    kw = engine_options(prof, device)
+    planned = Engine.from_pretrained(**kw)
+    planned.profile = prof
+    reference = Engine.from_pretrained(kw["target"], device=kw["device"])
+    return planned, reference
 
 
 def main(argv: list[str] | None = None) -> int:

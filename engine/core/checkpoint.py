@@ -1,4 +1,4 @@
-"""Loading Hugging Face checkpoint directories into ``engine.model.Transformer``.
+"""Loading Hugging Face checkpoint directories into ``engine.core.model.Transformer``.
 
 The model is built on the meta device and the safetensors tensors are assigned
 in place (memory-mapped reads, one conversion per tensor), so a checkpoint is

@@ -156,3 +156,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{gen}: unreadable generation_config.json ({e})") from None
     return cfg
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str | None:
+    """The dtype a checkpoint's config.json names (``torch_dtype``, or ``dtype`` in newer files), if any."""
+    path = Path(model_dir) / "config.json"
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable config.json ({e})") from None
+    v = d.get("torch_dtype", d.get("dtype")) if isinstance(d, dict) else None
+    return v if isinstance(v, str) else None

@@ -56,7 +56,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal:
     if mask is None and causal:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     qg = q.view(B, Hkv, H // Hkv, T, D)
-    # k @ q^T, transposed back: the same values as q @ k^T (checked bitwise) and ~1.7x faster with bf16 on
+    # k @ q^T, transposed back: the same values as q @ k^T (checked bitwise) and faster with bf16 on
     # oneDNN, which otherwise re-lays out the transposed cache slice every call
     scores = torch.matmul(k.unsqueeze(2), qg.transpose(-1, -2)).transpose(-1, -2).float() * (D ** -0.5)
     if mask is not None:
@@ -71,7 +71,7 @@ MATH_KEY_BUCKET = 32
 def _math_with_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: "_Ctx", window: int | None) -> Tensor:
     """``math_attention`` over the cache with the key count rounded up to a multiple of MATH_KEY_BUCKET
     (masked by position): oneDNN builds a kernel per matmul shape, and a key count that grows by one
-    every step made each call pay for a new one (~1 ms instead of ~0.1 ms, measured)."""
+    every step made each call pay for a new one."""
     B = q.shape[0]
     # never the cache's last slot (the loop's scratch, written by padding, never to be read) unless kv_len says so
     S = max(ctx.kv_len, min(-(-ctx.kv_len // MATH_KEY_BUCKET) * MATH_KEY_BUCKET, k_cache.shape[2] - 1))
@@ -218,7 +218,7 @@ class MLP(nn.Module):
 
 class FusedLinear:
     """Several Linears' outputs from one GEMM. Not a Module: the Linears keep the parameters (as views
-    of ``weight``), so state_dict and checkpoints are unchanged. engine/cpu_linear.py packs it."""
+    of ``weight``), so state_dict and checkpoints are unchanged. engine/kernels/cpu_linear.py packs it."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.weight, self.bias = weight, bias
@@ -310,7 +310,16 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.attn_fn: AttentionFn = sdpa_attention
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
-        self.layer_step: Any = None  # the cached forward as one C++ call (engine/cpu_decode.py), when installed
+        self.layer_step: Any = None  # the cached forward as one C++ call (engine/kernels/cpu_decode.py)
+
+    def use_kernels(self, attention: AttentionFn | None = None, step: Any = None) -> None:
+        """The one hook for the kernels layer (engine/kernels/backends.py chooses them; the engine's builder
+        calls this where it builds the model): ``attention`` replaces the attention backend when given;
+        ``step``, a callable with ``DecodeStep``'s signature, runs every cached no-grad fp32 forward in one
+        call (None: PyTorch's layers)."""
+        if attention is not None:
+            self.attn_fn = attention
+        self.layer_step = step
 
     def reset_rope(self) -> None:
         """Recompute the rotary frequencies (after building on the meta device)."""

@@ -66,13 +66,10 @@ class DemoRecipe:
 
 
 RECIPES: dict[str, DemoRecipe] = {
-    # v2: target dropout 0.1, the draft distilled 1500 steps with 96 target-sampled chunks added: greedy
-    # agreement along the target's own continuations 0.744 -> 0.782 (v1: no dropout, 600 steps, none).
-    # v3: weights with bf16 values, like the real pairs' bf16 checkpoints: an fp32 engine streams them
-    # at half width without changing a bit (engine/cpu_decode.py); a target of 8 layers (58M; 4 before:
-    # with AMX a 30M target's verify was no longer nearly free against its 1.4 ms step, and the ratio
-    # sat at 1.8-1.9x) and 256 sampled chunks at temperature 0.8 (greedy agreement 0.774 -> 0.792 on the
-    # 4-layer target)
+    # The demo size: weights with bf16 values, like the real pairs' bf16 checkpoints (an fp32 engine
+    # streams them at half width without changing a bit: engine/kernels/cpu_decode.py); a target deep
+    # enough (8 layers, 58M) that a verify pass costs little more than a step beside a 2-layer draft;
+    # the draft distilled with target-sampled chunks (temperature 0.8) as well as training text.
     "demo": DemoRecipe(
         vocab_size=2048, target=ModelShape(768, 8, 2048, 12, 12), draft=ModelShape(256, 2, 768, 4, 4),
         target_steps=300, draft_steps=1500, target_dropout=0.1, distill_sampled=256, distill_temperature=0.8,

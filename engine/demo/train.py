@@ -1,4 +1,4 @@
-"""Training the demo pair (engine/demo.py names, caches and builds it; this trains it).
+"""Training the demo pair (engine/demo/pair.py names, caches and builds it; this trains it).
 
 ``build_pair(recipe, out)``: a byte-level BPE tokenizer on the training split, the target trained on
 next-token cross-entropy, the draft distilled from it (KL over the target's top-k plus one bucket for
@@ -356,7 +356,7 @@ def greedy_agreement(target: Transformer, draft: Transformer, ids: torch.Tensor,
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' LlamaForCausalLM (and engine.config.load_config)."""
+    """config.json for transformers' LlamaForCausalLM (and engine.core.config.load_config)."""
     eos = cfg.eos_token_ids[0]
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,

@@ -8,11 +8,11 @@
     logits, cache = step(next_ids, next_positions, cache)                  # decode / verify step
     report = decode_parity(model, step, prompt, steps=8, reference=fp32_model)
 
-The graph (engine/onnx_graph.py) takes ``input_ids`` and ``positions`` [batch, step] and the
+The graph (engine/export/onnx_graph.py) takes ``input_ids`` and ``positions`` [batch, step] and the
 past keys/values of every layer [batch, kv_heads, past_seq, head_dim] and returns ``logits``
 [batch, step, vocab] and the present keys/values (past ++ new); the caller keeps the cache.
 
-Quantization (the module docstring of engine/onnx_graph.py has the node patterns):
+Quantization (the module docstring of engine/export/onnx_graph.py has the node patterns):
 - INT8 FFN (Int8Linear, kernel w8a8): int8 weights + per-channel scales -> DequantizeLinear;
   activations: per-token dynamic symmetric int8 QuantizeLinear/DequantizeLinear with specmix's
   scale rule, after the SmoothQuant divide. This is the W8A8 arithmetic of specmix, not a

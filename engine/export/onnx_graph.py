@@ -261,7 +261,7 @@ class _StepBuilder:
         dims = {"B": g.op("Slice", [shp, g.const([0], np.int64), g.const([1], np.int64)], "dim_B"),
                 "T": g.op("Slice", [shp, g.const([1], np.int64), g.const([2], np.int64)], "dim_T")}
         x = self.embed(g.op("Reshape", ["input_ids", g.const([-1], np.int64)], "ids_flat"))
-        # rotary tables cos/sin [B, 1, T, D] from the positions (engine/model.py rope_cos_sin)
+        # rotary tables cos/sin [B, 1, T, D] from the positions (engine/core/model.py rope_cos_sin)
         pos = g.op("Unsqueeze", [g.op("Cast", ["positions"], "pos_f", to=TP.FLOAT), g.const([-1], np.int64)], "pos3")
         freqs = g.op("Mul", [pos, g.tensor(self.m.inv_freq, "inv_freq")], "freqs")
         emb = g.op("Unsqueeze", [g.op("Concat", [freqs, freqs], "rope_emb", axis=-1), g.const([1], np.int64)],

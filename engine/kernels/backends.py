@@ -10,7 +10,7 @@ Every probe reads a ``HardwareFacts`` (what the machine has). ``probe_hardware``
 asks the machine; tests build the facts themselves (``facts_for_gpu`` turns a
 catalog entry into the facts of that GPU), so no import is monkeypatched.
 
-Attention backends share the model's ``attn_fn`` API (engine/model.py). Both
+Attention backends share the model's ``attn_fn`` API (engine/core/model.py). Both
 align ``causal=True`` bottom-right when there are fewer queries than keys (query
 i of T sees keys <= S - T + i), as flash-attn does. flash-attn adds one
 documented extension: ``attn_fn.with_cache(q, k_cache, v_cache, ctx, window)``

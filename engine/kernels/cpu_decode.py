@@ -1,8 +1,7 @@
-"""A fp32 model's few-row forward as one C++ call (engine/csrc/decode_layers.cpp).
+"""A fp32 model's few-row forward as one C++ call (engine/kernels/csrc/decode_layers.cpp).
 
-Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic. The demo draft's
-step cost ~0.73 ms through ~50 PyTorch ops, of which the GEMMs are ~0.2 ms (now ~0.14 ms in all
-with fp16 weights). ``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused
+Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic (the demo draft's
+step is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings). ``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused
 q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down;
 final norm and LM head on the scored rows) in one call. ``Transformer.forward`` uses it when
 installed (``model.layer_step``) for every call with a fp32 cache and no autograd, prompts
@@ -15,9 +14,8 @@ in one call (no Python between the draft steps).
 The GEMM weights: fp32 (the model's own tensors) on the AVX-512 small-GEMM kernel, or 16-bit
 copies widened in registers. A model whose weights are all bf16 values (a bf16 checkpoint loaded
 in fp32, as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a
-CPU with AMX its GEMMs run on tiles (engine/csrc/amx_gemm.cpp: fp32 inputs split exactly into
-three bf16 parts, fp32 accumulation): a 30M target's step (768 hidden, 4 layers) went 3.0 -> 1.43 ms,
-and a verify of 5 tokens costs ~1.2x a step instead of ~1.5x.
+CPU with AMX its GEMMs run on tiles (engine/kernels/csrc/amx_gemm.cpp: fp32 inputs split exactly into
+three bf16 parts, fp32 accumulation), where the rows of a verify pass come almost free.
 
 Every row is computed the same way whatever the number of rows in the call (both GEMM kernels are
 row-independent and each query's attention is its own loop), so a verify pass and the one-token
@@ -175,12 +173,12 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
     reason = decode_step_reason(model)
     if reason is not None:
         log.info("the model's steps stay on PyTorch: %s", reason)
-        model.layer_step = None
+        model.use_kernels(step=None)
         return reason
     if weight_dtype is None or weight_dtype == "auto":
         exact = exact_weight_dtype(model)
         weight_dtype = torch.float16 if weight_dtype == "auto" and exact == torch.float32 else exact
-    model.layer_step = DecodeStep(model, weight_dtype)  # type: ignore[arg-type]
+    model.use_kernels(step=DecodeStep(model, weight_dtype))  # type: ignore[arg-type]
     return None
 
 

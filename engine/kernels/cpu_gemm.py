@@ -1,25 +1,23 @@
-"""fp32 CPU linears for the few rows of a decode step or a verify pass (engine/csrc/small_gemm.cpp).
+"""fp32 CPU linears for the few rows of a decode step or a verify pass (engine/kernels/csrc/small_gemm.cpp).
 
 Why: PyTorch's fp32 linear (MKL) streams the weights at memory speed for one row,
-but from 4 rows on it switches to a GEMM kernel that costs ~2x a row on the 2-core
-machine this project is developed on (the demo target's 17 GEMMs: 3.8 ms at 1 row,
-7.3 at 4, 10.5 at 8). A speculative verify pass is such a GEMM, so in fp32 the
-verify of K+1 tokens cost ~2x a decode step and the best K was 2. The small AVX-512
-kernel here streams each block of weight rows once and reuses it from L1 for every
-input row (2.9 ms at 1 row, 4.1 at 4, 5.5 at 8; 32 rows still beat MKL): a verify
-pass of 4-8 tokens costs 1.2-1.5x a step, so larger K pay off.
+but from 4 rows on it switches to a GEMM kernel that can cost about twice a row. A
+speculative verify pass is such a GEMM, so the verify of K+1 tokens would cost about
+two decode steps and only a small K would pay. The small AVX-512 kernel here streams
+each block of weight rows once and reuses it from L1 for every input row, so a verify
+pass of a few tokens costs little more than a step (docs/performance.md has the figures).
 
 Every output is one dot product accumulated in the same order for any row count,
 so row m of a verify pass equals the one-row step bit for bit (tested); with MKL
 they differ in the last bits. Above MAX_ROWS rows (a prefill) ``F.linear`` runs.
 
 fp16 and bf16 weights are widened to fp32 in registers (exact; half the bytes to stream): the draft's
-decode step (engine/cpu_decode.py, built into the same extension) stores its weights so, and a target
+decode step (engine/kernels/cpu_decode.py, built into the same extension) stores its weights so, and a target
 whose weights are bf16 values (a bf16 checkpoint) runs on Intel AMX tiles where the CPU has them
-(engine/csrc/amx_gemm.cpp: a 30M target's verify of 5 rows costs ~1.2x its one-row step).
+(engine/kernels/csrc/amx_gemm.cpp).
 
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
-and ninja; ~20 s once, then cached by torch under ~/.cache/torch_extensions).
+and ninja; once, then cached by torch under ~/.cache/torch_extensions).
 A build killed half way leaves torch's lock file in that directory and the next
 build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm``.
 ``small_gemm_status()`` says whether this machine can run it and, if not, why;
@@ -47,7 +45,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "small_gemm.cpp", CSRC / "amx_gemm.cpp", CSRC / "decode_layers.cpp", CSRC / "bindings.cpp"]
-MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (measured: 12.8 vs 13.7 ms at 32)
+MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (docs/performance.md)
 KERNEL_NAME = "small-gemm-fp32"
 
 
@@ -106,7 +104,7 @@ def small_gemm_status() -> str | None:
 
 
 def amx_status() -> str | None:
-    """None when the AMX tile kernel (bf16-valued weights, engine/csrc/amx_gemm.cpp) runs here, else why not."""
+    """None when the AMX tile kernel (bf16-valued weights, engine/kernels/csrc/amx_gemm.cpp) runs here, else why not."""
     return _build()[2]
 
 

@@ -1,18 +1,17 @@
 """Fast CPU linears by module swap: bf16 on oneDNN-prepacked weights (AMX / AVX512-BF16 kernels), fp32 on
-the small-GEMM kernel (engine/cpu_gemm.py); ``fast_cpu_linears`` picks one for the model's dtype.
+the small-GEMM kernel (engine/kernels/cpu_gemm.py); ``fast_cpu_linears`` picks one for the model's dtype.
 
 Why: on an x86 CPU a speculative verify pass is a GEMM of K+1 rows where a decode
 step is a GEMV. PyTorch's default fp32 linear switches kernels between 1 and 2+
-rows, and on the 2-core AMX machine this project is developed on a 5-row pass
-costs ~1.8x a 1-row step, which eats most of what speculation saves (measured
-per row count in the README). oneDNN's bf16 matmul with the weight reordered
+rows, and a 5-row pass can cost nearly twice a 1-row step, which eats most of
+what speculation saves (measured per row count in docs/performance.md). oneDNN's bf16 matmul with the weight reordered
 once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the
 packing torch.compile's CPU freezing does) streams the weights at the same rate
-for 1 to 16 rows, and the target step itself is ~1.7x faster than fp32.
+for 1 to 16 rows, and reads half the bytes of fp32.
 
 A ``OneDNNLinear`` computes every output row independently of the others (one
 packed weight serves every row count); with the ``math`` attention backend
-(engine/model.py) a verify pass then produces bit for bit the logits the one-token
+(engine/core/model.py) a verify pass then produces bit for bit the logits the one-token
 steps of the same bf16 model would, which ``tests/test_cpu_linear.py`` checks on the
 whole model. The fp32 model is a different model numerically; ``tools/bench.py
 --dtype bfloat16`` reports how often the bf16 greedy output matches the fp32 one.
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def onednn_bf16_available() -> bool:
     """This PyTorch build has oneDNN and it runs bf16 on this CPU (AMX / AVX512-BF16, or AVX512 emulating
-    bf16, which is slower: the speed figures in the README are from an AMX machine)."""
+    bf16, which is slower: docs/performance.md names the machine of each figure)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -127,7 +126,7 @@ def pack_linears(model: Transformer) -> int:
 
 
 def small_gemm_linears(model: Transformer) -> int:
-    """Swap every fp32 CPU ``nn.Linear`` and fused projection for the small-GEMM kernel (engine/cpu_gemm.py);
+    """Swap every fp32 CPU ``nn.Linear`` and fused projection for the small-GEMM kernel (engine/kernels/cpu_gemm.py);
     returns the number of GEMMs swapped. Needs ``small_gemm_status() is None``."""
     n = _swap_linears(model, torch.float32, SmallGemmLinear, SmallGemmFused)
     log.debug("%d fp32 GEMMs on the small-GEMM kernel", n)

@@ -3,7 +3,7 @@
 ``GraphedForward`` wraps a Transformer: calling it is the model's cached forward,
 replayed from a captured graph when the call fits one; every other attribute is
 the model's, so the loop (``loop.target``) and a drafter (``drafter.model``) use
-it unchanged. ``enable_cuda_graphs(engine, buckets)`` installs the wrappers.
+it unchanged. ``graph_forwards(target, draft, k_max, buckets)`` makes the wrappers the engine's builder installs.
 
 A graph is keyed by (batch bucket, T, logits_idx shape, kv bucket, row layout,
 n_layers) and captured lazily on first use:
@@ -37,16 +37,13 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from engine.core.errors import InvalidConfigError
 from engine.core.model import KVCache, Transformer
-
-if TYPE_CHECKING:
-    from engine.api.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -244,32 +241,17 @@ class GraphedForward:
         self._count_capture(dt)
 
 
-def enable_cuda_graphs(engine: "Engine", batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, *,
-                       emulate: bool = False) -> list[GraphedForward]:
-    """Route the engine's loop (and its model drafter) through graphed forwards; returns the wrappers.
-
-    The target's wrapper serves verify widths up to k_max + 2; a draft model's serves its steps
-    and catch-up (T <= 2); the early-exit drafter shares the target's (n_layers is in the key).
-    """
-    from engine.spec.drafters import EarlyExitDrafter, ModelDrafter
-
-    loop = engine.loop
-    if isinstance(loop.target, GraphedForward):
-        return list(engine.cuda_graphs or [])
-    k_max = engine.policy.k_max if engine.policy is not None else 0
-    target = GraphedForward(loop.target, batch_buckets, max_tokens=k_max + 2, emulate=emulate)
-    runners = [target]
-    loop.target = target  # type: ignore[assignment]
-    d = engine.drafter
-    if isinstance(d, EarlyExitDrafter):
-        d.model = target  # type: ignore[assignment]
-    elif isinstance(d, ModelDrafter):
-        draft = GraphedForward(d.model, batch_buckets, max_tokens=2, emulate=emulate, pool=target.pool)
-        d.model = draft  # type: ignore[assignment]
-        runners.append(draft)
-    engine.cuda_graphs = runners
-    log.info("CUDA graphs on (batch buckets %s%s)", ",".join(map(str, target.buckets)), ", emulated" if emulate else "")
-    return runners
+def graph_forwards(target: Transformer, draft: Transformer | None, k_max: int,
+                   batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, *, emulate: bool = False
+                   ) -> tuple[GraphedForward, GraphedForward | None]:
+    """Graphed forwards for the target (verify widths up to k_max + 2; the early-exit drafter shares it,
+    n_layers being in the key) and for a draft model (its steps and catch-up, T <= 2; None without one).
+    The engine's builder hands them to the decode loop and the drafter in place of the models."""
+    tg = GraphedForward(target, batch_buckets, max_tokens=k_max + 2, emulate=emulate)
+    dg = None if draft is None else GraphedForward(draft, batch_buckets, max_tokens=2, emulate=emulate,
+                                                   pool=tg.pool)
+    log.info("CUDA graphs on (batch buckets %s%s)", ",".join(map(str, tg.buckets)), ", emulated" if emulate else "")
+    return tg, dg
 
 
 def graph_stats(runners: Sequence[GraphedForward] | None) -> dict[str, Any] | None:

@@ -1,12 +1,11 @@
 """Engine counters in the Prometheus text exposition format (version 0.0.4)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.api.engine import Engine
+from engine.serve.telemetry import LoadGovernor
 
 PREFIX = "specmix"
 
@@ -33,9 +32,12 @@ class _Writer:
         self.metric(name, kind, help_, [({}, v)])
 
 
-def metrics_text(engine: "Engine") -> str:
-    """Requests, tokens, drafted/accepted, acceptance, per-position acceptance, queue, errors, memory."""
-    snap = engine.scheduler.snapshot()
+def metrics_text(snap: dict[str, Any], *, kv_cache_bytes: int, device: torch.device,
+                 governor: LoadGovernor | None, graphs: dict[str, Any] | None) -> str:
+    """Requests, tokens, drafted/accepted, acceptance, per-position acceptance, queue, errors, memory.
+
+    ``snap``: ``Scheduler.snapshot()``; ``graphs``: ``graph_stats(...)`` (None: CUDA graphs off).
+    """
     t = snap["totals"]
     w = _Writer()
     w.one("requests_total", "counter", "Requests finished (any reason).", t.requests)
@@ -60,9 +62,8 @@ def metrics_text(engine: "Engine") -> str:
              "round: a failed decode round).", [({"kind": "nonfinite"}, t.nonfinite), ({"kind": "round"}, t.failed)])
     w.one("round_failures_total", "counter", "Decode rounds that raised (their requests failed).", t.round_failures)
     w.one("busy_seconds_total", "counter", "Worker time spent in decode rounds.", float(t.seconds))
-    cache = engine.loop.cache
-    w.one("kv_cache_bytes", "gauge", "Bytes of the target's static KV cache.", cache.nbytes if cache else 0)
-    dev = engine.device
+    w.one("kv_cache_bytes", "gauge", "Bytes of the target's static KV cache.", kv_cache_bytes)
+    dev = device
     if dev.type == "cuda" and torch.cuda.is_available():
         w.one("gpu_memory_allocated_bytes", "gauge", "CUDA memory allocated by torch.",
               int(torch.cuda.memory_allocated(dev)))
@@ -72,7 +73,7 @@ def metrics_text(engine: "Engine") -> str:
         w.one("gpu_memory_used_bytes", "gauge", "Device memory in use by every process (driver's view).",
               int(total - free))
         w.one("gpu_memory_total_bytes", "gauge", "Device memory in total.", int(total))
-    gov = engine.scheduler.governor
+    gov = governor
     if gov is not None:
         w.one("load_window_k_cap", "gauge", "K cap of the load window (lowered under GPU memory pressure).",
               gov.window.k_cap)
@@ -80,9 +81,7 @@ def metrics_text(engine: "Engine") -> str:
         if gov.last is not None and gov.last.utilization_pct is not None:
             w.one("gpu_utilization_percent", "gauge", "GPU busy time at the last NVML reading.",
                   float(gov.last.utilization_pct))
-    from engine.kernels.cudagraphs import graph_stats
-
-    gs = graph_stats(engine.cuda_graphs)
+    gs = graphs
     if gs is not None:
         w.one("cuda_graph_captures_total", "counter", "CUDA graphs captured.", gs["captures"])
         w.one("cuda_graph_capture_seconds_total", "counter", "Time spent capturing CUDA graphs.",

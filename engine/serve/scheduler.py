@@ -30,137 +30,33 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
-from engine.spec.adaptive import KController
-from engine.spec.loop import Seq
+from engine.serve.request import Completion, Request, RequestFailedError, Totals
+from engine.serve.telemetry import LoadGovernor
+from engine.spec.adaptive import Costs, KController, KPolicy
+from engine.spec.loop import DecodeLoop
 from engine.spec.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.api.engine import Completion, Engine
-    from engine.serve.telemetry import LoadGovernor
+from engine.spec.seq import Seq
 
 log = logging.getLogger(__name__)
-
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-
-class RequestFailedError(EngineError, RuntimeError):
-    """The round that ran this request failed (the engine logged why and keeps serving)."""
-
-
-@dataclass
-class Totals:
-    """Engine-wide counters (what ``stats()`` and ``metrics_text()`` report)."""
-
-    requests: int = 0  # finished requests (any reason)
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    iterations: int = 0  # sequence-rounds (one per sequence per target pass it took part in)
-    target_forwards: int = 0  # batched target passes (rounds)
-    seconds: float = 0.0  # worker time spent in rounds
-    pos_tried: list[int] = field(default_factory=list)
-    pos_accepted: list[int] = field(default_factory=list)
-    finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
-    nonfinite: int = 0  # sequences ended by NaN/inf logits
-    round_failures: int = 0  # rounds that raised
-    failed: int = 0  # requests ended by a failed round (RequestFailedError)
-    rejected_overload: int = 0  # submissions refused with OverloadedError
-
-
-class Request:
-    """One submitted prompt. Iterate it for text pieces as tokens are accepted (never a partial
-    character or a possible stop-string prefix), ``result()`` for the Completion, ``cancel()`` to stop.
-
-    Closing the iterator early (``break`` in a for loop, GeneratorExit) cancels the request.
-    """
-
-    def __init__(self, sched: "Scheduler", prompt: list[int], params: SamplingParams) -> None:
-        self.prompt, self.params = prompt, params
-        self._sched = sched
-        self._cv = threading.Condition()
-        self._tokens: list[int] = []
-        self._completion: Completion | None = None
-        self._error: EngineError | None = None
-        self._cancelled = False
-        self.seq: Seq | None = None  # the worker's sequence while running
-
-    # ------------------------------------------------------------ caller side
-    def cancel(self) -> None:
-        """Stop generating; the request's cache row is freed at the next round."""
-        self._cancelled = True
-        self._sched.wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def done(self) -> bool:
-        with self._cv:
-            return self._completion is not None or self._error is not None
-
-    def result(self, timeout: float | None = None) -> "Completion":
-        """The Completion (finish_reason stop, length, cancelled or error); raises RequestFailedError
-        when its round failed, TimeoutError when ``timeout`` seconds pass first."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._completion is not None or self._error is not None, timeout):
-                raise TimeoutError(f"request not finished within timeout={timeout} s")
-            if self._error is not None:
-                raise self._error
-            assert self._completion is not None
-            return self._completion
-
-    def __iter__(self) -> Iterator[str]:
-        return self.text_pieces()
-
-    def text_pieces(self) -> Iterator[str]:
-        tok, stops = self._sched.tokenizer, self.params.stop
-        sent = seen = 0
-        try:
-            while True:
-                with self._cv:
-                    self._cv.wait_for(lambda: len(self._tokens) > seen or self._completion is not None
-                                      or self._error is not None)
-                    if self._error is not None:
-                        raise self._error
-                    comp, toks = self._completion, list(self._tokens)
-                if comp is not None:
-                    if len(comp.text) > sent:
-                        yield comp.text[sent:]
-                    return
-                seen = len(toks)
-                text = tok.decode(toks)
-                safe = safe_prefix(text, stops)
-                if safe > sent:
-                    yield text[sent:safe]
-                    sent = safe
-        finally:
-            if not self.done():
-                self.cancel()
-
-    # ------------------------------------------------------------ worker side
-    def _deliver(self, tokens: list[int], completion: "Completion | None" = None,
-                 error: EngineError | None = None) -> None:
-        with self._cv:
-            self._tokens.extend(tokens)
-            self._completion, self._error = completion, error
-            self._cv.notify_all()
-
 
 class Scheduler:
     """The worker thread, its wait queue, the cache rows and the engine-wide counters."""
 
-    def __init__(self, engine: "Engine", max_batch: int, max_waiting: int, max_seq_len: int,
-                 idle_exit_s: float = 0.5) -> None:
-        self.engine, self.loop, self.tokenizer = engine, engine.loop, engine.tokenizer
+    def __init__(self, loop: DecodeLoop, *, policy: KPolicy | None, costs: Callable[[], Costs | None],
+                 device: torch.device, max_batch: int, max_waiting: int, max_seq_len: int,
+                 governor: LoadGovernor | None = None, idle_exit_s: float = 0.5) -> None:
+        """``loop`` runs the rounds; ``policy`` (None: plain decoding) and ``costs`` (called once, when the
+        first cost-model controller is made) build each sequence's K controller; ``governor`` is the load
+        window (None: no caps)."""
+        self.loop, self.tokenizer, self.policy, self._costs, self.device = loop, loop.tokenizer, policy, costs, device
         self.max_batch, self.max_waiting, self.max_seq_len = max_batch, max_waiting, max_seq_len
         self.idle_exit_s = idle_exit_s
-        self.k_max = engine.policy.k_max if engine.policy is not None else 0
+        self.k_max = policy.k_max if policy is not None else 0
         self.totals = Totals()
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -170,7 +66,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._driver = threading.Lock()  # held by whichever thread runs a round (the worker or a caller)
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
-        self.governor: LoadGovernor | None = None  # the load window (engine/telemetry.py); None: no caps
+        self.governor = governor
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
 
@@ -183,7 +79,7 @@ class Scheduler:
                drive: bool = False) -> list[Request]:
         """Queue the (validated) prompts together, or refuse them all with OverloadedError.
         ``drive``: the caller will run rounds itself (``drive``), counted before the worker can start."""
-        reqs = [Request(self, p, sp) for p, sp in zip(prompts, params)]
+        reqs = [Request(p, sp, self.tokenizer, self.wake) for p, sp in zip(prompts, params)]
         with self._lock:
             room = self.max_waiting + (self.max_batch - self._reserved) - len(self._waiting)
             if len(reqs) > room:
@@ -214,7 +110,7 @@ class Scheduler:
     # ------------------------------------------------------------ driving rounds
     # Rounds run in the worker thread, or in a caller that waits for its requests (generate): on the
     # CPU, an OpenMP team in a second thread is throttled (libgomp stops spinning when its threads
-    # outnumber the cores) and a round there costs ~1.5x one in the thread that loaded the model.
+    # outnumber the cores), so a round there is slower than one in the thread that loaded the model.
     # The worker stands by while a caller drives; one lock keeps rounds one at a time.
 
     def drive(self, reqs: Sequence[Request]) -> None:
@@ -314,7 +210,7 @@ class Scheduler:
                     continue
             self._waiting.popleft()
             row = heapq.heappop(self._free_rows)
-            r.seq = Seq(prompt=r.prompt, params=r.params, generator=torch.Generator(device=self.engine.device),
+            r.seq = Seq(prompt=r.prompt, params=r.params, generator=torch.Generator(device=self.device),
                         row=row)
             self._reserved += 1
             admitted.append(r)
@@ -325,9 +221,9 @@ class Scheduler:
         assert r.seq is not None
         sp = r.params
         r.seq.generator.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        pol = self.engine.policy
+        pol = self.policy
         if pol is not None:  # costs are measured (once) only for the cost-model policy
-            r.seq.k_ctl = KController(pol, self.engine.costs if pol.name == "cost-model" else None)
+            r.seq.k_ctl = KController(pol, self._costs() if pol.name == "cost-model" else None)
 
     def _round(self) -> None:
         for r in [r for r in self._running if r.cancelled]:
@@ -378,11 +274,14 @@ class Scheduler:
             else:
                 self.totals.failed += 1
             self._lock.notify_all()
-        r._deliver(list(new), completion=None if error else self.engine._completion(s), error=error)
+        r._deliver(list(new), completion=None if error else self._completion(s), error=error)
+
+    def _completion(self, s: Seq) -> Completion:
+        return Completion(text=self.loop.final_text(s), token_ids=s.generated,
+                          finish_reason=s.finish_reason or "length", prompt_token_ids=s.prompt,
+                          stats=s.stats.to_dict())
 
     def _finish_unstarted(self, r: Request) -> None:
-        from engine.api.engine import Completion
-
         self.totals.requests += 1
         self.totals.finished["cancelled"] += 1
         r._deliver([], completion=Completion(text="", token_ids=[], finish_reason="cancelled",
@@ -417,16 +316,3 @@ class Scheduler:
             return {"totals": Totals(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict)
                                             else v) for k, v in vars(t).items()}),
                     "waiting": len(self._waiting), "running": self._reserved}
-
-
-def safe_prefix(text: str, stops: Sequence[str]) -> int:
-    """Length of text safe to emit: no trailing partial character, no possible start of a stop string."""
-    n = len(text)
-    while n and text[n - 1] == "\ufffd":
-        n -= 1
-    for s in stops:
-        for j in range(min(len(s) - 1, n), 0, -1):
-            if text[:n].endswith(s[:j]):
-                n -= j
-                break
-    return n

@@ -26,7 +26,7 @@ POLICIES = ("constant", "heuristic", "cost-model")
 class Costs:
     """Measured cost ratios, relative to one target decode step."""
 
-    c: float  # draft step / target step (a warm step: engine/costs.py)
+    c: float  # draft step / target step (a warm step: engine/spec/costs.py)
     # K -> verify(K+1 tokens) / target step, plus any other per-round cost (the round's first, cold draft step)
     v: dict[int, float] = field(default_factory=dict)
 

@@ -3,7 +3,7 @@ v(K) = verify pass of K+1 tokens / target step, on the device at hand.
 
 A round's first draft step runs right after the previous verify pass has streamed the
 target's weights through the caches, so it costs more than the K - 1 steps after it
-(measured ~2x for the demo draft on the CPU). The cost model prices K draft steps at
+(docs/performance.md has the measured ratio). The cost model prices K draft steps at
 K * c; the first step's extra is a per-round cost like the verify pass, so c is the warm
 step and the extra is added to every v(K): c_cold + (K-1) c_warm + verify = K c + v(K).
 

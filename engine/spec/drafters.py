@@ -23,7 +23,7 @@ from engine.core.model import KVCache, Transformer
 from engine.spec.sampling import RowProcessing, sample_from_probs
 
 if TYPE_CHECKING:
-    from engine.spec.loop import Seq
+    from engine.spec.seq import Seq
 
 DRAFTERS = ("model", "ngram", "early-exit")
 

@@ -1,11 +1,9 @@
 // y[M, N] = x[M, K] @ w[N, K]^T in fp32 with bf16-valued weights on Intel AMX tiles, for the few rows of a
 // decode step or a verify pass.
 //
-// Why: on AVX-512 each extra row of a verify pass costs its full share of FMAs (a 30M-parameter target,
-// 768 hidden x 4 layers: ~0.4 ms a row on 2 cores, so a 6-token verify costs ~2.2 one-token steps once
-// the weights stream at 16 bits). A tile multiply takes 16 rows for about the cost of a few: that
-// target's forward is 1.43 ms for 1 row, 1.70 for 5, 2.06 for 6, 2.42 for 9 (memory-bound: each weight
-// tile is loaded once per pass).
+// Why: on AVX-512 each extra row of a verify pass costs its full share of FMAs, which adds up once the
+// weights stream at 16 bits. A tile multiply takes 16 rows for about the cost of a few, so the pass stays
+// memory-bound: each weight tile is loaded once per pass (docs/performance.md has the figures).
 //
 // Exact inputs, fp32 arithmetic: the weights are bf16 values (a bf16 checkpoint; the caller checks), and
 // each fp32 input is split into three bf16 parts hi + mid + lo == x exactly (8 + 8 + 8 significant bits,

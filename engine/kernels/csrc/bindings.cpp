@@ -1,4 +1,4 @@
-// Python bindings of the fp32 CPU kernels (engine/cpu_gemm.py builds them, engine/cpu_decode.py uses
+// Python bindings of the fp32 CPU kernels (engine/kernels/cpu_gemm.py builds them, engine/kernels/cpu_decode.py uses
 // DecodeModel). Neither body touches a Python object: the GIL is released like PyTorch's own ops, so
 // other threads (callers streaming or detokenizing while the scheduler's worker decodes) keep running.
 #include <torch/extension.h>

@@ -1,8 +1,7 @@
 // The decoder layers of a Llama-family model for the few rows of a decode step, a draft step or a
 // speculative verify pass, in fp32 on the CPU, as one C++ call instead of ~20 PyTorch ops per layer.
 //
-// A small model's step on a CPU is mostly dispatch: the demo draft's 2 layers cost ~0.9 ms through
-// PyTorch, ~0.2 ms of which is arithmetic. This runs the same computation as engine/model.py
+// A small model's step on a CPU is mostly dispatch, not arithmetic. This runs the same computation as engine/core/model.py
 // (RMSNorm, fused q/k/v GEMM, rotary embedding, static position-indexed KV cache, causal attention
 // with an optional sliding window, o_proj, RMSNorm, fused gate/up GEMM, SiLU, down_proj) with the
 // small-GEMM kernel for every projection, or AMX tiles for bf16-valued weights (amx_gemm.cpp). Every row
@@ -35,7 +34,7 @@ void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t H, fl
   }
 }
 
-// one head vector rotated in place: x * cos + roll(x, D/2) * sin_folded (engine/model.py apply_rope)
+// one head vector rotated in place: x * cos + roll(x, D/2) * sin_folded (engine/core/model.py apply_rope)
 void rope(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
   const int64_t h = D / 2;
   for (int64_t d = 0; d < D; ++d) tmp[d] = x[d] * cos[d] + x[(d + h) % D] * sin[d];

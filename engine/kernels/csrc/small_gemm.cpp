@@ -4,8 +4,8 @@
 // chains over k, then a fixed horizontal sum), so row m of a verify pass is bit for bit the value a
 // one-row decode step computes for the same input: speculation does not change the rounding.
 // Weight rows stream from memory once per call (blocks of NB rows, software-prefetched), and each
-// block is reused from L1 for every group of up to MB input rows: a pass of 4-8 rows costs ~1.2-1.8x
-// one row, where PyTorch's default fp32 GEMM (MKL) costs ~2x from 4 rows on.
+// block is reused from L1 for every group of up to MB input rows, so a pass of a few rows costs little
+// more than one row (PyTorch's default fp32 GEMM switches to a kernel that does not from 4 rows on).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,0 +1,206 @@
+"""The Engine's configuration: validated, frozen dataclasses, one per concern.
+
+``Engine.from_pretrained(target, draft, *, speculation, precision, limits, kernels, device, dtype)``
+takes these. Each field is checked when the object is made; a contradiction between two fields
+(or with the models given) is an ``InvalidConfigError`` naming both, never a silent override.
+A profile's ``speculation`` and ``runtime`` sections serialise ``SpeculationConfig``,
+``KernelOptions`` and ``Limits.load_window`` (``to_profile`` / ``from_profile``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from engine.core.errors import InvalidConfigError
+from engine.kernels.backends import ATTENTION_CHOICES
+from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS, check_buckets
+from engine.serve.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD, LoadWindow
+from engine.spec.adaptive import POLICIES, Costs
+from engine.spec.drafters import DRAFTERS
+from quant.plan import PrecisionPlan
+
+STEP_WEIGHTS = ("float16", "bfloat16", "float32")
+
+
+def _int(name: str, v: Any, lo: int, hi: int | None = None) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int {rng}")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """What drafts and how many tokens it drafts per round."""
+
+    drafter: str | None = None
+    """"model" (a draft checkpoint), "ngram" (prompt lookup), "early-exit" (the target's first layers),
+    or None: "model" when a draft checkpoint is given, else plain decoding."""
+    k: int = 5
+    """Draft tokens per round at the start (the fixed K of the "constant" policy)."""
+    k_policy: str = "cost-model"
+    """How K moves per sequence: "cost-model" (maximise the expected speedup from the running
+    acceptance and the measured costs), "heuristic" (+2 after a full acceptance, -1 otherwise)
+    or "constant"."""
+    k_min: int = 1
+    """Smallest K the policy may choose (<= k)."""
+    k_max: int | None = None
+    """Largest K the policy may choose (>= k); None: max(8, k)."""
+    early_exit_layers: int | None = None
+    """Layers of the target the "early-exit" drafter runs (1..layers-1); None: a quarter of them.
+    Only with drafter="early-exit"."""
+    costs: Costs | None = None
+    """Cost ratios of the draft step and the verify pass to a target step (``Costs``); None: measured
+    on first use (the "cost-model" policy needs them)."""
+    draft_dtype: str | None = None
+    """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
+    C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.drafter is not None and self.drafter not in DRAFTERS:
+            raise InvalidConfigError(f"speculation.drafter={self.drafter!r} is invalid: allowed "
+                                     f"{', '.join(DRAFTERS)} or None")
+        _int("speculation.k", self.k, 1)
+        if self.k_policy not in POLICIES:
+            raise InvalidConfigError(f"speculation.k_policy={self.k_policy!r} is invalid: allowed "
+                                     f"{', '.join(POLICIES)}")
+        _int("speculation.k_min", self.k_min, 1)
+        if self.k_min > self.k:
+            raise InvalidConfigError(f"speculation.k_min={self.k_min} is above speculation.k={self.k}: "
+                                     "allowed k_min <= k")
+        if self.k_max is not None:
+            _int("speculation.k_max", self.k_max, 1)
+            if self.k_max < self.k:
+                raise InvalidConfigError(f"speculation.k_max={self.k_max} is below speculation.k={self.k}: "
+                                         "allowed k_max >= k")
+        if self.early_exit_layers is not None:
+            if self.drafter != "early-exit":
+                raise InvalidConfigError(f"speculation.early_exit_layers={self.early_exit_layers!r} needs "
+                                         f"speculation.drafter='early-exit' (it is {self.drafter!r})")
+            _int("speculation.early_exit_layers", self.early_exit_layers, 1)
+        if self.costs is not None and not isinstance(self.costs, Costs):
+            raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
+        if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
+            raise InvalidConfigError(f"speculation.draft_dtype={self.draft_dtype!r} is invalid: allowed "
+                                     f"{', '.join(STEP_WEIGHTS)} or None")
+
+    @property
+    def resolved_k_max(self) -> int:
+        return self.k_max if self.k_max is not None else max(8, self.k)
+
+    def to_profile(self) -> dict[str, Any]:
+        """The profile's ``speculation`` keys this object owns (the build adds its measurements)."""
+        out: dict[str, Any] = {"drafter": self.drafter, "k": self.k, "k_min": self.k_min,
+                               "k_max": self.resolved_k_max, "policy": self.k_policy}
+        if self.costs is not None:
+            out.update(self.costs.to_dict())
+        return out
+
+    @classmethod
+    def from_profile(cls, spec: dict[str, Any]) -> "SpeculationConfig":
+        costs = Costs.from_dict(spec) if "c" in spec else None
+        return cls(drafter=spec["drafter"], k=int(spec["k"]), k_min=int(spec["k_min"]), k_max=int(spec["k_max"]),
+                   k_policy=spec["policy"], costs=costs)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """How the models are quantized (quant/plan.py decides what; the kernels are quant's)."""
+
+    plan: PrecisionPlan
+    """The precision plan (``quant.make_plan`` or a profile's ``plan`` section): per module family the
+    storage dtype, kernel and scaling, for the target and the draft."""
+    calibration: str | Sequence[Sequence[int]] | None = None
+    """Calibration text or token lists for activation statistics (SmoothQuant); never the eval text."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, PrecisionPlan):
+            raise InvalidConfigError(f"precision.plan={self.plan!r:.60} is invalid: allowed a PrecisionPlan")
+        if self.calibration is not None and not isinstance(self.calibration, (str, list, tuple)):
+            raise InvalidConfigError(f"precision.calibration={self.calibration!r:.60} is invalid: allowed a str, "
+                                     "token-id lists or None")
+
+
+@dataclass(frozen=True)
+class LoadWindowConfig:
+    """The load window: above this share of device memory in use, K and the admitted batch step down."""
+
+    memory_threshold: float = DEFAULT_THRESHOLD
+    """Device memory in use (0..1) above which the window narrows."""
+    resume_below: float = DEFAULT_RESUME
+    """Device memory in use (0..1) below which it widens again (< memory_threshold)."""
+    reader: Any = None
+    """What reads device memory (engine/serve/telemetry.py's Reader); None: NVML, else cudaMemGetInfo,
+    on CUDA, and nothing on the CPU. Tests pass their own."""
+
+    def __post_init__(self) -> None:
+        try:
+            LoadWindow(1, 1, threshold=self.memory_threshold, resume=self.resume_below)
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"limits.load_window: {e}") from None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much the engine takes on at once."""
+
+    max_batch: int = 64
+    """Sequences decoded at once (rows of the KV cache)."""
+    max_waiting: int = 4096
+    """Requests queued beyond the running batch; more get OverloadedError."""
+    max_seq_len: int | None = None
+    """Longest request (prompt + max_new_tokens); None: the model's context."""
+    load_window: LoadWindowConfig | None = None
+    """Lower K and the batch under GPU memory pressure (CUDA only; a no-op on the CPU); None: off."""
+
+    def __post_init__(self) -> None:
+        _int("limits.max_batch", self.max_batch, 1, 1 << 16)
+        _int("limits.max_waiting", self.max_waiting, 0, 1 << 30)
+        if self.max_seq_len is not None:
+            _int("limits.max_seq_len", self.max_seq_len, 2)
+        if self.load_window is not None and not isinstance(self.load_window, LoadWindowConfig):
+            raise InvalidConfigError(f"limits.load_window={self.load_window!r:.60} is invalid: allowed a "
+                                     "LoadWindowConfig or None")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which kernels run the models (engine/kernels/backends.py chooses; nothing falls back silently)."""
+
+    attention: str | None = None
+    """The target's attention backend ("sdpa", "math", "flash-attn-2", "auto"); None: "math" beside packed bf16
+    linears on the CPU, else "sdpa". Not with a precision plan (the plan names it)."""
+    cpu_pack: bool | None = None
+    """The CPU's C++ kernels (few-row GEMM, the one-call decode step, oneDNN-packed bf16): None uses
+    them where they run, True requires them, False keeps PyTorch's. Only on the CPU."""
+    draft_step_weights: str | None = None
+    """How the draft's C++ step stores its GEMM weights ("float16", "bfloat16", "float32"); None:
+    bfloat16 where lossless, else float16. Only on the CPU."""
+    cuda_graphs: bool = False
+    """Capture the draft and verify steps as CUDA graphs (CUDA only)."""
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    """Batch sizes a graph is captured for (a batch runs in the next bucket up)."""
+    emulate_graphs: bool = False
+    """Run the graph wrappers' bookkeeping eagerly (tests of the graph path on the CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.attention is not None and self.attention not in ATTENTION_CHOICES:
+            raise InvalidConfigError(f"kernels.attention={self.attention!r} is invalid: allowed "
+                                     f"{', '.join(ATTENTION_CHOICES)} or None")
+        if self.cpu_pack not in (None, True, False):
+            raise InvalidConfigError(f"kernels.cpu_pack={self.cpu_pack!r} is invalid: allowed None (where it runs), "
+                                     "True, False")
+        if self.draft_step_weights is not None and self.draft_step_weights not in STEP_WEIGHTS:
+            raise InvalidConfigError(f"kernels.draft_step_weights={self.draft_step_weights!r} is invalid: allowed "
+                                     f"{', '.join(STEP_WEIGHTS)} or None (bfloat16 where lossless, else float16)")
+        object.__setattr__(self, "batch_buckets", check_buckets(self.batch_buckets, "kernels.batch_buckets"))
+        if self.emulate_graphs and not self.cuda_graphs:
+            raise InvalidConfigError("kernels.emulate_graphs=True needs kernels.cuda_graphs=True")
+
+
+def runtime_to_profile(kernels: KernelOptions, limits: Limits) -> dict[str, Any]:
+    """The profile's ``runtime`` section for these options."""
+    lw = limits.load_window
+    return {"cuda_graphs": {"enabled": kernels.cuda_graphs, "batch_buckets": list(kernels.batch_buckets)},
+            "load_window": {"enabled": lw is not None,
+                            "memory_threshold": (lw or LoadWindowConfig()).memory_threshold,
+                            "resume_below": (lw or LoadWindowConfig()).resume_below}}

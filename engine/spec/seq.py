@@ -1,0 +1,72 @@
+"""A sequence's state in the decode loop (``Seq``) and its counters (``SeqStats``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.spec.adaptive import KController
+from engine.spec.sampling import SamplingParams
+
+
+@dataclass
+class SeqStats:
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    pos_tried: list[int] = field(default_factory=list)  # rounds that tested draft position i
+    pos_accepted: list[int] = field(default_factory=list)  # rounds that accepted draft position i
+
+    def record(self, k: int, a: int) -> None:
+        self.drafted += k
+        self.accepted += a
+        self.target_passes += 1
+        need = k
+        if len(self.pos_tried) < need:
+            self.pos_tried += [0] * (need - len(self.pos_tried))
+            self.pos_accepted += [0] * (need - len(self.pos_accepted))
+        for i in range(min(a + 1, k)):
+            self.pos_tried[i] += 1
+        for i in range(a):
+            self.pos_accepted[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "target_passes": self.target_passes,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            # draft positions tested (accepted ones + one per round that rejected): accepted / trials is the
+            # per-token acceptance a of the cost model (accepted / drafted is biased low for K > 1)
+            "draft_trials": sum(self.pos_tried),
+            "per_position_acceptance": [a / t if t else None for a, t in zip(self.pos_accepted, self.pos_tried)],
+        }
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    row: int = 0
+    k_ctl: KController | None = None
+    tokens: list[int] = field(default_factory=list)
+    tlen: int = 0
+    dlen: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_cut: int | None = None  # where a stop string starts in the generated text
+    checked_chars: int = 0  # generated text already searched for stop strings
+    stats: SeqStats = field(default_factory=SeqStats)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    def finish(self, reason: str) -> None:
+        if not self.finished:
+            self.finished, self.finish_reason = True, reason
