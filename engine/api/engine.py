@@ -31,7 +31,7 @@ from engine.spec.drafters import (
     ModelDrafter,
     NGramDrafter,
 )
-from engine.spec.loop import DecodeLoop, Seq
+from engine.spec.loop import DecodeLoop, Seq, TokenLogprob
 from engine.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Completion:
     finish_reason: str  # "stop" (eos or a stop string), "length", "error"
     prompt_token_ids: list[int]
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token of token_ids
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -291,7 +292,7 @@ class Engine:
     def _completion(self, s: Seq) -> Completion:
         return Completion(text=self.loop.final_text(s), token_ids=s.generated,
                           finish_reason=s.finish_reason or "length", prompt_token_ids=s.prompt,
-                          stats=s.stats.to_dict())
+                          stats=s.stats.to_dict(), logprobs=None if s.logprobs is None else list(s.logprobs))
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
