@@ -9,6 +9,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from engine.api.plan_apply import apply_precision_plan
+from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.checkpoint import load_model, resolve_dtype
 from engine.core.errors import (
     InvalidConfigError,
@@ -94,6 +95,7 @@ class Engine:
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int in {lo}..{hi}")
         self.max_seq_len = ctx if max_seq_len is None else max_seq_len
         self.scheduler = Scheduler(self, max_batch, max_waiting, self.max_seq_len)
+        self.chat_template = ChatTemplate.from_dir(Path(tokenizer.path).parent)  # None: the checkpoint has none
         self.cuda_graphs: list[Any] | None = None  # GraphedForward wrappers when graphs are on (cudagraphs.py)
         self.gpu_reader: Any = None  # NVML / cudaMemGetInfo reader (telemetry.py); None on the CPU
 
@@ -302,6 +304,35 @@ class Engine:
         """
         ids, plist = self._validate([prompt] if not _is_id_list(prompt) else [list(prompt)], params)
         return self.scheduler.submit(ids, plist)[0]
+
+    def submit_many(self, prompts: Sequence[str | Sequence[int]],
+                    params: Sequence[SamplingParams]) -> list[Request]:
+        """Queue several prompts together (all or none: OverloadedError when they do not all fit)."""
+        ids, plist = self._validate([p if isinstance(p, str) else list(p) for p in prompts], list(params))
+        return self.scheduler.submit(ids, plist)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain prompt's token ids (with the tokenizer's special tokens, e.g. BOS)."""
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"prompt={text!r:.80} is invalid: allowed a non-empty string")
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` rendered by the checkpoint's chat template (encoded without adding
+        special tokens: the template writes them)."""
+        if self.chat_template is None:
+            raise ChatTemplateMissingError(
+                f"the model {self.info.get('target_dir')} has no chat template (no chat_template in "
+                "tokenizer_config.json, no chat_template.jinja): chat is unavailable, plain completions work")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("messages render to an empty prompt: a prompt needs >= 1 token")
+        return ids
+
+    def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None) -> Completion:
+        """Answer a conversation ([{"role", "content"}, ...]) with the checkpoint's chat template."""
+        return self.generate([self.chat_prompt(messages)], params)[0]
 
     def generate(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[Completion]:

@@ -17,6 +17,11 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
 from ..core.errors import EngineError, InvalidRequestError, OverloadedError
 from .openai_protocol import (ApiError, ParsedRequest, chat_logprobs, completion_logprobs, new_id, now, param_of,
                               parse, seeds, usage)
@@ -24,8 +29,6 @@ from .prometheus import ServeMetrics
 from .scheduler import Request, RequestFailedError, safe_prefix
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
-
     from ..api.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ class Choice:
     """One running request seen from the event loop: its new tokens, its text so far, its end."""
 
     def __init__(self, engine: "Engine", req: Request, index: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.req, self.index, self.loop = req, index, loop
+        self.req, self.index, self.loop, self.tok = req, index, loop, engine.tokenizer
         self.event = asyncio.Event()
         self.decoder = engine.tokenizer.decode_stream()
         self.seen = 0  # tokens taken from the request
@@ -69,7 +72,7 @@ class Choice:
                 yield piece, lps
                 return
             if toks:
-                chunk = self.decoder.step(toks)
+                chunk = self.tok.step(self.decoder, toks)
                 if chunk:
                     self.pending += chunk
             safe = safe_prefix(self.pending, stops)
@@ -234,12 +237,8 @@ def engine_error(e: EngineError) -> ApiError:
     return ApiError(500, str(e), "server_error")
 
 
-def create_app(server: OpenAIServer) -> "FastAPI":
+def create_app(server: OpenAIServer) -> FastAPI:
     """The FastAPI application serving ``server``."""
-    from fastapi import FastAPI, Request as HttpRequest
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
-
     app = FastAPI(title="specmix", docs_url=None, redoc_url=None)
 
     def error_response(e: ApiError) -> JSONResponse:
