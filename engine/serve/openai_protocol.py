@@ -49,7 +49,7 @@ def param_of(err: EngineError) -> str | None:
     if msg.startswith("SamplingParams."):
         name = msg[len("SamplingParams."):].split("=", 1)[0].split("[", 1)[0]
         return {"max_new_tokens": "max_tokens"}.get(name, name)
-    if msg.startswith("prompts"):
+    if msg.startswith("prompt"):
         return "prompt"
     if msg.startswith("messages"):
         return "messages"
@@ -198,7 +198,10 @@ def completion_logprobs(entries: Sequence[Any], token_text: Any, offset: int) ->
         s = token_text(e.token_id)
         tokens.append(s)
         lps.append(e.logprob)
-        tops.append({token_text(t): lp for t, lp in e.top})
+        top: dict[str, float] = {}
+        for t, lp in e.top:  # two tokens may share a text: the likelier one stays
+            top.setdefault(token_text(t), lp)
+        tops.append(top)
         offs.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
