@@ -16,8 +16,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from engine import Engine, SamplingParams  # noqa: E402
-from engine.serve.openai_app import OpenAIServer, create_app  # noqa: E402
+from engine import Engine, SamplingParams
+from engine.serve.openai_app import OpenAIServer, create_app
 
 TIMEOUT = 120
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n{% endfor %}"
@@ -209,7 +209,7 @@ def test_models_health_metrics(live):
                  "emitted_tokens_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "num_requests_running", "num_requests_waiting",
                  "kv_cache_usage_perc"):
-        assert re.search(rf'^specmix:{name}{{[^}}]*model_name="m"', text, re.M), name
+        assert re.search(rf'^specmix:{name}{{[^}}]*model_name="m"', text, re.MULTILINE), name
 
 
 def test_overload_is_503_with_retry_after_and_a_failed_round_is_500(ckpt_dir, draft_dir):

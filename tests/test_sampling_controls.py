@@ -11,8 +11,8 @@ from scipy.stats import chisquare
 from util import make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.sampling import RowProcessing
+from engine.core.errors import InvalidRequestError
+from engine.spec.sampling import RowProcessing
 
 ALPHA = 1e-4
 
@@ -21,8 +21,12 @@ def reference_probs(logits: torch.Tensor, prompt: list[int], gen: list[int], sp:
                     eos: list[int]) -> torch.Tensor:
     """One row's sampling distribution after ``prompt + gen``, built from transformers' processors (presence and
     frequency, which transformers lacks, by OpenAI's formula)."""
-    from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                              TemperatureLogitsWarper)
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+    )
 
     ids = torch.tensor([prompt + gen])
     x = logits.float().clone()[None]
@@ -93,7 +97,7 @@ def test_bad_controls_are_named(field, value):
 @pytest.fixture(scope="module")
 def pair8(tmp_path_factory):
     d = tmp_path_factory.mktemp("v8")
-    kw = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, eos_token_id=None)
+    kw = {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "eos_token_id": None}
     make_checkpoint(d / "t", seed=5, **kw)
     make_checkpoint(d / "d", seed=5, perturb=0.1, **kw)
     return d / "t", d / "d"
@@ -116,9 +120,9 @@ def _exact_joint3(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndar
 
 
 SPEC_CASES = {
-    "penalties": dict(temperature=1.0, repetition_penalty=1.8, presence_penalty=1.0, frequency_penalty=0.8),
-    "min_p": dict(temperature=1.0, min_p=0.5),
-    "min_tokens": dict(temperature=1.0, min_tokens=2),  # stop_token_ids: the likeliest first token (below)
+    "penalties": {"temperature": 1.0, "repetition_penalty": 1.8, "presence_penalty": 1.0, "frequency_penalty": 0.8},
+    "min_p": {"temperature": 1.0, "min_p": 0.5},
+    "min_tokens": {"temperature": 1.0, "min_tokens": 2},  # stop_token_ids: the likeliest first token (below)
 }
 
 

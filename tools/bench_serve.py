@@ -36,7 +36,7 @@ CONFIGS = {"on": [], "off": ["--no-spec"], "fixed5": ["--k", "5", "--k-policy", 
 def prompts(n: int, words: int, seed: int = 0) -> list[str]:
     """Held-out demo-corpus passages (never the eval text)."""
     sys.path.insert(0, str(ROOT))
-    from engine.demo import demo_texts
+    from engine.demo.recipe import demo_texts
 
     text = demo_texts()["heldout"].split()
     rng = random.Random(seed)
@@ -69,7 +69,7 @@ async def one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -
 
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else float("nan")
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))] if s else float("nan")
 
 
 async def run_load(url: str, model: str, texts: list[str], max_tokens: int, concurrency: int | None,

@@ -1,18 +1,11 @@
-"""An OpenAI-compatible server (the ``specmix-serve`` console script): see engine/api/serve_cli.py.
+#!/usr/bin/env python
+"""An OpenAI-compatible server over a profile or a checkpoint (the ``specmix-serve`` console script).
 
-    python tools/serve.py --profile FILE
-    python tools/serve.py --target DIR|owner/name [--draft DIR|owner/name] [--port 8000]
+The code: engine/cli/serve.py (the project installed; the server needs the ``serve`` extra).
 """
-from __future__ import annotations
-
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from engine.api.serve_cli import main  # noqa: E402
+from engine.cli.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from .errors import CheckpointError, InvalidRequestError
+from engine.core.errors import CheckpointError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class ChatTemplate:
             raise CheckpointError(f"{origin or 'chat template'}: does not compile: {e}") from None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ChatTemplate | None":
+    def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
         """The template of a checkpoint directory, or None when it has none."""
         d = Path(model_dir)
         if d.is_file():

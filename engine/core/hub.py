@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import CheckpointError
+from engine.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -15,21 +15,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..core.errors import EngineError, InvalidRequestError, OverloadedError
-from .openai_protocol import (ApiError, ParsedRequest, chat_logprobs, completion_logprobs, new_id, now, param_of,
-                              parse, seeds, usage)
-from .prometheus import ServeMetrics
-from .scheduler import Request, RequestFailedError, safe_prefix
-
-if TYPE_CHECKING:
-    from ..api.engine import Engine
+from engine.core.errors import EngineError, InvalidRequestError, OverloadedError
+from engine.serve.openai_protocol import (
+    ApiError,
+    ParsedRequest,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    param_of,
+    parse,
+    seeds,
+    usage,
+)
+from engine.serve.prometheus import ServeMetrics
+from engine.serve.scheduler import Request, RequestFailedError, safe_prefix
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,7 @@ log = logging.getLogger(__name__)
 class Choice:
     """One running request seen from the event loop: its new tokens, its text so far, its end."""
 
-    def __init__(self, engine: "Engine", req: Request, index: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Any, req: Request, index: int, loop: asyncio.AbstractEventLoop) -> None:
         self.req, self.index, self.loop, self.tok = req, index, loop, engine.tokenizer
         self.event = asyncio.Event()
         self.decoder = engine.tokenizer.decode_stream()
@@ -96,7 +104,7 @@ def _openai_finish(reason: str | None) -> str:
 class OpenAIServer:
     """The state behind the routes: the engine, its served name, defaults and metrics."""
 
-    def __init__(self, engine: "Engine", model_name: str, defaults: dict[str, Any] | None = None,
+    def __init__(self, engine: Any, model_name: str, defaults: dict[str, Any] | None = None,
                  metrics: ServeMetrics | None = None) -> None:
         self.engine, self.model_name, self.defaults = engine, model_name, dict(defaults or {})
         self.metrics = metrics or ServeMetrics(engine, model_name)
@@ -109,7 +117,7 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     def _params(self, req: ParsedRequest, prompt_len: int, seed: int | None) -> Any:
-        from ..spec.sampling import SamplingParams
+        from engine.spec.sampling import SamplingParams
 
         kw = dict(req.sampling, seed=seed, logprobs=req.logprobs)
         if "max_new_tokens" not in kw:  # chat without max_tokens: the rest of the context
@@ -232,7 +240,7 @@ def engine_error(e: EngineError) -> ApiError:
         return ApiError(503, str(e), "overloaded_error", headers={"Retry-After": "1"})
     if isinstance(e, RequestFailedError):
         return ApiError(500, str(e), "server_error")
-    if isinstance(e, InvalidRequestError) or isinstance(e, ValueError):
+    if isinstance(e, (InvalidRequestError, ValueError)):
         return ApiError(400, str(e), param=param_of(e))
     return ApiError(500, str(e), "server_error")
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from ..core.errors import EngineError
+from engine.core.errors import EngineError
 
 # sampling fields shared by both endpoints (value checks happen in SamplingParams, which names the field)
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",

@@ -9,11 +9,11 @@ Each ``ServeMetrics`` owns its registry (no process-wide state).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..api.engine import Engine
-    from .scheduler import Request
+    from engine.serve.scheduler import Request
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -22,7 +22,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 class _EngineCollector:
     """Counters and gauges read from the engine when scraped."""
 
-    def __init__(self, engine: "Engine", model: str) -> None:
+    def __init__(self, engine: Any, model: str) -> None:
         self.engine, self.model = engine, model
 
     def describe(self) -> list[Any]:
@@ -80,7 +80,7 @@ class _EngineCollector:
 class ServeMetrics:
     """The registry of one served engine: scrape-time counters/gauges and latency histograms."""
 
-    def __init__(self, engine: "Engine", model: str) -> None:
+    def __init__(self, engine: Any, model: str) -> None:
         from prometheus_client import CollectorRegistry, Histogram
 
         self.model = model
@@ -96,7 +96,7 @@ class ServeMetrics:
                         "shared by the tokens it emitted).")
         self.e2e = hist("e2e_request_latency_seconds", "Time from submission to the last token.")
 
-    def observe(self, req: "Request") -> None:
+    def observe(self, req: Request) -> None:
         """Record a finished request's latencies (called once per request, off the decode loop)."""
         times = req.deliveries()
         if not times:

@@ -164,7 +164,7 @@ class Request:
         try:
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: len(self._tokens) > seen or self._ended())
+                    self._cv.wait_for(lambda n=seen: len(self._tokens) > n or self._ended())
                     if self._error is not None:
                         raise self._error
                     comp, toks = self._built(), self._tokens[seen:]

@@ -17,8 +17,9 @@ are the ones plain sampling would use after that prefix.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from engine.spec.sampling import SamplingParams
 
 
-def needs_history(p: "SamplingParams") -> bool:
+def needs_history(p: SamplingParams) -> bool:
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or p.min_tokens > 0)
 
@@ -47,8 +48,8 @@ class Penalties:
     use_ban: bool
 
     @classmethod
-    def of(cls, rows: Sequence[tuple[Sequence[int], Sequence[int], "SamplingParams"]], eos: Sequence[int], vocab: int,
-           device: torch.device | str) -> "Penalties | None":
+    def of(cls, rows: Sequence[tuple[Sequence[int], Sequence[int], SamplingParams]], eos: Sequence[int], vocab: int,
+           device: torch.device | str) -> Penalties | None:
         """rows: (prompt, output so far, params) per batch row; None when no row needs any of this."""
         if not any(needs_history(p) for _, _, p in rows):
             return None

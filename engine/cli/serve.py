@@ -11,8 +11,9 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 log = logging.getLogger("specmix.serve")
 
@@ -25,7 +26,7 @@ def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
     f = Path(model_dir) / "generation_config.json"
     if not f.is_file():
         return {}
-    from ..core.errors import CheckpointError
+    from engine.core.errors import CheckpointError
 
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
@@ -66,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     """The engine, its served name and the target directory (for generation_config.json)."""
-    from ..core.hub import resolve_model
-    from .engine import Engine
+    from engine.api.engine import Engine
+    from engine.core.hub import resolve_model
 
-    limits = dict(max_batch=args.max_batch, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len)
+    limits = {"max_batch": args.max_batch, "max_waiting": args.max_waiting, "max_seq_len": args.max_seq_len}
     if args.profile:
         eng = Engine.from_profile(args.profile, device=args.device, **limits)
         return eng, args.served_model_name or Path(args.profile).stem, Path(eng.info["target_dir"])
-    hub = dict(cache_dir=args.hub_cache_dir, offline=args.offline or None)
+    hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
     target = resolve_model(args.target, **hub)
     draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
     drafter = None if args.no_spec else (args.drafter or ("model" if draft is not None else None))
@@ -88,11 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from ..serve.openai_app import OpenAIServer, create_app
+        from engine.serve.openai_app import OpenAIServer, create_app
     except ImportError as e:
         log.error("the server needs the serve extra: pip install -e '.[serve]' (%s)", e)
         return 2
-    from ..core.errors import EngineError
+    from engine.core.errors import EngineError
 
     try:
         eng, name, target_dir = load(args)
