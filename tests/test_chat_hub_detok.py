@@ -68,3 +68,29 @@ def test_streaming_decoder_handles_multibyte_utf8(ckpt_dir):
             assert "\ufffd" not in piece  # never half a character
             pieces.append(piece)
     assert "".join(pieces) == text == tok.decode(ids)
+
+
+def test_weight_hash_record_spares_rereading_unchanged_files(tmp_path, monkeypatch):
+    import os
+
+    from engine.core import files
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"a" * 4096)
+    truth = files.sha256_file(f)
+    reads = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda p: reads.append(p) or real(p))
+    assert files.verified_sha256(f) == truth and len(reads) == 1 and (tmp_path / files.HASH_RECORD).is_file()
+    assert files.verified_sha256(f) == truth and len(reads) == 1  # unchanged: the record answers
+    st = f.stat()
+    with open(f, "r+b") as fh:  # same size, same inode, new bytes
+        fh.write(b"b")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # (a coarse clock may not move the mtime)
+    assert files.verified_sha256(f) != truth and len(reads) == 2  # the mtime moved: hashed again
+    changed, stamp = files.sha256_file(f), f.stat().st_mtime_ns
+    with open(f, "r+b") as fh:
+        fh.write(b"c")
+    os.utime(f, ns=(st.st_atime_ns, stamp))  # a forged mtime: the record still answers (documented) ...
+    assert files.verified_sha256(f) == changed
+    assert files.verified_sha256(f, full=True) == files.sha256_file(f) != changed  # ... a full check does not

@@ -203,8 +203,11 @@ class Engine:
 
     @classmethod
     def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *, max_batch: int = 64,
-                     max_waiting: int = 4096, max_seq_len: int | None = None) -> "Engine":
+                     max_waiting: int = 4096, max_seq_len: int | None = None, full_check: bool = False) -> "Engine":
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
+
+        Weight hashes are checked against a verified (size, mtime, inode, sha256) record beside the
+        weights (engine/core/files.py), re-hashing only files that changed; ``full_check`` re-hashes all.
 
         Refuses with a ProfileError naming the file and the field: a missing file, invalid
         JSON, an unknown schema version, missing fields, weights whose sha256 changed; and
@@ -213,7 +216,7 @@ class Engine:
         from engine.api.profile import engine_kwargs, load_profile
         from engine.api.runtime import apply_runtime, runtime_settings
 
-        prof = load_profile(path)
+        prof = load_profile(path, full_check=full_check)
         kw = engine_kwargs(prof, device)
         runtime = runtime_settings(prof, kw["device"])  # missing CUDA graphs fail before any weight loads
         eng = cls.from_pretrained(**kw, max_batch=max_batch, max_waiting=max_waiting, max_seq_len=max_seq_len)
