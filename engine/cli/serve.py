@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-spec", action="store_true", help="decode plainly (speculation off)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--k-policy", default=None, help="cost-model (default), constant, heuristic, ...")
+    ap.add_argument("--full-check", action="store_true",
+                    help="re-hash every weight file of the profile (default: only files whose size/mtime changed)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: the target)")
@@ -72,7 +74,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
 
     limits = {"max_batch": args.max_batch, "max_waiting": args.max_waiting, "max_seq_len": args.max_seq_len}
     if args.profile:
-        eng = Engine.from_profile(args.profile, device=args.device, **limits)
+        eng = Engine.from_profile(args.profile, device=args.device, full_check=args.full_check, **limits)
         return eng, args.served_model_name or Path(args.profile).stem, Path(eng.info["target_dir"])
     hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
     target = resolve_model(args.target, **hub)
