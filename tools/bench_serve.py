@@ -116,7 +116,8 @@ def spawn(args: argparse.Namespace, config: str) -> tuple[subprocess.Popen, str]
     if args.draft and config != "off":
         cmd += ["--draft", args.draft]
     cmd += CONFIGS[config]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
