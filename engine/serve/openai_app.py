@@ -37,7 +37,8 @@ from engine.serve.openai_protocol import (
     usage,
 )
 from engine.serve.prometheus import ServeMetrics
-from engine.serve.scheduler import Request, RequestFailedError, safe_prefix
+from engine.serve.request import Request, safe_prefix
+from engine.serve.scheduler import RequestFailedError
 
 log = logging.getLogger(__name__)
 

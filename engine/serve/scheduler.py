@@ -30,18 +30,20 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
+from engine.serve.request import Request, safe_prefix  # noqa: F401 - safe_prefix: re-exported
 from engine.spec.adaptive import KController
-from engine.spec.loop import Seq, TokenLogprob
+from engine.spec.loop import Seq
 from engine.spec.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.api.engine import Completion, Engine
+    from engine.api.engine import Engine
     from engine.serve.telemetry import LoadGovernor
 
 log = logging.getLogger(__name__)
@@ -73,135 +75,10 @@ class Totals:
     rejected_overload: int = 0  # submissions refused with OverloadedError
 
 
-class Request:
-    """One submitted prompt. Iterate it for text pieces as tokens are accepted (never a partial
-    character or a possible stop-string prefix), ``result()`` for the Completion, ``cancel()`` to stop.
-
-    Closing the iterator early (``break`` in a for loop, GeneratorExit) cancels the request.
-    """
-
-    def __init__(self, sched: "Scheduler", prompt: list[int], params: SamplingParams) -> None:
-        self.prompt, self.params = prompt, params
-        self._sched = sched
-        self._cv = threading.Condition()
-        self._tokens: list[int] = []
-        self._logprobs: list[TokenLogprob] = []
-        self._completion: Completion | None = None
-        self._final: Seq | None = None  # the finished sequence; its Completion is built by the reader
-        self._error: EngineError | None = None
-        self._cancelled = False
-        self._listeners: list[Callable[[], None]] = []
-        self.submitted_at = time.perf_counter()
-        self._times: list[tuple[float, int]] = []  # (when, how many tokens) of each delivery with tokens
-        self.seq: Seq | None = None  # the worker's sequence while running
-
-    # ------------------------------------------------------------ caller side
-    def cancel(self) -> None:
-        """Stop generating; the request's cache row is freed at the next round."""
-        self._cancelled = True
-        self._sched.wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def done(self) -> bool:
-        with self._cv:
-            return self._ended()
-
-    def _ended(self) -> bool:
-        return self._completion is not None or self._final is not None or self._error is not None
-
-    def _built(self) -> "Completion | None":
-        """The Completion once finished (built here, in the reader's thread, not by the worker); under _cv."""
-        if self._completion is None and self._final is not None:
-            self._completion = self._sched.engine._completion(self._final)
-            self._final = None
-        return self._completion
-
-    def add_listener(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` (from the worker thread; keep it short) after each delivery, and once now."""
-        with self._cv:
-            self._listeners.append(fn)
-        fn()
-
-    def poll(self, since: int = 0) -> tuple[list[int], list[TokenLogprob], "Completion | None", EngineError | None]:
-        """Tokens (and logprobs) from index ``since`` on, the Completion when finished, the error when failed."""
-        with self._cv:
-            return (self._tokens[since:], self._logprobs[since:] if self.params.logprobs is not None else [],
-                    self._built(), self._error)
-
-    def tokens_so_far(self) -> list[int]:
-        with self._cv:
-            return list(self._tokens)
-
-    def deliveries(self) -> list[tuple[float, int]]:
-        """(time.perf_counter(), tokens) of each delivery that carried tokens (``submitted_at`` is the start)."""
-        with self._cv:
-            return list(self._times)
-
-    def result(self, timeout: float | None = None) -> "Completion":
-        """The Completion (finish_reason stop, length, cancelled or error); raises RequestFailedError
-        when its round failed, TimeoutError when ``timeout`` seconds pass first."""
-        with self._cv:
-            if not self._cv.wait_for(self._ended, timeout):
-                raise TimeoutError(f"request not finished within timeout={timeout} s")
-            if self._error is not None:
-                raise self._error
-            comp = self._built()
-            assert comp is not None
-            return comp
-
-    def __iter__(self) -> Iterator[str]:
-        return self.text_pieces()
-
-    def text_pieces(self) -> Iterator[str]:
-        """Text as tokens arrive, decoded incrementally (tokenizers' DecodeStream: the cost of an update is
-        its new tokens'), holding back a possible start of a stop string; the rest of the final text at the end."""
-        tok, stops = self._sched.tokenizer, self.params.stop
-        stream = tok.decode_stream()
-        seen, sent, pending = 0, "", ""
-        try:
-            while True:
-                with self._cv:
-                    self._cv.wait_for(lambda n=seen: len(self._tokens) > n or self._ended())
-                    if self._error is not None:
-                        raise self._error
-                    comp, toks = self._built(), self._tokens[seen:]
-                if comp is not None:
-                    if comp.text.startswith(sent) and len(comp.text) > len(sent):
-                        yield comp.text[len(sent):]
-                    return
-                seen += len(toks)
-                pending += tok.step(stream, toks) or ""
-                safe = safe_prefix(pending, stops)
-                if safe:
-                    piece, pending = pending[:safe], pending[safe:]
-                    sent += piece
-                    yield piece
-        finally:
-            if not self.done():
-                self.cancel()
-
-    # ------------------------------------------------------------ worker side
-    def _deliver(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] = (), final: Seq | None = None,
-                 completion: "Completion | None" = None, error: EngineError | None = None) -> None:
-        with self._cv:
-            if tokens:
-                self._times.append((time.perf_counter(), len(tokens)))
-            self._tokens.extend(tokens)
-            self._logprobs.extend(logprobs)
-            self._final, self._completion, self._error = final, completion, error
-            self._cv.notify_all()
-            listeners = list(self._listeners)
-        for fn in listeners:
-            fn()
-
-
 class Scheduler:
     """The worker thread, its wait queue, the cache rows and the engine-wide counters."""
 
-    def __init__(self, engine: "Engine", max_batch: int, max_waiting: int, max_seq_len: int,
+    def __init__(self, engine: Engine, max_batch: int, max_waiting: int, max_seq_len: int,
                  idle_exit_s: float = 0.5) -> None:
         self.engine, self.loop, self.tokenizer = engine, engine.loop, engine.tokenizer
         self.max_batch, self.max_waiting, self.max_seq_len = max_batch, max_waiting, max_seq_len
@@ -290,7 +167,7 @@ class Scheduler:
             self._running.append(r)
             try:
                 self._start(r)
-            except Exception as e:  # noqa: BLE001 - e.g. measuring costs failed: fail it, keep serving
+            except Exception as e:
                 log.exception("could not start a request")
                 self._retire(r, RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
         if not self._running:
@@ -357,7 +234,7 @@ class Scheduler:
                 longest = max(len(w.prompt) + w.params.max_new_tokens for w in self._waiting)
                 try:
                     self.loop.ensure_cache(self.max_batch, min(longest, self.max_seq_len), self.k_max)
-                except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail the request, keep serving
+                except Exception as e:
                     log.exception("could not allocate the KV cache for %d positions", need)
                     self._waiting.popleft()
                     r._deliver([], error=RequestFailedError(f"KV cache allocation failed: {type(e).__name__}: {e}"))
@@ -395,7 +272,7 @@ class Scheduler:
             if self.on_round is not None:
                 self.on_round()
             events = self.loop.step(seqs)
-        except Exception as e:  # noqa: BLE001 - the one place: fail this round's requests, keep serving
+        except Exception as e:
             log.exception("decode round over %d sequences failed; ending their requests", len(seqs))
             with self._lock:
                 self.totals.round_failures += 1
@@ -468,16 +345,3 @@ class Scheduler:
             return {"totals": Totals(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict)
                                             else v) for k, v in vars(t).items()}),
                     "waiting": len(self._waiting), "running": self._reserved}
-
-
-def safe_prefix(text: str, stops: Sequence[str]) -> int:
-    """Length of text safe to emit: no trailing partial character, no possible start of a stop string."""
-    n = len(text)
-    while n and text[n - 1] == "\ufffd":
-        n -= 1
-    for s in stops:
-        for j in range(min(len(s) - 1, n), 0, -1):
-            if text[:n].endswith(s[:j]):
-                n -= j
-                break
-    return n

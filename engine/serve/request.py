@@ -1,0 +1,156 @@
+"""A submitted request as its caller sees it: new tokens, text pieces, the Completion, cancel.
+
+The worker (engine/serve/scheduler.py) delivers token ids (and logprobs) and wakes the request's
+waiters and listeners; everything else (detokenization, the Completion) runs in the reader's thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from engine.core.errors import EngineError
+from engine.spec.loop import Seq, TokenLogprob
+from engine.spec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.serve.scheduler import Scheduler
+
+
+class Request:
+    """One submitted prompt. Iterate it for text pieces as tokens are accepted (never a partial
+    character or a possible stop-string prefix), ``result()`` for the Completion, ``cancel()`` to stop.
+
+    Closing the iterator early (``break`` in a for loop, GeneratorExit) cancels the request.
+    """
+
+    def __init__(self, sched: Scheduler, prompt: list[int], params: SamplingParams) -> None:
+        self.prompt, self.params = prompt, params
+        self._sched = sched
+        self._cv = threading.Condition()
+        self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._completion: Any = None
+        self._final: Seq | None = None  # the finished sequence; its Completion is built by the reader
+        self._error: EngineError | None = None
+        self._cancelled = False
+        self._listeners: list[Callable[[], None]] = []
+        self.submitted_at = time.perf_counter()
+        self._times: list[tuple[float, int]] = []  # (when, how many tokens) of each delivery with tokens
+        self.seq: Seq | None = None  # the worker's sequence while running
+
+    # ------------------------------------------------------------ caller side
+    def cancel(self) -> None:
+        """Stop generating; the request's cache row is freed at the next round."""
+        self._cancelled = True
+        self._sched.wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        with self._cv:
+            return self._ended()
+
+    def _ended(self) -> bool:
+        return self._completion is not None or self._final is not None or self._error is not None
+
+    def _built(self) -> Any:
+        """The Completion once finished (built here, in the reader's thread, not by the worker); under _cv."""
+        if self._completion is None and self._final is not None:
+            self._completion = self._sched.engine._completion(self._final)
+            self._final = None
+        return self._completion
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the worker thread; keep it short) after each delivery, and once now."""
+        with self._cv:
+            self._listeners.append(fn)
+        fn()
+
+    def poll(self, since: int = 0) -> tuple[list[int], list[TokenLogprob], Any, EngineError | None]:
+        """Tokens (and logprobs) from index ``since`` on, the Completion when finished, the error when failed."""
+        with self._cv:
+            return (self._tokens[since:], self._logprobs[since:] if self.params.logprobs is not None else [],
+                    self._built(), self._error)
+
+    def tokens_so_far(self) -> list[int]:
+        with self._cv:
+            return list(self._tokens)
+
+    def deliveries(self) -> list[tuple[float, int]]:
+        """(time.perf_counter(), tokens) of each delivery that carried tokens (``submitted_at`` is the start)."""
+        with self._cv:
+            return list(self._times)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The Completion (finish_reason stop, length, cancelled or error); raises RequestFailedError
+        when its round failed, TimeoutError when ``timeout`` seconds pass first."""
+        with self._cv:
+            if not self._cv.wait_for(self._ended, timeout):
+                raise TimeoutError(f"request not finished within timeout={timeout} s")
+            if self._error is not None:
+                raise self._error
+            comp = self._built()
+            assert comp is not None
+            return comp
+
+    def __iter__(self) -> Iterator[str]:
+        return self.text_pieces()
+
+    def text_pieces(self) -> Iterator[str]:
+        """Text as tokens arrive, decoded incrementally (tokenizers' DecodeStream: the cost of an update is
+        its new tokens'), holding back a possible start of a stop string; the rest of the final text at the end."""
+        tok, stops = self._sched.tokenizer, self.params.stop
+        stream = tok.decode_stream()
+        seen, sent, pending = 0, "", ""
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda n=seen: len(self._tokens) > n or self._ended())
+                    if self._error is not None:
+                        raise self._error
+                    comp, toks = self._built(), self._tokens[seen:]
+                if comp is not None:
+                    if comp.text.startswith(sent) and len(comp.text) > len(sent):
+                        yield comp.text[len(sent):]
+                    return
+                seen += len(toks)
+                pending += tok.step(stream, toks) or ""
+                safe = safe_prefix(pending, stops)
+                if safe:
+                    piece, pending = pending[:safe], pending[safe:]
+                    sent += piece
+                    yield piece
+        finally:
+            if not self.done():
+                self.cancel()
+
+    # ------------------------------------------------------------ worker side
+    def _deliver(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] = (), final: Seq | None = None,
+                 completion: Any = None, error: EngineError | None = None) -> None:
+        with self._cv:
+            if tokens:
+                self._times.append((time.perf_counter(), len(tokens)))
+            self._tokens.extend(tokens)
+            self._logprobs.extend(logprobs)
+            self._final, self._completion, self._error = final, completion, error
+            self._cv.notify_all()
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
+
+
+def safe_prefix(text: str, stops: Sequence[str]) -> int:
+    """Length of text safe to emit: no trailing partial character, no possible start of a stop string."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    for s in stops:
+        for j in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:j]):
+                n -= j
+                break
+    return n
