@@ -10,6 +10,7 @@ import torch
 from engine.api.assemble import Parts, assemble, resolve_device
 from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
 from engine.api.runtime import make_governor
+from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.errors import InvalidConfigError, InvalidRequestError
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
@@ -44,6 +45,7 @@ class Engine:
         self.config = parts.target.config
         self.info = dict(parts.info)
         self.profile = profile
+        self.chat_template = ChatTemplate.from_dir(Path(parts.tokenizer.path).parent)  # None: the checkpoint has none
         self.limits = limits
         self.cuda_graphs = parts.graphs or None  # GraphedForward wrappers (engine/kernels/cudagraphs.py)
         self._costs = costs
@@ -91,17 +93,19 @@ class Engine:
 
     @classmethod
     def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *,
-                     limits: Limits | None = None) -> "Engine":
+                     limits: Limits | None = None, full_check: bool = False) -> "Engine":
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
 
         ``limits``: batch and queue limits (the profile's load window is kept). Refuses with a
         ProfileError naming the file and the field: a missing file, invalid JSON, an unknown schema
         version, missing fields, weights whose sha256 changed; and with KernelUnavailableError a
-        kernel this machine lacks.
+        kernel this machine lacks. Weight hashes are checked against a verified (size, mtime, inode, sha256)
+        record beside the weights (engine/core/files.py), re-hashing only files that changed; ``full_check``
+        re-hashes all.
         """
         from engine.api.profile import engine_options, load_profile
 
-        prof = load_profile(path)
+        prof = load_profile(path, full_check=full_check)
         opts = engine_options(prof, device, limits or Limits())
         eng = cls.from_pretrained(**opts)
         eng.profile = prof
@@ -185,6 +189,35 @@ class Engine:
         """
         ids, plist = self._validate([prompt] if not _is_id_list(prompt) else [list(prompt)], params)
         return self.scheduler.submit(ids, plist)[0]
+
+    def submit_many(self, prompts: Sequence[str | Sequence[int]],
+                    params: Sequence[SamplingParams]) -> list[Request]:
+        """Queue several prompts together (all or none: OverloadedError when they do not all fit)."""
+        ids, plist = self._validate([p if isinstance(p, str) else list(p) for p in prompts], list(params))
+        return self.scheduler.submit(ids, plist)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain prompt's token ids (with the tokenizer's special tokens, e.g. BOS)."""
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"prompt={text!r:.80} is invalid: allowed a non-empty string")
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` rendered by the checkpoint's chat template (encoded without adding
+        special tokens: the template writes them)."""
+        if self.chat_template is None:
+            raise ChatTemplateMissingError(
+                f"the model {self.info.get('target_dir')} has no chat template (no chat_template in "
+                "tokenizer_config.json, no chat_template.jinja): chat is unavailable, plain completions work")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequestError("messages render to an empty prompt: a prompt needs >= 1 token")
+        return ids
+
+    def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None) -> Completion:
+        """Answer a conversation ([{"role", "content"}, ...]) with the checkpoint's chat template."""
+        return self.generate([self.chat_prompt(messages)], params)[0]
 
     def generate(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[Completion]:

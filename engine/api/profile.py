@@ -18,7 +18,7 @@ import torch
 from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import weight_files
 from engine.core.errors import InvalidConfigError, ProfileError
-from engine.core.files import default_cache_dir, sha256_file
+from engine.core.files import default_cache_dir, sha256_file, verified_sha256
 from quant.plan import PrecisionPlan
 
 PROFILE_SCHEMA_VERSION = 1
@@ -60,7 +60,7 @@ def resolve_ref(ref: str, where: str = "profile") -> Path:
     return Path(ref)
 
 
-def load_profile(path: str | Path, check_weights: bool = True) -> dict[str, Any]:
+def load_profile(path: str | Path, check_weights: bool = True, full_check: bool = False) -> dict[str, Any]:
     """Read and validate a profile; every refusal is a ProfileError naming the file and the field."""
     p = Path(path)
     if not p.is_file():
@@ -92,7 +92,8 @@ def load_profile(path: str | Path, check_weights: bool = True) -> dict[str, Any]
                 f = d / name
                 if not f.is_file():
                     raise ProfileError(f"{p}: models.{role}.sha256: weight file {f} is missing")
-                if sha256_file(f) != want:
+                # the verified (size, mtime, inode) record spares re-reading unchanged weights at every start
+                if verified_sha256(f, full=full_check) != want:
                     raise ProfileError(f"{p}: models.{role}.sha256: {f} no longer matches the profile "
                                        f"(the weights changed): rebuild the profile")
     spec = prof["speculation"]

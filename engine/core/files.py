@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +25,41 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+HASH_RECORD = ".specmix-sha256.json"  # beside the weights: {file name: {size, mtime_ns, inode, sha256}}
+log = logging.getLogger(__name__)
+
+
+def verified_sha256(path: Path, full: bool = False) -> str:
+    """The sha256 of ``path``, read from the record beside it while its size, mtime and inode are unchanged.
+
+    A file whose stat differs from its record (or ``full``) is read and hashed again and the record
+    rewritten (atomically; a read-only directory logs that every start will re-hash). The record guards
+    against weights that changed or were replaced, not against someone who forges the record too.
+    """
+    path = Path(path)
+    st = path.stat()
+    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    rec_file = path.parent / HASH_RECORD
+    records: dict[str, Any] = {}
+    if rec_file.is_file():
+        try:
+            loaded = json.loads(rec_file.read_text(encoding="utf-8"))
+            records = loaded if isinstance(loaded, dict) else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            log.warning("%s is unreadable (%s): hashing the weights again", rec_file, e)
+    rec = records.get(path.name)
+    if not full and isinstance(rec, dict) and isinstance(rec.get("sha256"), str) and \
+            all(rec.get(k) == v for k, v in stamp.items()):
+        return rec["sha256"]
+    digest = sha256_file(path)
+    records[path.name] = {**stamp, "sha256": digest}
+    try:
+        write_json_atomic(rec_file, records)
+    except OSError as e:
+        log.info("could not write %s (%s): the next start hashes %s again", rec_file, e, path.name)
+    return digest
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

@@ -1,15 +1,21 @@
-"""A request's handle and its result: ``Request`` (iterate text pieces, ``result()``, ``cancel()``),
-``Completion``, the engine-wide ``Totals`` and ``RequestFailedError``."""
+"""A submitted request as its caller sees it: new tokens, text pieces, the Completion, cancel.
+
+The worker (engine/serve/scheduler.py) delivers token ids (and logprobs) and wakes the request's
+waiters and listeners; everything else (detokenization, the Completion) runs in the reader's thread.
+Also here: ``Completion``, the engine-wide ``Totals`` and ``RequestFailedError``.
+"""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from engine.core.errors import EngineError
 from engine.core.tokenizer import Tokenizer
 from engine.spec.sampling import SamplingParams
-from engine.spec.seq import Seq
+from engine.spec.seq import Seq, TokenLogprob
 
 
 @dataclass
@@ -18,9 +24,10 @@ class Completion:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (eos or a stop string), "length", "cancelled", "error"
+    finish_reason: str  # "stop" (eos, a stop string or a stop token), "length", "cancelled", "error"
     prompt_token_ids: list[int]
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, when SamplingParams.logprobs asked
 
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -57,15 +64,21 @@ class Request:
     Closing the iterator early (``break`` in a for loop, GeneratorExit) cancels the request.
     """
 
-    def __init__(self, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 wake: Callable[[], None]) -> None:
+    def __init__(self, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer, wake: Callable[[], None],
+                 complete: Callable[[Seq], Completion]) -> None:
+        """``wake`` nudges the worker (a cancel); ``complete`` builds the Completion of a finished sequence."""
         self.prompt, self.params = prompt, params
-        self._tokenizer, self._wake = tokenizer, wake
+        self._tokenizer, self._wake, self._complete = tokenizer, wake, complete
         self._cv = threading.Condition()
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._completion: Completion | None = None
+        self._final: Seq | None = None  # the finished sequence; its Completion is built by the reader
         self._error: EngineError | None = None
         self._cancelled = False
+        self._listeners: list[Callable[[], None]] = []
+        self.submitted_at = time.perf_counter()
+        self._times: list[tuple[float, int]] = []  # (when, how many tokens) of each delivery with tokens
         self.seq: Seq | None = None  # the worker's sequence while running
 
     # ------------------------------------------------------------ caller side
@@ -80,54 +93,95 @@ class Request:
 
     def done(self) -> bool:
         with self._cv:
-            return self._completion is not None or self._error is not None
+            return self._ended()
+
+    def _ended(self) -> bool:
+        return self._completion is not None or self._final is not None or self._error is not None
+
+    def _built(self) -> Completion | None:
+        """The Completion once finished (built here, in the reader's thread, not by the worker); under _cv."""
+        if self._completion is None and self._final is not None:
+            self._completion = self._complete(self._final)
+            self._final = None
+        return self._completion
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the worker thread; keep it short) after each delivery, and once now."""
+        with self._cv:
+            self._listeners.append(fn)
+        fn()
+
+    def poll(self, since: int = 0) -> tuple[list[int], list[TokenLogprob], Completion | None, EngineError | None]:
+        """Tokens (and logprobs) from index ``since`` on, the Completion when finished, the error when failed."""
+        with self._cv:
+            return (self._tokens[since:], self._logprobs[since:] if self.params.logprobs is not None else [],
+                    self._built(), self._error)
+
+    def tokens_so_far(self) -> list[int]:
+        with self._cv:
+            return list(self._tokens)
+
+    def deliveries(self) -> list[tuple[float, int]]:
+        """(time.perf_counter(), tokens) of each delivery that carried tokens (``submitted_at`` is the start)."""
+        with self._cv:
+            return list(self._times)
 
     def result(self, timeout: float | None = None) -> Completion:
         """The Completion (finish_reason stop, length, cancelled or error); raises RequestFailedError
         when its round failed, TimeoutError when ``timeout`` seconds pass first."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self._completion is not None or self._error is not None, timeout):
+            if not self._cv.wait_for(self._ended, timeout):
                 raise TimeoutError(f"request not finished within timeout={timeout} s")
             if self._error is not None:
                 raise self._error
-            assert self._completion is not None
-            return self._completion
+            comp = self._built()
+            assert comp is not None
+            return comp
 
     def __iter__(self) -> Iterator[str]:
         return self.text_pieces()
 
     def text_pieces(self) -> Iterator[str]:
+        """Text as tokens arrive, decoded incrementally (tokenizers' DecodeStream: the cost of an update is
+        its new tokens'), holding back a possible start of a stop string; the rest of the final text at the end."""
         tok, stops = self._tokenizer, self.params.stop
-        sent = seen = 0
+        stream = tok.decode_stream()
+        seen, sent, pending = 0, "", ""
         try:
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: len(self._tokens) > seen or self._completion is not None
-                                      or self._error is not None)
+                    self._cv.wait_for(lambda n=seen: len(self._tokens) > n or self._ended())
                     if self._error is not None:
                         raise self._error
-                    comp, toks = self._completion, list(self._tokens)
+                    comp, toks = self._built(), self._tokens[seen:]
                 if comp is not None:
-                    if len(comp.text) > sent:
-                        yield comp.text[sent:]
+                    if comp.text.startswith(sent) and len(comp.text) > len(sent):
+                        yield comp.text[len(sent):]
                     return
-                seen = len(toks)
-                text = tok.decode(toks)
-                safe = safe_prefix(text, stops)
-                if safe > sent:
-                    yield text[sent:safe]
-                    sent = safe
+                seen += len(toks)
+                pending += tok.step(stream, toks) or ""
+                safe = safe_prefix(pending, stops)
+                if safe:
+                    piece, pending = pending[:safe], pending[safe:]
+                    sent += piece
+                    yield piece
         finally:
             if not self.done():
                 self.cancel()
 
     # ------------------------------------------------------------ worker side
-    def _deliver(self, tokens: list[int], completion: Completion | None = None,
-                 error: EngineError | None = None) -> None:
+    def _deliver(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] = (), final: Seq | None = None,
+                 completion: Completion | None = None, error: EngineError | None = None) -> None:
         with self._cv:
+            if tokens:
+                self._times.append((time.perf_counter(), len(tokens)))
             self._tokens.extend(tokens)
-            self._completion, self._error = completion, error
+            self._logprobs.extend(logprobs)
+            self._final, self._completion, self._error = final, completion, error
             self._cv.notify_all()
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
 
 
 def safe_prefix(text: str, stops: Sequence[str]) -> int:

@@ -79,7 +79,7 @@ class Scheduler:
                drive: bool = False) -> list[Request]:
         """Queue the (validated) prompts together, or refuse them all with OverloadedError.
         ``drive``: the caller will run rounds itself (``drive``), counted before the worker can start."""
-        reqs = [Request(p, sp, self.tokenizer, self.wake) for p, sp in zip(prompts, params)]
+        reqs = [Request(p, sp, self.tokenizer, self.wake, self._completion) for p, sp in zip(prompts, params)]
         with self._lock:
             room = self.max_waiting + (self.max_batch - self._reserved) - len(self._waiting)
             if len(reqs) > room:
@@ -103,6 +103,10 @@ class Scheduler:
 
     def queue_length(self) -> int:
         return len(self._waiting)
+
+    def running_requests(self) -> list[Request]:
+        """A copy of the running batch (for gauges)."""
+        return list(self._running)
 
     def running(self) -> int:
         return len(self._running)
@@ -259,7 +263,7 @@ class Scheduler:
             if r.seq.finished:
                 self._retire(r, new=new)
             elif new:
-                r._deliver(new)
+                r._deliver(new, r.seq.logprobs[-len(new):] if r.seq.logprobs is not None else ())
 
     def _retire(self, r: Request, error: EngineError | None = None, new: Sequence[int] = ()) -> None:
         """Leave the batch: free the row, account, hand the caller its completion (or error)."""
@@ -274,12 +278,13 @@ class Scheduler:
             else:
                 self.totals.failed += 1
             self._lock.notify_all()
-        r._deliver(list(new), completion=None if error else self._completion(s), error=error)
+        lps = s.logprobs[-len(new):] if new and s.logprobs is not None and error is None else ()
+        r._deliver(list(new), lps, final=None if error else s, error=error)
 
     def _completion(self, s: Seq) -> Completion:
         return Completion(text=self.loop.final_text(s), token_ids=s.generated,
                           finish_reason=s.finish_reason or "length", prompt_token_ids=s.prompt,
-                          stats=s.stats.to_dict())
+                          stats=s.stats.to_dict(), logprobs=None if s.logprobs is None else list(s.logprobs))
 
     def _finish_unstarted(self, r: Request) -> None:
         self.totals.requests += 1

@@ -115,7 +115,8 @@ class ModelDrafter:
             if greedy:
                 d = logits[:, :V].argmax(-1)
             else:
-                p = batch.processing.probs(logits[:, :V])
+                prev = torch.stack(drafts, 1) if drafts else None  # penalties count this round's drafts too
+                p = batch.processing.probs_at(logits[:, None, :V], prev, i)[:, 0]
                 assert batch.noise is not None
                 d = sample_from_probs(p, batch.noise[:, i])
                 probs.append(p)

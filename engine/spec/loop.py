@@ -37,7 +37,7 @@ from engine.core.tokenizer import Tokenizer
 from engine.spec.drafters import DraftBatch, Drafter
 from engine.spec.rejection import greedy_accept, rejection_sample
 from engine.spec.sampling import RowProcessing
-from engine.spec.seq import Seq
+from engine.spec.seq import Seq, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class DecodeLoop:
         scratch = cache.max_seq_len - 1
         row_ids = [s.row for s in active]
         rows = None if row_ids == list(range(B)) else torch.tensor(row_ids, device=dev)
-        proc = RowProcessing.of([s.params for s in active], dev)
+        proc = RowProcessing.of([s.params for s in active], dev, history=[(s.prompt, s.generated) for s in active],
+                                eos=sorted(self.eos), vocab=V)
         ks = [self.k_for(s) for s in active]
         kmax = max(ks)
 
@@ -151,9 +152,11 @@ class DecodeLoop:
             out, nacc = greedy_accept(drafts, logits[..., :V].argmax(-1), num_draft)
         else:
             assert uniforms is not None and final_noise is not None
-            q = proc.repeat(kmax + 1).probs(logits[..., :V].reshape(B * (kmax + 1), V))
-            out, nacc = rejection_sample(drafts, dprobs, q.view(B, kmax + 1, V), num_draft, uniforms, final_noise)
+            q = proc.probs_at(logits[..., :V], drafts, 0)  # [B, K+1, V], penalties per draft position
+            out, nacc = rejection_sample(drafts, dprobs, q, num_draft, uniforms, final_noise)
         res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
+        lp_rows = {b: s.params.logprobs for b, s in enumerate(active) if s.params.logprobs is not None}
+        lps = self._logprobs(logits[..., :V], out, lp_rows) if lp_rows else {}
 
         events = []
         for b, s in enumerate(active):
@@ -176,40 +179,64 @@ class DecodeLoop:
             if s.k_ctl is not None and k > 0:
                 s.k_ctl.update(k, a)
             kept = self._stop_checks(s, res[b][: a + 1])
+            if s.logprobs is not None:
+                s.logprobs.extend(lps[b][: len(kept)])
             s.tokens.extend(kept)
             events.append((s, kept))
         return events
 
+    @staticmethod
+    def _logprobs(logits: Tensor, out: Tensor, rows: dict[int, int]) -> dict[int, list[TokenLogprob]]:
+        """Per requested row b: the log-probabilities of out[b] at each scored position (and the top ones)."""
+        idx = torch.tensor(list(rows), device=logits.device)
+        lp = torch.log_softmax(logits[idx].float(), -1)  # [b', K+1, V]
+        chosen = lp.gather(-1, out[idx].unsqueeze(-1)).squeeze(-1)  # [b', K+1]
+        n = max(rows.values())
+        top_v, top_i = lp.topk(n, dim=-1) if n else (lp[..., :0], lp[..., :0].long())
+        ch, tv, ti = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        return {b: [TokenLogprob(t, ch[j][p], list(zip(ti[j][p][: rows[b]], tv[j][p][: rows[b]])))
+                    for p, t in enumerate(out[b].tolist())] for j, b in enumerate(rows)}
+
     def _stop_checks(self, s: Seq, new: list[int]) -> list[int]:
-        """Cut the accepted run at eos, max_new_tokens or a stop string; finish the sequence."""
-        remaining = s.params.max_new_tokens - len(s.generated)
+        """Cut the accepted run at a stop token, max_new_tokens or a stop string; finish the sequence.
+
+        Stop strings are searched in the text decoded incrementally (the cost is the new tokens'), and
+        only once min_tokens tokens are out; the text keeps nothing of a stop token or a stop string.
+        """
+        sp = s.params
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos)
+        remaining = sp.max_new_tokens - len(s.generated)
+        stops, done = sp.stop, len(s.generated)
+        if stops and s.decoder is None:
+            s.decoder = self.tokenizer.decode_stream()
+        longest = max((len(x) for x in stops), default=0)
         kept: list[int] = []
         for t in new:
             kept.append(t)
-            if t in self.eos:
+            if t in stop_ids:
+                s.stop_token = t in sp.stop_token_ids
+                if stops and s.stop_token:
+                    s.stop_cut = len(s.text)
                 s.finish("stop")
-                break
+                return kept
+            if stops:
+                piece = self.tokenizer.step(s.decoder, t)
+                if piece:
+                    start = max(0, len(s.text) - longest + 1)
+                    s.text += piece
+                    if done + len(kept) >= sp.min_tokens:
+                        hits = [i for i in (s.text.find(x, start) for x in stops) if i >= 0]
+                        if hits:
+                            s.stop_cut = min(hits)
+                            s.finish("stop")
+                            return kept
             if len(kept) >= remaining:
                 s.finish("length")
-                break
-        stops = s.params.stop
-        if stops and kept:
-            prev = s.generated
-            longest = max(len(x) for x in stops)
-            start = max(0, s.checked_chars - longest + 1)
-            text = self.tokenizer.decode(prev + kept)
-            if any(x in text[start:] for x in stops):
-                for m in range(1, len(kept) + 1):  # the first token that completes a stop string
-                    t_m = self.tokenizer.decode(prev + kept[:m])
-                    hits = [i for i in (t_m.find(x, start) for x in stops) if i >= 0]
-                    if hits:
-                        s.stop_cut = min(hits)
-                        s.finished, s.finish_reason = False, None
-                        s.finish("stop")
-                        return kept[:m]
-            s.checked_chars = len(text)
+                return kept
         return kept
 
     def final_text(self, s: Seq) -> str:
-        text = self.tokenizer.decode(s.generated)
-        return text if s.stop_cut is None else text[: s.stop_cut]
+        """The output text (decoded once, at the end, unless stop strings had it decoded on the way)."""
+        if s.params.stop:
+            return s.text if s.stop_cut is None else s.text[: s.stop_cut]
+        return self.tokenizer.decode(s.generated[:-1] if s.stop_token else s.generated)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.core.errors import InvalidConfigError, InvalidRequestError
+from engine.spec.penalties import Penalties
 
 # torch.Generator.manual_seed accepts exactly this range
 _SEED_MIN = -(2**63)
@@ -45,7 +46,12 @@ class SamplingParams:
     """Per-request sampling settings, validated where they are built.
 
     ``stop`` accepts a list (or tuple) of strings and is stored as a tuple so the
-    object stays immutable and hashable.
+    object stays immutable and hashable. Beyond temperature / top-k / top-p: ``min_p`` (drop tokens
+    below min_p x the top probability), ``repetition_penalty`` (prompt and output tokens),
+    ``presence_penalty`` / ``frequency_penalty`` (output tokens, OpenAI's formula),
+    ``stop_token_ids`` (end like eos), ``ignore_eos``, ``min_tokens`` (no stop token before that many),
+    ``logprobs`` (None, or the number of top alternatives reported with each token's log-probability
+    under the target's raw distribution). Speculation is exact for all of them (engine/spec/penalties.py).
     """
 
     max_new_tokens: int = 64
@@ -54,6 +60,14 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         mnt = self.max_new_tokens
@@ -77,12 +91,43 @@ class SamplingParams:
         for i, item in enumerate(stop):
             if not isinstance(item, str) or not item:
                 raise _refuse(f"stop[{i}]", item, "a non-empty str")
+        self._check_controls()
         object.__setattr__(self, "max_new_tokens", int(mnt))
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "seed", None if s is None else int(s))
         object.__setattr__(self, "stop", tuple(stop))
+
+    def _check_controls(self) -> None:
+        mp = self.min_p
+        if not _is_real(mp) or not 0.0 <= float(mp) <= 1.0:
+            raise _refuse("min_p", mp, "a float in [0, 1] (0 = disabled)")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(float(rp)) or rp <= 0:
+            raise _refuse("repetition_penalty", rp, "a finite float > 0 (1 = disabled)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= float(v) <= 2.0:
+                raise _refuse(name, v, "a float in [-2, 2] (0 = disabled)")
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise _refuse("stop_token_ids", ids, "a list of int token ids >= 0")
+        for i, t in enumerate(ids):
+            if not _is_int(t) or t < 0:
+                raise _refuse(f"stop_token_ids[{i}]", t, "an int token id >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise _refuse("ignore_eos", self.ignore_eos, "true or false")
+        mt = self.min_tokens
+        if not _is_int(mt) or not 0 <= mt <= self.max_new_tokens:
+            raise _refuse("min_tokens", mt, f"an int in [0, max_new_tokens={self.max_new_tokens}]")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
+            raise _refuse("logprobs", lp, "None or an int in [0, 20] (the top alternatives per token)")
+        for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "min_tokens", int(mt))
 
     @property
     def greedy(self) -> bool:
@@ -112,16 +157,18 @@ def params_to_tensors(
     return temperature, top_k, top_p
 
 
-def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                   min_p: Tensor | None = None) -> Tensor:
     """Logits -> sampling distribution, per row, in fp32.
 
     logits [N, V] (any float dtype); temperature [N] float32; top_k [N] int64
     (0 = disabled; values above V act as V); top_p [N] float32 in (0, 1]
-    (1 = disabled). Returns probs [N, V] float32.
+    (1 = disabled); min_p [N] float32 in [0, 1] or None (0 = disabled). Returns probs [N, V] float32.
 
     Order and semantics are transformers' temperature -> top-k (ties with the
     k-th value are kept) -> top-p (the smallest set of highest-probability
-    tokens whose mass reaches top_p; at least one token is kept). Rows with
+    tokens whose mass reaches top_p; at least one token is kept) -> min-p (tokens below min_p times
+    the largest probability are dropped; transformers' ``MinPLogitsWarper``). Rows with
     temperature 0 get one-hot(argmax of the raw logits), first index on ties.
     The row maximum is subtracted before dividing by the temperature, which
     changes nothing mathematically and keeps tiny temperatures free of inf/NaN.
@@ -149,6 +196,10 @@ def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
 
     remove_orig = torch.empty_like(remove).scatter_(-1, order, remove)  # [N, V], vocab order
     probs = scaled.masked_fill(remove_orig, float("-inf")).softmax(dim=-1)  # [N, V]
+    if min_p is not None:
+        low = probs < min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)  # never the top token
+        probs = probs.masked_fill(low, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     onehot = torch.zeros_like(probs).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy.unsqueeze(-1), onehot, probs)
 
@@ -205,38 +256,63 @@ def draw_uniforms(
 class RowProcessing:
     """The per-row processing of one batch, with its fast path chosen on the host.
 
-    ``mode``: "greedy" (every row has temperature 0: one-hot argmax, no sort),
-    "softmax" (no row greedy, none filtered by top-k/top-p: a tempered softmax) or
-    "general" (``process_logits``). All three give exactly ``process_logits``'s output.
+    ``mode``: "greedy" (every row has temperature 0 and no history-dependent control: one-hot
+    argmax, no sort), "softmax" (no row greedy, none filtered by top-k/top-p/min-p: a tempered
+    softmax) or "general" (``process_logits``). All three give exactly ``process_logits``'s output.
+    ``penalties`` (min_tokens, repetition/presence/frequency; engine/spec/penalties.py) apply to the
+    logits first, per draft position (``probs_at``).
     """
 
     temperature: Tensor  # [N] float32
     top_k: Tensor  # [N] int64
     top_p: Tensor  # [N] float32
     mode: str
+    min_p: Tensor | None = None  # [N] float32; None: no row uses min-p
+    penalties: Penalties | None = None
 
     @classmethod
-    def of(cls, params_list: Sequence[SamplingParams], device: torch.device | str) -> "RowProcessing":
+    def of(cls, params_list: Sequence[SamplingParams], device: torch.device | str,
+           history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None, eos: Sequence[int] = (),
+           vocab: int = 0) -> "RowProcessing":
+        """history: (prompt, output so far) per row, for the penalties and min_tokens (None: none apply)."""
+
         t, k, p = params_to_tensors(params_list, device)
-        if all(x.greedy for x in params_list):
+        pen = None
+        if history is not None:
+            pen = Penalties.of([(pr, g, sp) for (pr, g), sp in zip(history, params_list)], eos, vocab, device)
+        use_min_p = any(x.min_p > 0 for x in params_list)
+        min_p = torch.tensor([x.min_p for x in params_list], dtype=torch.float32, device=device) if use_min_p \
+            else None
+        if all(x.greedy for x in params_list) and pen is None:
             mode = "greedy"
-        elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 for x in params_list):
+        elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in params_list):
             mode = "softmax"
         else:
             mode = "general"
-        return cls(t, k, p, mode)
+        return cls(t, k, p, mode, min_p, pen)
 
     def repeat(self, n: int) -> "RowProcessing":
-        """Each row repeated n times in place (row b -> rows b*n .. b*n+n-1)."""
+        """Each row repeated n times in place (row b -> rows b*n .. b*n+n-1), without the penalties."""
+        mp = None if self.min_p is None else self.min_p.repeat_interleave(n)
         return RowProcessing(self.temperature.repeat_interleave(n), self.top_k.repeat_interleave(n),
-                             self.top_p.repeat_interleave(n), self.mode)
+                             self.top_p.repeat_interleave(n), self.mode, mp)
 
     def probs(self, logits: Tensor) -> Tensor:
-        """logits [N, V] -> probs [N, V] float32."""
+        """logits [N, V] (after any penalties) -> probs [N, V] float32."""
         if self.mode == "greedy":
             return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
                 -1, logits.argmax(dim=-1, keepdim=True), 1.0)
         if self.mode == "softmax":
             x = logits.float()
             return ((x - x.amax(dim=-1, keepdim=True)) / self.temperature.unsqueeze(-1)).softmax(dim=-1)
-        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+        return process_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def probs_at(self, logits: Tensor, drafts: Tensor | None, start: int) -> Tensor:
+        """logits [B, P, V] at draft positions start .. start+P-1 of the round -> probs [B, P, V].
+
+        drafts [B, >= start+P-1]: the round's drafts so far (position j's penalties count drafts[:, :j]).
+        """
+        B, P, V = logits.shape
+        x = logits if self.penalties is None else self.penalties.apply(logits, drafts, start)
+        rows = self if P == 1 else self.repeat(P)
+        return rows.probs(x.reshape(B * P, V)).view(B, P, V)

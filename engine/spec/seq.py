@@ -1,7 +1,9 @@
-"""A sequence's state in the decode loop (``Seq``) and its counters (``SeqStats``)."""
+"""A sequence's state in the decode loop (``Seq``), its counters (``SeqStats``) and an emitted token's
+log-probabilities (``TokenLogprob``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +45,16 @@ class SeqStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's raw distribution (log-softmax of its logits,
+    before temperature and penalties) and the top alternatives, whether the token was drafted or not."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(eq=False)
 class Seq:
     prompt: list[int]
@@ -55,13 +67,19 @@ class Seq:
     dlen: int = 0
     finished: bool = False
     finish_reason: str | None = None
-    stop_cut: int | None = None  # where a stop string starts in the generated text
+    stop_cut: int | None = None  # where a stop string (or a stop token's text) starts in the generated text
     checked_chars: int = 0  # generated text already searched for stop strings
     stats: SeqStats = field(default_factory=SeqStats)
+    text: str = ""  # the generated text so far, decoded incrementally (only with stop strings)
+    decoder: Any = None  # its tokenizers DecodeStream
+    stop_token: bool = False  # ended by a stop_token_ids token: its text is not part of the output
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def generated(self) -> list[int]:

@@ -1,0 +1,123 @@
+"""``specmix-serve`` (and tools/serve.py): an OpenAI-compatible server over a profile or a checkpoint.
+
+    specmix-serve --profile FILE [--host H] [--port N]
+    specmix-serve --target DIR|owner/name [--draft DIR|owner/name] [--k 5] [--k-policy cost-model]
+
+Needs the ``serve`` extra (``pip install -e '.[serve]'``: FastAPI, uvicorn, prometheus_client).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("specmix.serve")
+
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling defaults of a checkpoint's generation_config.json (those SamplingParams knows)."""
+    f = Path(model_dir) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    from engine.core.errors import CheckpointError
+
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: invalid JSON ({e})") from None
+    out = {ours: cfg[theirs] for theirs, ours in GENERATION_KEYS.items() if cfg.get(theirs) is not None}
+    if cfg.get("do_sample") is False:
+        out["temperature"] = 0.0  # transformers decodes greedily then, whatever the temperature says
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specmix-serve", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="a built profile (tools/build_profile.py)")
+    src.add_argument("--target", help="target checkpoint: a directory or a Hugging Face Hub id owner/name")
+    ap.add_argument("--draft", help="draft checkpoint (directory or Hub id), with --target")
+    ap.add_argument("--drafter", default=None, choices=["model", "ngram", "early-exit"],
+                    help="default: model with --draft, else none")
+    ap.add_argument("--no-spec", action="store_true", help="decode plainly (speculation off)")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--k-policy", default=None, help="cost-model (default), constant, heuristic, ...")
+    ap.add_argument("--full-check", action="store_true",
+                    help="re-hash every weight file of the profile (default: only files whose size/mtime changed)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: the target)")
+    ap.add_argument("--generation-config", choices=["auto", "none"], default="none",
+                    help="auto: the target's generation_config.json gives the sampling defaults")
+    ap.add_argument("--hub-cache-dir", default=None, help="huggingface_hub cache (default: HF_HUB_CACHE)")
+    ap.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-waiting", type=int, default=256)
+    ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
+    """The engine, its served name and the target directory (for generation_config.json)."""
+    from engine.api.engine import Engine
+    from engine.api.options import Limits, SpeculationConfig
+    from engine.core.hub import resolve_model
+
+    limits = Limits(max_batch=args.max_batch, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len)
+    if args.profile:
+        eng = Engine.from_profile(args.profile, device=args.device, full_check=args.full_check, limits=limits)
+        return eng, args.served_model_name or Path(args.profile).stem, Path(eng.info["target_dir"])
+    hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
+    target = resolve_model(args.target, **hub)
+    draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
+    drafter = None if args.no_spec else (args.drafter or ("model" if draft is not None else None))
+    spec = SpeculationConfig(drafter=drafter, k=args.k, k_policy=args.k_policy or "cost-model")
+    eng = Engine.from_pretrained(target, draft if drafter == "model" else None, speculation=spec, limits=limits,
+                                 device=args.device, dtype=args.dtype)
+    return eng, args.served_model_name or args.target, target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+
+        from engine.serve.openai_app import OpenAIServer, create_app
+    except ImportError as e:
+        log.error("the server needs the serve extra: pip install -e '.[serve]' (%s)", e)
+        return 2
+    from engine.core.errors import EngineError
+
+    try:
+        eng, name, target_dir = load(args)
+        defaults = generation_defaults(target_dir) if args.generation_config == "auto" and target_dir else {}
+    except EngineError as e:
+        log.error("%s", e)
+        return 2
+    pol = eng.policy
+    log.info("model %s: target %s, draft %s, drafter %s, K %s (policy %s), profile %s, plan %s, dtype %s",
+             name, eng.info.get("target_dir"), eng.info.get("draft_dir"), eng.info.get("drafter"),
+             pol.k if pol else None, pol.name if pol else None,
+             eng.profile.get("_path") if eng.profile else None,
+             json.dumps(eng.profile.get("plan"))[:200] if eng.profile else None, eng.info.get("dtype"))
+    log.info("chat template: %s; generation defaults: %s", "yes" if eng.chat_template else "none", defaults or "none")
+    if eng.policy is not None and eng.policy.name == "cost-model":
+        log.info("K controller costs: c=%.3f", eng.costs.c)  # measured now, not in the first request
+    app = create_app(OpenAIServer(eng, name, defaults))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

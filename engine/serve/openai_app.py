@@ -1,0 +1,316 @@
+"""An OpenAI-compatible HTTP server over an Engine (FastAPI; ``pip install 'specmix[serve]'``).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Errors use OpenAI's JSON
+(``{"error": {"message", "type", "param", "code"}}``): 400 for a bad parameter, 404 for an
+unknown model or route, 503 with Retry-After when the queue is full, 500 for a failed round.
+
+The engine's worker thread only hands each request its new token ids and wakes the event loop
+(``Request.add_listener``); detokenization (the tokenizers library's streaming decoder, so the
+cost per update is the new tokens'), stop-string hold-back and JSON happen here, on the event loop.
+A client that disconnects cancels its requests; their cache rows are freed at the next round.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from engine.core.errors import EngineError, InvalidRequestError, OverloadedError
+from engine.serve.openai_protocol import (
+    ApiError,
+    ParsedRequest,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    param_of,
+    parse,
+    seeds,
+    usage,
+)
+from engine.serve.prometheus import ServeMetrics
+from engine.serve.request import Request, safe_prefix
+from engine.serve.scheduler import RequestFailedError
+
+log = logging.getLogger(__name__)
+
+
+class Choice:
+    """One running request seen from the event loop: its new tokens, its text so far, its end."""
+
+    def __init__(self, engine: Any, req: Request, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.req, self.index, self.loop, self.tok = req, index, loop, engine.tokenizer
+        self.event = asyncio.Event()
+        self.decoder = engine.tokenizer.decode_stream()
+        self.seen = 0  # tokens taken from the request
+        self.pending = ""  # decoded text held back (a possible start of a stop string)
+        self.text = ""  # text handed out
+        self.finish_reason: str | None = None
+        req.add_listener(self._wake)  # called from the worker thread (and once now)
+
+    def _wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop has closed: nobody listens any more
+            pass
+
+    async def updates(self) -> AsyncIterator[tuple[str, list[Any]]]:
+        """(text piece, logprob entries) as tokens arrive; ends when the request does."""
+        stops = self.req.params.stop
+        while True:
+            await self.event.wait()
+            self.event.clear()
+            toks, lps, comp, err = self.req.poll(self.seen)
+            self.seen += len(toks)
+            if err is not None:
+                raise err
+            if comp is not None:
+                piece = comp.text[len(self.text):] if comp.text.startswith(self.text) else ""
+                if not comp.text.startswith(self.text):
+                    log.warning("streamed text is not a prefix of the final text; the rest is not sent")
+                self.text += piece
+                self.finish_reason = comp.finish_reason
+                yield piece, lps
+                return
+            if toks:
+                chunk = self.tok.step(self.decoder, toks)
+                if chunk:
+                    self.pending += chunk
+            safe = safe_prefix(self.pending, stops)
+            piece, self.pending = self.pending[:safe], self.pending[safe:]
+            self.text += piece
+            if piece or lps:
+                yield piece, lps
+
+    def cancel(self) -> None:
+        if not self.req.done():
+            self.req.cancel()
+
+
+def _openai_finish(reason: str | None) -> str:
+    if reason == "error":  # NaN/inf logits in this sequence's row
+        raise ApiError(500, "generation failed: the model produced non-finite logits for this request",
+                       "server_error")
+    return reason or "length"
+
+
+class OpenAIServer:
+    """The state behind the routes: the engine, its served name, defaults and metrics."""
+
+    def __init__(self, engine: Any, model_name: str, defaults: dict[str, Any] | None = None,
+                 metrics: ServeMetrics | None = None) -> None:
+        self.engine, self.model_name, self.defaults = engine, model_name, dict(defaults or {})
+        self.metrics = metrics or ServeMetrics(engine, model_name)
+        self.created = now()
+
+    # ------------------------------------------------------------ requests -> engine
+    def _check_model(self, req: ParsedRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"model={req.model!r} does not exist: allowed {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _params(self, req: ParsedRequest, prompt_len: int, seed: int | None) -> Any:
+        from engine.spec.sampling import SamplingParams
+
+        kw = dict(req.sampling, seed=seed, logprobs=req.logprobs)
+        if "max_new_tokens" not in kw:  # chat without max_tokens: the rest of the context
+            kw["max_new_tokens"] = max(1, self.engine.max_seq_len - prompt_len)
+        return SamplingParams(**kw)
+
+    def submit(self, req: ParsedRequest, chat: bool, loop: asyncio.AbstractEventLoop) -> tuple[list[Choice], int]:
+        """Validate and queue every choice (all or none); returns the choices and the prompt tokens."""
+        self._check_model(req)
+        eng = self.engine
+        if chat:
+            prompts: list[list[int]] = [eng.chat_prompt(req.messages or [], req.add_generation_prompt)]
+        else:
+            prompts = [p if isinstance(p, list) else eng.encode_prompt(p) for p in req.prompts]
+        jobs = [(p, self._params(req, len(p), s)) for p in prompts for s in seeds(req.sampling.get("seed"), req.n)]
+        handles = eng.submit_many([p for p, _ in jobs], [sp for _, sp in jobs])
+        return [Choice(eng, h, i, loop) for i, h in enumerate(handles)], sum(len(p) for p in prompts)
+
+    # ------------------------------------------------------------ responses
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, entries: list[Any], chat: bool, offset: int) -> dict[str, Any] | None:
+        if chat:
+            return chat_logprobs(entries, self.token_text)
+        return completion_logprobs(entries, self.token_text, offset)
+
+    async def complete(self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
+                       ) -> dict[str, Any]:
+        """The non-streaming answer: every choice to its end."""
+        out, n_out = [], 0
+        for c in choices:
+            text, lps = "", []
+            async for piece, lp in c.updates():
+                text += piece
+                lps += lp
+            self.metrics.observe(c.req)
+            n_out += len(c.req.tokens_so_far())
+            item: dict[str, Any] = {"index": c.index, "finish_reason": _openai_finish(c.finish_reason),
+                                    "logprobs": self._logprobs(lps, chat, 0) if req.logprobs is not None else None}
+            if chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            out.append(item)
+        return {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
+                "created": now(), "model": self.model_name, "choices": out, "usage": usage(prompt_tokens, n_out)}
+
+    async def stream(self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
+                     ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per update of a choice, then usage (when asked), then [DONE]."""
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        queue: asyncio.Queue[tuple[Choice, str, list[Any], bool] | BaseException] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for piece, lps in c.updates():
+                    await queue.put((c, piece, lps, False))
+                self.metrics.observe(c.req)
+                await queue.put((c, "", [], True))
+            except (EngineError, ApiError) as e:
+                await queue.put(e)
+
+        def chunk(c: Choice, piece: str, lps: list[Any], finish: str | None, first: bool) -> str:
+            lp = None
+            if req.logprobs is not None and lps:
+                lp = self._logprobs(lps, chat, len(c.text) - len(piece))
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else \
+                    ({"content": piece} if piece or not finish else {})
+                ch: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            else:
+                ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": finish}
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": [ch]}
+            if req.include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        started: set[int] = set()
+        try:
+            left = len(choices)
+            while left:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    err = item if isinstance(item, ApiError) else ApiError(500, str(item), "server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    break
+                c, piece, lps, end = item
+                first = chat and c.index not in started
+                started.add(c.index)
+                if end:
+                    left -= 1
+                    try:
+                        fin = _openai_finish(c.finish_reason)
+                    except ApiError as e:
+                        yield f"data: {json.dumps(e.body())}\n\n"
+                        break
+                    yield chunk(c, "", [], fin, first)
+                elif piece or lps or first:
+                    yield chunk(c, piece, lps, None, first)
+            else:
+                if req.include_usage:
+                    n_out = sum(len(c.req.tokens_so_far()) for c in choices)
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                                 "model": self.model_name, "choices": [],
+                                                 "usage": usage(prompt_tokens, n_out)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or an error ended the stream): free what still runs
+            for c in choices:
+                c.cancel()
+            for t in tasks:
+                t.cancel()
+
+
+def engine_error(e: EngineError) -> ApiError:
+    if isinstance(e, OverloadedError):
+        return ApiError(503, str(e), "overloaded_error", headers={"Retry-After": "1"})
+    if isinstance(e, RequestFailedError):
+        return ApiError(500, str(e), "server_error")
+    if isinstance(e, (InvalidRequestError, ValueError)):
+        return ApiError(400, str(e), param=param_of(e))
+    return ApiError(500, str(e), "server_error")
+
+
+def create_app(server: OpenAIServer) -> FastAPI:
+    """The FastAPI application serving ``server``."""
+    app = FastAPI(title="specmix", docs_url=None, redoc_url=None)
+
+    def error_response(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(exc.status_code, str(exc.detail), type_))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "specmix", "max_model_len": server.engine.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        body, ctype = server.metrics.exposition()
+        return PlainTextResponse(body, media_type=ctype)
+
+    async def handle(http: HttpRequest, chat: bool) -> Any:
+        try:
+            raw = await http.body()
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            req = parse(body, chat, server.defaults)
+            try:
+                choices, prompt_tokens = server.submit(req, chat, asyncio.get_running_loop())
+            except EngineError as e:
+                raise engine_error(e) from None
+            if req.stream:
+                return StreamingResponse(server.stream(req, chat, choices, prompt_tokens),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            task = asyncio.ensure_future(server.complete(req, chat, choices, prompt_tokens))
+            try:
+                while not task.done():  # a client that goes away cancels its requests
+                    await asyncio.wait([task], timeout=0.5)
+                    if not task.done() and await http.is_disconnected():
+                        task.cancel()
+                        for c in choices:
+                            c.cancel()
+                        return JSONResponse({}, status_code=499)
+                return task.result()
+            except EngineError as e:
+                raise engine_error(e) from None
+            finally:
+                for c in choices:
+                    c.cancel()
+        except ApiError as e:
+            return error_response(e)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Any:
+        return await handle(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest) -> Any:
+        return await handle(http, chat=True)
+
+    return app
