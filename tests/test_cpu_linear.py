@@ -9,6 +9,7 @@ from util import fused_gemm_count
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import load_model
+from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError
 from engine.core.model import FusedLinear, fuse_projections
 from engine.kernels.cpu_linear import (
@@ -18,6 +19,8 @@ from engine.kernels.cpu_linear import (
     pack_linears,
     packed_bytes,
 )
+from quant.catalog import lookup_gpu
+from quant.plan import make_plan
 
 needs_onednn = pytest.mark.skipif(not onednn_bf16_available(), reason="this CPU/PyTorch has no oneDNN bf16 kernels")
 
@@ -88,7 +91,10 @@ def test_attention_choice_and_refusals(ckpt_dir):
     with pytest.raises(InvalidConfigError, match="attention='bogus' is invalid: allowed sdpa, math"):
         Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="bogus"))
     with pytest.raises(EngineError, match="attention='math' is invalid with a plan"):
-        Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(object()), kernels=KernelOptions(attention="math"))
+        plan = make_plan(lookup_gpu("a100"), load_config(ckpt_dir), None, device="cpu")
+        Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(plan), kernels=KernelOptions(attention="math"))
+    with pytest.raises(InvalidConfigError, match="precision.plan=.* is invalid: allowed a PrecisionPlan"):
+        PrecisionConfig(object())
     if onednn_bf16_available():  # bf16 with packed GEMMs: math by default, sdpa on request
         assert Engine.from_pretrained(ckpt_dir, dtype="bfloat16").info["attention"] == "math_attention"
         eng = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="sdpa"), dtype="bfloat16")

@@ -2,17 +2,14 @@
 from __future__ import annotations
 
 import gc
-import http.client
-import importlib.util
-import json
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from util import long_prompt, wait_for
 
 from engine import Engine, EngineError, SamplingParams
 from engine.api.options import KernelOptions, Limits, SpeculationConfig
@@ -45,16 +42,6 @@ def eng(ckpt_dir, draft_dir):
     return Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8))
 
 
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
-
-
-# ---------------------------------------------------------------- many callers
 def test_16_threads_x_8_requests_equal_their_solo_runs(eng):
     n_threads, per = 16, 8
     jobs = [(_prompt(i), _params(i)) for i in range(n_threads * per)]
@@ -132,17 +119,9 @@ def test_max_seq_len_limit_is_named(ckpt_dir):
 
 
 # ---------------------------------------------------------------- cancel
-def _long_prompt(e: Engine, n: int) -> list[int]:
-    for i in range(40):
-        p = _prompt(i)
-        if e.generate([p], SamplingParams(max_new_tokens=n))[0].finish_reason == "length":
-            return p
-    pytest.skip("no prompt runs to length on this random model")
-
-
 def test_cancel_mid_stream_frees_the_slot(eng):
     sched = eng.scheduler
-    p = _long_prompt(eng, 150)
+    p = long_prompt(eng, 150)
     other_p, other_sp = _prompt(3), SamplingParams(max_new_tokens=60, temperature=1.0, seed=3)
     other_ref = eng.generate([other_p], other_sp)[0].token_ids
     before = sched.snapshot()["totals"].finished["cancelled"]
@@ -152,7 +131,7 @@ def test_cancel_mid_stream_frees_the_slot(eng):
         it = eng.stream(p, SamplingParams(max_new_tokens=150))
         assert next(it)
         it.close()  # GeneratorExit -> cancel
-        assert _wait(lambda: sched.snapshot()["totals"].finished["cancelled"] == before + 1)
+        assert wait_for(lambda: sched.snapshot()["totals"].finished["cancelled"] == before + 1)
         # a handle's cancel(): at most one round (the one already under way) still holds it
         h = eng.submit(p, SamplingParams(max_new_tokens=150))
         held_after_cancel: list[int] = []
@@ -162,7 +141,7 @@ def test_cancel_mid_stream_frees_the_slot(eng):
             if h.cancelled and h in sched._running:
                 held_after_cancel.append(1)
         sched.on_round = hook
-        assert _wait(lambda: len(h._tokens) > 0)
+        assert wait_for(lambda: len(h._tokens) > 0)
         h.cancel()
         out = h.result(timeout=TIMEOUT)
         assert out.finish_reason == "cancelled" and len(out.token_ids) < 150
@@ -170,7 +149,7 @@ def test_cancel_mid_stream_frees_the_slot(eng):
         assert other.result(timeout=TIMEOUT).token_ids == other_ref
     finally:
         sched.on_round = None
-    assert _wait(lambda: sched.running() == 0)
+    assert wait_for(lambda: sched.running() == 0)
     assert eng.generate([other_p], other_sp)[0].token_ids == other_ref
 
 
@@ -264,105 +243,6 @@ def test_metrics_text_is_prometheus(eng):
         if ln and not ln.startswith("#"):
             float(ln.rsplit(" ", 1)[1])
     assert 'specmix_position_acceptance_rate{position="1"}' in text
-
-
-# ---------------------------------------------------------------- the HTTP example
-def _server_module():
-    spec = importlib.util.spec_from_file_location("specmix_example_server", ROOT / "examples" / "server.py")
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _post(port: int, body: bytes | dict, path: str = "/generate") -> tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-    c.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body).encode(),
-              headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    data = r.read()
-    c.close()
-    return r.status, data
-
-
-def test_http_example(eng, ckpt_dir, draft_dir):
-    mod = _server_module()
-    srv = mod.make_server(eng, "127.0.0.1", 0)
-    port = srv.server_address[1]
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    try:
-        req = {"prompt": "The quick brown", "max_new_tokens": 20, "temperature": 0.8, "seed": 5}
-        ref = eng.generate("The quick brown", SamplingParams(max_new_tokens=20, temperature=0.8, seed=5))[0]
-        code, data = _post(port, req)
-        assert code == 200
-        out = json.loads(data)
-        assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
-        assert out["finish_reason"] in ("stop", "length")
-        code, data = _post(port, {"prompt": [5, 6, 7], "max_new_tokens": 5})
-        assert code == 200 and json.loads(data)["token_ids"] == \
-            eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].token_ids
-        for bad, match in [(b"{not json", "JSON"), ({"prompt": "x", "temperature": -1}, "temperature"),
-                           ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
-                           ({"prompt": ""}, "empty"), ({"prompt": "x", "beam": 4}, "beam"),
-                           ({"max_new_tokens": 3}, "prompt"), ({"prompt": [1, 999]}, "999"),
-                           ({"prompt": "x", "stream": "yes"}, "stream"), ([1, 2], "object")]:
-            code, data = _post(port, bad)
-            assert code == 400 and match in json.loads(data)["error"], (bad, data)
-        # streaming as server-sent events
-        code, data = _post(port, dict(req, stream=True))
-        assert code == 200
-        events = [ln[len("data: "):] for ln in data.decode().split("\n\n") if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        objs = [json.loads(x) for x in events[:-1]]
-        assert "".join(o.get("text", "") for o in objs) == ref.text
-        assert objs[-1]["finish_reason"] == ref.finish_reason and objs[-1]["token_ids"] == ref.token_ids
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-        c.request("GET", "/metrics")
-        r = c.getresponse()
-        body = r.read().decode()
-        assert r.status == 200 and "specmix_requests_total" in body and "specmix_queue_length" in body
-        c.close()
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    # a streaming client that goes away: the server cancels its request
-    sched = eng.scheduler
-    c0 = sched.snapshot()["totals"].finished["cancelled"]
-    sched.on_round = lambda: time.sleep(0.003)
-    srv = mod.make_server(eng, "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        sock = socket.create_connection(srv.server_address[:2], timeout=TIMEOUT)
-        body = json.dumps({"prompt": _long_prompt(eng, 200), "max_new_tokens": 200, "stream": True}).encode()
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        got = b""
-        while b"data: " not in got:
-            chunk = sock.recv(4096)
-            assert chunk, got
-            got += chunk
-        sock.close()
-        assert _wait(lambda: sched.snapshot()["totals"].finished["cancelled"] == c0 + 1, timeout=30)
-        assert _wait(lambda: sched.running() == 0)
-    finally:
-        sched.on_round = None
-        srv.shutdown()
-        srv.server_close()
-    # overload -> 503
-    small = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=2, k_policy="constant"), limits=Limits(max_batch=1, max_waiting=0))
-    srv = mod.make_server(small, "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    small.scheduler.on_round = lambda: time.sleep(0.005)
-    try:
-        h = small.submit([1, 2, 3], SamplingParams(max_new_tokens=200))
-        code, data = _post(srv.server_address[1], {"prompt": "x"})
-        assert code == 503 and "max_waiting=0" in json.loads(data)["error"]
-        h.cancel()
-    finally:
-        small.scheduler.on_round = None
-        srv.shutdown()
-        srv.server_close()
 
 
 # ---------------------------------------------------------------- soak

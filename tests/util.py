@@ -1,7 +1,9 @@
 """Small random checkpoints saved by transformers (the oracle), with a byte-level tokenizer."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,3 +69,26 @@ def fused_gemm_count(model) -> int:
     fuse_projections(model)
     n_lin = sum(type(m) is nn.Linear for m in model.modules())
     return n_lin - 5 * len(model.layers) + 2 * len(model.layers)
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> bool:
+    """Poll ``cond()`` until it is true or ``timeout`` seconds pass; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def long_prompt(e: Any, n: int) -> list[int]:
+    """A prompt whose greedy continuation on ``e`` (an Engine) runs to ``n`` tokens without an eos."""
+    import pytest
+
+    from engine import SamplingParams
+
+    for i in range(40):
+        p = [(11 * i + 7 * j) % 290 + 1 for j in range(2 + i % 13)]
+        if e.generate([p], SamplingParams(max_new_tokens=n))[0].finish_reason == "length":
+            return p
+    pytest.skip("no prompt runs to length on this random model")

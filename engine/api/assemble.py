@@ -83,8 +83,9 @@ def check_options(draft_dir: Any, spec: SpeculationConfig, precision: PrecisionC
     if spec.draft_dtype is not None and draft_dir is None:
         raise InvalidConfigError(f"speculation.draft_dtype={spec.draft_dtype!r} needs a draft checkpoint (draft=None)")
     if precision is not None and kernels.attention is not None:
-        raise InvalidConfigError(f"kernels.attention={kernels.attention!r} is invalid with precision.plan: the plan "
-                                 f"names the backend (plan.attention_backend={precision.plan.attention_backend!r})")
+        raise InvalidConfigError(f"kernels.attention={kernels.attention!r} is invalid with a plan: precision.plan "
+                                 f"names the backend (plan.attention_backend={precision.plan.attention_backend!r}); "
+                                 "allowed None")
     if dev.type != "cpu" and kernels.cpu_pack:
         raise InvalidConfigError(f"kernels.cpu_pack=True is for the CPU, but device={dev.type!r}")
     if dev.type != "cpu" and kernels.draft_step_weights is not None:

@@ -1,0 +1,173 @@
+"""The GPU path on a CUDA device (``-m gpu``; skipped without one): attention, CUDA graphs, NVML, FP8."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import Engine, SamplingParams
+from engine.api.assemble import parts_from_models
+from engine.api.options import (
+    KernelOptions,
+    Limits,
+    LoadWindowConfig,
+    SpeculationConfig,
+)
+from engine.core.model import KVCache, sdpa_attention
+from engine.kernels.backends import (
+    FlashAttention,
+)
+from engine.kernels.cudagraphs import GraphedForward
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+PROMPTS = [[5, 17, 33, 9], [7, 7, 7, 1, 2, 3, 4, 5, 6], [40, 41], [100, 3, 3, 3, 3, 3, 3, 8, 9, 10, 11]]
+
+
+def math_attention(q, k, v, mask):
+    """Plain softmax(q k^T / sqrt(d)) v with a bool mask [B|1,1,T,S]; k/v heads repeated for GQA."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def _ids(outs):
+    return [o.token_ids for o in outs]
+
+
+
+def _cc() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+class _IdTokenizer:
+    """Token ids as text: GPU tests need no tokenizer files (nor transformers to write them)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) for t in text.split()]
+
+
+def _gpu_engine(dtype: torch.dtype = torch.float32, k: int = 3, graphs: bool = False,
+                load_window: bool = False) -> Engine:
+    """A random target (GQA) and draft built on the GPU, peaked (std 0.08) so greedy has no near-ties."""
+    from engine.cli import gpu_bench
+    from engine.core.config import ModelConfig
+
+    def cfg(h, layers):
+        return ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=h, intermediate_size=2 * h,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
+                           max_position_embeddings=1024)
+    dev = torch.device("cuda")
+    t = gpu_bench.random_model(cfg(128, 3), dtype, dev, 0, std=0.08)
+    d = gpu_bench.random_model(cfg(64, 1), dtype, dev, 1, std=0.08)
+    parts = parts_from_models(t, _IdTokenizer(), d, "model", SpeculationConfig(k=k, k_policy="constant", k_max=k),
+                              KernelOptions(cuda_graphs=graphs), dev, vocab=300)
+    return Engine(parts, Limits(max_batch=8, load_window=LoadWindowConfig() if load_window else None))
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_forms_agree_fp16():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, 8, 5, 64, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(4, 8, 300, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    dense = torch.ones(5, 300, dtype=torch.bool, device="cuda").tril(295)[None, None].expand(4, 1, 5, 300)
+    ref = math_attention(q, k, v, dense).float()
+    for out in (sdpa_attention(q, k, v, dense, False), sdpa_attention(q, k, v, None, True)):
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attn_agrees_with_sdpa_fp16():
+    pytest.importorskip("flash_attn")
+    if _cc() < (8, 0):
+        pytest.skip("flash-attn 2 needs compute capability >= 8.0")
+    from engine.core.model import _Ctx, position_mask
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc, vc = (torch.randn(4, 4, 256, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    q = torch.randn(2, 8, 3, 64, device="cuda", dtype=torch.float16, generator=g)
+    pos = torch.tensor([[40, 41, 42], [100, 101, 102]], device="cuda")
+    rows = torch.tensor([3, 0], device="cuda")
+    ctx = _Ctx(pos, rows, False, 103, position_mask(pos, 103, None))
+    out = FlashAttention().with_cache(q, kc, vc, ctx, None)
+    want = sdpa_attention(q, kc[rows, :, :103], vc[rows, :, :103], ctx.mask, False)
+    assert out is not None and ((out.float() - want.float()).norm() / want.float().norm()).item() <= 1e-2
+    plain = FlashAttention()(q, kc[:2, :, :3], vc[:2, :, :3], None, True)
+    ref = sdpa_attention(q, kc[:2, :, :3], vc[:2, :, :3], None, True)
+    assert ((plain.float() - ref.float()).norm() / ref.float().norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gpu_graph_replay_equals_eager_token_for_token(batch):
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] * (i % 3) for i in range(batch)]  # ragged
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    eager = _gpu_engine()
+    graphed = _gpu_engine(graphs=True)
+    assert _ids(graphed.generate(prompts, params)) == _ids(eager.generate(prompts, params))
+    st = graphed.stats()["cuda_graphs"]
+    assert st["captures"] > 0 and st["capture_seconds"] > 0 and st["replays"] > 0 and not st["emulated"]
+
+
+@pytest.mark.gpu
+def test_gpu_graph_logits_match_eager_fp16():
+    eng = _gpu_engine(torch.float16)
+    m = eng.target
+    cache = KVCache(m.config, 4, 256, torch.float16, "cuda")
+    toks = torch.randint(0, 300, (3, 20), device="cuda")
+    m(toks, torch.arange(20, device="cuda").expand(3, 20), cache, 20)
+    runner = GraphedForward(m, (1, 2, 4), max_tokens=9)
+    blk = torch.randint(0, 300, (3, 5), device="cuda")
+    pos = (20 + torch.arange(5, device="cuda")).expand(3, 5)
+    idx = torch.arange(5, device="cuda").expand(3, 5)
+    a = m(blk, pos, cache, 25, None, logits_idx=idx).float()
+    b = runner(blk, pos, cache, 25, None, logits_idx=idx).float()
+    b2 = runner(blk, pos, cache, 25, None, logits_idx=idx).float()  # a replay of the captured graph
+    assert ((a - b).norm() / a.norm()).item() <= 1e-2 and torch.equal(b, b2)
+    assert runner.stats.captures == 1 and runner.stats.replays == 2
+
+
+@pytest.mark.gpu
+def test_gpu_nvml_readings_present():
+    pytest.importorskip("pynvml")
+    from engine.serve.telemetry import NvmlReader
+
+    r = NvmlReader(torch.device("cuda"))
+    reading = r.read()
+    assert 0 < reading.used_bytes <= reading.total_bytes and 0 <= reading.utilization_pct <= 100
+    eng = _gpu_engine(load_window=True)
+    assert eng.scheduler.governor is not None
+    st = eng.stats()
+    assert st["gpu"]["source"] == "nvml" and st["gpu"]["memory_total_bytes"] == reading.total_bytes
+    assert st["load_window"]["memory_threshold"] == 0.8
+
+
+@pytest.mark.gpu
+def test_gpu_native_fp8_draft_agrees_with_weight_only():
+    if _cc() < (8, 9):
+        pytest.skip("native FP8 needs compute capability >= 8.9 (Ada/Hopper)")
+    from engine.cli import gpu_bench
+    from quant.fp8 import FP8_REL_ERROR
+    from quant.linear import FP8Linear
+
+    cfg = gpu_bench.shape("llama-68m")
+    draft = gpu_bench.random_model(cfg, torch.float16, torch.device("cuda"), 1)
+    gpu_bench.swap_linears(draft, lambda lin: FP8Linear.from_float(lin, "native"), gpu_bench.LINEARS, lm_head=True)
+    toks = torch.randint(0, cfg.vocab_size, (4, 16), device="cuda")
+    with torch.no_grad():
+        native = draft(toks).float()
+        for mod in draft.modules():
+            if isinstance(mod, FP8Linear):
+                mod.set_kernel("weight-only")
+        weight_only = draft(toks).float()
+    rel = ((native - weight_only).norm() / weight_only.norm()).item()
+    assert torch.isfinite(native).all() and rel <= 2 * FP8_REL_ERROR  # only the per-token activation rounding
+    assert F.cosine_similarity(native.flatten(), weight_only.flatten(), dim=0).item() >= 0.99
