@@ -214,7 +214,8 @@ def deployment_options(opts: RayServeOptions, profile_device: str) -> dict[str, 
     actor: dict[str, Any] = {"num_cpus": opts.num_cpus if opts.num_cpus is not None else 1, "num_gpus": gpus}
     auto = {"min_replicas": opts.min_replicas, "max_replicas": opts.max_replicas,
             "target_ongoing_requests": opts.max_batch, "upscale_delay_s": opts.upscale_delay_s,
-            "downscale_delay_s": opts.downscale_delay_s, "look_back_period_s": opts.look_back_period_s}
+            "downscale_delay_s": opts.downscale_delay_s, "look_back_period_s": opts.look_back_period_s,
+            "metrics_interval_s": min(10.0, opts.look_back_period_s / 2)}  # Serve wants look-back > interval
     if opts.initial_replicas is not None:
         auto["initial_replicas"] = opts.initial_replicas
     return {"ray_actor_options": actor, "autoscaling_config": auto, "max_ongoing_requests": 2 * opts.max_batch,
