@@ -162,6 +162,9 @@ def test_two_replicas_spread_equal_solo_and_metrics(cluster, two, solo):
         assert 0 < acc[r] <= 1 and tpp[r] > 1  # the drafter's tokens are accepted: more than one token per pass
         assert gen[r] >= served[r]  # at least a token per request it served
     assert httpx.get(f"http://127.0.0.1:{cluster['port']}/health", timeout=30).json() == {"status": "ok"}
+    st = serve.get_deployment_handle("specmix", app_name=APP).stats.remote().result(timeout_s=60)
+    assert st["replica"] in served and st["engine"]["requests"] >= served[st["replica"]]  # a replica's own view
+    assert st["metrics"]["specmix_acceptance_rate"] == st["engine"]["acceptance_rate"]
 
 
 def test_killed_replica_restarts_and_no_request_is_lost(cluster, two, solo):
