@@ -237,6 +237,50 @@ def test_overload_is_503_with_retry_after_and_a_failed_round_is_500(ckpt_dir, dr
         srv.close()
 
 
+def test_health_asks_the_engine(live, eng):
+    """A stalled decode round, or rounds that keep failing, make /health answer 503 (a probe restarts the server)."""
+    from engine.core.errors import UnhealthyError
+
+    release, entered = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        entered.set()
+        release.wait(60)
+
+    eng.scheduler.on_round = stall
+    try:
+        req = eng.submit("The quick brown", SamplingParams(max_new_tokens=4))
+        assert entered.wait(60)
+        time.sleep(0.3)
+        with pytest.raises(UnhealthyError, match="decode round has run"):
+            eng.check_health(stall_s=0.2)
+        r = httpx.get(live.url + "/health")  # the server's default stall limit (120 s) is not reached
+        assert r.status_code == 200
+        release.set()
+        req.result()
+        eng.check_health(stall_s=0.2)
+
+        def fail() -> None:
+            raise RuntimeError("device lost")
+
+        eng.scheduler.on_round = fail
+        for i in range(3):
+            with pytest.raises(Exception, match="device lost"):
+                eng.generate("x", SamplingParams(max_new_tokens=2))
+            if i < 2:
+                eng.check_health()
+        with pytest.raises(UnhealthyError, match="last 3 decode rounds failed"):
+            eng.check_health()
+        r = httpx.get(live.url + "/health")
+        assert r.status_code == 503 and "last 3 decode rounds failed" in r.json()["error"]
+        eng.scheduler.on_round = None
+        eng.generate("x", SamplingParams(max_new_tokens=2))  # a good round: healthy again
+        assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+    finally:
+        release.set()
+        eng.scheduler.on_round = None
+
+
 def _metric(url: str, name: str) -> float:
     for ln in httpx.get(url + "/metrics").text.splitlines():
         if ln.startswith(f"specmix:{name}{{"):

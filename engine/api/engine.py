@@ -11,7 +11,7 @@ from engine.api.assemble import Parts, assemble, resolve_device
 from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
 from engine.api.runtime import make_governor
 from engine.core.chat import ChatTemplate, ChatTemplateMissingError
-from engine.core.errors import InvalidConfigError, InvalidRequestError
+from engine.core.errors import InvalidConfigError, InvalidRequestError, UnhealthyError
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
 from engine.serve.metrics import metrics_text
@@ -267,6 +267,14 @@ class Engine:
             raise InvalidRequestError(
                 f"token_ids has {ids.shape[1]} tokens, beyond the context of {self.config.max_position_embeddings}")
         return self.target(ids.to(self.device)).float()
+
+    def check_health(self, stall_s: float = 120.0, max_failed_rounds: int = 3) -> None:
+        """Raise UnhealthyError when the engine cannot make progress: a decode round running longer than
+        ``stall_s`` seconds (a hung device), ``max_failed_rounds`` failed rounds in a row, or pending
+        requests that no worker runs. Cheap (no device work): health probes call it every few seconds."""
+        problem = self.scheduler.health(stall_s, max_failed_rounds)
+        if problem is not None:
+            raise UnhealthyError(f"engine unhealthy: {problem}")
 
     def reset_stats(self) -> None:
         """Start the engine-wide counters of ``stats()`` afresh."""

@@ -43,6 +43,10 @@ class OverloadedError(EngineError, RuntimeError):
     """The engine's wait queue is full; retry later."""
 
 
+class UnhealthyError(EngineError, RuntimeError):
+    """The engine cannot make progress (a stalled round, failing rounds, pending work without a worker)."""
+
+
 def check_range(field: str, value: object, ok: bool, allowed: str) -> None:
     """Raise InvalidRequestError naming ``field`` and ``allowed`` unless ``ok``."""
     if not ok:

@@ -259,7 +259,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
         return error_response(ApiError(exc.status_code, str(exc.detail), type_))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        try:
+            server.engine.check_health()
+        except EngineError as e:
+            return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -69,6 +69,8 @@ class Scheduler:
         self.governor = governor
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
+        self._round_started: float | None = None  # monotonic start of the round in progress
+        self._failed_streak = 0  # rounds that raised since the last one that did not
 
     # ------------------------------------------------------------ submission
     def need(self, prompt: list[int], params: SamplingParams) -> int:
@@ -241,6 +243,7 @@ class Scheduler:
         self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
         seqs = [r.seq for r in self._running if r.seq is not None]
         t0 = time.perf_counter()
+        self._round_started = time.monotonic()
         try:
             if self.on_round is not None:
                 self.on_round()
@@ -249,11 +252,15 @@ class Scheduler:
             log.exception("decode round over %d sequences failed; ending their requests", len(seqs))
             with self._lock:
                 self.totals.round_failures += 1
+                self._failed_streak += 1
             err = f"generation failed in a decode round: {type(e).__name__}: {e}"
             for r in list(self._running):
                 self._retire(r, RequestFailedError(err))
             return
+        finally:
+            self._round_started = None
         with self._lock:
+            self._failed_streak = 0
             self.totals.seconds += time.perf_counter() - t0
             self.totals.target_forwards += 1
         by_seq = {id(s): toks for s, toks in events}
@@ -309,6 +316,19 @@ class Scheduler:
         for i, (a, n) in enumerate(zip(st.pos_accepted, st.pos_tried)):
             t.pos_tried[i] += n
             t.pos_accepted[i] += a
+
+    def health(self, stall_s: float, max_failed_rounds: int) -> str | None:
+        """What keeps the engine from making progress, or None: a round running longer than ``stall_s``,
+        ``max_failed_rounds`` rounds in a row that raised, or pending requests without a thread to run them."""
+        started = self._round_started
+        if started is not None and time.monotonic() - started > stall_s:
+            return f"a decode round has run for {time.monotonic() - started:.0f} s (stall limit {stall_s:g} s)"
+        with self._lock:
+            if self._failed_streak >= max_failed_rounds:
+                return f"the last {self._failed_streak} decode rounds failed (limit {max_failed_rounds})"
+            if (self._waiting or self._running) and self._thread is None and not self._callers:
+                return f"{len(self._waiting) + len(self._running)} requests are pending but no worker runs them"
+        return None
 
     def reset_totals(self) -> None:
         with self._lock:

@@ -1,0 +1,302 @@
+"""specmix replicas on Ray Serve (engine/cli/ray_serve.py): a local Ray instance (2 CPUs), Serve's HTTP proxy
+on 127.0.0.1, the official openai client. One profile of the test pair, built once; the cases share a
+deployment and run in file order (spread, fault, drain, autoscale), then the weight-mismatch case.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from engine import Engine, SamplingParams  # noqa: E402
+from engine.api.options import Limits  # noqa: E402
+from engine.cli.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+APP = "two"
+N, MAX_TOKENS = 32, 24
+PROMPTS = [f"{i} The quick brown fox" for i in range(N)]
+# what the openai client retries: Serve's proxy answers 500 for a request on a replica that died, and 408 after
+# request_timeout_s for one its router held when the replica died (without the timeout that one would hang)
+RETRYABLE = (408, 500, 502, 503, 504)
+REQUEST_TIMEOUT = 45
+TIMEOUT = 240
+
+
+def _wait(cond, what: str, limit: float = 180.0, period: float = 0.5):
+    end = time.monotonic() + limit
+    while True:
+        v = cond()
+        if v:
+            return v
+        assert time.monotonic() < end, f"{what}: not within {limit:g} s"
+        time.sleep(period)
+
+
+@pytest.fixture(scope="module")
+def profile(ckpt_dir, draft_dir, tmp_path_factory) -> Path:
+    """A CPU profile of the test pair (the real build: gate + calibration, on small texts)."""
+    from util import TEXT
+
+    from engine.cli.build_profile import main
+
+    d = tmp_path_factory.mktemp("rayprof")
+    (d / "eval.txt").write_text(TEXT * 20, encoding="utf-8")
+    (d / "calib.txt").write_text("Calibration text about foxes and dogs. " * 200, encoding="utf-8")
+    out = d / "pair.json"
+    assert main(["--gpu", "a100", "--target", str(ckpt_dir), "--draft", str(draft_dir), "--eval-text",
+                 str(d / "eval.txt"), "--calib-text", str(d / "calib.txt"), "--max-eval-tokens", "256",
+                 "--out", str(out), "--device", "cpu", "--quiet"]) == 0
+    return out
+
+
+class Solo:
+    """Each prompt's greedy completion, run alone (a batch of one) in this process."""
+
+    def __init__(self, profile: Path) -> None:
+        self.eng, self.cache = Engine.from_profile(profile, limits=Limits(max_batch=1)), {}
+
+    def __call__(self, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        if (prompt, max_tokens) not in self.cache:
+            out = self.eng.generate(prompt, SamplingParams(max_new_tokens=max_tokens))[0]
+            self.cache[prompt, max_tokens] = out.text
+        return self.cache[prompt, max_tokens]
+
+
+@pytest.fixture(scope="module")
+def solo(profile) -> Solo:
+    return Solo(profile)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray instance whose workers import this checkout; Serve's proxy on a free loopback port."""
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a throwaway loopback cluster
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, _system_config={"metrics_report_interval_ms": 1000})
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT})
+    node = ray._private.worker._global_node
+    yield {"port": port, "session": Path(node.get_session_dir_path()), "metrics_port": node.metrics_export_port}
+    serve.shutdown()
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = old
+
+
+def _args(profile: Path, **kw) -> dict:
+    base = {"profile": str(profile), "served_model_name": "m", "max_batch": 4, "num_cpus": 0.5,
+            "metrics_period_s": 0.5, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 60}
+    return {**base, **kw}
+
+
+def _replicas(app: str) -> dict[str, int]:
+    return dict(serve.status().applications[app].deployments["specmix"].replica_states)
+
+
+@pytest.fixture(scope="module")
+def two(cluster, profile):
+    serve.run(build_app(_args(profile, min_replicas=2, max_replicas=2)), name=APP, route_prefix="/")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster['port']}/v1", api_key="none", max_retries=0,
+                           timeout=TIMEOUT)
+    yield client
+    serve.delete(APP)
+
+
+def _complete(client, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+    r = client.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return r.headers[REPLICA_HEADER], r.parse().choices[0].text
+
+
+def _try(client, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str] | openai.APIError:
+    try:
+        return _complete(client, prompt, max_tokens)
+    except openai.APIError as e:
+        return e
+
+
+def _metric(cluster, name: str) -> dict[str, float]:
+    """replica id -> value of a Serve metric, scraped from Ray's Prometheus endpoint."""
+    text = httpx.get(f"http://127.0.0.1:{cluster['metrics_port']}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(f"ray_{name}{{"):
+            rep = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[rep] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_two_replicas_spread_equal_solo_and_metrics(cluster, two, solo):
+    with ThreadPoolExecutor(N) as ex:
+        got = list(ex.map(lambda p: _complete(two, p), PROMPTS))
+    served = Counter(rep for rep, _ in got)
+    assert len(served) == 2, served  # both replicas served
+    for p, (_, text) in zip(PROMPTS, got):
+        assert text == solo(p), p
+    # every serving replica reports its acceptance and speedup through Serve's metrics (replica tag)
+    acc = _wait(lambda: (v := _metric(cluster, "specmix_acceptance_rate")) and all(v.get(r, 0) > 0 for r in served)
+                and v, "acceptance gauges of both replicas", 60)
+    tpp = _metric(cluster, "specmix_tokens_per_target_pass")
+    gen = _metric(cluster, "specmix_generated_tokens_total") or _metric(cluster, "specmix_generated_tokens")
+    for r in served:
+        assert 0 < acc[r] <= 1 and tpp[r] > 1  # the drafter's tokens are accepted: more than one token per pass
+        assert gen[r] >= served[r]  # at least a token per request it served
+    assert httpx.get(f"http://127.0.0.1:{cluster['port']}/health", timeout=30).json() == {"status": "ok"}
+    st = serve.get_deployment_handle("specmix", app_name=APP).stats.remote().result(timeout_s=60)
+    assert st["replica"] in served and st["engine"]["requests"] >= served[st["replica"]]  # a replica's own view
+    assert st["metrics"]["specmix_acceptance_rate"] == st["engine"]["acceptance_rate"]
+
+
+def test_killed_replica_restarts_and_no_request_is_lost(cluster, two, solo):
+    with ThreadPoolExecutor(N) as ex:
+        futs = [ex.submit(_try, two, p) for p in PROMPTS]
+        first = _wait(lambda: next((f.result() for f in futs if f.done()), None), "a first answer", TIMEOUT, 0.02)
+        assert not isinstance(first, openai.APIError), first
+        victim = first[0]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#specmix#{victim}", namespace="serve"))
+        results = [f.result() for f in futs]
+    ok = {p: r for p, r in zip(PROMPTS, results) if not isinstance(r, openai.APIError)}
+    failed = {p: r for p, r in zip(PROMPTS, results) if isinstance(r, openai.APIError)}
+    assert len(ok) + len(failed) == N  # one outcome per request
+    for p, e in failed.items():  # an HTTP error the client may retry (it retries >= 500 by default), never a hang
+        assert isinstance(e, openai.APIStatusError) and e.status_code in RETRYABLE, (p, e)
+    for p, (_, text) in ok.items():  # what completed is the right answer, not another request's
+        assert text == solo(p), p
+    assert failed, "the killed replica had requests in flight"
+    _wait(lambda: _replicas(APP).get("RUNNING") == 2, "Serve restarts the killed replica")
+    retried = {p: _complete(two, p) for p in failed}
+    assert all(text == solo(p) for p, (_, text) in retried.items())
+    assert victim not in {rep for rep, _ in retried.values()}
+    with ThreadPoolExecutor(8) as ex:  # the restarted replica serves too
+        reps = {rep for rep, _ in ex.map(lambda p: _complete(two, p), PROMPTS[:16])}
+    assert len(reps) == 2 and victim not in reps
+    codes = Counter(e.status_code for e in failed.values())
+    print(f"kill mid-load: {len(ok)} completed, retryable HTTP errors {dict(codes)}, all retried ok")
+
+
+def _live(app: str) -> set[str]:
+    """The ids of the app's replica actors alive now."""
+    pre = f"SERVE_REPLICA::{app}#specmix#"
+    return {a["name"][len(pre):] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(pre)}
+
+
+def test_scale_down_drains_running_requests(cluster, two, solo, profile):
+    """2 -> 1 replicas while both decode: the stopped replica finishes what it runs (graceful shutdown)."""
+    long = 160
+    prompts = PROMPTS[:16]
+    for p in prompts:
+        solo(p, long)
+    with ThreadPoolExecutor(16) as ex:
+        futs = [ex.submit(_try, two, p, long) for p in prompts]
+        live = _live(APP)
+        _wait(lambda: all(_metric(cluster, "specmix_running").get(r, 0) > 0 for r in live) or
+              any(f.done() for f in futs), "both replicas decode", 60, 0.2)
+        assert not any(f.done() for f in futs), "requests ended before the scale-down: make them longer"
+        serve.run(build_app(_args(profile, min_replicas=1, max_replicas=1)), name=APP, route_prefix="/")
+        results = [f.result() for f in futs]
+    errors = [r for r in results if isinstance(r, openai.APIError)]
+    assert not errors, errors
+    assert {rep for rep, _ in results} == live  # the replica that was stopped answered its requests
+    assert all(text == solo(p, long) for p, (_, text) in zip(prompts, results))
+    _wait(lambda: _replicas(APP) == {"RUNNING": 1}, "one replica left")
+
+
+def test_autoscale_up_under_load_and_down_when_idle(cluster, two, solo, profile):
+    """1 replica, ongoing-requests target = max_batch (4): 16 clients drive it to 2, idling brings it back."""
+    serve.run(build_app(_args(profile, min_replicas=1, max_replicas=2, initial_replicas=1, upscale_delay_s=1,
+                              downscale_delay_s=3, look_back_period_s=1)), name=APP, route_prefix="/")
+    assert _replicas(APP) == {"RUNNING": 1}
+    stop, seen = [], Counter()
+
+    def client_loop(k: int) -> list:
+        out = []
+        while not stop:
+            p = PROMPTS[(k + 16 * len(out)) % N]
+            out.append((p, _try(two, p)))
+        return out
+
+    with ThreadPoolExecutor(16) as ex:
+        futs = [ex.submit(client_loop, k) for k in range(16)]
+        try:
+            _wait(lambda: _replicas(APP).get("RUNNING") == 2, "scale-up to 2 replicas under load", 120)
+        finally:
+            stop.append(True)
+        results = [x for f in futs for x in f.result()]
+    for p, r in results:
+        assert not isinstance(r, openai.APIError), r
+        assert r[1] == solo(p)
+        seen[r[0]] += 1
+    _wait(lambda: _replicas(APP) == {"RUNNING": 1}, "scale-down to 1 replica when idle", 120)
+    print(f"autoscale: {len(results)} requests over replicas {dict(seen)}")
+
+
+def test_replica_with_other_weights_refuses_to_start(cluster, profile, tmp_path):
+    """The profile pins the weights' sha256: a worker whose weights differ fails its start, ProfileError in its log."""
+    from safetensors.torch import load_file, save_file
+
+    prof = json.loads(profile.read_text(encoding="utf-8"))
+    for role in ("target", "draft"):
+        shutil.copytree(prof["models"][role]["path"], tmp_path / role)
+        prof["models"][role]["path"] = str(tmp_path / role)
+    f = next((tmp_path / "target").glob("*.safetensors"))
+    w = load_file(f)
+    name = next(iter(w))
+    w[name] = w[name] + 1e-3  # other weights at the profile's path
+    save_file(w, f, metadata={"format": "pt"})
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(prof), encoding="utf-8")
+    try:
+        with pytest.raises(RuntimeError) as err:  # serve.run waits for the app: it fails after Serve's retries
+            serve.run(build_app(_args(bad)), name="bad", route_prefix="/bad")
+        assert "Deploying application bad failed" in str(err.value)
+        st = serve.status().applications["bad"]
+        msg = st.deployments["specmix"].message
+        assert st.status == "DEPLOY_FAILED" and "ProfileError" in msg and "no longer matches the profile" in msg
+        logs = [p.read_text(errors="replace") for p in (cluster["session"] / "logs" / "serve").glob("replica_bad_*")]
+        assert logs and any("ProfileError" in t and "no longer matches the profile" in t for t in logs)
+    finally:
+        serve.delete("bad")
+
+
+def test_options_and_the_deploy_config():
+    """deploy/ray-serve.yaml is a valid Serve config whose args parse; bad args are typed errors naming the field."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from engine.cli.ray_serve import RayServeOptions, deployment_options
+    from engine.core.errors import InvalidConfigError
+
+    cfg = yaml.safe_load((ROOT / "deploy" / "ray-serve.yaml").read_text(encoding="utf-8"))
+    ServeDeploySchema.model_validate(cfg)
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "engine.cli.ray_serve:build_app"
+    opts = RayServeOptions.from_args(app["args"])
+    gpu = deployment_options(opts, "cuda")
+    assert gpu["ray_actor_options"]["num_gpus"] == 1 and gpu["autoscaling_config"]["target_ongoing_requests"] == 64
+    assert deployment_options(opts, "cpu")["ray_actor_options"]["num_gpus"] == 0
+    assert RayServeOptions.from_args({"profile": "p.json", "max_batch": "8", "full_check": "true"}).max_batch == 8
+    for args, field in (({"profile": "p.json", "max_batch": "0"}, "max_batch"), ({"max_batch": 4}, "profile"),
+                        ({"profile": "p", "replicas": 2}, "replicas"), ({"profile": "p", "stall_s": "x"}, "stall_s"),
+                        ({"profile": "p", "min_replicas": 3, "max_replicas": 2}, "min_replicas")):
+        with pytest.raises(InvalidConfigError, match=field):
+            RayServeOptions.from_args(args)
