@@ -213,10 +213,7 @@ def test_refusals(planned: dict) -> None:
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("export_onnx_tool", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("engine.cli.export_onnx")
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +229,7 @@ def tiny_profile(tmp_path_factory: pytest.TempPathFactory, tiny_demo) -> Path:
 
 def test_cli_default_profile_writes_graphs_and_manifest(tool, tiny_profile: Path, monkeypatch, capsys) -> None:
     root = tiny_profile.parent.parent
-    monkeypatch.setattr(tool, "REPO", root)
+    monkeypatch.chdir(root)  # the defaults (profiles/..., build/onnx/...) are relative to the working directory
     rc = tool.main(["--quiet"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
@@ -251,7 +248,7 @@ def test_cli_default_profile_writes_graphs_and_manifest(tool, tiny_profile: Path
 
 
 def test_cli_missing_default_profile_exit_2(tool, tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(tool, "REPO", tmp_path)
+    monkeypatch.chdir(tmp_path)
     assert tool.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "a100-80gb-demo.json is missing" in err and "build_profile" in err
