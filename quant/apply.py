@@ -44,7 +44,7 @@ def _quantize_linear(linear: nn.Linear, fam: FamilyPlan, act_absmax: Tensor | No
     if fam.storage == "fp8_e4m3":
         return FP8Linear.from_float(linear, kernel=fam.kernel)
     if fam.storage == "int8":
-        kw = {}
+        kw: dict = {"group_size": fam.scaling.get("group_size")}
         if fam.kernel == "llm-int8":
             kw["outlier_threshold"] = float(fam.scaling.get("outlier_threshold", 6.0))
         alpha = fam.scaling.get("smoothquant_alpha")
@@ -63,14 +63,14 @@ def _check_model(model: Transformer, plan: ModelPlan) -> None:
                                      f"the plan was made for another model")
 
 
-def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] | None, smooth: set[str]) -> None:
+def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] | None, smooth: list[str]) -> None:
     """Every Linear that SmoothQuant smooths needs its activation absmax [in_features]."""
     calib = calib or {}
     missing = [n for n in want if n not in calib]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise InvalidConfigError(f"calib is missing {missing[0]}{more}: the plan asks for SmoothQuant on "
-                                 f"{', '.join(sorted(smooth))}; pass calib=collect_activation_stats(model, batches)")
+                                 f"{', '.join(smooth)}; pass calib=collect_activation_stats(model, batches)")
     for n in want:
         k = model.get_submodule(n).in_features
         if tuple(calib[n].shape) != (k,):
@@ -93,20 +93,22 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
         if fams[f].storage == "int8":
             raise InvalidConfigError(f"plan.{model_plan.role}.{f}.storage='int8' is not supported: "
                                      "allowed fp16, bf16, fp32, fp8_e4m3")
-    for fam in fams.values():
+    for fam in model_plan.all_plans():
         if fam.quantized:
             require_kernel("fp8" if fam.storage == "fp8_e4m3" else "int8", fam.kernel, device)
-    smooth = {f for f, p in fams.items() if p.scaling.get("smoothquant_alpha") is not None}
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and _family_of(n)]
-    _check_calib(model, [n for n in names if _family_of(n)[1] in smooth], calib, smooth)  # type: ignore[index]
+    plans = {n: model_plan.module_plan(n, _family_of(n)[1]) for n in names}  # type: ignore[index]
+    smooth = [n for n in names if plans[n].quantized and plans[n].scaling.get("smoothquant_alpha") is not None]
+    smooth_fams = sorted({_family_of(n)[1] for n in smooth})  # type: ignore[index]
+    _check_calib(model, smooth, calib, smooth_fams)
     with torch.no_grad():
         for n in names:
             _, fam_name, leaf = _family_of(n)  # type: ignore[misc]
-            fam = fams[fam_name]
+            fam = plans[n]
             if not fam.quantized:
                 continue
             parent = model.get_submodule(n.rsplit(".", 1)[0])
-            act = calib[n] if (calib is not None and fam_name in smooth) else None
+            act = calib[n] if (calib is not None and n in smooth) else None
             setattr(parent, leaf, _quantize_linear(getattr(parent, leaf), fam, act))
         emb, head = fams["embeddings"], fams["lm_head"]
         tied = model.lm_head.weight is model.embed_tokens.weight
@@ -118,8 +120,9 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
             else:
                 model.lm_head = FP8Linear.from_float(model.lm_head, kernel=head.kernel)
         model.to(TORCH_DTYPES[model_plan.compute_dtype])
-    log.info("applied %s plan: %s", model_plan.role,
-             ", ".join(f"{f}={p.storage}/{p.kernel}" for f, p in fams.items()))
+    log.info("applied %s plan: %s%s", model_plan.role,
+             ", ".join(f"{f}={p.storage}/{p.kernel}" for f, p in fams.items()),
+             f" and {len(model_plan.modules)} per-layer choices" if model_plan.modules else "")
     return model
 
 

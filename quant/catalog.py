@@ -3,7 +3,8 @@
 An entry, as returned by :func:`lookup_gpu` (a fresh dict; ``name`` added)::
 
     {"name": "a100-40gb", "compute_capability": "8.0", "memory_bytes": ..., "memory_gib": 40,
-     "memory_bandwidth_gbps": 1555, "tensor_cores": {"fp16", "bf16", "int8", "fp8": bool},
+     "memory_bandwidth_gbps": 1555, "tensor_tflops": {"fp16": 312, "int8": 624, "fp8": None},
+     "tensor_cores": {"fp16", "bf16", "int8", "fp8": bool},
      "flash_attn_2": bool, "device_names": [...], "source": "..."}
 """
 from __future__ import annotations
@@ -36,6 +37,12 @@ def validate_gpu(entry: Any, where: str = "gpu") -> dict[str, Any]:
     if not isinstance(tc, dict) or any(not isinstance(tc.get(k), bool) for k in TENSOR_CORE_KINDS):
         raise ProfileError(f"{where}.tensor_cores={tc!r} is invalid: allowed an object with boolean "
                            f"{', '.join(TENSOR_CORE_KINDS)}")
+    tf = entry.get("tensor_tflops")
+    if tf is not None and (not isinstance(tf, dict) or not isinstance(tf.get("fp16"), (int, float))
+                           or any(tf.get(k) is not None and not isinstance(tf.get(k), (int, float))
+                                  for k in ("int8", "fp8"))):
+        raise ProfileError(f"{where}.tensor_tflops={tf!r} is invalid: allowed an object with a number fp16 and "
+                           "numbers or null int8, fp8")
     if not isinstance(entry["flash_attn_2"], bool):
         raise ProfileError(f"{where}.flash_attn_2={entry['flash_attn_2']!r} is invalid: allowed true or false")
     return entry

@@ -11,8 +11,16 @@ each of them on the same data and compare.
                      (CPU; CUDA compute capability >= 8.9)
     fp8/te           transformer-engine te.Linear under fp8_autocast (CUDA >= 8.9)
     fp8/weight-only  FP8 storage dequantized to the compute dtype, then F.linear (anywhere)
-    int8/w8a8        torch._int_mm, per-token dynamic x scales (CPU; CUDA >= 7.5)
+    int8/w8a8        int8 x int8 -> int32 GEMM, per-token dynamic x scales (torch._int_mm on CUDA >= 7.5;
+                     exact float32 GEMMs over chunks of K on the CPU, where _int_mm is
+                     ~30x slower)
     int8/llm-int8    bitsandbytes LLM.int8 (int8 matmul + fp16 outlier columns, threshold 6.0)
+    int8/w8a16       INT8 weight-only: int8 weights with a float32 scale per output channel or per
+                     group of input channels, activations unquantized (anywhere). CPU: the weight
+                     dequantized once to the compute dtype and kept (as fp8/weight-only; torch's
+                     _weight_int8pack_mm is ~25x slower than its fp32 GEMM at 512 rows on the CPU).
+                     CUDA: torch._weight_int8pack_mm for <= 16 rows of a per-channel weight where
+                     torch has its CUDA kernel; otherwise dequantized on the fly, then F.linear.
 
 engine/kernels/backends.py chooses among them; a kernel the machine lacks is a
 KernelUnavailableError naming it and what would provide it, never a fallback.
@@ -34,11 +42,12 @@ from torch import Tensor
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 
 from .fp8 import dequantize_fp8, quantize_fp8_rowwise
-from .int8 import int_mm, quantize_int8_rowwise
+from .int8 import dequantize_int8, dequantize_int8_groupwise, int_mm, quantize_int8_rowwise
 
 log = logging.getLogger(__name__)
 
 LLM_INT8_THRESHOLD = 6.0
+W8A16_PACKED_ROWS = 16  # CUDA: up to this many rows use torch._weight_int8pack_mm (per-channel weights)
 MIN_BITSANDBYTES = (0, 45)
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -104,7 +113,7 @@ def _probe_w8a8(device: torch.device) -> tuple[bool, str]:
     if not hasattr(torch, "_int_mm"):
         return False, f"int8 kernel 'w8a8' needs torch._int_mm; torch {torch.__version__} lacks it — use 'llm-int8'"
     if device.type == "cpu":
-        return True, "torch._int_mm on the CPU"
+        return True, "exact int8 GEMM on the CPU (exact float32 GEMMs over chunks of K; quant.int8.int_mm)"
     if device.type == "cuda":
         cc = _cc(device)
         if cc >= (7, 5):
@@ -112,6 +121,20 @@ def _probe_w8a8(device: torch.device) -> tuple[bool, str]:
         return False, (f"int8 kernel 'w8a8' needs INT8 tensor cores (compute capability >= 7.5) or the CPU; "
                        f"this device is {_sm(cc)} — plan the FFN in fp16")
     return False, f"int8 kernel 'w8a8' runs on the CPU or CUDA, not {device.type}"
+
+
+def _has_cuda_int8pack() -> bool:
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA"))
+
+
+def _probe_w8a16(device: torch.device) -> tuple[bool, str]:
+    if device.type == "cpu":
+        return True, "int8 weights dequantized once to the compute dtype, then F.linear, on the CPU"
+    if device.type == "cuda":
+        packed = (f"torch._weight_int8pack_mm for <= {W8A16_PACKED_ROWS} rows of per-channel weights, "
+                  if _has_cuda_int8pack() else "")
+        return True, f"{packed}dequantize on the fly + F.linear on {_sm(_cc(device))}"
+    return True, f"dequantize on the fly + F.linear on {device.type}"
 
 
 def _bnb_version() -> tuple[int, ...] | None:
@@ -240,6 +263,31 @@ def _llm_int8(mod: Any, x: Tensor) -> Tensor:
     return y.to(x.dtype)
 
 
+def _w8a16_weight(mod: Any, dtype: torch.dtype) -> Tensor:
+    if mod.group_size is None:
+        return dequantize_int8(mod.weight, mod.weight_scale, dtype)
+    return dequantize_int8_groupwise(mod.weight, mod.weight_scale, mod.group_size, dtype)
+
+
+def _w8a16(mod: Any, x: Tensor) -> Tensor:
+    x = _smoothed(mod, x)
+    bias = None if mod.bias is None else mod.bias.to(x.dtype)
+    if x.device.type == "cpu":
+        # The dequantized weight is bit-identical to a fresh dequantization; the CPU keeps it (see the module doc).
+        key = ("dequant", x.dtype, mod.weight.data_ptr())
+        w = mod.kernel_state.get(key)
+        if w is None:
+            w = _w8a16_weight(mod, x.dtype)
+            mod.kernel_state.clear()
+            mod.kernel_state[key] = w
+        return F.linear(x, w, bias)
+    if (x.device.type == "cuda" and mod.group_size is None and x.shape[0] <= W8A16_PACKED_ROWS
+            and _has_cuda_int8pack()):
+        y = torch._weight_int8pack_mm(x.float().contiguous(), mod.weight, mod.weight_scale)
+        return _add_bias(y.to(x.dtype), mod.bias)
+    return F.linear(x, _w8a16_weight(mod, x.dtype), bias)
+
+
 def _build() -> Mapping[tuple[str, str], Kernel]:
     ks = [
         Kernel("fp8", "native", "torch._scaled_mm (CPU, or CUDA compute capability >= 8.9)", _probe_fp8_native,
@@ -249,6 +297,8 @@ def _build() -> Mapping[tuple[str, str], Kernel]:
         Kernel("fp8", "weight-only", "torch (dequantize + F.linear)", _probe_weight_only, _fp8_weight_only),
         Kernel("int8", "w8a8", "torch._int_mm (CPU, or CUDA compute capability >= 7.5)", _probe_w8a8, _w8a8),
         Kernel("int8", "llm-int8", "bitsandbytes >= 0.45 (pip install bitsandbytes)", _probe_llm_int8, _llm_int8),
+        Kernel("int8", "w8a16", "torch (int8 weights dequantized for F.linear; _weight_int8pack_mm on CUDA)",
+               _probe_w8a16, _w8a16),
     ]
     return MappingProxyType({(k.family, k.name): k for k in ks})
 
@@ -256,6 +306,7 @@ def _build() -> Mapping[tuple[str, str], Kernel]:
 KERNELS: Mapping[tuple[str, str], Kernel] = _build()
 FP8_KERNELS = tuple(n for f, n in KERNELS if f == "fp8")
 INT8_KERNELS = tuple(n for f, n in KERNELS if f == "int8")
+ACTIVATION_INT8_KERNELS = ("w8a8", "llm-int8")  # quantize activations too: per-output-channel weights only
 
 
 def kernel_names(family: str) -> tuple[str, ...]:

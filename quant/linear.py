@@ -2,8 +2,9 @@
 
     FP8Linear     e4m3 weight [out, in] + float32 scale per output channel; kernels native | te | weight-only
     FP8Embedding  e4m3 table [vocab, hidden] + float32 scale per row, dequantized on lookup
-    Int8Linear    int8 weight [out, in] + float32 scale per output channel (+ optional SmoothQuant
-                  factors [in]); kernels w8a8 | llm-int8
+    Int8Linear    int8 weight [out, in] + float32 scale per output channel [out] (+ optional SmoothQuant
+                  factors [in]; kernels w8a8 | llm-int8 | w8a16), or per group of ``group_size`` input
+                  channels [out, ceil(in / group_size)] (kernel w8a16 only)
 
 Every module: ``from_float(module, kernel=..., **scaling)``, ``forward(x)`` for x
 [..., in] in the compute dtype (returns that dtype), ``set_kernel(name)`` to run
@@ -25,8 +26,8 @@ from torch import Tensor, nn
 from engine.core.errors import InvalidConfigError
 
 from .fp8 import FP8_DTYPE, quantize_fp8_rowwise
-from .int8 import quantize_int8_rowwise
-from .kernels import LLM_INT8_THRESHOLD, Kernel, get_kernel, require_kernel
+from .int8 import quantize_int8_groupwise, quantize_int8_rowwise
+from .kernels import ACTIVATION_INT8_KERNELS, LLM_INT8_THRESHOLD, Kernel, get_kernel, require_kernel
 from .smooth import DEFAULT_ALPHA, smooth_scales
 
 _KEEP_DTYPE = ("weight", "weight_scale", "smooth")
@@ -62,6 +63,7 @@ class _Quantized(_DtypeKeeping):
     """Shared plumbing of the Linears: kernel choice and its device check."""
 
     family = ""
+    group_size: int | None = None  # Int8Linear: input channels per weight scale (None: one per output channel)
 
     def __init__(self, compute_dtype: torch.dtype) -> None:
         super().__init__(compute_dtype)
@@ -81,6 +83,9 @@ class _Quantized(_DtypeKeeping):
 
     def set_kernel(self, name: str) -> None:
         """Choose the kernel by name; it is checked against the data's device now and on each new device."""
+        if self.group_size is not None and name in ACTIVATION_INT8_KERNELS:
+            raise InvalidConfigError(f"kernel={name!r} is invalid for int8 weights scaled per group of "
+                                     f"{self.group_size} input channels: allowed w8a16")
         self._kernel = get_kernel(self.family, name)
         self.kernel_state.clear()
         self._checked_device = None
@@ -148,13 +153,20 @@ class Int8Linear(_Quantized):
 
     def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, kernel: str = "w8a8",
                  smooth: Tensor | None = None, outlier_threshold: float = LLM_INT8_THRESHOLD,
-                 compute_dtype: torch.dtype = torch.float16) -> None:
+                 compute_dtype: torch.dtype = torch.float16, group_size: int | None = None) -> None:
         super().__init__(compute_dtype)
         if weight.dtype != torch.int8 or weight_scale.dtype != torch.float32:
             raise InvalidConfigError("Int8Linear needs an int8 weight and float32 scales (use Int8Linear.from_float)")
         if not outlier_threshold > 0:
             raise InvalidConfigError(f"outlier_threshold={outlier_threshold!r} is invalid: allowed > 0")
+        _check_group_size(group_size)
         self.out_features, self.in_features = weight.shape
+        groups = None if group_size is None else -(-self.in_features // group_size)
+        want = (self.out_features,) if groups is None else (self.out_features, groups)
+        if tuple(weight_scale.shape) != want:
+            raise InvalidConfigError(f"weight_scale has shape {tuple(weight_scale.shape)}; expected {want} "
+                                     f"(group_size={group_size})")
+        self.group_size = group_size
         self.weight = _frozen(weight)
         self.weight_scale = _frozen(weight_scale)
         self.smooth = None if smooth is None else _frozen(smooth.detach().float())
@@ -164,21 +176,27 @@ class Int8Linear(_Quantized):
 
     @classmethod
     def from_float(cls, linear: nn.Linear, kernel: str = "w8a8", act_absmax: Tensor | None = None,
-                   alpha: float = DEFAULT_ALPHA, outlier_threshold: float = LLM_INT8_THRESHOLD) -> "Int8Linear":
-        """Symmetric per-output-channel int8 weights; activations per token at run time.
+                   alpha: float = DEFAULT_ALPHA, outlier_threshold: float = LLM_INT8_THRESHOLD,
+                   group_size: int | None = None) -> "Int8Linear":
+        """Symmetric int8 weights, per output channel (``group_size`` None) or per group of
+        ``group_size`` input channels (kernel w8a16); w8a8 / llm-int8 quantize activations per token.
 
         With ``act_absmax`` (per-input-channel calibration absmax) the SmoothQuant
         factors ``s`` are folded into the weight before quantization and the module
         divides its input by ``s`` at run time.
         """
+        _check_group_size(group_size)
+        if group_size is not None and kernel in ACTIVATION_INT8_KERNELS:
+            raise InvalidConfigError(f"group_size={group_size} is invalid with kernel={kernel!r}: per-group "
+                                     "scales need kernel 'w8a16'; allowed None (per output channel)")
         w = linear.weight.detach().float()
         s = None
         if act_absmax is not None:
             s = smooth_scales(act_absmax, w, alpha)
             w = w * s[None, :]
-        q, ws = quantize_int8_rowwise(w)
+        q, ws = quantize_int8_rowwise(w) if group_size is None else quantize_int8_groupwise(w, group_size)
         return cls(q, ws, linear.bias, kernel=kernel, smooth=s, outlier_threshold=outlier_threshold,
-                   compute_dtype=linear.weight.dtype)
+                   compute_dtype=linear.weight.dtype, group_size=group_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._run(x)
@@ -187,7 +205,14 @@ class Int8Linear(_Quantized):
         return _nbytes(self.weight, self.weight_scale, self.smooth, self.bias)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", smoothquant={self.smooth is not None}"
+        return super().extra_repr() + f", smoothquant={self.smooth is not None}, group_size={self.group_size}"
+
+
+def _check_group_size(group_size: Any) -> None:
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
+                                   or group_size < 1):
+        raise InvalidConfigError(f"group_size={group_size!r} is invalid: allowed an int >= 1 or None "
+                                 "(per output channel)")
 
 
 class FP8Embedding(_DtypeKeeping):

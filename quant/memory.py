@@ -4,6 +4,8 @@ Weights, per Linear [out N, in K] (b = bytes of the compute dtype, 2 on a GPU):
     dense        N*K*b  (dense storage is the compute dtype)                          (+ N*b bias)
     fp8_e4m3     N*K + 4*N                (e4m3 data, fp32 scale per output channel; + N*b bias)
     int8         N*K + 4*N (+ 4*K SmoothQuant factors)                           (+ N*b bias)
+                 per group of g input channels (w8a16): N*K + 4*N*ceil(K/g)
+A per-layer override (ModelPlan.modules) counts for its own module.
 Embedding [V, H]: dense V*H*b; fp8_e4m3 V*H + 4*V. A tied LM head is the embedding's
 table and counts once. Norms: (2 * layers + 1) * H * b.
 
@@ -25,6 +27,7 @@ from engine.core.config import ModelConfig
 if TYPE_CHECKING:
     from .plan import FamilyPlan, ModelPlan
 
+FAMILY_LEAVES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "ffn": ("gate_proj", "up_proj", "down_proj")}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "int8": 1}
 KV_DTYPE_BYTES = 2
 WORKSPACE_FIXED_BYTES = 512 * 2**20
@@ -38,7 +41,9 @@ def linear_bytes(n_out: int, n_in: int, bias: bool, fam: "FamilyPlan", b: int) -
     bias_bytes = n_out * b if bias else 0
     if fam.storage in ("fp8_e4m3", "int8"):
         smooth = 4 * n_in if fam.scaling.get("smoothquant_alpha") is not None else 0
-        return n_out * n_in + 4 * n_out + smooth + bias_bytes
+        g = fam.scaling.get("group_size")
+        scales = 4 * n_out * (1 if g is None else -(-n_in // int(g)))
+        return n_out * n_in + scales + smooth + bias_bytes
     return n_out * n_in * b + bias_bytes  # dense storage is the compute dtype
 
 
@@ -53,16 +58,19 @@ def weight_bytes(cfg: ModelConfig, plan: "ModelPlan", compute_bytes: int | None 
     b = DTYPE_BYTES[plan.compute_dtype] if compute_bytes is None else compute_bytes
     h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    att, ffn = plan.families["attention"], plan.families["ffn"]
-    per_layer = (linear_bytes(q, h, cfg.attention_bias, att, b)
-                 + 2 * linear_bytes(kv, h, cfg.attention_bias, att, b)
-                 + linear_bytes(h, q, cfg.o_bias, att, b)
-                 + 2 * linear_bytes(i, h, cfg.mlp_bias, ffn, b)
-                 + linear_bytes(h, i, cfg.mlp_bias, ffn, b))
+    shapes = {"q_proj": (q, h, cfg.attention_bias), "k_proj": (kv, h, cfg.attention_bias),
+              "v_proj": (kv, h, cfg.attention_bias), "o_proj": (h, q, cfg.o_bias),
+              "gate_proj": (i, h, cfg.mlp_bias), "up_proj": (i, h, cfg.mlp_bias), "down_proj": (h, i, cfg.mlp_bias)}
+    linears = 0
+    for layer in range(L):
+        for fam, part in (("attention", "self_attn"), ("ffn", "mlp")):
+            for leaf in FAMILY_LEAVES[fam]:
+                n_out, n_in, bias = shapes[leaf]
+                linears += linear_bytes(n_out, n_in, bias, plan.module_plan(f"layers.{layer}.{part}.{leaf}", fam), b)
     norms = (2 * L + 1) * h * b
     emb = embedding_bytes(cfg.vocab_size, h, plan.families["embeddings"], b)
     head = 0 if cfg.tie_word_embeddings else linear_bytes(cfg.vocab_size, h, False, plan.families["lm_head"], b)
-    return L * per_layer + norms + emb + head
+    return linears + norms + emb + head
 
 
 def fp16_weight_bytes(cfg: ModelConfig) -> int:

@@ -8,7 +8,11 @@ and the precision section (docs/design.md, the precision plan) into a ``Precisio
   scales). Kernel ``native`` (torch._scaled_mm) where the GPU has FP8 tensor cores
   (compute capability >= 8.9), ``weight-only`` (FP8 storage, fp16 matmul) below.
 - target: attention "fp16" (dense); FFN "int8" with the ``w8a8`` (+ SmoothQuant
-  alpha 0.5) or ``llm-int8`` kernel where the GPU has INT8 tensor cores (>= 7.5).
+  alpha 0.5) or ``llm-int8`` kernel where the GPU has INT8 tensor cores (>= 7.5), or
+  ``w8a16`` (INT8 weight-only, per output channel or per ``group_size`` input channels).
+- per layer: ``ModelPlan.modules`` maps a module name (``layers.12.mlp.down_proj``) to its
+  own FamilyPlan, overriding its family's; each says why (quant.search fills it from the
+  calibration text).
   V100 (7.0) has none: the plan keeps the FFN in fp16 and records why, rather than
   refusing (the build still gets the fp16 attention and FP8 draft savings).
 - verifier: the target's embeddings, LM head and every norm stay in the compute
@@ -75,9 +79,17 @@ class ModelPlan:
     compute_dtype: str
     families: dict[str, FamilyPlan]
     model: dict[str, Any]  # shape of the model the plan was made for (checked at apply)
+    modules: dict[str, FamilyPlan] = field(default_factory=dict)  # per-layer overrides by module name
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def module_plan(self, name: str, family: str) -> FamilyPlan:
+        """The plan of one Linear (``layers.3.mlp.up_proj``): its override, else its family's."""
+        return self.modules.get(name, self.families[family])
+
+    def all_plans(self) -> list[FamilyPlan]:
+        return list(self.families.values()) + list(self.modules.values())
 
 
 @dataclass
@@ -195,7 +207,17 @@ def _fp8_family(kernel: str, what: str) -> FamilyPlan:
                       f"draft {what} in FP8")
 
 
-def _int8_family(kernel: str, alpha: float | None) -> FamilyPlan:
+def w8a16_family(group_size: int | None, reason: str = "main_model.ffn = int8") -> FamilyPlan:
+    """INT8 weight-only: activations stay in the compute dtype."""
+    w = ("per-output-channel symmetric int8, fp32 scales" if group_size is None else
+         f"symmetric int8 per group of {group_size} input channels, fp32 scales")
+    return FamilyPlan("int8", "w8a16", {"weights": w, "activations": "none: the compute dtype",
+                                         "group_size": group_size}, reason)
+
+
+def _int8_family(kernel: str, alpha: float | None, group_size: int | None = None) -> FamilyPlan:
+    if kernel == "w8a16":
+        return w8a16_family(group_size)
     s: dict[str, Any] = {"weights": "per-output-channel symmetric int8, fp32 scales",
                          "activations": "per-token dynamic symmetric int8"}
     if kernel == "w8a8":
@@ -233,11 +255,13 @@ def _fit(memory_bytes: int, cfgs: list[ModelConfig], weights: int, max_batch: in
 def make_plan(gpu: dict[str, Any], target_cfg: ModelConfig, draft_cfg: ModelConfig | None,
               precision: dict[str, Any] = DEFAULT_PRECISION, *, max_batch: int = 32, max_seq_len: int = 4096,
               int8_kernel: str = "w8a8", fp8_kernel: str | None = None,
-              smoothquant_alpha: float | None = DEFAULT_ALPHA, device: str = "cuda") -> PrecisionPlan:
+              smoothquant_alpha: float | None = DEFAULT_ALPHA, device: str = "cuda",
+              group_size: int | None = None) -> PrecisionPlan:
     """The plan for ``gpu`` (a catalog entry, see quant.catalog.lookup_gpu) and the two models.
 
     ``fp8_kernel`` None picks native / weight-only from the GPU; ``smoothquant_alpha``
     None turns SmoothQuant off for w8a8. ``device="cpu"`` is the variant that runs on the CPU.
+    ``group_size``: input channels per weight scale of the ``w8a16`` kernel (None: per output channel).
     """
     validate_gpu(gpu, "gpu")
     name = str(gpu.get("name", "gpu"))
@@ -248,6 +272,10 @@ def make_plan(gpu: dict[str, Any], target_cfg: ModelConfig, draft_cfg: ModelConf
         raise InvalidConfigError(f"int8_kernel={int8_kernel!r} is invalid: allowed {', '.join(INT8_KERNELS)}")
     if fp8_kernel is not None and fp8_kernel not in FP8_KERNELS:
         raise InvalidConfigError(f"fp8_kernel={fp8_kernel!r} is invalid: allowed {', '.join(FP8_KERNELS)} or None")
+    if group_size is not None and (int8_kernel != "w8a16" or not isinstance(group_size, int)
+                                   or isinstance(group_size, bool) or group_size < 1):
+        raise InvalidConfigError(f"group_size={group_size!r} is invalid with int8_kernel={int8_kernel!r}: allowed "
+                                 "an int >= 1 with 'w8a16', else None")
     if smoothquant_alpha is not None and not 0.0 <= smoothquant_alpha <= 1.0:
         raise InvalidConfigError(f"smoothquant_alpha={smoothquant_alpha!r} is invalid: allowed 0.0 .. 1.0 or None")
     if not isinstance(max_batch, int) or max_batch < 1:
@@ -292,7 +320,7 @@ def make_plan(gpu: dict[str, Any], target_cfg: ModelConfig, draft_cfg: ModelConf
 
     # target
     if precision["main_model"]["ffn"] == "int8" and tc["int8"]:
-        ffn = _int8_family(int8_kernel, smoothquant_alpha)
+        ffn = _int8_family(int8_kernel, smoothquant_alpha, group_size)
     elif precision["main_model"]["ffn"] == "int8":
         ffn = _dense(dt, f"{name} (sm_{cc[0]}{cc[1]}) has no INT8 tensor cores: FFN kept in fp16")
         notes.append(ffn.reason)
@@ -325,3 +353,26 @@ def make_plan(gpu: dict[str, Any], target_cfg: ModelConfig, draft_cfg: ModelConf
         compute_dtype=dt, attention_backend=backend, kv_cache_dtype="fp16" if device == "cuda" else "fp32",
         verifier={"final_norm": dt, "lm_head": dt, "softmax": "fp32", "acceptance": "fp32"},
         target=target, draft=draft, memory=memory, notes=notes + adj)
+
+
+def with_target_choices(plan: PrecisionPlan, ffn: FamilyPlan, modules: dict[str, FamilyPlan],
+                        target_cfg: ModelConfig, draft_cfg: ModelConfig | None, note: str) -> PrecisionPlan:
+    """A copy of ``plan`` whose target FFN is ``ffn`` with per-layer ``modules``; the memory plan redone."""
+    new = copy.deepcopy(plan)
+    new.target.families["ffn"] = copy.deepcopy(ffn)
+    new.target.modules = copy.deepcopy(modules)
+    m = new.memory
+    cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
+    tw = mem.weight_bytes(target_cfg, new.target, compute_bytes=2)
+    b, L, adj = _fit(m.memory_bytes, cfgs, tw + m.draft_weight_bytes, m.requested_max_batch,
+                     m.requested_max_seq_len, new.gpu)
+    kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
+    new.memory = MemoryPlan(
+        memory_bytes=m.memory_bytes, budget_fraction=m.budget_fraction, budget_bytes=m.budget_bytes,
+        target_weight_bytes=tw, target_fp16_bytes=m.target_fp16_bytes, draft_weight_bytes=m.draft_weight_bytes,
+        draft_fp16_bytes=m.draft_fp16_bytes, kv_bytes_per_token=kv_tok, kv_cache_bytes=b * L * kv_tok,
+        workspace_bytes=mem.workspace_bytes(cfgs, b, L), workspace_formula=m.workspace_formula,
+        total_bytes=mem.total_bytes(tw + m.draft_weight_bytes, cfgs, b, L), max_batch=b, max_seq_len=L,
+        requested_max_batch=m.requested_max_batch, requested_max_seq_len=m.requested_max_seq_len, adjustments=adj)
+    new.notes = [n for n in new.notes if n not in m.adjustments] + [note] + adj
+    return new

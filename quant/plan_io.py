@@ -10,6 +10,7 @@ from .kernels import FP8_KERNELS, INT8_KERNELS
 from .plan import (
     DENSE_STORAGE,
     FAMILIES,
+    FAMILY_MODULES,
     PLAN_SCHEMA_VERSION,
     STORAGE,
     FamilyPlan,
@@ -57,7 +58,31 @@ def _family(d: Any, where: str, role: str, name: str) -> FamilyPlan:
     alpha = scaling.get("smoothquant_alpha")
     if alpha is not None and (not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0):
         raise ProfileError(f"{where}.scaling.smoothquant_alpha={alpha!r} is invalid: allowed 0.0 .. 1.0 or null")
+    g = scaling.get("group_size")
+    if g is not None and (kernel != "w8a16" or not isinstance(g, int) or isinstance(g, bool) or g < 1):
+        raise ProfileError(f"{where}.scaling.group_size={g!r} is invalid with kernel {kernel!r}: allowed an "
+                           "integer >= 1 with kernel 'w8a16', else null")
     return FamilyPlan(storage, kernel, dict(scaling), str(d.get("reason", "")))
+
+
+def _modules(d: Any, where: str, role: str, layers: Any) -> dict[str, FamilyPlan]:
+    """Per-layer overrides: ``layers.<i>.self_attn.<q|k|v|o>_proj`` or ``layers.<i>.mlp.<gate|up|down>_proj``."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where} must be an object mapping module names to plans")
+    out = {}
+    for name, fam_d in d.items():
+        parts = str(name).split(".")
+        part_fam = {"self_attn": "attention", "mlp": "ffn"}
+        ok = (len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in part_fam
+              and parts[3] in FAMILY_MODULES[part_fam[parts[2]]]
+              and (not isinstance(layers, int) or int(parts[1]) < layers))
+        if not ok:
+            raise ProfileError(f"{where}.{name} is not a module of the model: allowed layers.<0..{layers}>."
+                               "self_attn.<q|k|v|o>_proj or layers.<i>.mlp.<gate|up|down>_proj")
+        out[name] = _family(fam_d, f"{where}.{name}", role, part_fam[parts[2]])
+    return out
 
 
 def _model(d: Any, where: str, role: str) -> ModelPlan:
@@ -75,7 +100,8 @@ def _model(d: Any, where: str, role: str) -> ModelPlan:
                            f"tied embeddings' {families['embeddings'].storage!r}")
     if d.get("role") != role:
         raise ProfileError(f"{where}.role={d.get('role')!r} is invalid: allowed {role!r}")
-    return ModelPlan(role, dt, families, dict(shape))
+    modules = _modules(d.get("modules"), f"{where}.modules", role, shape.get("num_hidden_layers"))
+    return ModelPlan(role, dt, families, dict(shape), modules)
 
 
 def plan_from_dict(d: Any) -> PrecisionPlan:

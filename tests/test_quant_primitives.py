@@ -199,3 +199,14 @@ def test_smoothquant_reduces_w8a8_error_on_outlier_channels():
     smooth = rel_fro(Int8Linear.from_float(lin, "w8a8", act_absmax=calib, alpha=0.5)(x), ref)
     assert smooth < plain / 2
     assert smooth <= 2e-2
+
+
+def test_int_mm_exact_at_the_largest_sums():
+    # every product +-127^2, K = 1536 > 2^24 / 127^2: one float32 GEMM would round, the chunked one does not
+    a = torch.full((3, 1536), 127, dtype=torch.int8)
+    b = torch.full((5, 1536), 127, dtype=torch.int8)
+    b[1] = -127
+    b[2, ::2] = -127
+    want = a.long() @ b.long().t()
+    assert torch.equal(int_mm(a, b).long(), want)
+    assert want.abs().max() > 2**24

@@ -41,7 +41,7 @@ def apply_precision_plan(plan: Any, target: Transformer, draft: Transformer | No
         if m is not None:
             m.use_kernels(attention=attn, step=m.layer_step)
     stats = None
-    if any(f.scaling.get("smoothquant_alpha") is not None for f in plan.target.families.values() if f.quantized):
+    if any(f.scaling.get("smoothquant_alpha") is not None for f in plan.target.all_plans() if f.quantized):
         if calib is None:
             raise InvalidConfigError("calib is required: the plan smooths the INT8 FFN (SmoothQuant) and needs "
                                      "calibration text or token lists (never the eval text)")

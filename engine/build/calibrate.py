@@ -37,6 +37,23 @@ def k_bounds(a: float, costs: Costs, k_search: int = 8, within: float = 0.9) -> 
     return k, min(good), max(good), best
 
 
+def calibrate_ngram(target_dir: Path, plan: Any, calib_text: str, *, device: str = "cpu", k_probe: int = 4,
+                    k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48) -> dict[str, Any]:
+    """The profile's speculation section for the n-gram (prompt lookup) drafter of a target without a draft."""
+    spec = SpeculationConfig(drafter="ngram", k=k_probe, k_policy="constant", k_max=k_search)
+    planned = Engine.from_pretrained(target_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text),
+                                     device=device)
+    prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
+    a = acceptance(planned, prompts, max_new_tokens)
+    costs = planned.costs
+    assert costs is not None
+    k, k_min, k_max, speedup = k_bounds(a, costs, k_search)
+    return {"drafter": "ngram", "k": k, "k_min": k_min, "k_max": k_max, "policy": "cost-model",
+            "acceptance": a, "c": costs.c, "v": {str(j): x for j, x in sorted(costs.v.items())},
+            "predicted_speedup": speedup,
+            "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True}}
+
+
 def calibrate(target_dir: Path, draft_dir: Path, plan: Any, calib_text: str, *, device: str = "cpu",
               k_probe: int = 4, k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48) -> dict[str, Any]:
     """The profile's speculation section for a model drafter."""

@@ -287,12 +287,28 @@ def _plan_section(p: Mapping[str, Any]) -> list[str]:
             scaling = "; ".join(f"{k}: {v}" for k, v in f.get("scaling", {}).items()) or "-"
             rows.append([role, fam, f["storage"], f["kernel"], scaling, f.get("reason") or "-"])
     out += _table(["model", "modules", "storage", "kernel", "scaling", "why"], rows)
+    out += _per_layer_rows(plan)
     rows = [[role, _mib(mem[role]["bytes"]), _mib(mem[role]["fp16_bytes"]),
-             f"{mem[role]['bytes'] / mem[role]['fp16_bytes']:.3f}"] for role in ("target", "draft") if role in mem]
+             f"{mem[role]['bytes'] / mem[role]['fp16_bytes']:.3f}"] for role in ("target", "draft") if mem.get(role)]
     out += _table(["weights", "planned", "FP16", "ratio"], rows)
     out += [f"KV cache {_mib(mem['kv_cache_bytes'])} for max_batch {mem['max_batch']} x max_seq_len "
             f"{mem['max_seq_len']}; weights and KV cache fit the memory budget of {_mib(mem['budget_bytes'])}.", ""]
     return out
+
+
+def _per_layer_rows(plan: Mapping[str, Any]) -> list[str]:
+    """One row per module the plan chose on its own (``plan.<role>.modules``), with its reason."""
+    rows = []
+    for role in ("target", "draft"):
+        for name, f in (((plan.get(role) or {}).get("modules")) or {}).items():
+            sc = f.get("scaling", {})
+            how = "; ".join(f"{k}: {sc[k]}" for k in ("group_size", "smoothquant_alpha", "calib_rel_error")
+                            if sc.get(k) is not None) or "-"
+            rows.append([role, name, f["storage"], f["kernel"], how, f.get("reason") or "-"])
+    if not rows:
+        return []
+    return ["Per-layer choices (each overrides its family's row above):", ""] + _table(
+        ["model", "module", "storage", "kernel", "scaling", "why"], rows)
 
 
 def _figures(t: Mapping[str, Any]) -> list[str]:
@@ -333,8 +349,11 @@ def _speculation_section(p: Mapping[str, Any], series: Mapping[str, Any] | None)
     if series is None:
         return out + ["No cost model in this profile (no c / v(K)): nothing to predict.", ""]
     a, a16 = s.get("acceptance"), s.get("acceptance_fp16_draft")
-    head = ["acceptance, FP8 draft (planned)", "acceptance, FP16 draft", "difference", "c (draft / target step)"]
-    out += _table(head, [[fmt(a), fmt(a16), fmt(a - a16) if a16 is not None else "-", fmt(s["c"])]])
+    if s["drafter"] == "model":
+        head = ["acceptance, FP8 draft (planned)", "acceptance, FP16 draft", "difference", "c (draft / target step)"]
+        out += _table(head, [[fmt(a), fmt(a16), fmt(a - a16) if a16 is not None else "-", fmt(s["c"])]])
+    else:
+        out += _table([f"acceptance ({s['drafter']} drafter)", "c (draft / target step)"], [[fmt(a), fmt(s["c"])]])
     costs = Costs.from_dict({"c": s["c"], "v": s.get("v", {})})
     curves = list(series["curves"].values())
     rows = []

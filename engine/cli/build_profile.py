@@ -3,9 +3,13 @@
 
     python tools/build_profile.py --gpu a100                 # the demo pair (built when missing)
     python tools/build_profile.py --gpu h100 --target DIR --draft DIR --eval-text FILE --calib-text FILE
+    python tools/build_profile.py --gpu a100 --target DIR    # no draft: the n-gram drafter
 
-Steps: plan -> quantize -> quality gate (dPPL and KLD of the planned target against its
-unquantized self; a failing plan steps back w8a8 -> llm-int8 -> fp16 FFN unless
+Steps: plan -> search the target's per-layer FFN plan on the calibration text (quant/search.py:
+candidates by expected speed on the GPU, scored by KLD on calibration text; --no-search: the
+precision section's plan as is) -> quantize -> quality gate on the eval text (dPPL and KLD of the
+planned target against its unquantized self; a failing plan steps back -- searched plan -> W8A16
+per group of 64 -> fp16 FFN; without the search w8a8 -> llm-int8 -> fp16 FFN -- unless
 --no-fallback) -> calibrate speculation -> write profiles/<gpu>-<model>.json atomically,
 with a Markdown build report (.md) and its plot (.png; skipped without matplotlib) beside it.
 Exit status: 0 written; 1 no plan passed the gate (nothing written, an existing profile and
@@ -29,7 +33,7 @@ import engine
 from engine import Engine
 from engine.api.options import PrecisionConfig
 from engine.api.profile import PROFILE_SCHEMA_VERSION, model_ref, weight_hashes
-from engine.build.calibrate import calibrate
+from engine.build.calibrate import calibrate, calibrate_ngram
 from engine.build.quality import compare_models, load_eval_ids
 from engine.build.report import build_report_files
 from engine.core.cli import run_tool
@@ -43,6 +47,8 @@ from quant.plan import DEFAULT_PRECISION, make_plan
 
 log = logging.getLogger("build_profile")
 PROFILES = Path("profiles")  # relative to the working directory (run from the repository root)
+WIKITEXT_TEST = Path("..") / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"  # from the repository root
+TARGET_ONLY_EVAL_TOKENS = 8192
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,8 +62,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default: the demo pair's calibration slice)")
     p.add_argument("--max-drift", type=float, default=0.3, help="bound on |dPPL| (default 0.3)")
     p.add_argument("--max-kld", type=float, default=0.01, help="bound on mean KLD (default 0.01)")
-    p.add_argument("--max-eval-tokens", type=int, default=None, help="cap on eval tokens (default: all)")
+    p.add_argument("--max-eval-tokens", type=int, default=None,
+                   help=f"cap on eval tokens (default: all; {TARGET_ONLY_EVAL_TOKENS} for a --target without "
+                        "--eval-text, which evaluates on WikiText-2 test)")
     p.add_argument("--no-fallback", action="store_true", help="fail instead of stepping the plan back")
+    p.add_argument("--no-search", action="store_true", help="keep the precision section's plan (no per-layer search)")
+    p.add_argument("--int8-kernel", choices=("w8a8", "llm-int8", "w8a16"), default="w8a8",
+                   help="with --no-search: the FFN's INT8 kernel of the first plan tried (default w8a8)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="with --no-search --int8-kernel w8a16: input channels per weight scale (default: per channel)")
+    p.add_argument("--plan-kld-budget", type=float, default=1e-3,
+                   help="the search's bound on mean KLD on the calibration text (default 0.001)")
+    p.add_argument("--plan-min-top1", type=float, default=0.0,
+                   help="the search's bound on top-1 agreement on the calibration text (default 0: none)")
     p.add_argument("--out", type=Path, help="output file (default profiles/<gpu>-<model>.json)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="device to build and validate on (default: cuda when available, else cpu)")
@@ -75,8 +92,8 @@ def resolve_gpu(name: str) -> dict[str, Any]:
 
 def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
     """Model directories, texts and the profile's model name; the demo pair when no models are given."""
-    if (a.target is None) != (a.draft is None):
-        raise InvalidConfigError("--target and --draft go together: give both or neither (the demo pair)")
+    if a.draft is not None and a.target is None:
+        raise InvalidConfigError("--draft needs --target (without both: the demo pair)")
     demo = None
     if a.target is None:
         from engine.demo.pair import demo_pair
@@ -87,6 +104,14 @@ def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
         name = "demo" if a.demo_size == "demo" else f"demo-{a.demo_size}"
         eval_path = a.eval_text or root / "heldout.txt"
         calib_path = a.calib_text or root / "calib.txt"
+    elif a.draft is None:  # a target alone: the n-gram drafter
+        target, draft, name = a.target, None, a.target.resolve().name.lower()
+        if a.eval_text is None and not WIKITEXT_TEST.is_file():
+            raise InvalidConfigError(f"--eval-text is required: the default {WIKITEXT_TEST} is missing")
+        eval_path = a.eval_text or WIKITEXT_TEST
+        if a.eval_text is None and a.max_eval_tokens is None:
+            a.max_eval_tokens = TARGET_ONLY_EVAL_TOKENS
+        calib_path = a.calib_text or default_calib_text()
     else:
         target, draft, name = a.target, a.draft, a.target.resolve().name.lower()
         if a.eval_text is None or a.calib_text is None:
@@ -100,35 +125,65 @@ def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
             raise InvalidConfigError(f"--{what} {path}: unreadable ({e.__class__.__name__}: {e})") from None
     if hashlib.sha256(texts["eval-text"].encode()).digest() == hashlib.sha256(texts["calib-text"].encode()).digest():
         raise InvalidConfigError("--calib-text is the eval text: calibration must never use the eval text")
-    return {"target": Path(target), "draft": Path(draft), "name": name, "demo": demo,
+    return {"target": Path(target), "draft": None if draft is None else Path(draft), "name": name, "demo": demo,
             "eval_path": Path(eval_path), "calib_path": Path(calib_path),
             "eval_text": texts["eval-text"], "calib_text": texts["calib-text"]}
 
 
-def ladder(no_fallback: bool) -> list[tuple[str, dict[str, Any]]]:
+def default_calib_text() -> Path:
+    """The demo corpus's training split (CPython's pydoc topics) as a file in the specmix cache."""
+    from engine.core.files import default_cache_dir
+    from engine.demo.recipe import demo_texts
+
+    path = default_cache_dir() / "calib" / "pydoc-train.txt"
+    text = demo_texts()["train"]
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, text.encode("utf-8"))
+    return path
+
+
+def ladder(a: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     fp16_ffn = {"draft_model": DEFAULT_PRECISION["draft_model"],
                 "main_model": {"attention": "fp16", "ffn": "fp16"}, "verifier": "fp16"}
-    steps = [("int8 w8a8 + SmoothQuant", {"int8_kernel": "w8a8"}),
-             ("int8 llm-int8", {"int8_kernel": "llm-int8"}),
-             ("fp16 FFN", {"precision": fp16_ffn})]
-    return steps[:1] if no_fallback else steps
+    if a.no_search:
+        first = {"w8a8": "int8 w8a8 + SmoothQuant", "llm-int8": "int8 llm-int8",
+                 "w8a16": "int8 w8a16 " + (f"per group of {a.group_size}" if a.group_size else "per channel")}
+        steps = [(first[a.int8_kernel], {"int8_kernel": a.int8_kernel, "group_size": a.group_size})]
+        if a.int8_kernel == "w8a8":
+            steps.append(("int8 llm-int8", {"int8_kernel": "llm-int8"}))
+    else:
+        steps = [("planner: per-layer search", {"search": True}),
+                 ("int8 w8a16 per group of 64", {"int8_kernel": "w8a16", "group_size": 64})]
+    steps.append(("fp16 FFN", {"precision": fp16_ffn}))
+    return steps[:1] if a.no_fallback else steps
 
 
 def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], device: str) -> tuple[Any, list]:
     """Try the plans in order; return (the first passing plan or None, every attempt's record)."""
-    tcfg, dcfg = load_config(inp["target"]), load_config(inp["draft"])
+    tcfg = load_config(inp["target"])
+    dcfg = load_config(inp["draft"]) if inp["draft"] is not None else None
     ref = Engine.from_pretrained(inp["target"], device=device)
     ids = load_eval_ids(ref.tokenizer, inp["eval_text"], max_tokens=a.max_eval_tokens)
     context = min(512, tcfg.max_position_embeddings)
     attempts = []
-    for label, kw in ladder(a.no_fallback):
+    for label, kw in ladder(a):
+        kw = dict(kw)
+        search = kw.pop("search", False)
         plan = make_plan(gpu, tcfg, dcfg, device=device, **kw)
+        record = None
+        if search and plan.target.families["ffn"].quantized:
+            from engine.build.planner import search_plan
+
+            plan, record = search_plan(inp["target"], plan, inp["calib_text"], gpu, device=device,
+                                       kld_budget=a.plan_kld_budget, min_top1=a.plan_min_top1, draft_dir=inp["draft"])
         ffn = plan.target.families["ffn"]
-        planned = Engine.from_pretrained(inp["target"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"]), device=device)
+        planned = Engine.from_pretrained(inp["target"], device=device,
+                                         precision=PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"]))
         rep = compare_models(ref.logits, planned.logits, ids, context, progress=not a.quiet)
         ok = rep.passes(a.max_drift, a.max_kld)
         attempts.append({"plan": label, "ffn": {"storage": ffn.storage, "kernel": ffn.kernel},
-                         **rep.to_dict(), "passed": ok})
+                         **rep.to_dict(), "passed": ok, **({"search": record} if record else {})})
         log.info("gate %s: dPPL %+.4f, KLD %.5f, top-1 %.4f -> %s", label, rep.drift, rep.kld_mean, rep.top1,
                  "pass" if ok else "fail")
         if ok:
@@ -150,7 +205,10 @@ def build(a: argparse.Namespace) -> int:
               f"nothing written to {out}", file=sys.stderr)
         return 1
     plan, rep, context, n_tokens = passed
-    spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device)
+    if inp["draft"] is None:
+        spec = calibrate_ngram(inp["target"], plan, inp["calib_text"], device=device)
+    else:
+        spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device)
     profile = make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a)
     report = build_report_files(profile, Path(out))  # rendered before anything is written
     write_json_atomic(Path(out), profile)
@@ -161,8 +219,9 @@ def build(a: argparse.Namespace) -> int:
             log.info("removing the stale plot %s (this build has none)", path)
             path.unlink()
     print(summary_table(attempts))
-    print(f"speculation: K={spec['k']} in [{spec['k_min']}, {spec['k_max']}], acceptance {spec['acceptance']:.3f} "
-          f"(fp16 draft {spec['acceptance_fp16_draft']:.3f}), c={spec['c']:.3f}, "
+    fp16 = f" (fp16 draft {spec['acceptance_fp16_draft']:.3f})" if "acceptance_fp16_draft" in spec else ""
+    print(f"speculation: {spec['drafter']} K={spec['k']} in [{spec['k_min']}, {spec['k_max']}], acceptance "
+          f"{spec['acceptance']:.3f}{fp16}, c={spec['c']:.3f}, "
           f"predicted speedup {spec['predicted_speedup']:.2f}x")
     print(f"wrote {out}")
     print("wrote " + ", ".join(str(p) for p, d in report.items() if d is not None))
@@ -179,12 +238,14 @@ def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens,
         "gpu": gpu,
         "validated_on": validated,
         "device": device,
-        "models": {role: {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]),
-                          "config": load_config(inp[role]).to_dict()} for role in ("target", "draft")},
+        "models": {role: None if inp[role] is None else
+                   {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]), "config": load_config(inp[role]).to_dict()}
+                   for role in ("target", "draft")},
         "precision": plan.precision,
         "plan": plan.to_dict(),
         "memory": {"target": {"bytes": m.target_weight_bytes, "fp16_bytes": m.target_fp16_bytes},
-                   "draft": {"bytes": m.draft_weight_bytes, "fp16_bytes": m.draft_fp16_bytes},
+                   "draft": {"bytes": m.draft_weight_bytes, "fp16_bytes": m.draft_fp16_bytes}
+                   if inp["draft"] is not None else None,
                    "kv_cache_bytes": m.kv_cache_bytes, "budget_bytes": m.budget_bytes,
                    "max_batch": m.max_batch, "max_seq_len": m.max_seq_len},
         "quality": {**{k: v for k, v in rep.to_dict().items()}, "context": context, "max_tokens": a.max_eval_tokens,

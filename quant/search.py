@@ -1,0 +1,297 @@
+"""The planner's search: the fastest per-layer FFN plan that keeps the model's output on calibration text.
+
+    calib = collect_calibration(model, windows)            # calibration text, never the eval text
+    result = search_ffn(model, calib, gpu, kld_budget=1e-3)
+    plan.target.modules.update(result.modules)             # per-layer choices, each with its reason
+
+1. **Candidates, ordered by expected speed on the target GPU** (``paper_cost``: from the catalog's
+   memory bandwidth and tensor throughput, on paper): per FFN Linear ``w8a8`` (SmoothQuant, int8
+   tensor cores; only where the GPU has them), ``w8a16`` per output channel, ``w8a16`` per group
+   of 128, 64, 32 input channels (int8 bytes, fp16 math), then ``fp16``. Cost of one Linear at
+   ``rows`` rows: max(bytes moved / bandwidth, 2 * rows * N * K / throughput of its math).
+2. **Damage per module and candidate**: the relative output error ||X W_q^T - X W^T|| / ||X W^T||
+   of the module on its own calibration inputs X; for ``w8a8`` SmoothQuant's alpha is searched
+   per module on the same inputs (the alpha of least error).
+3. **Only the modules that do damage step back**: for a threshold t every module takes the
+   fastest candidate whose error is <= t (fp16 has none). The largest t whose model still meets
+   the KLD budget (mean KL(ref || planned) on the calibration windows, and top-1 agreement >=
+   ``min_top1``) is found by bisection over the sorted errors; the model's KLD decides, the
+   errors only rank.
+
+The gate on the eval text comes after (engine build): this module never sees the eval text.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.core.errors import InvalidConfigError
+
+from .catalog import validate_gpu
+from .linear import Int8Linear
+from .plan import FAMILY_MODULES, FamilyPlan, w8a16_family
+
+log = logging.getLogger(__name__)
+
+ALPHA_GRID = (0.25, 0.4, 0.55, 0.7, 0.85)
+DEFAULT_ROWS = 64  # a verify pass of a batch of sequences: (K + 1) rows each
+
+
+@dataclass(frozen=True)
+class Choice:
+    label: str
+    kernel: str  # "w8a8" | "w8a16" | "dense"
+    group_size: int | None = None
+
+
+CHOICES = (Choice("w8a8", "w8a8"), Choice("w8a16", "w8a16"), Choice("w8a16/g128", "w8a16", 128),
+           Choice("w8a16/g64", "w8a16", 64), Choice("w8a16/g32", "w8a16", 32), Choice("fp16", "dense"))
+
+
+def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows: int = DEFAULT_ROWS) -> float:
+    """Seconds for one Linear [n_out, n_in] at ``rows`` rows on ``gpu``, from the catalog (on paper)."""
+    tflops = gpu.get("tensor_tflops") or {}
+    if "fp16" not in tflops:
+        raise InvalidConfigError(f"gpu {gpu.get('name')!r} has no tensor_tflops.fp16 in the catalog: the planner "
+                                 "needs it to order candidates")
+    if choice.kernel == "dense":
+        w_bytes = 2 * n_out * n_in
+    else:
+        groups = 1 if choice.group_size is None else -(-n_in // choice.group_size)
+        w_bytes = n_out * n_in + 4 * n_out * groups
+    act_bytes = 2 * rows * (n_in + n_out)
+    math_tput = tflops["int8"] if choice.kernel == "w8a8" else tflops["fp16"]
+    if choice.kernel == "w8a16" and choice.group_size is not None:
+        math_tput = math_tput * 0.9  # the per-group dequantization in the GEMM's prologue (a stated guess)
+    return max((w_bytes + act_bytes) / (gpu["memory_bandwidth_gbps"] * 1e9),
+               2.0 * rows * n_out * n_in / (math_tput * 1e12))
+
+
+def ordered_choices(gpu: dict[str, Any], n_out: int, n_in: int, rows: int = DEFAULT_ROWS) -> list[Choice]:
+    """The candidates for one Linear, fastest first (ties: fewer bytes first); w8a8 only with int8 tensor cores."""
+    validate_gpu(gpu)
+    ok = [c for c in CHOICES if c.kernel != "w8a8" or gpu["tensor_cores"]["int8"]]
+    order = {c.label: i for i, c in enumerate(CHOICES)}
+    return sorted(ok, key=lambda c: (paper_cost(gpu, n_out, n_in, c, rows), order[c.label]))
+
+
+# ---------------------------------------------------------------------------- calibration data
+
+@dataclass
+class Calibration:
+    """What the search needs from the unquantized model on the calibration windows."""
+    windows: list[Tensor]  # LongTensors [1, T]
+    ref_logprobs: list[Tensor]  # fp32 [T, V] per window
+    inputs: dict[str, Tensor]  # per FFN Linear: its input on the first ``sample`` tokens [S, K]
+    absmax: dict[str, Tensor]  # per FFN Linear: per-input-channel absmax over every calibration token
+
+
+def _ffn_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    out = {}
+    for i, layer in enumerate(model.layers):
+        for leaf in FAMILY_MODULES["ffn"]:
+            m = getattr(layer.mlp, leaf)
+            if isinstance(m, nn.Linear):
+                out[f"layers.{i}.mlp.{leaf}"] = m
+    return out
+
+
+def collect_calibration(model: nn.Module, windows: Iterable[Tensor], sample: int = 512,
+                        kld_windows: int | None = None) -> Calibration:
+    """Reference log-probs (of the first ``kld_windows`` windows; None: all), sampled FFN inputs and their
+    absmax (over every window, as quant.apply.collect_activation_stats on the same windows), in one pass."""
+    wins = [w if w.dim() == 2 else w[None] for w in windows]
+    if not wins or sum(w.numel() for w in wins) == 0:
+        raise InvalidConfigError("calibration windows are empty: the search needs calibration text")
+    linears = _ffn_linears(model)
+    if not linears:
+        raise InvalidConfigError("the model has no unquantized FFN Linear to plan")
+    inputs: dict[str, list[Tensor]] = {n: [] for n in linears}
+    absmax: dict[str, Tensor] = {}
+    taken = {"n": 0}
+
+    def hook(name: str) -> Callable[..., None]:
+        def fn(_m: nn.Module, args: tuple[Tensor, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            a = x.abs().amax(dim=0)
+            absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
+            room = sample - taken["n"]
+            if room > 0:
+                inputs[name].append(x[:room].clone())
+        return fn
+
+    device = model.norm.weight.device
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    refs = []
+    try:
+        with torch.inference_mode():
+            for i, w in enumerate(wins):
+                out = model(w.to(device))
+                if kld_windows is None or i < kld_windows:
+                    refs.append(F.log_softmax(out[0].float(), dim=-1).cpu())
+                taken["n"] += w.shape[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return Calibration(wins[:len(refs)], refs, {n: torch.cat(v) for n, v in inputs.items()}, absmax)
+
+
+# ---------------------------------------------------------------------------- per-module damage
+
+def _quantize(lin: nn.Linear, choice: Choice, absmax: Tensor | None, alpha: float | None) -> Int8Linear:
+    if choice.kernel == "w8a8":
+        return Int8Linear.from_float(lin, "w8a8", act_absmax=absmax, alpha=alpha if alpha is not None else 0.5)
+    return Int8Linear.from_float(lin, "w8a16", group_size=choice.group_size)
+
+
+def _rel_err(y: Tensor, ref: Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def module_errors(model: nn.Module, calib: Calibration, choices: list[Choice],
+                  alphas: tuple[float, ...] = ALPHA_GRID) -> dict[str, dict[str, tuple[float, float | None]]]:
+    """Per FFN Linear and candidate: (relative output error on its calibration inputs, SmoothQuant alpha)."""
+    out: dict[str, dict[str, tuple[float, float | None]]] = {}
+    with torch.inference_mode():
+        for name, lin in _ffn_linears(model).items():
+            x = calib.inputs[name].to(lin.weight.device, lin.weight.dtype)
+            ref = lin(x).float()
+            errs: dict[str, tuple[float, float | None]] = {}
+            for c in choices:
+                if c.kernel == "dense":
+                    errs[c.label] = (0.0, None)
+                elif c.kernel == "w8a8":
+                    errs[c.label] = min((_rel_err(_quantize(lin, c, calib.absmax[name], a)(x), ref), a)
+                                        for a in alphas)
+                else:
+                    errs[c.label] = (_rel_err(_quantize(lin, c, None, None)(x), ref), None)
+            out[name] = errs
+    return out
+
+
+# ---------------------------------------------------------------------------- the model's KLD
+
+def calib_kld(model: nn.Module, calib: Calibration) -> tuple[float, float]:
+    """(mean KL(ref || model), top-1 agreement) over every calibration token."""
+    device = model.norm.weight.device
+    kl_sum, agree, n = 0.0, 0.0, 0
+    with torch.inference_mode():
+        for w, lr in zip(calib.windows, calib.ref_logprobs):
+            lt = F.log_softmax(model(w.to(device))[0].float(), dim=-1).cpu()
+            kl_sum += float((lr.exp() * (lr - lt)).sum(-1).double().sum())
+            agree += float((lr.argmax(-1) == lt.argmax(-1)).double().sum())
+            n += lr.shape[0]
+    return kl_sum / n, agree / n
+
+
+@dataclass
+class SearchResult:
+    modules: dict[str, FamilyPlan]
+    family: FamilyPlan  # the most common choice, the FFN family's summary
+    threshold: float
+    kld: float
+    top1: float
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _assign(errs: dict[str, dict[str, tuple[float, float | None]]], order: dict[str, list[Choice]],
+            t: float) -> dict[str, Choice]:
+    return {n: next(c for c in order[n] if errs[n][c.label][0] <= t) for n in errs}
+
+
+def _family_plan(c: Choice, alpha: float | None, reason: str) -> FamilyPlan:
+    if c.kernel == "dense":
+        return FamilyPlan("fp16", "dense", {}, reason)
+    if c.kernel == "w8a16":
+        return w8a16_family(c.group_size, reason)
+    return FamilyPlan("int8", "w8a8", {"weights": "per-output-channel symmetric int8, fp32 scales",
+                                       "activations": "per-token dynamic symmetric int8",
+                                       "smoothquant_alpha": alpha}, reason)
+
+
+def _with_plan(model: nn.Module, calib: Calibration, assign: dict[str, Choice],
+               errs: dict[str, dict[str, tuple[float, float | None]]]) -> tuple[float, float]:
+    """The model's calibration KLD with ``assign`` swapped in (the originals restored after)."""
+    originals = _ffn_linears(model)
+    try:
+        with torch.no_grad():
+            for name, c in assign.items():
+                if c.kernel != "dense":
+                    parent = model.get_submodule(name.rsplit(".", 1)[0])
+                    setattr(parent, name.rsplit(".", 1)[1],
+                            _quantize(originals[name], c, calib.absmax[name], errs[name][c.label][1]))
+        return calib_kld(model, calib)
+    finally:
+        for name, lin in originals.items():
+            setattr(model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], lin)
+
+
+def search_ffn(model: nn.Module, calib: Calibration, gpu: dict[str, Any], *, kld_budget: float = 1e-3,
+               min_top1: float = 0.0, rows: int = DEFAULT_ROWS, dense_storage: str = "fp16") -> SearchResult:
+    """The fastest per-module FFN plan whose calibration KLD <= kld_budget and top-1 >= min_top1."""
+    if not kld_budget > 0:
+        raise InvalidConfigError(f"kld_budget={kld_budget!r} is invalid: allowed > 0")
+    linears = _ffn_linears(model)
+    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in linears.items()}
+    choices = list({c.label: c for cs in order.values() for c in cs}.values())
+    errs = module_errors(model, calib, choices)
+    ts = sorted({e for d in errs.values() for e, _ in d.values()} | {math.inf})
+    trials: list[dict[str, Any]] = []
+
+    def ok(t: float) -> tuple[bool, float, float]:
+        assign = _assign(errs, order, t)
+        kld, top1 = _with_plan(model, calib, assign, errs)
+        good = kld <= kld_budget and top1 >= min_top1
+        trials.append({"threshold": t if math.isfinite(t) else None, "kld": kld, "top1": top1, "passed": good,
+                       "counts": dict(Counter(c.label for c in assign.values()))})
+        log.info("plan search: threshold %s -> calibration KLD %.5f, top-1 %.4f (%s) %s", f"{t:.4g}", kld, top1,
+                 "pass" if good else "fail", trials[-1]["counts"])
+        return good, kld, top1
+
+    lo, hi = 0, len(ts) - 1  # ts[0] == 0.0: every module at an error-free choice (fp16) passes
+    best = (0.0, 0.0, 1.0)
+    good, kld, top1 = ok(ts[hi])
+    if good:
+        lo, best = hi, (ts[hi], kld, top1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        good, kld, top1 = ok(ts[mid])
+        if good:
+            lo, best = mid, (ts[mid], kld, top1)
+        else:
+            hi = mid
+    t = best[0]
+    assign = _assign(errs, order, t)
+    modules = {}
+    for name, c in assign.items():
+        e, alpha = errs[name][c.label]
+        faster = [f"{f.label} {errs[name][f.label][0]:.4f}" for f in order[name][:order[name].index(c)]]
+        why = (f"calibration output error {e:.4f} <= threshold {t:.4f}" if math.isfinite(t) else
+               f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget")
+        if faster:
+            why = f"stepped back past {', '.join(faster)} (errors above the threshold); " + why
+        if alpha is not None:
+            why += f"; SmoothQuant alpha {alpha} (least error of {ALPHA_GRID[0]}..{ALPHA_GRID[-1]})"
+        fam = _family_plan(c, alpha, why)
+        if c.kernel == "dense":
+            fam.storage = dense_storage
+        else:
+            fam.scaling["calib_rel_error"] = round(e, 6)
+        modules[name] = fam
+    counts = Counter(c.label for c in assign.values())
+    top = counts.most_common(1)[0][0]
+    top_c = next(c for c in CHOICES if c.label == top)
+    summary = _family_plan(top_c, None, f"planner: {dict(counts)} of {len(assign)} FFN Linears (per layer in "
+                                        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}")
+    if top_c.kernel == "dense":
+        summary.storage = dense_storage
+    summary.scaling.pop("smoothquant_alpha", None)
+    return SearchResult(modules, summary, t, best[1], best[2], trials, dict(counts))
