@@ -1,6 +1,7 @@
 """INT8 quantization primitives and the padded ``torch._int_mm`` call.
 
-Symmetric, per row (or per group of input channels of a row: ``*_groupwise``): ``scale = absmax / 127`` in float32 (one per output channel
+Symmetric, per row (or per group of input channels of a row: ``*_groupwise``):
+``scale = absmax / 127`` in float32 (one per output channel
 of a weight, one per token of an activation), ``q = clamp(round(t / scale),
 -127, 127)`` (round half to even). -128 is never produced, so the range is
 symmetric. A zero row gets the smallest normal float32 as its scale and
@@ -42,7 +43,8 @@ def _round_up(n: int, m: int) -> int:
 def int_mm(a: Tensor, b_t: Tensor) -> Tensor:
     """int8 ``a`` [M, K] @ int8 ``b_t`` [N, K]^T -> int32 [M, N] through ``torch._int_mm``.
 
-    On the CPU the product is float32 GEMMs over chunks of K that are exact (see the code). On CUDA it needs M > 16 and K, N
+    On the CPU the product is float32 GEMMs over chunks of K that are exact (see the code).
+    On CUDA it needs M > 16 and K, N
     multiples of 8; the operands are zero-padded to that (zeros add nothing to
     the dot products) and the result is cut back to [M, N].
     """

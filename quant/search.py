@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -15,8 +15,16 @@ from quant.catalog import lookup_gpu
 from quant.linear import Int8Linear
 from quant.memory import weight_bytes
 from quant.plan import FamilyPlan, PrecisionPlan, make_plan, w8a16_family
-from quant.search import (ALPHA_GRID, CHOICES, calib_kld, collect_calibration, module_errors, ordered_choices, paper_cost,
-                          search_ffn)
+from quant.search import (
+    ALPHA_GRID,
+    CHOICES,
+    calib_kld,
+    collect_calibration,
+    module_errors,
+    ordered_choices,
+    paper_cost,
+    search_ffn,
+)
 
 
 def tiny(seed: int, outliers: bool = False, layers: int = 3) -> tuple[ModelConfig, Transformer]:
@@ -97,7 +105,7 @@ def test_module_errors_rank_outlier_modules_and_search_alpha():
     calib = collect_calibration(m, windows(3), sample=96)
     assert calib.inputs["layers.0.mlp.down_proj"].shape == (96, 128)
     errs = module_errors(m, calib, list(CHOICES))
-    for name, e in errs.items():
+    for e in errs.values():
         assert e["fp16"] == (0.0, None)
         assert 0 < e["w8a16/g32"][0] and 0 < e["w8a16"][0]
         assert e["w8a8"][1] in ALPHA_GRID

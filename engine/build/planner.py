@@ -43,9 +43,9 @@ def search_plan(target_dir: Path, plan: Any, calib_text: str, gpu: dict[str, Any
     tcfg = load_config(target_dir)
     dcfg = load_config(draft_dir) if draft_dir is not None else None
     new = with_target_choices(plan, res.family, res.modules, tcfg, dcfg, note)
-    record = {"kld_budget": kld_budget, "min_top1": min_top1, "calibration_tokens": sum(w.numel() for w in
-                                                                                        calib.windows),
-              "threshold": res.threshold if math.isfinite(res.threshold) else None, "kld": res.kld, "top1": res.top1, "counts": res.counts,
-              "trials": res.trials}
+    record = {"kld_budget": kld_budget, "min_top1": min_top1,
+              "calibration_tokens": sum(w.numel() for w in calib.windows),
+              "threshold": res.threshold if math.isfinite(res.threshold) else None,
+              "kld": res.kld, "top1": res.top1, "counts": res.counts, "trials": res.trials}
     log.info("%s", note)
     return new, record

@@ -178,8 +178,8 @@ def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], de
             plan, record = search_plan(inp["target"], plan, inp["calib_text"], gpu, device=device,
                                        kld_budget=a.plan_kld_budget, min_top1=a.plan_min_top1, draft_dir=inp["draft"])
         ffn = plan.target.families["ffn"]
-        planned = Engine.from_pretrained(inp["target"], device=device,
-                                         precision=PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"]))
+        precision = PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"])
+        planned = Engine.from_pretrained(inp["target"], device=device, precision=precision)
         rep = compare_models(ref.logits, planned.logits, ids, context, progress=not a.quiet)
         ok = rep.passes(a.max_drift, a.max_kld)
         attempts.append({"plan": label, "ffn": {"storage": ffn.storage, "kernel": ffn.kernel},
@@ -239,8 +239,8 @@ def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens,
         "validated_on": validated,
         "device": device,
         "models": {role: None if inp[role] is None else
-                   {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]), "config": load_config(inp[role]).to_dict()}
-                   for role in ("target", "draft")},
+                   {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]),
+                    "config": load_config(inp[role]).to_dict()} for role in ("target", "draft")},
         "precision": plan.precision,
         "plan": plan.to_dict(),
         "memory": {"target": {"bytes": m.target_weight_bytes, "fp16_bytes": m.target_fp16_bytes},
