@@ -334,7 +334,27 @@ def _quality_section(q: Mapping[str, Any]) -> list[str]:
              "pass" if t["passed"] else "FAIL", attempt_reason(t, g)] for i, t in enumerate(q.get("attempts", []))]
     out += _table(["#", "plan", "FFN storage / kernel", *head, "tokens / windows / context", "gate", "reason"],
                   rows)
+    for i, t in enumerate(q.get("attempts", [])):
+        if t.get("search"):
+            out += _search_section(i + 1, t["search"])
     return out
+
+
+def _counts(c: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in c.items())
+
+
+def _search_section(n: int, r: Mapping[str, Any]) -> list[str]:
+    """The planner's search behind attempt ``n``: every candidate threshold it scored on the calibration text."""
+    out = [f"### Planner search (attempt {n})", "",
+           f"Scored on {r['calibration_tokens']} calibration tokens (never the eval text): mean KLD <= "
+           f"{fmt(r['kld_budget'])} and top-1 >= {fmt(r['min_top1'])}. Chosen threshold {fmt(r['threshold'])} "
+           f"(none: every module at its fastest candidate): KLD {fmt(r['kld'])}, top-1 {fmt(r['top1'])}; "
+           f"{_counts(r['counts'])}.", ""]
+    rows = [[j + 1, fmt(t["threshold"]), fmt(t["kld"]), fmt(t["top1"]), "pass" if t["passed"] else "FAIL",
+             _counts(t["counts"])] for j, t in enumerate(r.get("trials", []))]
+    return out + _table(["#", "error threshold", "KLD (calibration)", "top-1", "budget", "modules per candidate"],
+                        rows)
 
 
 def _speculation_section(p: Mapping[str, Any], series: Mapping[str, Any] | None) -> list[str]:
