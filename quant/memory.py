@@ -20,12 +20,25 @@ i.e. one forward of PREFILL_CHUNK tokens per sequence in flight at a time.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.core.config import ModelConfig
 
-if TYPE_CHECKING:
-    from .plan import FamilyPlan, ModelPlan
+
+class FamilyPlan(Protocol):
+    """What this module reads of ``quant.plan.FamilyPlan``."""
+
+    storage: str
+    scaling: dict[str, Any]
+
+
+class ModelPlan(Protocol):
+    """What this module reads of ``quant.plan.ModelPlan``."""
+
+    compute_dtype: str
+    families: dict[str, Any]
+
+    def module_plan(self, name: str, family: str) -> Any: ...
 
 FAMILY_LEAVES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "ffn": ("gate_proj", "up_proj", "down_proj")}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "int8": 1}
@@ -36,7 +49,7 @@ WORKSPACE_FORMULA = (f"{WORKSPACE_FIXED_BYTES} + batch * min(seq_len, {PREFILL_C
                      "max_over_models(2 * (4 * hidden + 3 * intermediate) + 6 * vocab)")
 
 
-def linear_bytes(n_out: int, n_in: int, bias: bool, fam: "FamilyPlan", b: int) -> int:
+def linear_bytes(n_out: int, n_in: int, bias: bool, fam: FamilyPlan, b: int) -> int:
     """Stored bytes of one Linear planned as ``fam`` with compute dtype of ``b`` bytes."""
     bias_bytes = n_out * b if bias else 0
     if fam.storage in ("fp8_e4m3", "int8"):
@@ -47,13 +60,13 @@ def linear_bytes(n_out: int, n_in: int, bias: bool, fam: "FamilyPlan", b: int) -
     return n_out * n_in * b + bias_bytes  # dense storage is the compute dtype
 
 
-def embedding_bytes(vocab: int, hidden: int, fam: "FamilyPlan", b: int) -> int:
+def embedding_bytes(vocab: int, hidden: int, fam: FamilyPlan, b: int) -> int:
     if fam.storage == "fp8_e4m3":
         return vocab * hidden + 4 * vocab
     return vocab * hidden * b
 
 
-def weight_bytes(cfg: ModelConfig, plan: "ModelPlan", compute_bytes: int | None = None) -> int:
+def weight_bytes(cfg: ModelConfig, plan: ModelPlan, compute_bytes: int | None = None) -> int:
     """Bytes the planned model stores (what ``quant.apply.model_weight_bytes`` measures after apply_plan)."""
     b = DTYPE_BYTES[plan.compute_dtype] if compute_bytes is None else compute_bytes
     h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers

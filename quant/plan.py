@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.config import ModelConfig
-from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
+from engine.core.errors import InvalidConfigError, KernelUnavailableError
 
 from . import memory as mem
 from .catalog import compute_capability, validate_gpu
@@ -147,29 +147,6 @@ class PrecisionPlan:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "PrecisionPlan":
-        from .plan_io import (
-            plan_from_dict,  # validation lives beside, to keep this file short
-        )
-        return plan_from_dict(d)
-
-    @classmethod
-    def from_json(cls, text: str) -> "PrecisionPlan":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileError(f"plan: invalid JSON ({e})") from None
-        return cls.from_dict(d)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "PrecisionPlan":
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ProfileError(f"{path}: unreadable plan ({e})") from None
-        return cls.from_json(text)
 
 
 def validate_precision(precision: Any) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""PrecisionPlan.from_dict: rebuild a plan from JSON data, refusing bad fields by name (ProfileError)."""
+"""Reading a PrecisionPlan back: from its JSON data, text or file, refusing bad fields by name (ProfileError)."""
 from __future__ import annotations
 
+import json
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from engine.core.errors import InvalidConfigError, ProfileError
@@ -142,3 +144,21 @@ def plan_from_dict(d: Any) -> PrecisionPlan:
         target=_model(d.get("target"), f"{where}.target", "target"),
         draft=None if draft_d is None else _model(draft_d, f"{where}.draft", "draft"),
         memory=MemoryPlan(**mem_kw), notes=[str(n) for n in d.get("notes", [])], schema_version=version)
+
+
+def plan_from_json(text: str) -> PrecisionPlan:
+    """A plan from its JSON text (``PrecisionPlan.to_json``)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"plan: invalid JSON ({e})") from None
+    return plan_from_dict(d)
+
+
+def load_plan(path: str | Path) -> PrecisionPlan:
+    """A plan from a file written by ``PrecisionPlan.save``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: unreadable plan ({e})") from None
+    return plan_from_json(text)

@@ -20,6 +20,7 @@ from quant.catalog import (
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 from quant.memory import weight_bytes
 from quant.plan import DEFAULT_PRECISION, PlanDoesNotFitError, PrecisionPlan, make_plan
+from quant.plan_io import load_plan, plan_from_dict, plan_from_json
 
 ALL_GPUS = ["a100-40gb", "a100-80gb", "a10g", "l4", "l40s", "rtx3090", "rtx4090", "t4", "v100",
             "h100-pcie", "h100-sxm", "h200"]
@@ -233,11 +234,11 @@ def test_memory_lowers_seq_len_then_refuses():
 def test_plan_json_round_trip(tmp_path):
     for gpu in ("a100", "t4", "v100", "h200"):
         p = plan_for(gpu)
-        q = PrecisionPlan.from_json(p.to_json())
+        q = plan_from_json(p.to_json())
         assert q == p and q.to_json() == p.to_json()
     path = tmp_path / "plan.json"
     p.save(path)
-    assert PrecisionPlan.load(path) == p
+    assert load_plan(path) == p
     assert [f.name for f in tmp_path.iterdir()] == ["plan.json"]  # no temp file left behind
 
 
@@ -258,13 +259,13 @@ def test_plan_json_refuses_bad_fields():
             node = node[k]
         node[path[-1]] = value
         with pytest.raises(ProfileError, match=msg.replace("(", r"\(").replace(".", r"\.")):
-            PrecisionPlan.from_dict(bad)
+            plan_from_dict(bad)
     bad = copy.deepcopy(d)
     del bad["target"]["families"]["norms"]
     with pytest.raises(ProfileError, match="plan.target.families.norms is missing"):
-        PrecisionPlan.from_dict(bad)
+        plan_from_dict(bad)
     with pytest.raises(ProfileError, match="invalid JSON"):
-        PrecisionPlan.from_json("{not json")
+        plan_from_json("{not json")
 
 
 # ------------------------------------------------------------------ apply on tiny models
@@ -319,7 +320,7 @@ def test_apply_refuses_missing_calibration_wrong_model_and_missing_kernels():
     other = make_plan(lookup_gpu("h100"), LLAMA2_7B, None, device="cpu")
     with pytest.raises(InvalidConfigError, match="hidden_size=4096 but the model has 64"):
         apply_plan(target, other.target)
-    te = PrecisionPlan.from_dict(json.loads(plan.to_json()))
+    te = plan_from_dict(json.loads(plan.to_json()))
     te.draft.families["ffn"].kernel = "te"
     if not __import__("importlib").util.find_spec("transformer_engine"):
         with pytest.raises(KernelUnavailableError, match="'te'"):

@@ -14,7 +14,8 @@ from quant.apply import apply_plan, model_weight_bytes
 from quant.catalog import lookup_gpu
 from quant.linear import Int8Linear
 from quant.memory import weight_bytes
-from quant.plan import FamilyPlan, PrecisionPlan, make_plan, w8a16_family
+from quant.plan import FamilyPlan, make_plan, w8a16_family
+from quant.plan_io import load_plan, plan_from_dict
 from quant.search import (
     ALPHA_GRID,
     CHOICES,
@@ -72,7 +73,7 @@ def test_per_layer_plan_applies_round_trips_and_counts_bytes(tmp_path):
     plan.target.modules["layers.2.mlp.up_proj"] = w8a16_family(None, "per channel is enough here")
     p = tmp_path / "plan.json"
     plan.save(p)
-    back = PrecisionPlan.load(p)
+    back = load_plan(p)
     assert back.to_dict() == plan.to_dict() and back.target.modules["layers.1.mlp.down_proj"].reason == "kept: damage"
     apply_plan(target, back.target)
     assert type(target.layers[1].mlp.down_proj) is torch.nn.Linear
@@ -90,12 +91,12 @@ def test_per_layer_plan_refuses_bad_modules():
         bad = json.loads(json.dumps(d))
         bad["target"]["modules"] = {name: {"storage": "int8", "kernel": "w8a16", "scaling": {}}}
         with pytest.raises(ProfileError, match=match):
-            PrecisionPlan.from_dict(bad)
+            plan_from_dict(bad)
     bad = json.loads(json.dumps(d))
     bad["target"]["modules"] = {"layers.0.mlp.up_proj": {"storage": "int8", "kernel": "w8a8",
                                                          "scaling": {"group_size": 64}}}
     with pytest.raises(ProfileError, match="group_size=64 is invalid with kernel 'w8a8'"):
-        PrecisionPlan.from_dict(bad)
+        plan_from_dict(bad)
     with pytest.raises(InvalidConfigError, match="group_size=64 is invalid with int8_kernel='w8a8'"):
         make_plan(lookup_gpu("a100"), tc, None, device="cpu", group_size=64)
 

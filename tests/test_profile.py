@@ -13,6 +13,7 @@ from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import KernelUnavailableError, ProfileError
 from engine.spec.adaptive import Costs
+from quant.plan_io import plan_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "tools" / "build_profile.py"
@@ -79,11 +80,10 @@ def test_failed_gate_writes_nothing_and_keeps_the_old_profile(tool, builds, tmp_
 
 
 def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
-    from quant.plan import PrecisionPlan
 
     prof = json.loads(builds["a100"].read_text())
     eng = Engine.from_profile(builds["a100"])
-    plan = PrecisionPlan.from_dict(prof["plan"])
+    plan = plan_from_dict(prof["plan"])
     assert plan.to_dict() == prof["plan"]
     calib = (tiny_demo[0].parent / "calib.txt").read_text(encoding="utf-8")
     s = prof["speculation"]

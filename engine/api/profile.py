@@ -19,7 +19,7 @@ from engine.api.options import KernelOptions, Limits, PrecisionConfig, Speculati
 from engine.core.checkpoint import weight_files
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.files import default_cache_dir, sha256_file, verified_sha256
-from quant.plan import PrecisionPlan
+from quant.plan_io import plan_from_dict
 
 PROFILE_SCHEMA_VERSION = 1
 REQUIRED = ("schema_version", "gpu", "validated_on", "device", "models", "precision", "plan", "memory",
@@ -126,7 +126,7 @@ def engine_options(prof: dict[str, Any], device: str | torch.device | None = Non
     where = prof.get("_path", "profile")
     dev = profile_device(prof, device)
     try:
-        plan = PrecisionPlan.from_dict(prof["plan"])
+        plan = plan_from_dict(prof["plan"])
     except ProfileError as e:
         raise ProfileError(f"{where}: {e}") from None
     if plan.device != dev.type:
