@@ -260,7 +260,7 @@ def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, tex
         hidden = opts.hidden or max(64, cfg.hidden_size // 3 // 64 * 64)
         torch.manual_seed(opts.seed)
         draft = Transformer(draft_model_config(cfg, opts.layers or 2, hidden))
-        for name, p in draft.named_parameters():
+        for p in draft.parameters():
             (nn.init.ones_ if p.dim() == 1 else lambda t: nn.init.normal_(t, std=0.02))(p)
         loss = train_loop(draft, lambda g: model_loss(draft, data, opts, g), opts, steps, state, progress)
         save_draft_model(draft, target_dir, out)

@@ -56,16 +56,18 @@ class HeadDrafter:
         zero = torch.zeros(H, dtype=self.head_weight.dtype, device=dev)
         return torch.stack([s.feature if s.feature is not None else zero for s in seqs]), have
 
-    def _draw(self, logits: Tensor, batch: DraftBatch, i: int) -> tuple[Tensor, Tensor | None]:
-        """Draft i of every row from logits [B, V'] -> (full-vocabulary ids [B], probs [B, V] or None)."""
+    def _draw(self, logits: Tensor, batch: DraftBatch, drafts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The next draft of every row from logits [B, V'] -> (full-vocabulary ids [B], probs [B, V] or None),
+        processed like the target's logits at that draft position (``probs_at``: penalties count the drafts)."""
         if batch.processing.mode == "greedy":
             d = logits.argmax(-1)
             return (d if self.vocab_ids is None else self.vocab_ids[d]), None
-        p = batch.processing.probs(logits)
-        if self.vocab_ids is not None:
-            p = torch.zeros(p.shape[0], batch.vocab, dtype=p.dtype, device=p.device).index_copy_(1, self.vocab_ids, p)
-        else:
-            p = p[:, : batch.vocab]
+        i = len(drafts)
+        if self.vocab_ids is not None:  # -inf outside the draft vocabulary: probability 0 there
+            full = logits.new_full((logits.shape[0], batch.vocab), float("-inf"))
+            logits = full.index_copy_(1, self.vocab_ids, logits)
+        prev = torch.stack(drafts, 1) if drafts else None
+        p = batch.processing.probs_at(logits[:, None, : batch.vocab], prev, i)[:, 0]
         assert batch.noise is not None
         return sample_from_probs(p, batch.noise[:, i]), p
 
@@ -92,7 +94,7 @@ class MedusaDrafter(HeadDrafter):
         logits = self.scores(self.head(f, k))  # [B, k, V']
         drafts, probs = [], []
         for i in range(k):
-            d, p = self._draw(logits[:, i], batch, i)
+            d, p = self._draw(logits[:, i], batch, drafts)
             drafts.append(d)
             if p is not None:
                 probs.append(p)
@@ -115,9 +117,9 @@ class EagleDrafter(HeadDrafter):
         f, have = self._features(batch.seqs, dev)
         tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=dev)
         drafts, probs = [], []
-        for i in range(batch.k):
+        for _ in range(batch.k):
             f = self.head(f, self.target.embed_tokens(tok))
-            tok, p = self._draw(self.scores(f), batch, i)
+            tok, p = self._draw(self.scores(f), batch, drafts)
             drafts.append(tok)
             if p is not None:
                 probs.append(p)

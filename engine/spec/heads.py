@@ -76,7 +76,8 @@ def target_fingerprint(target: Transformer, tokenizer_vocab: dict[str, int]) -> 
     rows = torch.linspace(0, cfg.vocab_size - 1, PROBE_ROWS).long().to(w.device)
     probe = w[rows, :PROBE_COLS].float().cpu()
     return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "tokenizer_vocab_sha256": vocab_hash(tokenizer_vocab), "embed_probe": [round(x, 6) for x in probe.flatten().tolist()]}
+            "tokenizer_vocab_sha256": vocab_hash(tokenizer_vocab),
+            "embed_probe": [round(x, 6) for x in probe.flatten().tolist()]}
 
 
 def check_target(cfg: HeadConfig, target: Transformer, tokenizer_vocab: dict[str, int], where: str) -> None:
@@ -121,13 +122,13 @@ class EagleHead(nn.Module):
 
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
-        H, I = cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size
+        H, inter = cfg.hidden_size, cfg.intermediate_size or cfg.hidden_size
         self.cfg = cfg
         self.embed_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.norms = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in range(cfg.layers))
-        self.gate_up = nn.ModuleList(nn.Linear(H, 2 * I, bias=False) for _ in range(cfg.layers))
-        self.down = nn.ModuleList(nn.Linear(I, H, bias=False) for _ in range(cfg.layers))
+        self.gate_up = nn.ModuleList(nn.Linear(H, 2 * inter, bias=False) for _ in range(cfg.layers))
+        self.down = nn.ModuleList(nn.Linear(inter, H, bias=False) for _ in range(cfg.layers))
         self.out_norm = RMSNorm(H, cfg.rms_norm_eps)
 
     def forward(self, f: Tensor, e: Tensor) -> Tensor:
