@@ -12,11 +12,12 @@ from test_speculative import PROMPTS, _exact_joint
 from util import TEXT, make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.api.options import SpeculationConfig
+from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
+from quant.plan import PrecisionPlan
 
 
 def spec(kind: str, k: int = 5) -> SpeculationConfig:
@@ -159,21 +160,90 @@ def _token_acceptance(target, head, kind, prompts) -> float:
     return eng.stats()["token_acceptance"]
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_trained_head_accepts_better_than_untrained(tiny_demo, tmp_path, kind):
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_demo, tmp_path_factory):
+    """Heads trained in seconds on the tiny demo target's own text (prompts from its calibration slice)."""
     target, _ = tiny_demo
-    held = (target.parent / "heldout.txt").read_text(encoding="utf-8")
-    tok = Tokenizer(target)
-    ids = tok.encode(held)
-    prompts = [ids[i: i + 24] for i in range(0, 24 * 200, 600)][:8]  # held-out prompts (never trained on)
+    d = tmp_path_factory.mktemp("tiny-heads")
     train = (target.parent / "calib.txt").read_text(encoding="utf-8")
-    opts = TrainOptions(kind=kind, steps=150, samples=48, prompt_len=16, gen_len=64, heads=3)
-    trained = tmp_path / "trained"
-    train_draft(target, trained, opts, train, progress=False)
+    for kind in ("medusa", "eagle"):
+        opts = TrainOptions(kind=kind, steps=150, samples=48, prompt_len=16, gen_len=64, heads=3)
+        train_draft(target, d / kind, opts, train, progress=False)
+    return target, d
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_trained_head_accepts_better_than_untrained(tiny_heads, tmp_path, kind):
+    target, d = tiny_heads
+    ids = Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8"))
+    prompts = [ids[i: i + 24] for i in range(0, 600 * 8, 600)]  # held-out prompts (never trained on)
+    cfg = HeadConfig(**json.loads((d / kind / "head_config.json").read_text()))
     untrained = tmp_path / "untrained"
-    cfg = json.loads((trained / "head_config.json").read_text())
-    eng = Engine.from_pretrained(target)
-    save_head(init_head(HeadConfig(**cfg), eng.target, seed=0), HeadConfig(**cfg), None, untrained)
-    a_trained = _token_acceptance(target, trained, kind, prompts)
+    save_head(init_head(cfg, Engine.from_pretrained(target).target, seed=0), cfg, None, untrained)
+    a_trained = _token_acceptance(target, d / kind, kind, prompts)
     a_untrained = _token_acceptance(target, untrained, kind, prompts)
     assert a_trained > a_untrained + 0.15, (a_trained, a_untrained)
+
+
+def test_profile_with_a_head(tiny_heads, tmp_path):
+    """build_profile --draft HEAD_DIR: gate and calibration as for a draft model; the profile's engine drafts
+    with the head and its greedy output equals the target's."""
+    from engine.cli.build_profile import main
+
+    target, d = tiny_heads
+    out = tmp_path / "p.json"
+    rc = main(["--gpu", "a100", "--target", str(target), "--draft", str(d / "eagle"), "--device", "cpu", "--quiet",
+               "--eval-text", str(target.parent / "heldout.txt"), "--calib-text", str(target.parent / "calib.txt"),
+               "--max-eval-tokens", "2048", "--out", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    assert prof["speculation"]["drafter"] == "eagle" and prof["models"]["draft"]["config"]["kind"] == "eagle"
+    eng = Engine.from_profile(out)
+    assert eng.stats()["drafter"] == "eagle"
+    plain = Engine.from_pretrained(target, precision=PrecisionConfig(PrecisionPlan.from_dict(prof["plan"]),
+                                                                     (target.parent / "calib.txt").read_text()))
+    prompts = ["The with statement", "A class definition", "import sys\n"]
+    sp = SamplingParams(max_new_tokens=32)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
+    assert eng.stats()["accepted"] > 0
+
+
+def test_train_a_draft_model(ckpt_dir, plain, tmp_path):
+    """--kind model: a Hugging Face draft checkpoint with the target's tokenizer, usable as the model drafter."""
+    opts = TrainOptions(kind="model", steps=20, samples=16, prompt_len=8, gen_len=32, layers=1, hidden=64)
+    out = tmp_path / "draft"
+    rep = train_draft(ckpt_dir, out, opts, TEXT * 4, progress=False)
+    assert rep["steps"] == 20 and not (out / "train_state.pt").exists() and not (out / "distill_data.pt").exists()
+    eng = Engine.from_pretrained(ckpt_dir, out, speculation=spec("model", 3))
+    assert [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))] == plain
+    assert eng.stats()["drafted"] > 0
+
+
+def test_interrupted_training_resumes_where_it_stopped(tmp_path):
+    """An interrupt after the state saved at step 10 resumes at step 10 and ends with the weights of an
+    uninterrupted run (weights, optimizer and RNG restored)."""
+    from engine.demo.distill import train_loop
+
+    def run(state, stop_at=None):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 4)
+        calls = []
+
+        def loss_fn(g):
+            calls.append(1)
+            if stop_at is not None and len(calls) > stop_at:
+                raise KeyboardInterrupt
+            x = torch.randn(8, 4, generator=g)
+            return (m(x) - x.flip(-1)).pow(2).mean()
+        opts = TrainOptions(kind="medusa", steps=20, save_every=10, warmup=2)
+        try:
+            train_loop(m, loss_fn, opts, 20, state, progress=False)
+        except KeyboardInterrupt:
+            return None, len(calls)
+        return m.weight.detach().clone(), len(calls)
+
+    ref, n = run(tmp_path / "a.pt")
+    assert n == 20
+    assert run(tmp_path / "b.pt", stop_at=15)[0] is None and (tmp_path / "b.pt").is_file()
+    resumed, n = run(tmp_path / "b.pt")
+    assert n == 10 and torch.equal(resumed, ref)
