@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--draft-vocab", type=int, help="heads: a reduced draft vocabulary of this many tokens")
     p.add_argument("--samples", type=int, default=256, help="sequences the target generates (256)")
     p.add_argument("--gen-len", type=int, default=224, help="tokens generated per sequence (224)")
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled sequences (0.8)")
+    p.add_argument("--greedy-share", type=float, default=0.5, help="share of the sequences continued greedily (0.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         opts = TrainOptions(kind=a.kind, steps=a.steps, layers=a.layers, hidden=a.hidden, heads=a.heads,
                             draft_vocab=a.draft_vocab, samples=a.samples, gen_len=a.gen_len,
-                            temperature=a.temperature, seed=a.seed)
+                            temperature=a.temperature, greedy_share=a.greedy_share, seed=a.seed)
         report = train_draft(a.target, a.out, opts, _text(a.text), device=a.device, progress=not a.quiet)
         print(json.dumps(report, indent=2))
         return 0

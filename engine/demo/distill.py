@@ -51,6 +51,7 @@ class TrainOptions:
     prompt_len: int = 32
     gen_len: int = 224
     temperature: float = 0.8
+    greedy_share: float = 0.5  # of the sequences continued greedily (the rest sampled at temperature)
     topk: int = 32
     positions: int = 512  # heads: (sequence, position) windows per step; model: tokens per step / T
     lr: float | None = None  # default: 3e-3 (heads), 3e-3 (model)
@@ -73,6 +74,8 @@ class TrainOptions:
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int >= 1")
         if not self.temperature >= 0:
             raise InvalidConfigError(f"temperature={self.temperature!r} is invalid: allowed a float >= 0")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise InvalidConfigError(f"greedy_share={self.greedy_share!r} is invalid: allowed 0.0 .. 1.0")
 
 
 def default_steps(kind: str) -> int:
@@ -243,7 +246,8 @@ def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, tex
     else:
         ids = eng.tokenizer.encode(text)
         prompts = cut_prompts(ids, opts.samples, opts.prompt_len, opts.seed)
-        seqs, gen_s = generate(eng, prompts, opts.gen_len, opts.temperature, opts.seed, progress)
+        seqs, gen_s = generate(eng, prompts, opts.gen_len, opts.temperature, opts.seed, progress,
+                               greedy_share=opts.greedy_share)
         data = label(target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, progress)
         data.gen_seconds = gen_s
         data.save(data_path)

@@ -3,7 +3,9 @@
 1. ``cut_prompts``: ``n`` prompts of ``prompt_len`` tokens cut at random from a training text (the
    caller's --text or the demo corpus's training split; never the evaluation text).
 2. ``generate``: the target continues them through the engine's continuously batched generation
-   (sampled at ``temperature``, one seed per prompt), ``gen_len`` tokens each (fewer when it emits eos).
+   (a ``greedy_share`` of them greedily, the rest sampled at ``temperature`` with one seed per prompt:
+   greedy decoding drafts along the target's greedy text, sampling along sampled text), ``gen_len``
+   tokens each (fewer when it emits eos).
 3. ``label``: one uncached target forward per group of sequences gives, at every position t, the
    target's top-k log-probs of the token at t + 1 (``vals``, ``idx``) and, for heads, its feature h_t
    (the final-norm output, stored bf16).
@@ -67,7 +69,7 @@ def cut_prompts(ids: list[int], n: int, prompt_len: int, seed: int) -> list[list
 
 
 def generate(engine: Any, prompts: list[list[int]], gen_len: int, temperature: float, seed: int,
-             progress: bool = True, chunk: int = 256) -> tuple[list[list[int]], float]:
+             progress: bool = True, chunk: int = 256, greedy_share: float = 0.0) -> tuple[list[list[int]], float]:
     """Each prompt + the target's continuation (the engine's batched generation), and the seconds taken."""
     from engine.api.engine import SamplingParams
 
@@ -76,8 +78,9 @@ def generate(engine: Any, prompts: list[list[int]], gen_len: int, temperature: f
     bar = tqdm(total=len(prompts) * gen_len, desc="generating", unit="tok", disable=not progress, leave=False)
     for i in range(0, len(prompts), chunk):
         group = prompts[i: i + chunk]
-        params = [SamplingParams(max_new_tokens=gen_len, temperature=temperature, seed=seed * 1_000_003 + i + j)
-                  for j in range(len(group))]
+        n_greedy = round(greedy_share * len(prompts))  # the first n_greedy prompts are continued greedily
+        params = [SamplingParams(max_new_tokens=gen_len, temperature=0.0 if i + j < n_greedy else temperature,
+                                 seed=seed * 1_000_003 + i + j) for j in range(len(group))]
         for p, o in zip(group, engine.generate(group, params)):
             out.append(list(p) + list(o.token_ids))
         bar.update(len(group) * gen_len)
