@@ -182,7 +182,8 @@ def test_trained_head_accepts_better_than_untrained(tiny_heads, tmp_path, kind):
     save_head(init_head(cfg, Engine.from_pretrained(target).target, seed=0), cfg, None, untrained)
     a_trained = _token_acceptance(target, d / kind, kind, prompts)
     a_untrained = _token_acceptance(target, untrained, kind, prompts)
-    assert a_trained > a_untrained + 0.15, (a_trained, a_untrained)
+    # ~300 draft positions tested per run: a standard error of ~0.03 on each acceptance
+    assert a_trained > a_untrained + 0.08, (a_trained, a_untrained)
 
 
 def test_profile_with_a_head(tiny_heads, tmp_path):
