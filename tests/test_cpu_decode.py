@@ -83,6 +83,20 @@ def test_ragged_padded_rerowed_call_matches_the_pytorch_layers(model):
     assert not torch.equal(c1.k[:, :, :, lens[0] + 3], torch.zeros_like(c1.k[:, :, :, 0]))  # it wrote
 
 
+def test_hidden_states_of_the_scored_rows_match(model):
+    """return_hidden (the draft heads' features): the final-norm outputs of the scored rows, [B, J, H]."""
+    B, S = 2, 64
+    c1, c2 = _prefilled(model, B, S), _prefilled(model, B, S)
+    toks = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    pos = torch.tensor([[12, 13, 14], [12, 13, S - 1]])
+    idx = torch.tensor([[0, 2], [0, 1]])
+    (got, h), (want, h_ref) = _both(model, toks, pos, kv_len=15, logits_idx=idx, return_hidden=True,
+                                    cache=c1, cache_ref=c2)
+    assert h.shape == h_ref.shape == (B, 2, model.config.hidden_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+
+
 def test_early_exit_layers_and_start_path_match(model):
     c1, c2 = _prefilled(model, 2), _prefilled(model, 2)
     toks = torch.tensor([[5], [7]])

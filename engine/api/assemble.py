@@ -25,6 +25,8 @@ from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
 from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
+from engine.spec.head_drafters import HEAD_DRAFTERS, HeadDrafter
+from engine.spec.heads import load_head
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,17 @@ def check_options(draft_dir: Any, spec: SpeculationConfig, precision: PrecisionC
     if drafter == "model" and draft_dir is None:
         raise InvalidConfigError("speculation.drafter='model' needs a draft checkpoint (draft=None): give draft, "
                                  "or choose drafter 'ngram', 'early-exit' or None")
-    if drafter != "model" and draft_dir is not None:
+    if drafter in HEAD_DRAFTERS and draft_dir is None:
+        raise InvalidConfigError(f"speculation.drafter={drafter!r} needs a head directory (draft=None): allowed a "
+                                 f"directory written by specmix-train-draft --kind {drafter}")
+    if drafter in HEAD_DRAFTERS and kernels.cuda_graphs:
+        raise InvalidConfigError(f"kernels.cuda_graphs=True is not available with speculation.drafter={drafter!r} "
+                                 "(the graphed target returns no features): allowed cuda_graphs=False")
+    if drafter not in ("model", *HEAD_DRAFTERS) and draft_dir is not None:
         raise InvalidConfigError(f"draft={str(draft_dir)!r} is given but speculation.drafter={drafter!r} does not "
-                                 "use it: allowed drafter='model' (or None) with a draft checkpoint")
-    if spec.draft_dtype is not None and draft_dir is None:
+                                 "use it: allowed drafter='model' (or None) with a draft checkpoint, 'medusa' or "
+                                 "'eagle' with a head directory")
+    if spec.draft_dtype is not None and drafter != "model":
         raise InvalidConfigError(f"speculation.draft_dtype={spec.draft_dtype!r} needs a draft checkpoint (draft=None)")
     if precision is not None and kernels.attention is not None:
         raise InvalidConfigError(f"kernels.attention={kernels.attention!r} is invalid with a plan: precision.plan "
@@ -140,14 +149,22 @@ def assemble(target_dir: str | Path, draft_dir: str | Path | None, spec: Specula
             "cpu_decode_step": stepped, **step_info({"target": target, "draft": draft_model}),
             "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
             "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
-    return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info)
+    head = None
+    if drafter_name in HEAD_DRAFTERS:  # checked against the target (DraftMismatchError), in its dtype
+        assert draft_dir is not None
+        head = HEAD_DRAFTERS[drafter_name](*load_head(draft_dir, target, tok.vocab(), kind=drafter_name), target)
+    return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info, head)
 
 
 def parts_from_models(target: Transformer, tokenizer: Any, draft_model: Transformer | None, drafter: str | None,
                       spec: SpeculationConfig, kernels: KernelOptions, dev: torch.device, vocab: int | None = None,
-                      info: dict[str, Any] | None = None) -> Parts:
-    """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy."""
-    k_max = spec.resolved_k_max
+                      info: dict[str, Any] | None = None, head: HeadDrafter | None = None) -> Parts:
+    """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy.
+    ``head``: the drafter of a trained head (medusa / eagle), built by ``assemble``."""
+    k_max, k = spec.resolved_k_max, spec.k
+    if head is not None and head.cfg.max_drafts is not None:  # medusa: one draft per head
+        k_max = min(k_max, head.cfg.max_drafts)
+        k = min(k, k_max)
     target_fwd: Any = target
     draft_fwd: Any = draft_model
     graphs: list[GraphedForward] = []
@@ -156,8 +173,9 @@ def parts_from_models(target: Transformer, tokenizer: Any, draft_model: Transfor
                                 emulate=kernels.emulate_graphs)
         target_fwd, draft_fwd = tg, (dg if dg is not None else draft_model)
         graphs = [tg] + ([dg] if dg is not None else [])
-    d = make_drafter(drafter, target_fwd, draft_fwd, target.config.num_hidden_layers, spec)
-    policy = KPolicy(name=spec.k_policy, k=spec.k, k_min=spec.k_min, k_max=k_max) if d is not None else None
+    d = head if head is not None else make_drafter(drafter, target_fwd, draft_fwd, target.config.num_hidden_layers,
+                                                   spec)
+    policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if d is not None else None
     info = {**(info or {}), "drafter": drafter if d is not None else None}
     return Parts(target=target, tokenizer=tokenizer, draft_model=draft_model, drafter=d, policy=policy,
                  vocab=vocab or target.config.vocab_size, device=dev, target_forward=target_fwd, graphs=graphs,

@@ -118,7 +118,9 @@ class Engine:
         if self._costs is None and self.drafter is not None:
             assert self.policy is not None
             layers = self.drafter.n_layers if isinstance(self.drafter, EarlyExitDrafter) else None
-            self._costs = measure_costs(self.target, self.draft_model, k_max=self.policy.k_max, draft_layers=layers)
+            step_fn = getattr(self.drafter, "step_fn", None)  # a head's step (spec/head_drafters.py)
+            self._costs = measure_costs(self.target, self.draft_model, k_max=self.policy.k_max, draft_layers=layers,
+                                        draft_fn=step_fn() if step_fn is not None else None)
             log.info("measured costs: c=%.3f v=%s", self._costs.c, self._costs.v)
         return self._costs
 

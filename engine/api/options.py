@@ -34,6 +34,7 @@ class SpeculationConfig:
 
     drafter: str | None = None
     """"model" (a draft checkpoint), "ngram" (prompt lookup), "early-exit" (the target's first layers),
+    "medusa" / "eagle" (a trained head directory as the draft: engine/spec/heads.py, specmix-train-draft),
     or None: "model" when a draft checkpoint is given, else plain decoding."""
     k: int = 5
     """Draft tokens per round at the start (the fixed K of the "constant" policy)."""

@@ -55,20 +55,23 @@ def calibrate_ngram(target_dir: Path, plan: Any, calib_text: str, *, device: str
 
 
 def calibrate(target_dir: Path, draft_dir: Path, plan: Any, calib_text: str, *, device: str = "cpu",
-              k_probe: int = 4, k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48) -> dict[str, Any]:
-    """The profile's speculation section for a model drafter."""
-    spec = SpeculationConfig(k=k_probe, k_policy="constant", k_max=k_search)
+              k_probe: int = 4, k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48,
+              drafter: str = "model") -> dict[str, Any]:
+    """The profile's speculation section for a draft model or a trained head (drafter "medusa" / "eagle":
+    its K is capped at its heads; the head is not quantized, so both acceptances are the same run's)."""
+    spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search)
     planned = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text),
                                      device=device)
     prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
-    a = acceptance(planned, prompts, max_new_tokens)
-    fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device,
-                                        precision=PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text))
-    a16 = acceptance(fp16_draft, prompts, max_new_tokens)
+    a = a16 = acceptance(planned, prompts, max_new_tokens)
+    if drafter == "model":
+        fp16 = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
+        fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device, precision=fp16)
+        a16 = acceptance(fp16_draft, prompts, max_new_tokens)
     costs = planned.costs
-    assert costs is not None
-    k, k_min, k_max, speedup = k_bounds(a, costs, k_search)
-    return {"drafter": "model", "k": k, "k_min": k_min, "k_max": k_max, "policy": "cost-model",
+    assert costs is not None and planned.policy is not None
+    k, k_min, k_max, speedup = k_bounds(a, costs, min(k_search, planned.policy.k_max))
+    return {"drafter": drafter, "k": k, "k_min": k_min, "k_max": k_max, "policy": "cost-model",
             "acceptance": a, "acceptance_fp16_draft": a16, "c": costs.c,
             "v": {str(j): x for j, x in sorted(costs.v.items())}, "predicted_speedup": speedup,
             "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True}}

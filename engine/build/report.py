@@ -289,7 +289,8 @@ def _plan_section(p: Mapping[str, Any]) -> list[str]:
     out += _table(["model", "modules", "storage", "kernel", "scaling", "why"], rows)
     out += _per_layer_rows(plan)
     rows = [[role, _mib(mem[role]["bytes"]), _mib(mem[role]["fp16_bytes"]),
-             f"{mem[role]['bytes'] / mem[role]['fp16_bytes']:.3f}"] for role in ("target", "draft") if mem.get(role)]
+             f"{mem[role]['bytes'] / mem[role]['fp16_bytes']:.3f}"] for role in ("target", "draft")
+            if mem.get(role) and mem[role]["fp16_bytes"]]  # no draft, or a draft head: no planned weights
     out += _table(["weights", "planned", "FP16", "ratio"], rows)
     out += [f"KV cache {_mib(mem['kv_cache_bytes'])} for max_batch {mem['max_batch']} x max_seq_len "
             f"{mem['max_seq_len']}; weights and KV cache fit the memory budget of {_mib(mem['budget_bytes'])}.", ""]

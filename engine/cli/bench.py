@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Decode speed of plain, speculative and transformers generation on one pair.
 
-    python tools/bench.py [--target DIR --draft DIR] [--prompts FILE] [--json FILE] [--plot FILE.png]
+    python tools/bench.py [--target DIR --draft DIR] [--medusa DIR] [--eagle DIR] [--prompts FILE] [--json FILE]
+                          [--plot FILE.png]
+
+--medusa / --eagle: trained heads for the target (specmix-train-draft) add the modes specmix-medusa /
+specmix-eagle; their rows report the head's measured draft cost c beside the draft model's.
 
 --sweep-k 1,2,4 adds the draft-model drafter at each fixed K (adaptive K off) as modes
 specmix-model-k1, ...; --plot draws speedup vs K (measured and predicted by the cost model),
@@ -36,7 +40,8 @@ from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
 from engine.spec.adaptive import Costs, best_k, expected_speedup
 
-SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit"}
+SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit",
+              "specmix-medusa": "medusa", "specmix-eagle": "eagle"}  # the heads' modes need --medusa / --eagle
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
 DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
 DTYPES = ("float32", "bfloat16")
@@ -46,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path)
     p.add_argument("--draft", type=Path)
+    p.add_argument("--medusa", type=Path, help="trained Medusa heads (specmix-train-draft --kind medusa): adds "
+                   "the specmix-medusa mode")
+    p.add_argument("--eagle", type=Path, help="a trained EAGLE-style head (specmix-train-draft --kind eagle): adds "
+                   "the specmix-eagle mode")
     p.add_argument("--demo-size", default="demo")
     p.add_argument("--prompts", type=Path, help="one prompt per line (default: 4 from the demo held-out text)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -185,8 +194,12 @@ def bench(a: argparse.Namespace) -> int:
     dt = a.dtype
     opts = {"dtype": dt, "kernels": KernelOptions(attention=a.attention)}
     engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, **opts)}
+    heads = {"medusa": a.medusa, "eagle": a.eagle}
     for mode, drafter in SPEC_MODES.items():
-        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=a.k), **opts)
+        if drafter in heads and heads[drafter] is None:
+            continue
+        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else heads.get(drafter),
+                                               speculation=SpeculationConfig(drafter=drafter, k=a.k), **opts)
     costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
     for mode, k in sweep_modes.items():

@@ -42,6 +42,7 @@ from engine.core.errors import InvalidConfigError
 from engine.core.files import write_bytes_atomic, write_json_atomic
 from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS
 from engine.serve.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD
+from engine.spec.heads import is_head_dir, read_head_config
 from quant.catalog import gpu_for_device_name, lookup_gpu
 from quant.plan import DEFAULT_PRECISION, make_plan
 
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", required=True, help="catalog name (quant/gpus.json, e.g. a100, h100, l4) or 'auto'")
     p.add_argument("--target", type=Path, help="target checkpoint directory (default: the demo pair)")
-    p.add_argument("--draft", type=Path, help="draft checkpoint directory (default: the demo pair)")
+    p.add_argument("--draft", type=Path, help="draft checkpoint directory, or a trained head directory "
+                   "(specmix-train-draft --kind medusa|eagle) (default: the demo pair)")
     p.add_argument("--demo-size", default="demo", help="demo pair size when no models are given (demo|tiny)")
     p.add_argument("--eval-text", type=Path, help="evaluation text (default: the demo pair's held-out text)")
     p.add_argument("--calib-text", type=Path, help="calibration text, never the eval text "
@@ -161,8 +163,10 @@ def ladder(a: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], device: str) -> tuple[Any, list]:
     """Try the plans in order; return (the first passing plan or None, every attempt's record)."""
+    # no draft, or a trained head (specmix-train-draft --kind medusa|eagle), which is no draft model: the plan
+    # has no draft part
     tcfg = load_config(inp["target"])
-    dcfg = load_config(inp["draft"]) if inp["draft"] is not None else None
+    dcfg = None if inp["draft"] is None or is_head_dir(inp["draft"]) else load_config(inp["draft"])
     ref = Engine.from_pretrained(inp["target"], device=device)
     ids = load_eval_ids(ref.tokenizer, inp["eval_text"], max_tokens=a.max_eval_tokens)
     context = min(512, tcfg.max_position_embeddings)
@@ -208,7 +212,8 @@ def build(a: argparse.Namespace) -> int:
     if inp["draft"] is None:
         spec = calibrate_ngram(inp["target"], plan, inp["calib_text"], device=device)
     else:
-        spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device)
+        drafter = read_head_config(inp["draft"]).kind if is_head_dir(inp["draft"]) else "model"
+        spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device, drafter=drafter)
     profile = make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a)
     report = build_report_files(profile, Path(out))  # rendered before anything is written
     write_json_atomic(Path(out), profile)
@@ -228,6 +233,13 @@ def build(a: argparse.Namespace) -> int:
     return 0
 
 
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    """A checkpoint's ModelConfig, or a trained head's config (engine/spec/heads.py)."""
+    if is_head_dir(model_dir):
+        return dataclasses.asdict(read_head_config(model_dir))
+    return load_config(model_dir).to_dict()
+
+
 def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a) -> dict[str, Any]:
     m = plan.memory
     ref = (lambda p: model_ref(p, inp["demo"]))
@@ -240,7 +252,7 @@ def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens,
         "device": device,
         "models": {role: None if inp[role] is None else
                    {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]),
-                    "config": load_config(inp[role]).to_dict()} for role in ("target", "draft")},
+                    "config": _model_config(inp[role])} for role in ("target", "draft")},
         "precision": plan.precision,
         "plan": plan.to_dict(),
         "memory": {"target": {"bytes": m.target_weight_bytes, "fp16_bytes": m.target_fp16_bytes},

@@ -31,6 +31,10 @@ class VocabMismatchError(EngineError, ValueError):
     """Draft and target tokenizers do not share a vocabulary."""
 
 
+class DraftMismatchError(CheckpointError, ValueError):
+    """A draft head's checkpoint does not fit the target (shape, vocabulary, another target) or the drafter."""
+
+
 class KernelUnavailableError(EngineError, RuntimeError):
     """A plan or profile asks for a kernel this machine lacks."""
 

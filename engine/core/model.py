@@ -349,8 +349,10 @@ class Transformer(nn.Module):
         logits_idx: Tensor | None = None,  # [B] -> logits [B,V]; [B,J] -> [B,J,V]: positions to score
         n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
         start: int | None = None,  # promise: rows is None and input_pos[b] == start..start+T-1 for every b
-    ) -> Tensor:
+        return_hidden: bool = False,  # also return the final-norm output (the LM head's input) of those positions
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward.
+        With ``return_hidden``: (logits, features [..., H]), the features the draft heads read (spec/heads.py).
 
         ``start`` lets the cache path skip index scatters and gathers: the new keys go in with a
         slice copy, the rotary table is sliced, and a single-token step needs no mask.
@@ -361,7 +363,7 @@ class Transformer(nn.Module):
         step = self.layer_step
         if cache is not None and step is not None and step.takes(tokens, cache):
             assert kv_len is not None, "kv_len is required with a cache"
-            return step(tokens, input_pos, rows, cache, kv_len, n_layers, logits_idx)
+            return step(tokens, input_pos, rows, cache, kv_len, n_layers, logits_idx, return_hidden)
         x = self.embed_tokens(tokens)
         window = self.config.sliding_window
         if cache is None:
@@ -392,4 +394,5 @@ class Transformer(nn.Module):
         if logits_idx is not None:
             b = torch.arange(B, device=x.device)
             x = x[b, logits_idx] if logits_idx.dim() == 1 else x[b[:, None], logits_idx]
-        return self.lm_head(self.norm(x))
+        h = self.norm(x)
+        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)

@@ -141,19 +141,23 @@ class DecodeStep:
         self.impl = cpu_kernels().DecodeModel(weights, cfg.num_attention_heads, cfg.num_key_value_heads,
                                               cfg.sliding_window or 0, cfg.rms_norm_eps, self.amx)
         self._empty = torch.empty(0, dtype=torch.long)
+        self._empty_f = torch.empty(0)
 
     def takes(self, tokens: Tensor, cache: KVCache) -> bool:
         """Whether this call (tokens [B,T]) goes through the kernel: a fp32 cache and no autograd."""
         return cache.k.dtype == torch.float32 and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
 
     def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
-                 n_layers: int | None, logits_idx: Tensor | None) -> Tensor:
+                 n_layers: int | None, logits_idx: Tensor | None, return_hidden: bool = False
+                 ) -> Tensor | tuple[Tensor, Tensor]:
         """tokens, pos [B,T]; rows [B] cache rows (None: 0..B-1) -> logits [B,T,V] ([B,V] / [B,J,V] at
-        logits_idx [B] / [B,J]), like ``Transformer.forward``."""
+        logits_idx [B] / [B,J]), like ``Transformer.forward`` (with ``return_hidden``: and the final-norm outputs)."""
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
-        return self.impl.forward(tokens, pos, self._empty if rows is None else rows,
-                                 self._empty if logits_idx is None else logits_idx, kv_len,
-                                 self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin)
+        hidden = torch.empty(1) if return_hidden else self._empty_f
+        logits = self.impl.forward(tokens, pos, self._empty if rows is None else rows,
+                                   self._empty if logits_idx is None else logits_idx, kv_len,
+                                   self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin, hidden)
+        return (logits, hidden) if return_hidden else logits
 
     def greedy(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
                n_layers: int | None, last: Tensor, steps: int, vocab: int) -> Tensor:

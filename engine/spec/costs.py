@@ -41,14 +41,18 @@ def cached_forward(model: Transformer, n_tokens: int, *, context: int = 64, batc
 
 @torch.no_grad()
 def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int = 8,
-                  draft_layers: int | None = None, batch: int = 1, reps: int = 7) -> Costs:
-    """c and v(K) for K in 1..k_max. ``draft`` None with draft_layers: early exit; both None: n-gram (c = 0)."""
+                  draft_layers: int | None = None, batch: int = 1, reps: int = 7,
+                  draft_fn: Callable[[], object] | None = None) -> Costs:
+    """c and v(K) for K in 1..k_max. ``draft`` None with draft_layers: early exit; ``draft_fn``: one step of
+    another drafter (a head: spec/head_drafters.py); none of them: n-gram (c = 0)."""
     dev = target.norm.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     step = cached_forward(target, 1, batch=batch)
     verify = {k: cached_forward(target, k + 1, batch=batch) for k in range(1, k_max + 1)}
-    if draft is not None:
-        dstep: Callable[[], object] | None = cached_forward(draft, 1, batch=batch)
+    if draft_fn is not None:
+        dstep: Callable[[], object] | None = draft_fn
+    elif draft is not None:
+        dstep = cached_forward(draft, 1, batch=batch)
     elif draft_layers is not None:
         dstep = cached_forward(target, 1, batch=batch, n_layers=draft_layers)
     else:

@@ -25,7 +25,7 @@ from engine.spec.sampling import RowProcessing, sample_from_probs
 if TYPE_CHECKING:
     from engine.spec.seq import Seq
 
-DRAFTERS = ("model", "ngram", "early-exit")
+DRAFTERS = ("model", "ngram", "early-exit", "medusa", "eagle")  # the last two: spec/head_drafters.py
 
 
 @dataclass

@@ -139,8 +139,13 @@ class DecodeLoop:
         kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
         idx = (catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)  # [B, K+1]
         aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
-        logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
-                             start=active[0].tlen if aligned else None)  # [B, K+1, Vt]
+        feats: Tensor | None = None
+        if getattr(self.drafter, "needs_features", False):
+            logits, feats = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
+                                        start=active[0].tlen if aligned else None, return_hidden=True)
+        else:
+            logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
+                                 start=active[0].tlen if aligned else None)  # [B, K+1, Vt]
         if self.inject_nan is not None:
             for b, s in enumerate(active):
                 if self.inject_nan(s):
@@ -154,6 +159,8 @@ class DecodeLoop:
             assert uniforms is not None and final_noise is not None
             q = proc.probs_at(logits[..., :V], drafts, 0)  # [B, K+1, V], penalties per draft position
             out, nacc = rejection_sample(drafts, dprobs, q, num_draft, uniforms, final_noise)
+        if feats is not None:  # the feature that scored each row's new last token (position of its a-th draft)
+            feats = feats[torch.arange(B, device=dev), nacc]
         res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
         lp_rows = {b: s.params.logprobs for b, s in enumerate(active) if s.params.logprobs is not None}
         lps = self._logprobs(logits[..., :V], out, lp_rows) if lp_rows else {}
@@ -173,6 +180,8 @@ class DecodeLoop:
                 continue
             n_before, a, k = len(s.tokens), res[b][-2], ks[b]
             s.tlen = n_before + a
+            if feats is not None:
+                s.feature = feats[b]
             if proposed and self.drafter is not None:
                 self.drafter.after_verify(s, n_before, a, proposed)
             s.stats.record(k, a)

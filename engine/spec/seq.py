@@ -74,6 +74,9 @@ class Seq:
     decoder: Any = None  # its tokenizers DecodeStream
     stop_token: bool = False  # ended by a stop_token_ids token: its text is not part of the output
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
+    # the target's feature (final-norm output) at the position that scored the last committed token, kept
+    # for drafters that read it (spec/head_drafters.py: ``needs_features``); None before the first verify
+    feature: Any = None
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -13,10 +13,13 @@ class DecodeModel {
   // float16 or bfloat16, everything else float32. amx: the GEMMs on AMX tiles (bf16 GEMM weights, packed here)
   DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window, double eps,
               bool amx);
-  // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers
+  // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers;
+  // hidden: empty, or a float32 tensor the scored rows' final-norm outputs are written to (its shape becomes
+  // the logits' with H in place of V)
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
-                        torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin) const;
+                        torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+                        torch::Tensor hidden) const;
   // greedy drafting in one call: forward scored at last [B], then steps - 1 one-token forwards on the argmax
   // over the first vocab logits -> the steps argmaxes [B, steps] int64 (the caches hold every fed token)
   torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,

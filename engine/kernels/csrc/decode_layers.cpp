@@ -261,11 +261,12 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, in
 }
 
 // tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1) -> logits of the rows chosen
-// by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]; the first n_layers layers
+// by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]; the first n_layers layers. A non-empty
+// float32 `hidden` is resized to that shape with H for V and receives the scored rows' final-norm outputs
 torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                                    const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                    torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                                   const torch::Tensor& sin) const {
+                                   const torch::Tensor& sin, torch::Tensor hidden) const {
   TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
@@ -320,6 +321,13 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
     rms_norm(x.data() + sel[r] * H, norm.data_ptr<float>(), normed.data() + r * H, 1, H, static_cast<float>(eps_));
   torch::Tensor logits = torch::empty(shape, embed.options());
   gemm(amx_, normed.data(), head, logits.data_ptr<float>(), R, H, V);
+  if (hidden.numel() > 0) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat, "decode_forward: hidden float32");
+    std::vector<int64_t> hshape(shape);
+    hshape.back() = H;
+    hidden.resize_(hshape);
+    std::copy_n(normed.data(), R * H, hidden.data_ptr<float>());
+  }
   return logits;
 }
 
@@ -331,7 +339,8 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
                                   int64_t steps, int64_t vocab) const {
   TORCH_CHECK(steps >= 1 && vocab >= 1 && vocab <= vocab_, "greedy: steps >= 1 and 1 <= vocab <= ", vocab_);
   TORCH_CHECK(last.dim() == 1, "greedy: last [B]");
-  torch::Tensor logits = forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin);
+  const torch::Tensor none = torch::empty({0}, tokens.options().dtype(at::kFloat));
+  torch::Tensor logits = forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin, none);
   const int64_t B = tokens.size(0), T = tokens.size(1);
   const torch::Tensor pc = pos.contiguous(), lc = last.contiguous();
   auto opts = tokens.options().dtype(at::kLong);
@@ -350,7 +359,7 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
       next.data_ptr<int64_t>()[b] = pc.data_ptr<int64_t>()[b * T + lc.data_ptr<int64_t>()[b]] + 1 + i;
     }
     if (i + 1 < steps)
-      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin);
+      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin, none);
   }
   return out;
 }

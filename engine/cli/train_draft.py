@@ -1,0 +1,63 @@
+"""``specmix-train-draft`` / tools/train_draft.py: train a draft model, Medusa heads or an EAGLE-style head.
+
+    specmix-train-draft --target DIR --kind model|medusa|eagle --out DIR [--text FILE] [--steps N]
+                        [--layers N] [--hidden N] [--heads N] [--draft-vocab N] [--samples N] [--device cpu|cuda]
+
+The target generates the training text itself (prompts cut from --text, default the demo corpus's
+training split; never give it the evaluation text). Interrupted runs resume from ``--out``.
+Load the result with ``Engine.from_pretrained(target, OUT, drafter=KIND)``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from engine.core.cli import OneLineParser, run_tool
+from engine.core.errors import InvalidConfigError
+from engine.demo.distill import KINDS, TrainOptions, train_draft
+
+
+def parse_args(argv: list[str] | None) -> object:
+    p = OneLineParser(prog="specmix-train-draft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, required=True, help="the target's checkpoint directory")
+    p.add_argument("--kind", required=True, choices=KINDS)
+    p.add_argument("--out", type=Path, required=True, help="output directory (resumes what is there)")
+    p.add_argument("--text", type=Path, help="prompt text (default: the demo corpus's training split)")
+    p.add_argument("--steps", type=int, help="training steps (default: model 1500, heads 600)")
+    p.add_argument("--layers", type=int, help="model: layers (2); medusa: blocks per head (1); eagle: MLP blocks (1)")
+    p.add_argument("--hidden", type=int, help="model: hidden size (target's / 3); eagle: MLP width (target's)")
+    p.add_argument("--heads", type=int, default=4, help="medusa: heads (drafts per round); eagle: unrolled depth")
+    p.add_argument("--draft-vocab", type=int, help="heads: a reduced draft vocabulary of this many tokens")
+    p.add_argument("--samples", type=int, default=256, help="sequences the target generates (256)")
+    p.add_argument("--gen-len", type=int, default=224, help="tokens generated per sequence (224)")
+    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled sequences (0.8)")
+    p.add_argument("--greedy-share", type=float, default=0.5, help="share of the sequences continued greedily (0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def _text(path: Path | None) -> str:
+    if path is None:
+        from engine.demo.recipe import demo_texts
+
+        return demo_texts()["train"]
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidConfigError(f"--text {path}: unreadable ({e})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body() -> int:
+        a = parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        opts = TrainOptions(kind=a.kind, steps=a.steps, layers=a.layers, hidden=a.hidden, heads=a.heads,
+                            draft_vocab=a.draft_vocab, samples=a.samples, gen_len=a.gen_len,
+                            temperature=a.temperature, greedy_share=a.greedy_share, seed=a.seed)
+        report = train_draft(a.target, a.out, opts, _text(a.text), device=a.device, progress=not a.quiet)
+        print(json.dumps(report, indent=2))
+        return 0
+    return run_tool("specmix-train-draft", body)

@@ -1,0 +1,291 @@
+"""Training a draft for any target: a small draft model, Medusa heads or an EAGLE-style head.
+
+``train_draft(target_dir, out, opts, text)``: the target generates text from prompts cut out of
+``text`` (engine/demo/distill_data.py), then the draft learns the target's soft labels on it:
+KL(target || draft) over the target's top-k tokens plus one bucket for the rest of the vocabulary
+(with a reduced draft vocabulary the top-k tokens outside it count toward that bucket), mixed with
+the hard next-token label. The EAGLE head is unrolled ``depth`` steps (step j reads its own feature
+from step j - 1, as when drafting) with a regression of each predicted feature on the target's.
+
+Resumable: the data is cached in ``out``/distill_data.pt and the training state (weights,
+optimizer, step, RNG) in ``out``/train_state.pt every ``save_every`` steps; both are removed when
+the draft is written (a head: engine/spec/heads.py's format; a model: a Hugging Face checkpoint with
+the target's tokenizer).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from engine.core.errors import InvalidConfigError
+from engine.demo.distill_data import DistillData, cut_prompts, generate, label
+from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
+
+log = logging.getLogger(__name__)
+
+KINDS = ("model", "medusa", "eagle")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    kind: str = "eagle"
+    steps: int | None = None  # default: default_steps(kind)
+    layers: int | None = None  # model: layers (2); medusa: blocks per head (1); eagle: MLP blocks (1)
+    hidden: int | None = None  # model: hidden size (target's / 3, a multiple of 64); eagle: MLP width (target's)
+    heads: int = 4  # medusa: heads (draft positions); eagle: the unrolled depth trained
+    draft_vocab: int | None = None  # heads: the most frequent tokens of the generated text (None: all)
+    samples: int = 256  # generated sequences
+    prompt_len: int = 32
+    gen_len: int = 224
+    temperature: float = 0.8
+    greedy_share: float = 0.5  # of the sequences continued greedily (the rest sampled at temperature)
+    topk: int = 32
+    positions: int = 512  # heads: (sequence, position) windows per step; model: tokens per step / T
+    lr: float | None = None  # default: 3e-3 (heads), 3e-3 (model)
+    hard_weight: float = 0.1
+    reg_weight: float = 0.5  # eagle: weight of the feature regression (smooth L1)
+    warmup: int = 20
+    save_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidConfigError(f"kind={self.kind!r} is invalid: allowed {', '.join(KINDS)}")
+        for name in ("steps", "layers", "hidden", "draft_vocab"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int >= 1 or None (the default)")
+        for name in ("heads", "samples", "prompt_len", "gen_len", "topk", "positions", "save_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int >= 1")
+        if not self.temperature >= 0:
+            raise InvalidConfigError(f"temperature={self.temperature!r} is invalid: allowed a float >= 0")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise InvalidConfigError(f"greedy_share={self.greedy_share!r} is invalid: allowed 0.0 .. 1.0")
+
+
+def default_steps(kind: str) -> int:
+    return {"model": 1500, "medusa": 600, "eagle": 600}[kind]
+
+
+def kl_loss(logq: Tensor, vals: Tensor, idx: Tensor, pos_of: Tensor | None) -> Tensor:
+    """KL(target || draft) per row over the target's top-k + one bucket for the rest.
+
+    logq [R, V'] draft log-probs over its vocabulary; vals, idx [R, k] the target's top-k log-probs and
+    full-vocabulary ids; pos_of [V] the draft-vocabulary index of each id (-1: not in it; None: identity)."""
+    t_lp = vals.float()
+    pos = idx.long() if pos_of is None else pos_of[idx.long()]
+    inside = pos >= 0
+    d_lp = logq.gather(-1, pos.clamp_min(0))
+    t_p = t_lp.exp() * inside
+    t_rest = (1 - t_p.sum(-1)).clamp_min(0)
+    d_rest = torch.log1p(-(d_lp.exp() * inside).sum(-1).clamp_max(1 - 1e-6))
+    return (t_p * (t_lp - d_lp)).sum(-1) + torch.xlogy(t_rest, t_rest) - t_rest * d_rest
+
+
+def _hard(logq: Tensor, nxt: Tensor, pos_of: Tensor | None) -> Tensor:
+    pos = nxt if pos_of is None else pos_of[nxt]
+    keep = pos >= 0
+    return -(logq.gather(-1, pos.clamp_min(0)[:, None])[:, 0] * keep).sum() / keep.sum().clamp_min(1)
+
+
+def frequent_tokens(data: DistillData, n: int, vocab_size: int) -> Tensor:
+    """The ``n`` most frequent ids of the data's text (sorted ascending)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    mask = torch.arange(data.tokens.shape[1])[None] < data.lengths[:, None]
+    counts.index_add_(0, data.tokens[mask], torch.ones(int(mask.sum()), dtype=torch.long))
+    return counts.topk(min(n, vocab_size)).indices.sort().values
+
+
+def _windows(data: DistillData, n: int, depth: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """n random (row, t) with t + depth < length - 1 (every step of the window has a next token)."""
+    ok = torch.arange(data.tokens.shape[1])[None] + depth < data.lengths[:, None] - 1
+    flat = ok.flatten().nonzero()[:, 0]
+    pick = flat[torch.randint(0, len(flat), (n,), generator=g)]
+    return pick // data.tokens.shape[1], pick % data.tokens.shape[1]
+
+
+def head_loss(kind: str, head: nn.Module, target: Any, lm_w: Tensor, pos_of: Tensor | None, data: DistillData,
+              opts: TrainOptions, g: torch.Generator) -> Tensor:
+    """One batch's loss for medusa (head i on h_t vs q_{t+1+i}) or eagle (unrolled depth steps)."""
+    depth = opts.heads
+    rows, t = _windows(data, opts.positions, depth, g)
+    steps = t[:, None] + torch.arange(depth + 1)  # [R, depth + 1]
+    assert data.features is not None
+    h = data.features[rows[:, None], steps].float()  # [R, depth + 1, H]
+    total = torch.zeros(())
+    if kind == "medusa":
+        f = head(h[:, 0], depth)  # [R, depth, H]
+    else:
+        f_prev, outs = h[:, 0], []
+        emb = target.embed_tokens(data.tokens[rows[:, None], steps[:, 1:]]).float()  # tokens t+1 .. t+depth
+        for j in range(depth):
+            f_prev = head(f_prev, emb[:, j])
+            outs.append(f_prev)
+        f = torch.stack(outs, 1)
+        total = total + opts.reg_weight * F.smooth_l1_loss(f, h[:, 1:])
+    for j in range(depth):
+        q_pos = steps[:, j + 1]  # the position whose target distribution draft j + 1 is scored against
+        logq = F.linear(f[:, j], lm_w).float().log_softmax(-1)
+        kl = kl_loss(logq, data.vals[rows, q_pos], data.idx[rows, q_pos], pos_of).mean()
+        hard = _hard(logq, data.tokens[rows, q_pos + 1], pos_of)
+        total = total + 0.8 ** j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard)
+    return total
+
+
+def model_loss(draft: nn.Module, data: DistillData, opts: TrainOptions, g: torch.Generator) -> Tensor:
+    """KL on whole sequences: positions // T rows per step."""
+    T = data.tokens.shape[1]
+    rows = torch.randint(0, len(data.tokens), (max(1, opts.positions // T),), generator=g)
+    x = data.tokens[rows]
+    logq = draft(x).float().log_softmax(-1)
+    valid = data.valid()[rows]
+    kl = kl_loss(logq[valid], data.vals[rows][valid], data.idx[rows][valid], None).mean()
+    hard = F.nll_loss(logq[valid], x[:, 1:][valid[:, :-1]]) if T > 1 else kl * 0
+    return (1 - opts.hard_weight) * kl + opts.hard_weight * hard
+
+
+def _lr(step: int, total: int, warmup: int, lr: float) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+
+
+def train_loop(module: nn.Module, loss_fn: Callable[[torch.Generator], Tensor], opts: TrainOptions, steps: int,
+               state_path: Path, progress: bool) -> float:
+    """AdamW with warmup + cosine, clip 1.0; resumes from ``state_path`` and saves it every save_every steps."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    lr = opts.lr or 3e-3
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(opts.seed + 7)
+    start, ema = 0, float("nan")
+    if state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        module.load_state_dict(st["module"])
+        opt.load_state_dict(st["opt"])
+        g.set_state(st["rng"])
+        start, ema = st["step"], st["ema"]
+        log.info("resuming the training at step %d of %d", start, steps)
+    module.train()
+    bar = tqdm(range(start, steps), desc="training", disable=not progress, leave=False, initial=start, total=steps)
+    for step in bar:
+        loss = loss_fn(g)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for grp in opt.param_groups:
+            grp["lr"] = _lr(step, steps, opts.warmup, lr)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if (step + 1) % opts.save_every == 0 and step + 1 < steps:
+            tmp = state_path.with_name(state_path.name + f".tmp-{os.getpid()}")
+            torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "rng": g.get_state(),
+                        "step": step + 1, "ema": ema}, tmp)
+            os.replace(tmp, state_path)
+    module.eval()
+    return ema
+
+
+def draft_model_config(target_cfg: Any, layers: int, hidden: int) -> Any:
+    heads = max(1, hidden // 64)
+    return replace(target_cfg, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                   tie_word_embeddings=True)
+
+
+def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
+    """A Hugging Face checkpoint: the target's tokenizer files and config.json with the draft's shape (last)."""
+    from safetensors.torch import save_file
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (target_dir / name).is_file():
+            shutil.copyfile(target_dir / name, out / name)
+    tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().contiguous().clone()
+               for k, v in draft.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
+    c = draft.config
+    raw.pop("quantization_config", None)
+    raw.update(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, tie_word_embeddings=True, torch_dtype="float32")
+    tmp = out / f"config.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "config.json")
+
+
+def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, text: str, *,
+                device: str = "cpu", progress: bool = True, engine: Any = None) -> dict[str, Any]:
+    """Generate, label, train and write the draft into ``out``; returns a report (also out/train_report.json)."""
+    from engine.api.engine import Engine
+
+    target_dir, out = Path(target_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eng = engine or Engine.from_pretrained(target_dir, device=device)
+    target = eng.target
+    report: dict[str, Any] = {"options": asdict(opts)}
+    data_path = out / "distill_data.pt"
+    if data_path.is_file():
+        data = DistillData.load(data_path)
+        log.info("using the cached distillation data in %s", data_path)
+    else:
+        ids = eng.tokenizer.encode(text)
+        prompts = cut_prompts(ids, opts.samples, opts.prompt_len, opts.seed)
+        seqs, gen_s = generate(eng, prompts, opts.gen_len, opts.temperature, opts.seed, progress,
+                               greedy_share=opts.greedy_share)
+        data = label(target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, progress)
+        data.gen_seconds = gen_s
+        data.save(data_path)
+    report.update(generated_tokens=data.generated_tokens, gen_s=round(data.gen_seconds, 1),
+                  gen_tokens_per_s=round(data.generated_tokens / max(data.gen_seconds, 1e-9), 1),
+                  label_s=round(data.label_seconds, 1))
+    steps = opts.steps or default_steps(opts.kind)
+    t0 = time.perf_counter()
+    state = out / "train_state.pt"
+    cfg = target.config
+    if opts.kind == "model":
+        from engine.core.model import Transformer
+
+        hidden = opts.hidden or max(64, cfg.hidden_size // 3 // 64 * 64)
+        torch.manual_seed(opts.seed)
+        draft = Transformer(draft_model_config(cfg, opts.layers or 2, hidden))
+        for p in draft.parameters():
+            (nn.init.ones_ if p.dim() == 1 else lambda t: nn.init.normal_(t, std=0.02))(p)
+        loss = train_loop(draft, lambda g: model_loss(draft, data, opts, g), opts, steps, state, progress)
+        save_draft_model(draft, target_dir, out)
+    else:
+        vocab_ids = None if opts.draft_vocab is None else frequent_tokens(data, opts.draft_vocab, cfg.vocab_size)
+        hcfg = HeadConfig(kind=opts.kind, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                          layers=opts.layers or 1, intermediate_size=opts.hidden or 0, num_heads=opts.heads,
+                          draft_vocab=None if vocab_ids is None else len(vocab_ids), rms_norm_eps=cfg.rms_norm_eps,
+                          target=target_fingerprint(target, eng.tokenizer.vocab()))
+        head = init_head(hcfg, target, opts.seed)
+        lm_w = target.lm_head.weight.detach().float()
+        pos_of = None
+        if vocab_ids is not None:
+            lm_w = lm_w[vocab_ids]
+            pos_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+            pos_of[vocab_ids] = torch.arange(len(vocab_ids))
+        loss = train_loop(head, lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
+                          opts, steps, state, progress)
+        save_head(head, hcfg, vocab_ids, out)
+    report.update(kind=opts.kind, steps=steps, train_s=round(time.perf_counter() - t0, 1), final_loss=round(loss, 4))
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    for p in (data_path, state):
+        p.unlink(missing_ok=True)
+    return report

@@ -1,0 +1,135 @@
+"""The drafters of trained heads: ``medusa`` and ``eagle`` (engine/spec/heads.py holds the heads).
+
+Both propose from the target's feature at the position that scored the last committed token
+(``Seq.feature``, which the loop stores after each verify pass from the hidden states the target
+returns beside its logits). A sequence has none before its first verify pass (its prefill): such a
+row proposes nothing that round, like an n-gram lookup that finds nothing.
+
+The draft distribution p of a draft is the head's logits processed like the target's (temperature,
+top-k, top-p: ``RowProcessing``), over the reduced draft vocabulary when the head has one and zero
+elsewhere; the acceptance rule is the same exact rule as for a draft model (the residual covers the
+tokens outside the draft vocabulary). Greedy batches return no distributions.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.core.model import Transformer
+from engine.spec.drafters import DraftBatch
+from engine.spec.heads import EagleHead, HeadConfig, MedusaHeads
+from engine.spec.sampling import sample_from_probs
+
+if TYPE_CHECKING:
+    from engine.spec.loop import Seq
+
+
+class HeadDrafter:
+    """Shared by both kinds: features in, drafts and their distributions out."""
+
+    probabilistic = True
+    needs_features = True  # the loop asks the target for its hidden states and fills Seq.feature
+
+    def __init__(self, head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, target: Transformer) -> None:
+        self.head, self.cfg, self.target, self.vocab_ids = head, cfg, target, vocab_ids
+        w = target.lm_head.weight
+        # the target's LM head (shared: the verifier's precision), or its rows of the draft vocabulary
+        self.head_weight = w if vocab_ids is None else w.detach()[vocab_ids].contiguous()
+
+    def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
+        pass  # a head keeps no cache
+
+    def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
+        pass  # the loop stores the new feature
+
+    def scores(self, f: Tensor) -> Tensor:
+        """Features [..., H] -> logits over the draft vocabulary [..., V']."""
+        return F.linear(f, self.head_weight)
+
+    def _features(self, seqs: list[Seq], dev: torch.device) -> tuple[Tensor, list[bool]]:
+        have = [s.feature is not None for s in seqs]
+        H = self.cfg.hidden_size
+        zero = torch.zeros(H, dtype=self.head_weight.dtype, device=dev)
+        return torch.stack([s.feature if s.feature is not None else zero for s in seqs]), have
+
+    def _draw(self, logits: Tensor, batch: DraftBatch, drafts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The next draft of every row from logits [B, V'] -> (full-vocabulary ids [B], probs [B, V] or None),
+        processed like the target's logits at that draft position (``probs_at``: penalties count the drafts)."""
+        if batch.processing.mode == "greedy":
+            d = logits.argmax(-1)
+            return (d if self.vocab_ids is None else self.vocab_ids[d]), None
+        i = len(drafts)
+        if self.vocab_ids is not None:  # -inf outside the draft vocabulary: probability 0 there
+            full = logits.new_full((logits.shape[0], batch.vocab), float("-inf"))
+            logits = full.index_copy_(1, self.vocab_ids, logits)
+        prev = torch.stack(drafts, 1) if drafts else None
+        p = batch.processing.probs_at(logits[:, None, : batch.vocab], prev, i)[:, 0]
+        assert batch.noise is not None
+        return sample_from_probs(p, batch.noise[:, i]), p
+
+    def _result(self, drafts: list[Tensor], probs: list[Tensor], have: list[bool], k: int, asked: int
+                ) -> tuple[Tensor, Tensor | None, list[int] | None]:
+        num = None if all(have) and k == asked else [k if h else 0 for h in have]
+        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None), num
+
+    def step_fn(self, batch: int = 1) -> Callable[[], object]:
+        """One draft step on random features (for measuring the cost ratio c)."""
+        raise NotImplementedError
+
+
+class MedusaDrafter(HeadDrafter):
+    """Head i proposes draft i + 1 from the same feature: one chain, all drafts at once."""
+
+    head: MedusaHeads
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
+        dev = batch.target_cache.k.device
+        f, have = self._features(batch.seqs, dev)
+        k = min(batch.k, self.cfg.num_heads)
+        logits = self.scores(self.head(f, k))  # [B, k, V']
+        drafts, probs = [], []
+        for i in range(k):
+            d, p = self._draw(logits[:, i], batch, drafts)
+            drafts.append(d)
+            if p is not None:
+                probs.append(p)
+        return self._result(drafts, probs, have, k, batch.k)
+
+    def step_fn(self, batch: int = 1) -> Callable[[], object]:
+        w = self.head_weight
+        f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        return lambda: self.scores(self.head(f, 1)).argmax(-1)
+
+
+class EagleDrafter(HeadDrafter):
+    """Autoregressive over features: the last committed token and its feature in, k drafts out."""
+
+    head: EagleHead
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
+        dev = batch.target_cache.k.device
+        f, have = self._features(batch.seqs, dev)
+        tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=dev)
+        drafts, probs = [], []
+        for _ in range(batch.k):
+            f = self.head(f, self.target.embed_tokens(tok))
+            tok, p = self._draw(self.scores(f), batch, drafts)
+            drafts.append(tok)
+            if p is not None:
+                probs.append(p)
+        return self._result(drafts, probs, have, batch.k, batch.k)
+
+    def step_fn(self, batch: int = 1) -> Callable[[], object]:
+        w = self.head_weight
+        f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        tok = torch.zeros(batch, dtype=torch.long, device=w.device)
+        return lambda: self.scores(self.head(f, self.target.embed_tokens(tok))).argmax(-1)
+
+
+HEAD_DRAFTERS: dict[str, type[HeadDrafter]] = {"medusa": MedusaDrafter, "eagle": EagleDrafter}
