@@ -7,6 +7,7 @@ Public surface (docs/design.md)::
 The names below load on first use, so importing a low layer (``engine.core``) does not
 pull in the whole engine (the import order of the layers is in docs/design.md).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -15,6 +15,7 @@ GET /health     {"status": "ok"}
 
 Bad JSON or bad parameters: 400 with the EngineError's message; a full queue: 503.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROFILE = Path("profiles") / "a100-80gb-demo.json"  # relative to the working directory
-
 from engine import Engine, EngineError, SamplingParams
 from engine.api.options import Limits
 from engine.core.errors import InvalidRequestError, OverloadedError
+
+DEFAULT_PROFILE = Path("profiles") / "a100-80gb-demo.json"  # relative to the working directory
 
 log = logging.getLogger("specmix.server")
 
@@ -110,8 +111,16 @@ def make_handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
             except EngineError as e:
                 self._json(500, {"error": str(e)})
                 return
-            self._json(200, {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                             "prompt_tokens": len(out.prompt_token_ids), "stats": out.stats})
+            self._json(
+                200,
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "stats": out.stats,
+                },
+            )
 
         def _stream(self, req: Any) -> None:
             self.send_response(200)
@@ -156,8 +165,11 @@ def load_engine(args: argparse.Namespace) -> Engine:
         return Engine.from_profile(profile, device=args.device, limits=limits)
     from engine.demo.pair import demo_pair
 
-    log.info("no profile at %s (build it: python tools/build_profile.py --gpu a100): serving the tiny demo pair, "
-             "unquantized", profile)
+    log.info(
+        "no profile at %s (build it: python tools/build_profile.py --gpu a100): serving the tiny demo pair, "
+        "unquantized",
+        profile,
+    )
     target, draft = demo_pair("tiny", progress=False)
     return Engine.from_pretrained(target, draft, device=args.device, limits=limits)
 

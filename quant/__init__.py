@@ -7,18 +7,35 @@
 
 bitsandbytes and transformer-engine are imported only when their kernel runs.
 """
+
 from .apply import apply_plan, collect_activation_stats, model_weight_bytes
 from .catalog import known_gpus, load_catalog, lookup_gpu
 from .kernels import KERNELS, kernel_available, require_kernel
 from .linear import FP8Embedding, FP8Linear, Int8Linear
 from .plan import (
-           DEFAULT_PRECISION,
-           ModelPlan,
-           PlanDoesNotFitError,
-           PrecisionPlan,
-           make_plan,
+    DEFAULT_PRECISION,
+    ModelPlan,
+    PlanDoesNotFitError,
+    PrecisionPlan,
+    make_plan,
 )
 
-__all__ = ["DEFAULT_PRECISION", "FP8Embedding", "FP8Linear", "Int8Linear", "KERNELS", "ModelPlan",
-           "PlanDoesNotFitError", "PrecisionPlan", "apply_plan", "collect_activation_stats", "kernel_available",
-           "known_gpus", "load_catalog", "lookup_gpu", "make_plan", "model_weight_bytes", "require_kernel"]
+__all__ = [
+    "DEFAULT_PRECISION",
+    "FP8Embedding",
+    "FP8Linear",
+    "Int8Linear",
+    "KERNELS",
+    "ModelPlan",
+    "PlanDoesNotFitError",
+    "PrecisionPlan",
+    "apply_plan",
+    "collect_activation_stats",
+    "kernel_available",
+    "known_gpus",
+    "load_catalog",
+    "lookup_gpu",
+    "make_plan",
+    "model_weight_bytes",
+    "require_kernel",
+]

@@ -10,10 +10,11 @@ its per-row scales) between FP8Embedding and the FP8 LM head. After the swap the
 remaining float parameters (norms, dense Linears, biases) are cast to the plan's
 compute dtype; quantized data and scales keep their dtypes.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -59,8 +60,9 @@ def _check_model(model: Transformer, plan: ModelPlan) -> None:
     for key, want in plan.model.items():
         have = getattr(cfg, key, None)
         if have != want:
-            raise InvalidConfigError(f"plan.{plan.role}.model.{key}={want!r} but the model has {have!r}: "
-                                     f"the plan was made for another model")
+            raise InvalidConfigError(
+                f"plan.{plan.role}.model.{key}={want!r} but the model has {have!r}: the plan was made for another model"
+            )
 
 
 def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] | None, smooth: list[str]) -> None:
@@ -69,8 +71,10 @@ def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] |
     missing = [n for n in want if n not in calib]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise InvalidConfigError(f"calib is missing {missing[0]}{more}: the plan asks for SmoothQuant on "
-                                 f"{', '.join(smooth)}; pass calib=collect_activation_stats(model, batches)")
+        raise InvalidConfigError(
+            f"calib is missing {missing[0]}{more}: the plan asks for SmoothQuant on "
+            f"{', '.join(smooth)}; pass calib=collect_activation_stats(model, batches)"
+        )
     for n in want:
         k = model.get_submodule(n).in_features
         if tuple(calib[n].shape) != (k,):
@@ -84,15 +88,17 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
     :func:`collect_activation_stats`), required when the plan asks for SmoothQuant.
     """
     if not isinstance(model_plan, ModelPlan):
-        raise InvalidConfigError(f"model_plan must be a ModelPlan (plan.target or plan.draft), got "
-                                 f"{type(model_plan).__name__}")
+        raise InvalidConfigError(
+            f"model_plan must be a ModelPlan (plan.target or plan.draft), got {type(model_plan).__name__}"
+        )
     _check_model(model, model_plan)
     fams = model_plan.families
     device = model.norm.weight.device
     for f in ("embeddings", "lm_head"):
         if fams[f].storage == "int8":
-            raise InvalidConfigError(f"plan.{model_plan.role}.{f}.storage='int8' is not supported: "
-                                     "allowed fp16, bf16, fp32, fp8_e4m3")
+            raise InvalidConfigError(
+                f"plan.{model_plan.role}.{f}.storage='int8' is not supported: allowed fp16, bf16, fp32, fp8_e4m3"
+            )
     for fam in model_plan.all_plans():
         if fam.quantized:
             require_kernel("fp8" if fam.storage == "fp8_e4m3" else "int8", fam.kernel, device)
@@ -120,14 +126,18 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
             else:
                 model.lm_head = FP8Linear.from_float(model.lm_head, kernel=head.kernel)
         model.to(TORCH_DTYPES[model_plan.compute_dtype])
-    log.info("applied %s plan: %s%s", model_plan.role,
-             ", ".join(f"{f}={p.storage}/{p.kernel}" for f, p in fams.items()),
-             f" and {len(model_plan.modules)} per-layer choices" if model_plan.modules else "")
+    log.info(
+        "applied %s plan: %s%s",
+        model_plan.role,
+        ", ".join(f"{f}={p.storage}/{p.kernel}" for f, p in fams.items()),
+        f" and {len(model_plan.modules)} per-layer choices" if model_plan.modules else "",
+    )
     return model
 
 
-def collect_activation_stats(model: Transformer, token_batches: Iterable[Tensor],
-                             families: tuple[str, ...] = ("ffn",)) -> dict[str, Tensor]:
+def collect_activation_stats(
+    model: Transformer, token_batches: Iterable[Tensor], families: tuple[str, ...] = ("ffn",)
+) -> dict[str, Tensor]:
     """Per-input-channel absmax (float32, on the CPU) of each planned-family Linear's input.
 
     ``token_batches``: LongTensors [B, T] (or [T]) run through the unquantized model
@@ -141,6 +151,7 @@ def collect_activation_stats(model: Transformer, token_batches: Iterable[Tensor]
             x = args[0].detach()
             a = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float().cpu()
             stats[name] = a if name not in stats else torch.maximum(stats[name], a)
+
         return fn
 
     for n, m in model.named_modules():

@@ -7,6 +7,7 @@ An entry, as returned by :func:`lookup_gpu` (a fresh dict; ``name`` added)::
      "tensor_cores": {"fp16", "bf16", "int8", "fp8": bool},
      "flash_attn_2": bool, "device_names": [...], "source": "..."}
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,14 @@ from typing import Any
 from engine.core.errors import InvalidConfigError, ProfileError
 
 CATALOG_SCHEMA_VERSION = 1
-REQUIRED_FIELDS = ("compute_capability", "memory_bytes", "memory_bandwidth_gbps", "tensor_cores",
-                   "flash_attn_2", "source")
+REQUIRED_FIELDS = (
+    "compute_capability",
+    "memory_bytes",
+    "memory_bandwidth_gbps",
+    "tensor_cores",
+    "flash_attn_2",
+    "source",
+)
 TENSOR_CORE_KINDS = ("fp16", "bf16", "int8", "fp8")
 
 
@@ -35,14 +42,19 @@ def validate_gpu(entry: Any, where: str = "gpu") -> dict[str, Any]:
         raise ProfileError(f"{where}.memory_bytes={entry['memory_bytes']!r} is invalid: allowed a positive integer")
     tc = entry["tensor_cores"]
     if not isinstance(tc, dict) or any(not isinstance(tc.get(k), bool) for k in TENSOR_CORE_KINDS):
-        raise ProfileError(f"{where}.tensor_cores={tc!r} is invalid: allowed an object with boolean "
-                           f"{', '.join(TENSOR_CORE_KINDS)}")
+        raise ProfileError(
+            f"{where}.tensor_cores={tc!r} is invalid: allowed an object with boolean {', '.join(TENSOR_CORE_KINDS)}"
+        )
     tf = entry.get("tensor_tflops")
-    if tf is not None and (not isinstance(tf, dict) or not isinstance(tf.get("fp16"), (int, float))
-                           or any(tf.get(k) is not None and not isinstance(tf.get(k), (int, float))
-                                  for k in ("int8", "fp8"))):
-        raise ProfileError(f"{where}.tensor_tflops={tf!r} is invalid: allowed an object with a number fp16 and "
-                           "numbers or null int8, fp8")
+    if tf is not None and (
+        not isinstance(tf, dict)
+        or not isinstance(tf.get("fp16"), (int, float))
+        or any(tf.get(k) is not None and not isinstance(tf.get(k), (int, float)) for k in ("int8", "fp8"))
+    ):
+        raise ProfileError(
+            f"{where}.tensor_tflops={tf!r} is invalid: allowed an object with a number fp16 and "
+            "numbers or null int8, fp8"
+        )
     if not isinstance(entry["flash_attn_2"], bool):
         raise ProfileError(f"{where}.flash_attn_2={entry['flash_attn_2']!r} is invalid: allowed true or false")
     return entry
@@ -70,8 +82,9 @@ def load_catalog(path: str | Path | None = None) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
         raise ProfileError(f"{p}: the catalog must be an object with a 'gpus' object")
     if data.get("schema_version") != CATALOG_SCHEMA_VERSION:
-        raise ProfileError(f"{p}: schema_version={data.get('schema_version')!r} is not supported; "
-                           f"supported: {CATALOG_SCHEMA_VERSION}")
+        raise ProfileError(
+            f"{p}: schema_version={data.get('schema_version')!r} is not supported; supported: {CATALOG_SCHEMA_VERSION}"
+        )
     for name, entry in data["gpus"].items():
         validate_gpu(entry, f"{p}: gpus.{name}")
     for alias, target in (data.get("aliases") or {}).items():
@@ -95,8 +108,10 @@ def lookup_gpu(name: str, catalog: dict[str, Any] | None = None) -> dict[str, An
     key = aliases.get(key, key)
     if key not in cat["gpus"]:
         alias_text = ", ".join(f"{a} -> {t}" for a, t in sorted(aliases.items()))
-        raise InvalidConfigError(f"gpu={name!r} is not in the GPU catalog; known: {', '.join(known_gpus(cat))}"
-                                 + (f" (aliases: {alias_text})" if alias_text else ""))
+        raise InvalidConfigError(
+            f"gpu={name!r} is not in the GPU catalog; known: {', '.join(known_gpus(cat))}"
+            + (f" (aliases: {alias_text})" if alias_text else "")
+        )
     entry = copy.deepcopy(cat["gpus"][key])
     entry["name"] = key
     return entry
@@ -109,5 +124,6 @@ def gpu_for_device_name(device_name: str, catalog: dict[str, Any] | None = None)
     for key, entry in cat["gpus"].items():
         if want in (n.lower() for n in entry.get("device_names", [])):
             return lookup_gpu(key, cat)
-    raise InvalidConfigError(f"GPU {device_name!r} is not in the GPU catalog; pass --gpu with one of: "
-                             f"{', '.join(known_gpus(cat))}")
+    raise InvalidConfigError(
+        f"GPU {device_name!r} is not in the GPU catalog; pass --gpu with one of: {', '.join(known_gpus(cat))}"
+    )

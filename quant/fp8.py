@@ -11,6 +11,7 @@ values to NaN, so saturation is explicit here) and the cast itself rounds to
 nearest even. A zero row gets the smallest normal float32
 as its scale, so the quantized row is all zeros and nothing divides by zero.
 """
+
 from __future__ import annotations
 
 import torch

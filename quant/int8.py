@@ -7,6 +7,7 @@ of a weight, one per token of an activation), ``q = clamp(round(t / scale),
 symmetric. A zero row gets the smallest normal float32 as its scale and
 quantizes to zeros; no input that is finite gives NaN or inf.
 """
+
 from __future__ import annotations
 
 import torch
@@ -94,8 +95,7 @@ def quantize_int8_groupwise(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]
     return q.view(n, g * group_size)[:, :k].contiguous(), scale
 
 
-def dequantize_int8_groupwise(q: Tensor, scale: Tensor, group_size: int,
-                              dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize_int8_groupwise(q: Tensor, scale: Tensor, group_size: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of :func:`quantize_int8_groupwise`: ``q * scale`` per group in float32, then ``dtype``."""
-    s = scale.repeat_interleave(group_size, dim=1)[:, :q.shape[1]]
+    s = scale.repeat_interleave(group_size, dim=1)[:, : q.shape[1]]
     return (q.float() * s).to(dtype)

@@ -25,15 +25,17 @@ each of them on the same data and compare.
 engine/kernels/backends.py chooses among them; a kernel the machine lacks is a
 KernelUnavailableError naming it and what would provide it, never a fallback.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import importlib.util
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,7 @@ class Kernel:
 
 # ---------------------------------------------------------------- probes
 
+
 def _cc(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
@@ -79,29 +82,39 @@ def _sm(cc: tuple[int, int]) -> str:
 
 def _probe_fp8_native(device: torch.device) -> tuple[bool, str]:
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
-        return False, f"fp8 kernel 'native' needs torch._scaled_mm (torch >= 2.5); torch {torch.__version__} lacks it — use 'weight-only'"
+        return (
+            False,
+            f"fp8 kernel 'native' needs torch._scaled_mm (torch >= 2.5); torch {torch.__version__} lacks it — "
+            "use 'weight-only'",
+        )
     if device.type == "cpu":
         return True, "torch._scaled_mm on the CPU"
     if device.type == "cuda":
         cc = _cc(device)
         if cc >= (8, 9):
             return True, f"torch._scaled_mm on {_sm(cc)}"
-        return False, (f"fp8 kernel 'native' needs compute capability >= 8.9 or the CPU; this device is "
-                       f"{_sm(cc)} — use 'weight-only'")
+        return False, (
+            f"fp8 kernel 'native' needs compute capability >= 8.9 or the CPU; this device is "
+            f"{_sm(cc)} — use 'weight-only'"
+        )
     return False, f"fp8 kernel 'native' runs on the CPU or CUDA, not {device.type} — use 'weight-only'"
 
 
 def _probe_fp8_te(device: torch.device) -> tuple[bool, str]:
     if importlib.util.find_spec("transformer_engine") is None:
-        return False, ("fp8 kernel 'te' needs transformer_engine (pip install 'specmix[gpu]' or "
-                       "transformer-engine[pytorch]) on a CUDA GPU with compute capability >= 8.9; it is not "
-                       "installed — use 'native' or 'weight-only'")
+        return False, (
+            "fp8 kernel 'te' needs transformer_engine (pip install 'specmix[gpu]' or "
+            "transformer-engine[pytorch]) on a CUDA GPU with compute capability >= 8.9; it is not "
+            "installed — use 'native' or 'weight-only'"
+        )
     if device.type != "cuda":
         return False, f"fp8 kernel 'te' (transformer_engine) runs on CUDA only, not {device.type} — use 'native'"
     cc = _cc(device)
     if cc < (8, 9):
-        return False, (f"fp8 kernel 'te' (transformer_engine) needs compute capability >= 8.9; this device is "
-                       f"{_sm(cc)} — use 'weight-only'")
+        return False, (
+            f"fp8 kernel 'te' (transformer_engine) needs compute capability >= 8.9; this device is "
+            f"{_sm(cc)} — use 'weight-only'"
+        )
     return True, f"transformer_engine on {_sm(cc)}"
 
 
@@ -118,8 +131,10 @@ def _probe_w8a8(device: torch.device) -> tuple[bool, str]:
         cc = _cc(device)
         if cc >= (7, 5):
             return True, f"torch._int_mm on {_sm(cc)}"
-        return False, (f"int8 kernel 'w8a8' needs INT8 tensor cores (compute capability >= 7.5) or the CPU; "
-                       f"this device is {_sm(cc)} — plan the FFN in fp16")
+        return False, (
+            f"int8 kernel 'w8a8' needs INT8 tensor cores (compute capability >= 7.5) or the CPU; "
+            f"this device is {_sm(cc)} — plan the FFN in fp16"
+        )
     return False, f"int8 kernel 'w8a8' runs on the CPU or CUDA, not {device.type}"
 
 
@@ -131,8 +146,11 @@ def _probe_w8a16(device: torch.device) -> tuple[bool, str]:
     if device.type == "cpu":
         return True, "int8 weights dequantized once to the compute dtype, then F.linear, on the CPU"
     if device.type == "cuda":
-        packed = (f"torch._weight_int8pack_mm for <= {W8A16_PACKED_ROWS} rows of per-channel weights, "
-                  if _has_cuda_int8pack() else "")
+        packed = (
+            f"torch._weight_int8pack_mm for <= {W8A16_PACKED_ROWS} rows of per-channel weights, "
+            if _has_cuda_int8pack()
+            else ""
+        )
         return True, f"{packed}dequantize on the fly + F.linear on {_sm(_cc(device))}"
     return True, f"dequantize on the fly + F.linear on {device.type}"
 
@@ -151,20 +169,25 @@ def _probe_llm_int8(device: torch.device) -> tuple[bool, str]:
     v = _bnb_version()
     if v is None or v < MIN_BITSANDBYTES:
         have = "not installed" if v is None else "version " + ".".join(map(str, v))
-        return False, (f"int8 kernel 'llm-int8' needs bitsandbytes >= 0.45 (pip install 'bitsandbytes>=0.45'); "
-                       f"it is {have} — use 'w8a8'")
+        return False, (
+            f"int8 kernel 'llm-int8' needs bitsandbytes >= 0.45 (pip install 'bitsandbytes>=0.45'); "
+            f"it is {have} — use 'w8a8'"
+        )
     if device.type == "cpu":
         return True, "bitsandbytes LLM.int8 on the CPU"
     if device.type == "cuda":
         cc = _cc(device)
         if cc >= (7, 5):
             return True, f"bitsandbytes LLM.int8 on {_sm(cc)}"
-        return False, (f"int8 kernel 'llm-int8' needs INT8 tensor cores (compute capability >= 7.5); this device "
-                       f"is {_sm(cc)} — plan the FFN in fp16")
+        return False, (
+            f"int8 kernel 'llm-int8' needs INT8 tensor cores (compute capability >= 7.5); this device "
+            f"is {_sm(cc)} — plan the FFN in fp16"
+        )
     return False, f"int8 kernel 'llm-int8' runs on the CPU or CUDA, not {device.type}"
 
 
 # ---------------------------------------------------------------- implementations
+
 
 def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(y.dtype)
@@ -220,8 +243,9 @@ def _fp8_te(mod: Any, x: Tensor) -> Tensor:
     lin = state.get("te")
     if lin is None or lin.weight.device != x.device or lin.weight.dtype != x.dtype:
         # te.Linear keeps its own high-precision copy and FP8 casts (delayed scaling)
-        lin = te.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                        params_dtype=x.dtype, device=x.device)
+        lin = te.Linear(
+            mod.in_features, mod.out_features, bias=mod.bias is not None, params_dtype=x.dtype, device=x.device
+        )
         with torch.no_grad():
             lin.weight.copy_(dequantize_fp8(mod.weight, mod.weight_scale, x.dtype))
             if mod.bias is not None:
@@ -229,8 +253,10 @@ def _fp8_te(mod: Any, x: Tensor) -> Tensor:
         state["te"] = lin
     M = x.shape[0]
     xp = _pad2(x, -(-M // 16) * 16, x.shape[1])  # FP8 GEMMs want the token dim padded too
-    with torch.no_grad(), te.fp8_autocast(enabled=True,
-                                         fp8_recipe=recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID)):
+    with (
+        torch.no_grad(),
+        te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID)),
+    ):
         y = lin(xp)
     return y[:M].to(x.dtype)
 
@@ -281,8 +307,7 @@ def _w8a16(mod: Any, x: Tensor) -> Tensor:
             mod.kernel_state.clear()
             mod.kernel_state[key] = w
         return F.linear(x, w, bias)
-    if (x.device.type == "cuda" and mod.group_size is None and x.shape[0] <= W8A16_PACKED_ROWS
-            and _has_cuda_int8pack()):
+    if x.device.type == "cuda" and mod.group_size is None and x.shape[0] <= W8A16_PACKED_ROWS and _has_cuda_int8pack():
         y = torch._weight_int8pack_mm(x.float().contiguous(), mod.weight, mod.weight_scale)
         return _add_bias(y.to(x.dtype), mod.bias)
     return F.linear(x, _w8a16_weight(mod, x.dtype), bias)
@@ -290,15 +315,26 @@ def _w8a16(mod: Any, x: Tensor) -> Tensor:
 
 def _build() -> Mapping[tuple[str, str], Kernel]:
     ks = [
-        Kernel("fp8", "native", "torch._scaled_mm (CPU, or CUDA compute capability >= 8.9)", _probe_fp8_native,
-               _fp8_native),
-        Kernel("fp8", "te", "transformer-engine (pip install transformer-engine[pytorch]; CUDA >= 8.9)",
-               _probe_fp8_te, _fp8_te),
+        Kernel(
+            "fp8", "native", "torch._scaled_mm (CPU, or CUDA compute capability >= 8.9)", _probe_fp8_native, _fp8_native
+        ),
+        Kernel(
+            "fp8",
+            "te",
+            "transformer-engine (pip install transformer-engine[pytorch]; CUDA >= 8.9)",
+            _probe_fp8_te,
+            _fp8_te,
+        ),
         Kernel("fp8", "weight-only", "torch (dequantize + F.linear)", _probe_weight_only, _fp8_weight_only),
         Kernel("int8", "w8a8", "torch._int_mm (CPU, or CUDA compute capability >= 7.5)", _probe_w8a8, _w8a8),
         Kernel("int8", "llm-int8", "bitsandbytes >= 0.45 (pip install bitsandbytes)", _probe_llm_int8, _llm_int8),
-        Kernel("int8", "w8a16", "torch (int8 weights dequantized for F.linear; _weight_int8pack_mm on CUDA)",
-               _probe_w8a16, _w8a16),
+        Kernel(
+            "int8",
+            "w8a16",
+            "torch (int8 weights dequantized for F.linear; _weight_int8pack_mm on CUDA)",
+            _probe_w8a16,
+            _w8a16,
+        ),
     ]
     return MappingProxyType({(k.family, k.name): k for k in ks})
 

@@ -15,9 +15,11 @@ The quantized data and its float32 scales are parameters without gradient, so a
 tied table stays one tensor under ``.to(device)``, and they keep their dtype under
 ``model.half()`` / ``model.to(dtype)``: only the bias and the compute dtype follow.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +50,7 @@ class _DtypeKeeping(nn.Module):
         super().__init__()
         self.compute_dtype = compute_dtype
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "_DtypeKeeping":
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _DtypeKeeping:
         keep = {n: p.data for n, p in self._parameters.items() if n in _KEEP_DTYPE and p is not None}
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
         super()._apply(fn, recurse)
@@ -71,7 +73,7 @@ class _Quantized(_DtypeKeeping):
         self._kernel: Kernel | None = None
         self._checked_device: torch.device | None = None
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "_Quantized":
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _Quantized:
         super()._apply(fn, recurse)
         self.kernel_state.clear()
         return self
@@ -84,8 +86,10 @@ class _Quantized(_DtypeKeeping):
     def set_kernel(self, name: str) -> None:
         """Choose the kernel by name; it is checked against the data's device now and on each new device."""
         if self.group_size is not None and name in ACTIVATION_INT8_KERNELS:
-            raise InvalidConfigError(f"kernel={name!r} is invalid for int8 weights scaled per group of "
-                                     f"{self.group_size} input channels: allowed w8a16")
+            raise InvalidConfigError(
+                f"kernel={name!r} is invalid for int8 weights scaled per group of "
+                f"{self.group_size} input channels: allowed w8a16"
+            )
         self._kernel = get_kernel(self.family, name)
         self.kernel_state.clear()
         self._checked_device = None
@@ -110,15 +114,23 @@ class _Quantized(_DtypeKeeping):
         return self._kernel.impl(self, x2).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, kernel={self.kernel!r}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, kernel={self.kernel!r}"
+        )
 
 
 class FP8Linear(_Quantized):
     family = "fp8"
 
-    def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, kernel: str = "native",
-                 compute_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        weight_scale: Tensor,
+        bias: Tensor | None,
+        kernel: str = "native",
+        compute_dtype: torch.dtype = torch.float16,
+    ) -> None:
         super().__init__(compute_dtype)
         if weight.dtype != FP8_DTYPE or weight_scale.dtype != torch.float32:
             raise InvalidConfigError("FP8Linear needs an e4m3 weight and float32 scales (use FP8Linear.from_float)")
@@ -130,16 +142,15 @@ class FP8Linear(_Quantized):
         self.set_kernel(kernel)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, kernel: str = "native") -> "FP8Linear":
+    def from_float(cls, linear: nn.Linear, kernel: str = "native") -> FP8Linear:
         """Per-output-channel e4m3 weights; activations are scaled per token at run time (native, te)."""
         q, s = quantize_fp8_rowwise(linear.weight.detach())
         return cls(q, s, linear.bias, kernel=kernel, compute_dtype=linear.weight.dtype)
 
     @classmethod
-    def tied_to(cls, embedding: "FP8Embedding", kernel: str = "native") -> "FP8Linear":
+    def tied_to(cls, embedding: FP8Embedding, kernel: str = "native") -> FP8Linear:
         """An LM head sharing the FP8 table (and its per-row scales) of a tied embedding."""
-        return cls(embedding.weight, embedding.weight_scale, None, kernel=kernel,
-                   compute_dtype=embedding.compute_dtype)
+        return cls(embedding.weight, embedding.weight_scale, None, kernel=kernel, compute_dtype=embedding.compute_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._run(x)
@@ -151,9 +162,17 @@ class FP8Linear(_Quantized):
 class Int8Linear(_Quantized):
     family = "int8"
 
-    def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, kernel: str = "w8a8",
-                 smooth: Tensor | None = None, outlier_threshold: float = LLM_INT8_THRESHOLD,
-                 compute_dtype: torch.dtype = torch.float16, group_size: int | None = None) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        weight_scale: Tensor,
+        bias: Tensor | None,
+        kernel: str = "w8a8",
+        smooth: Tensor | None = None,
+        outlier_threshold: float = LLM_INT8_THRESHOLD,
+        compute_dtype: torch.dtype = torch.float16,
+        group_size: int | None = None,
+    ) -> None:
         super().__init__(compute_dtype)
         if weight.dtype != torch.int8 or weight_scale.dtype != torch.float32:
             raise InvalidConfigError("Int8Linear needs an int8 weight and float32 scales (use Int8Linear.from_float)")
@@ -164,8 +183,9 @@ class Int8Linear(_Quantized):
         groups = None if group_size is None else -(-self.in_features // group_size)
         want = (self.out_features,) if groups is None else (self.out_features, groups)
         if tuple(weight_scale.shape) != want:
-            raise InvalidConfigError(f"weight_scale has shape {tuple(weight_scale.shape)}; expected {want} "
-                                     f"(group_size={group_size})")
+            raise InvalidConfigError(
+                f"weight_scale has shape {tuple(weight_scale.shape)}; expected {want} (group_size={group_size})"
+            )
         self.group_size = group_size
         self.weight = _frozen(weight)
         self.weight_scale = _frozen(weight_scale)
@@ -175,9 +195,15 @@ class Int8Linear(_Quantized):
         self.set_kernel(kernel)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, kernel: str = "w8a8", act_absmax: Tensor | None = None,
-                   alpha: float = DEFAULT_ALPHA, outlier_threshold: float = LLM_INT8_THRESHOLD,
-                   group_size: int | None = None) -> "Int8Linear":
+    def from_float(
+        cls,
+        linear: nn.Linear,
+        kernel: str = "w8a8",
+        act_absmax: Tensor | None = None,
+        alpha: float = DEFAULT_ALPHA,
+        outlier_threshold: float = LLM_INT8_THRESHOLD,
+        group_size: int | None = None,
+    ) -> Int8Linear:
         """Symmetric int8 weights, per output channel (``group_size`` None) or per group of
         ``group_size`` input channels (kernel w8a16); w8a8 / llm-int8 quantize activations per token.
 
@@ -187,16 +213,26 @@ class Int8Linear(_Quantized):
         """
         _check_group_size(group_size)
         if group_size is not None and kernel in ACTIVATION_INT8_KERNELS:
-            raise InvalidConfigError(f"group_size={group_size} is invalid with kernel={kernel!r}: per-group "
-                                     "scales need kernel 'w8a16'; allowed None (per output channel)")
+            raise InvalidConfigError(
+                f"group_size={group_size} is invalid with kernel={kernel!r}: per-group "
+                "scales need kernel 'w8a16'; allowed None (per output channel)"
+            )
         w = linear.weight.detach().float()
         s = None
         if act_absmax is not None:
             s = smooth_scales(act_absmax, w, alpha)
             w = w * s[None, :]
         q, ws = quantize_int8_rowwise(w) if group_size is None else quantize_int8_groupwise(w, group_size)
-        return cls(q, ws, linear.bias, kernel=kernel, smooth=s, outlier_threshold=outlier_threshold,
-                   compute_dtype=linear.weight.dtype, group_size=group_size)
+        return cls(
+            q,
+            ws,
+            linear.bias,
+            kernel=kernel,
+            smooth=s,
+            outlier_threshold=outlier_threshold,
+            compute_dtype=linear.weight.dtype,
+            group_size=group_size,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self._run(x)
@@ -209,10 +245,10 @@ class Int8Linear(_Quantized):
 
 
 def _check_group_size(group_size: Any) -> None:
-    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
-                                   or group_size < 1):
-        raise InvalidConfigError(f"group_size={group_size!r} is invalid: allowed an int >= 1 or None "
-                                 "(per output channel)")
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1):
+        raise InvalidConfigError(
+            f"group_size={group_size!r} is invalid: allowed an int >= 1 or None (per output channel)"
+        )
 
 
 class FP8Embedding(_DtypeKeeping):
@@ -227,7 +263,7 @@ class FP8Embedding(_DtypeKeeping):
         self.weight_scale = _frozen(weight_scale)
 
     @classmethod
-    def from_float(cls, embedding: nn.Embedding) -> "FP8Embedding":
+    def from_float(cls, embedding: nn.Embedding) -> FP8Embedding:
         q, s = quantize_fp8_rowwise(embedding.weight.detach())
         return cls(q, s, compute_dtype=embedding.weight.dtype)
 

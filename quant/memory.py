@@ -18,6 +18,7 @@ Workspace (stated formula, not measured):
        + 6 * vocab)                          fp16 logits + their fp32 copy for sampling
 i.e. one forward of PREFILL_CHUNK tokens per sequence in flight at a time.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -40,13 +41,16 @@ class ModelPlan(Protocol):
 
     def module_plan(self, name: str, family: str) -> Any: ...
 
+
 FAMILY_LEAVES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "ffn": ("gate_proj", "up_proj", "down_proj")}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "int8": 1}
 KV_DTYPE_BYTES = 2
 WORKSPACE_FIXED_BYTES = 512 * 2**20
 PREFILL_CHUNK = 512
-WORKSPACE_FORMULA = (f"{WORKSPACE_FIXED_BYTES} + batch * min(seq_len, {PREFILL_CHUNK}) * "
-                     "max_over_models(2 * (4 * hidden + 3 * intermediate) + 6 * vocab)")
+WORKSPACE_FORMULA = (
+    f"{WORKSPACE_FIXED_BYTES} + batch * min(seq_len, {PREFILL_CHUNK}) * "
+    "max_over_models(2 * (4 * hidden + 3 * intermediate) + 6 * vocab)"
+)
 
 
 def linear_bytes(n_out: int, n_in: int, bias: bool, fam: FamilyPlan, b: int) -> int:
@@ -71,9 +75,15 @@ def weight_bytes(cfg: ModelConfig, plan: ModelPlan, compute_bytes: int | None = 
     b = DTYPE_BYTES[plan.compute_dtype] if compute_bytes is None else compute_bytes
     h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    shapes = {"q_proj": (q, h, cfg.attention_bias), "k_proj": (kv, h, cfg.attention_bias),
-              "v_proj": (kv, h, cfg.attention_bias), "o_proj": (h, q, cfg.o_bias),
-              "gate_proj": (i, h, cfg.mlp_bias), "up_proj": (i, h, cfg.mlp_bias), "down_proj": (h, i, cfg.mlp_bias)}
+    shapes = {
+        "q_proj": (q, h, cfg.attention_bias),
+        "k_proj": (kv, h, cfg.attention_bias),
+        "v_proj": (kv, h, cfg.attention_bias),
+        "o_proj": (h, q, cfg.o_bias),
+        "gate_proj": (i, h, cfg.mlp_bias),
+        "up_proj": (i, h, cfg.mlp_bias),
+        "down_proj": (h, i, cfg.mlp_bias),
+    }
     linears = 0
     for layer in range(L):
         for fam, part in (("attention", "self_attn"), ("ffn", "mlp")):

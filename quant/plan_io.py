@@ -1,4 +1,5 @@
 """Reading a PrecisionPlan back: from its JSON data, text or file, refusing bad fields by name (ProfileError)."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,10 @@ def _family(d: Any, where: str, role: str, name: str) -> FamilyPlan:
         raise ProfileError(f"{where} must be an object with storage, kernel, scaling")
     storage = _choice(d.get("storage"), f"{where}.storage", STORAGE)
     if role == "target" and name in ("lm_head", "norms") and storage not in DENSE_STORAGE:
-        raise ProfileError(f"{where}.storage={storage!r} is invalid: the verifier's {name} is never quantized; "
-                           f"allowed {', '.join(DENSE_STORAGE)}")
+        raise ProfileError(
+            f"{where}.storage={storage!r} is invalid: the verifier's {name} is never quantized; "
+            f"allowed {', '.join(DENSE_STORAGE)}"
+        )
     if name == "norms" and storage not in DENSE_STORAGE:
         raise ProfileError(f"{where}.storage={storage!r} is invalid: norms are never quantized")
     if name in ("embeddings", "lm_head") and storage == "int8":
@@ -62,8 +65,10 @@ def _family(d: Any, where: str, role: str, name: str) -> FamilyPlan:
         raise ProfileError(f"{where}.scaling.smoothquant_alpha={alpha!r} is invalid: allowed 0.0 .. 1.0 or null")
     g = scaling.get("group_size")
     if g is not None and (kernel != "w8a16" or not isinstance(g, int) or isinstance(g, bool) or g < 1):
-        raise ProfileError(f"{where}.scaling.group_size={g!r} is invalid with kernel {kernel!r}: allowed an "
-                           "integer >= 1 with kernel 'w8a16', else null")
+        raise ProfileError(
+            f"{where}.scaling.group_size={g!r} is invalid with kernel {kernel!r}: allowed an "
+            "integer >= 1 with kernel 'w8a16', else null"
+        )
     return FamilyPlan(storage, kernel, dict(scaling), str(d.get("reason", "")))
 
 
@@ -77,12 +82,19 @@ def _modules(d: Any, where: str, role: str, layers: Any) -> dict[str, FamilyPlan
     for name, fam_d in d.items():
         parts = str(name).split(".")
         part_fam = {"self_attn": "attention", "mlp": "ffn"}
-        ok = (len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in part_fam
-              and parts[3] in FAMILY_MODULES[part_fam[parts[2]]]
-              and (not isinstance(layers, int) or int(parts[1]) < layers))
+        ok = (
+            len(parts) == 4
+            and parts[0] == "layers"
+            and parts[1].isdigit()
+            and parts[2] in part_fam
+            and parts[3] in FAMILY_MODULES[part_fam[parts[2]]]
+            and (not isinstance(layers, int) or int(parts[1]) < layers)
+        )
         if not ok:
-            raise ProfileError(f"{where}.{name} is not a module of the model: allowed layers.<0..{layers}>."
-                               "self_attn.<q|k|v|o>_proj or layers.<i>.mlp.<gate|up|down>_proj")
+            raise ProfileError(
+                f"{where}.{name} is not a module of the model: allowed layers.<0..{layers}>."
+                "self_attn.<q|k|v|o>_proj or layers.<i>.mlp.<gate|up|down>_proj"
+            )
         out[name] = _family(fam_d, f"{where}.{name}", role, part_fam[parts[2]])
     return out
 
@@ -98,8 +110,10 @@ def _model(d: Any, where: str, role: str) -> ModelPlan:
     families = {f: _family(fams[f], f"{where}.families.{f}", role, f) for f in FAMILIES}
     shape = _need(d, "model", where, dict)
     if shape.get("tie_word_embeddings") and families["lm_head"].storage != families["embeddings"].storage:
-        raise ProfileError(f"{where}.families.lm_head.storage={families['lm_head'].storage!r} differs from the "
-                           f"tied embeddings' {families['embeddings'].storage!r}")
+        raise ProfileError(
+            f"{where}.families.lm_head.storage={families['lm_head'].storage!r} differs from the "
+            f"tied embeddings' {families['embeddings'].storage!r}"
+        )
     if d.get("role") != role:
         raise ProfileError(f"{where}.role={d.get('role')!r} is invalid: allowed {role!r}")
     modules = _modules(d.get("modules"), f"{where}.modules", role, shape.get("num_hidden_layers"))
@@ -134,16 +148,21 @@ def plan_from_dict(d: Any) -> PrecisionPlan:
             raise ProfileError(f"{where}.memory.{key}={mem_kw[key]!r} is invalid: allowed >= 1")
     draft_d = d.get("draft")
     return PrecisionPlan(
-        gpu=_need(d, "gpu", where, str), device=device,
+        gpu=_need(d, "gpu", where, str),
+        device=device,
         compute_capability=_need(d, "compute_capability", where, str),
-        hardware=dict(_need(d, "hardware", where, dict)), precision=precision,
+        hardware=dict(_need(d, "hardware", where, dict)),
+        precision=precision,
         compute_dtype=_choice(d.get("compute_dtype"), f"{where}.compute_dtype", DENSE_STORAGE),
         attention_backend=_choice(d.get("attention_backend"), f"{where}.attention_backend", ("flash-attn-2", "sdpa")),
         kv_cache_dtype=_choice(d.get("kv_cache_dtype"), f"{where}.kv_cache_dtype", DENSE_STORAGE),
         verifier=dict(_need(d, "verifier", where, dict)),
         target=_model(d.get("target"), f"{where}.target", "target"),
         draft=None if draft_d is None else _model(draft_d, f"{where}.draft", "draft"),
-        memory=MemoryPlan(**mem_kw), notes=[str(n) for n in d.get("notes", [])], schema_version=version)
+        memory=MemoryPlan(**mem_kw),
+        notes=[str(n) for n in d.get("notes", [])],
+        schema_version=version,
+    )
 
 
 def plan_from_json(text: str) -> PrecisionPlan:

@@ -7,6 +7,7 @@
 Byte figures come from the configs (quant.memory), the same numbers the plan's
 memory section holds; tests check that they equal the bytes of an applied model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,24 @@ from .catalog import known_gpus, lookup_gpu
 from .kernels import KERNELS
 from .plan import make_plan
 
-LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
-             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}
-LLAMA_68M = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 768,
-             "intermediate_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 12}
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+}
+LLAMA_68M = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+}
 
 
 def ideal_target_bytes(cfg: ModelConfig) -> int:
@@ -36,15 +51,23 @@ def ideal_target_bytes(cfg: ModelConfig) -> int:
 def weight_report(gpu: str, target_cfg: ModelConfig, draft_cfg: ModelConfig | None, **plan_kw: Any) -> dict[str, Any]:
     p = make_plan(lookup_gpu(gpu), target_cfg, draft_cfg, **plan_kw)
     m = p.memory
-    out = {"gpu": p.gpu, "draft_kernel": p.draft.families["ffn"].kernel if p.draft else None,
-           "ffn": f"{p.target.families['ffn'].storage}/{p.target.families['ffn'].kernel}",
-           "target_bytes": m.target_weight_bytes, "target_fp16_bytes": m.target_fp16_bytes,
-           "target_ratio": m.target_weight_bytes / m.target_fp16_bytes,
-           "target_vs_ideal": m.target_weight_bytes / ideal_target_bytes(target_cfg),
-           "max_batch": m.max_batch, "max_seq_len": m.max_seq_len}
+    out = {
+        "gpu": p.gpu,
+        "draft_kernel": p.draft.families["ffn"].kernel if p.draft else None,
+        "ffn": f"{p.target.families['ffn'].storage}/{p.target.families['ffn'].kernel}",
+        "target_bytes": m.target_weight_bytes,
+        "target_fp16_bytes": m.target_fp16_bytes,
+        "target_ratio": m.target_weight_bytes / m.target_fp16_bytes,
+        "target_vs_ideal": m.target_weight_bytes / ideal_target_bytes(target_cfg),
+        "max_batch": m.max_batch,
+        "max_seq_len": m.max_seq_len,
+    }
     if draft_cfg is not None:
-        out.update(draft_bytes=m.draft_weight_bytes, draft_fp16_bytes=m.draft_fp16_bytes,
-                   draft_ratio=m.draft_weight_bytes / m.draft_fp16_bytes)
+        out.update(
+            draft_bytes=m.draft_weight_bytes,
+            draft_fp16_bytes=m.draft_fp16_bytes,
+            draft_ratio=m.draft_weight_bytes / m.draft_fp16_bytes,
+        )
     return out
 
 
@@ -75,8 +98,13 @@ def kernel_bench(m: int = 16, k: int = 1024, n: int = 1024, reps: int = 20, seed
                 continue
             mod = FP8Linear.from_float(lin, name) if family == "fp8" else Int8Linear.from_float(lin, name)
             y = mod(x)
-            rows.append({"kernel": f"{family}/{name}", "rel_error": float((y - ref).norm() / ref.norm()),
-                         "ms": 1e3 * timed(lambda: mod(x))})
+            rows.append(
+                {
+                    "kernel": f"{family}/{name}",
+                    "rel_error": float((y - ref).norm() / ref.norm()),
+                    "ms": 1e3 * timed(lambda m=mod: m(x)),
+                }
+            )
     base = rows[0]["ms"]
     for r in rows:
         r["x_fp32"] = r["ms"] / base
@@ -102,13 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t = load_config(a.target) if a.target else ModelConfig.from_hf_dict(LLAMA2_7B)
     d = load_config(a.draft) if a.draft else ModelConfig.from_hf_dict(LLAMA_68M)
-    print(f"{'gpu':10} {'draft':12} {'ffn':14} {'target GB':>9} {'x fp16':>7} {'x ideal':>7} "
-          f"{'draft MB':>9} {'x fp16':>7} {'batch':>5} {'seq':>5}")
+    print(
+        f"{'gpu':10} {'draft':12} {'ffn':14} {'target GB':>9} {'x fp16':>7} {'x ideal':>7} "
+        f"{'draft MB':>9} {'x fp16':>7} {'batch':>5} {'seq':>5}"
+    )
     for g in a.gpu or known_gpus():
         r = weight_report(g, t, d, int8_kernel=a.int8_kernel)
-        print(f"{r['gpu']:10} {r['draft_kernel']:12} {r['ffn']:14} {r['target_bytes'] / 1e9:9.3f} "
-              f"{r['target_ratio']:7.4f} {r['target_vs_ideal']:7.4f} {r['draft_bytes'] / 1e6:9.2f} "
-              f"{r['draft_ratio']:7.4f} {r['max_batch']:5d} {r['max_seq_len']:5d}")
+        print(
+            f"{r['gpu']:10} {r['draft_kernel']:12} {r['ffn']:14} {r['target_bytes'] / 1e9:9.3f} "
+            f"{r['target_ratio']:7.4f} {r['target_vs_ideal']:7.4f} {r['draft_bytes'] / 1e6:9.2f} "
+            f"{r['draft_ratio']:7.4f} {r['max_batch']:5d} {r['max_seq_len']:5d}"
+        )
     return 0
 
 

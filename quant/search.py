@@ -20,6 +20,7 @@
 
 The gate on the eval text comes after (engine build): this module never sees the eval text.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,16 +53,24 @@ class Choice:
     group_size: int | None = None
 
 
-CHOICES = (Choice("w8a8", "w8a8"), Choice("w8a16", "w8a16"), Choice("w8a16/g128", "w8a16", 128),
-           Choice("w8a16/g64", "w8a16", 64), Choice("w8a16/g32", "w8a16", 32), Choice("fp16", "dense"))
+CHOICES = (
+    Choice("w8a8", "w8a8"),
+    Choice("w8a16", "w8a16"),
+    Choice("w8a16/g128", "w8a16", 128),
+    Choice("w8a16/g64", "w8a16", 64),
+    Choice("w8a16/g32", "w8a16", 32),
+    Choice("fp16", "dense"),
+)
 
 
 def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows: int = DEFAULT_ROWS) -> float:
     """Seconds for one Linear [n_out, n_in] at ``rows`` rows on ``gpu``, from the catalog (on paper)."""
     tflops = gpu.get("tensor_tflops") or {}
     if "fp16" not in tflops:
-        raise InvalidConfigError(f"gpu {gpu.get('name')!r} has no tensor_tflops.fp16 in the catalog: the planner "
-                                 "needs it to order candidates")
+        raise InvalidConfigError(
+            f"gpu {gpu.get('name')!r} has no tensor_tflops.fp16 in the catalog: the planner "
+            "needs it to order candidates"
+        )
     if choice.kernel == "dense":
         w_bytes = 2 * n_out * n_in
     else:
@@ -71,8 +80,9 @@ def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows:
     math_tput = tflops["int8"] if choice.kernel == "w8a8" else tflops["fp16"]
     if choice.kernel == "w8a16" and choice.group_size is not None:
         math_tput = math_tput * 0.9  # the per-group dequantization in the GEMM's prologue (a stated guess)
-    return max((w_bytes + act_bytes) / (gpu["memory_bandwidth_gbps"] * 1e9),
-               2.0 * rows * n_out * n_in / (math_tput * 1e12))
+    return max(
+        (w_bytes + act_bytes) / (gpu["memory_bandwidth_gbps"] * 1e9), 2.0 * rows * n_out * n_in / (math_tput * 1e12)
+    )
 
 
 def ordered_choices(gpu: dict[str, Any], n_out: int, n_in: int, rows: int = DEFAULT_ROWS) -> list[Choice]:
@@ -85,9 +95,11 @@ def ordered_choices(gpu: dict[str, Any], n_out: int, n_in: int, rows: int = DEFA
 
 # ---------------------------------------------------------------------------- calibration data
 
+
 @dataclass
 class Calibration:
     """What the search needs from the unquantized model on the calibration windows."""
+
     windows: list[Tensor]  # LongTensors [1, T]
     ref_logprobs: list[Tensor]  # fp32 [T, V] per window
     inputs: dict[str, Tensor]  # per FFN Linear: its input on the first ``sample`` tokens [S, K]
@@ -104,8 +116,9 @@ def _ffn_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return out
 
 
-def collect_calibration(model: nn.Module, windows: Iterable[Tensor], sample: int = 512,
-                        kld_windows: int | None = None) -> Calibration:
+def collect_calibration(
+    model: nn.Module, windows: Iterable[Tensor], sample: int = 512, kld_windows: int | None = None
+) -> Calibration:
     """Reference log-probs (of the first ``kld_windows`` windows; None: all), sampled FFN inputs and their
     absmax (over every window, as quant.apply.collect_activation_stats on the same windows), in one pass."""
     wins = [w if w.dim() == 2 else w[None] for w in windows]
@@ -126,6 +139,7 @@ def collect_calibration(model: nn.Module, windows: Iterable[Tensor], sample: int
             room = sample - taken["n"]
             if room > 0:
                 inputs[name].append(x[:room].clone())
+
         return fn
 
     device = model.norm.weight.device
@@ -141,10 +155,11 @@ def collect_calibration(model: nn.Module, windows: Iterable[Tensor], sample: int
     finally:
         for h in hooks:
             h.remove()
-    return Calibration(wins[:len(refs)], refs, {n: torch.cat(v) for n, v in inputs.items()}, absmax)
+    return Calibration(wins[: len(refs)], refs, {n: torch.cat(v) for n, v in inputs.items()}, absmax)
 
 
 # ---------------------------------------------------------------------------- per-module damage
+
 
 def _quantize(lin: nn.Linear, choice: Choice, absmax: Tensor | None, alpha: float | None) -> Int8Linear:
     if choice.kernel == "w8a8":
@@ -156,8 +171,9 @@ def _rel_err(y: Tensor, ref: Tensor) -> float:
     return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def module_errors(model: nn.Module, calib: Calibration, choices: list[Choice],
-                  alphas: tuple[float, ...] = ALPHA_GRID) -> dict[str, dict[str, tuple[float, float | None]]]:
+def module_errors(
+    model: nn.Module, calib: Calibration, choices: list[Choice], alphas: tuple[float, ...] = ALPHA_GRID
+) -> dict[str, dict[str, tuple[float, float | None]]]:
     """Per FFN Linear and candidate: (relative output error on its calibration inputs, SmoothQuant alpha)."""
     out: dict[str, dict[str, tuple[float, float | None]]] = {}
     with torch.inference_mode():
@@ -169,8 +185,7 @@ def module_errors(model: nn.Module, calib: Calibration, choices: list[Choice],
                 if c.kernel == "dense":
                     errs[c.label] = (0.0, None)
                 elif c.kernel == "w8a8":
-                    errs[c.label] = min((_rel_err(_quantize(lin, c, calib.absmax[name], a)(x), ref), a)
-                                        for a in alphas)
+                    errs[c.label] = min((_rel_err(_quantize(lin, c, calib.absmax[name], a)(x), ref), a) for a in alphas)
                 else:
                     errs[c.label] = (_rel_err(_quantize(lin, c, None, None)(x), ref), None)
             out[name] = errs
@@ -178,6 +193,7 @@ def module_errors(model: nn.Module, calib: Calibration, choices: list[Choice],
 
 
 # ---------------------------------------------------------------------------- the model's KLD
+
 
 def calib_kld(model: nn.Module, calib: Calibration) -> tuple[float, float]:
     """(mean KL(ref || model), top-1 agreement) over every calibration token."""
@@ -203,8 +219,9 @@ class SearchResult:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def _assign(errs: dict[str, dict[str, tuple[float, float | None]]], order: dict[str, list[Choice]],
-            t: float) -> dict[str, Choice]:
+def _assign(
+    errs: dict[str, dict[str, tuple[float, float | None]]], order: dict[str, list[Choice]], t: float
+) -> dict[str, Choice]:
     return {n: next(c for c in order[n] if errs[n][c.label][0] <= t) for n in errs}
 
 
@@ -213,13 +230,24 @@ def _family_plan(c: Choice, alpha: float | None, reason: str) -> FamilyPlan:
         return FamilyPlan("fp16", "dense", {}, reason)
     if c.kernel == "w8a16":
         return w8a16_family(c.group_size, reason)
-    return FamilyPlan("int8", "w8a8", {"weights": "per-output-channel symmetric int8, fp32 scales",
-                                       "activations": "per-token dynamic symmetric int8",
-                                       "smoothquant_alpha": alpha}, reason)
+    return FamilyPlan(
+        "int8",
+        "w8a8",
+        {
+            "weights": "per-output-channel symmetric int8, fp32 scales",
+            "activations": "per-token dynamic symmetric int8",
+            "smoothquant_alpha": alpha,
+        },
+        reason,
+    )
 
 
-def _with_plan(model: nn.Module, calib: Calibration, assign: dict[str, Choice],
-               errs: dict[str, dict[str, tuple[float, float | None]]]) -> tuple[float, float]:
+def _with_plan(
+    model: nn.Module,
+    calib: Calibration,
+    assign: dict[str, Choice],
+    errs: dict[str, dict[str, tuple[float, float | None]]],
+) -> tuple[float, float]:
     """The model's calibration KLD with ``assign`` swapped in (the originals restored after)."""
     originals = _ffn_linears(model)
     try:
@@ -227,16 +255,27 @@ def _with_plan(model: nn.Module, calib: Calibration, assign: dict[str, Choice],
             for name, c in assign.items():
                 if c.kernel != "dense":
                     parent = model.get_submodule(name.rsplit(".", 1)[0])
-                    setattr(parent, name.rsplit(".", 1)[1],
-                            _quantize(originals[name], c, calib.absmax[name], errs[name][c.label][1]))
+                    setattr(
+                        parent,
+                        name.rsplit(".", 1)[1],
+                        _quantize(originals[name], c, calib.absmax[name], errs[name][c.label][1]),
+                    )
         return calib_kld(model, calib)
     finally:
         for name, lin in originals.items():
             setattr(model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], lin)
 
 
-def search_ffn(model: nn.Module, calib: Calibration, gpu: dict[str, Any], *, kld_budget: float = 1e-3,
-               min_top1: float = 0.0, rows: int = DEFAULT_ROWS, dense_storage: str = "fp16") -> SearchResult:
+def search_ffn(
+    model: nn.Module,
+    calib: Calibration,
+    gpu: dict[str, Any],
+    *,
+    kld_budget: float = 1e-3,
+    min_top1: float = 0.0,
+    rows: int = DEFAULT_ROWS,
+    dense_storage: str = "fp16",
+) -> SearchResult:
     """The fastest per-module FFN plan whose calibration KLD <= kld_budget and top-1 >= min_top1."""
     if not kld_budget > 0:
         raise InvalidConfigError(f"kld_budget={kld_budget!r} is invalid: allowed > 0")
@@ -251,10 +290,23 @@ def search_ffn(model: nn.Module, calib: Calibration, gpu: dict[str, Any], *, kld
         assign = _assign(errs, order, t)
         kld, top1 = _with_plan(model, calib, assign, errs)
         good = kld <= kld_budget and top1 >= min_top1
-        trials.append({"threshold": t if math.isfinite(t) else None, "kld": kld, "top1": top1, "passed": good,
-                       "counts": dict(Counter(c.label for c in assign.values()))})
-        log.info("plan search: threshold %s -> calibration KLD %.5f, top-1 %.4f (%s) %s", f"{t:.4g}", kld, top1,
-                 "pass" if good else "fail", trials[-1]["counts"])
+        trials.append(
+            {
+                "threshold": t if math.isfinite(t) else None,
+                "kld": kld,
+                "top1": top1,
+                "passed": good,
+                "counts": dict(Counter(c.label for c in assign.values())),
+            }
+        )
+        log.info(
+            "plan search: threshold %s -> calibration KLD %.5f, top-1 %.4f (%s) %s",
+            f"{t:.4g}",
+            kld,
+            top1,
+            "pass" if good else "fail",
+            trials[-1]["counts"],
+        )
         return good, kld, top1
 
     lo, hi = 0, len(ts) - 1  # ts[0] == 0.0: every module at an error-free choice (fp16) passes
@@ -274,9 +326,12 @@ def search_ffn(model: nn.Module, calib: Calibration, gpu: dict[str, Any], *, kld
     modules = {}
     for name, c in assign.items():
         e, alpha = errs[name][c.label]
-        faster = [f"{f.label} {errs[name][f.label][0]:.4f}" for f in order[name][:order[name].index(c)]]
-        why = (f"calibration output error {e:.4f} <= threshold {t:.4f}" if math.isfinite(t) else
-               f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget")
+        faster = [f"{f.label} {errs[name][f.label][0]:.4f}" for f in order[name][: order[name].index(c)]]
+        why = (
+            f"calibration output error {e:.4f} <= threshold {t:.4f}"
+            if math.isfinite(t)
+            else f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget"
+        )
         if faster:
             why = f"stepped back past {', '.join(faster)} (errors above the threshold); " + why
         if alpha is not None:
@@ -290,8 +345,12 @@ def search_ffn(model: nn.Module, calib: Calibration, gpu: dict[str, Any], *, kld
     counts = Counter(c.label for c in assign.values())
     top = counts.most_common(1)[0][0]
     top_c = next(c for c in CHOICES if c.label == top)
-    summary = _family_plan(top_c, None, f"planner: {dict(counts)} of {len(assign)} FFN Linears (per layer in "
-                                        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}")
+    summary = _family_plan(
+        top_c,
+        None,
+        f"planner: {dict(counts)} of {len(assign)} FFN Linears (per layer in "
+        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}",
+    )
     if top_c.kernel == "dense":
         summary.storage = dense_storage
     summary.scaling.pop("smoothquant_alpha", None)

@@ -11,6 +11,7 @@ quantized and divides the activation by ``s`` at run time inside the module
 (a per-module divide; folding it into the preceding RMSNorm would need gate and
 up to share one ``s`` and does not apply to down_proj).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,8 @@ def smooth_scales(act_absmax: Tensor, weight: Tensor, alpha: float = DEFAULT_ALP
     a = act_absmax.detach().float().to(weight.device)
     if a.shape != (weight.shape[1],):
         raise InvalidConfigError(
-            f"activation absmax has shape {tuple(a.shape)}; expected ({weight.shape[1]},) (the Linear's in_features)")
+            f"activation absmax has shape {tuple(a.shape)}; expected ({weight.shape[1]},) (the Linear's in_features)"
+        )
     if not torch.isfinite(a).all():
         raise InvalidConfigError("activation absmax holds NaN or inf; recollect the calibration statistics")
     w = weight.detach().float().abs().amax(dim=0)

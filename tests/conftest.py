@@ -1,4 +1,5 @@
 """Shared test setup: the `gpu` marker (skipped without CUDA) and small model fixtures."""
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/util.py
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "slow: builds or runs the full demo pair")
-    config.addinivalue_line("markers", "ray: starts a local Ray instance and Serve (skipped without ray; "
-                            "deselect with -m 'not ray')")
+    config.addinivalue_line(
+        "markers", "ray: starts a local Ray instance and Serve (skipped without ray; deselect with -m 'not ray')"
+    )
     # The test models are tiny: one thread avoids OpenMP spin-waits, which cost 5-10x
     # when the 2 cores are shared with another process. Speed is never asserted in tests.
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
 """K policies on scripted acceptance sequences, and the cost model's arithmetic."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ COSTS = Costs(c=0.05, v={1: 1.0, 2: 1.02, 4: 1.05, 8: 1.2})
 def test_expected_tokens_closed_form():
     for a in (0.0, 0.3, 0.8, 0.99):
         for k in (1, 3, 8):
-            assert expected_tokens(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+            assert expected_tokens(a, k) == pytest.approx(sum(a**i for i in range(k + 1)))
     assert expected_tokens(1.0, 5) == 6
 
 
@@ -48,8 +49,20 @@ def test_constant_policy_never_moves():
 
 def test_heuristic_policy_follows_the_rule():
     ctl = KController(KPolicy("heuristic", k=3, k_min=2, k_max=8))
-    script = [(3, 3, 5), (5, 5, 7), (7, 7, 8), (8, 8, 8), (8, 2, 7), (7, 0, 6), (6, 1, 5),
-              (5, 0, 4), (4, 0, 3), (3, 0, 2), (2, 0, 2), (2, 2, 4)]
+    script = [
+        (3, 3, 5),
+        (5, 5, 7),
+        (7, 7, 8),
+        (8, 8, 8),
+        (8, 2, 7),
+        (7, 0, 6),
+        (6, 1, 5),
+        (5, 0, 4),
+        (4, 0, 3),
+        (3, 0, 2),
+        (2, 0, 2),
+        (2, 2, 4),
+    ]
     for drafted, acc, want in script:
         assert ctl.update(drafted, acc) == want
 

@@ -1,6 +1,7 @@
 """The AMX tile kernel for bf16-valued weights (engine/kernels/csrc/amx_gemm.cpp) against float64 and against the
 AVX-512 small-GEMM kernel on the same weights (its fallback, same inputs and outputs); rows independent
 bit for bit at every row count, 16-row chunks included; the decode step on it."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"AMX tiles unavailab
 @pytest.mark.parametrize("K,N", [(768, 2304), (2048, 768), (100, 37), (33, 17), (32, 16), (1, 1)])
 def test_matches_float64_and_the_avx512_kernel_with_independent_rows(K, N):
     g = torch.Generator().manual_seed(K * N)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
     x = torch.randn(40, K, generator=g) * 3  # 40 rows: tiles of 5 rows, passes of up to 3 tiles (15 rows)
     k = cpu_kernels()
     packed = k.amx_pack(w)
@@ -36,7 +37,7 @@ def test_matches_float64_and_the_avx512_kernel_with_independent_rows(K, N):
     assert ((got.double() - want).abs() / scale).max() < 2e-6
     torch.testing.assert_close(got, k.small_gemm(x, w), rtol=1e-5, atol=1e-5)
     for m in (0, 5, 15, 16, 17, 39):  # each row alone == the same row inside a 40-row call
-        assert torch.equal(k.amx_gemm(x[m:m + 1].contiguous(), packed, N), got[m:m + 1])
+        assert torch.equal(k.amx_gemm(x[m : m + 1].contiguous(), packed, N), got[m : m + 1])
     assert torch.equal(k.amx_gemm(x[3:9].contiguous(), packed, N), got[3:9])
 
 
@@ -46,16 +47,32 @@ def test_inputs_are_split_exactly():
     subnormal parts), below 2^-126 the input counts as zero."""
     k = cpu_kernels()
     bits = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000], dtype=torch.int64).to(torch.int32)
-    special = torch.cat([torch.tensor([1 + 2 ** -23, -(1 + 2 ** -9 + 2 ** -17 + 2 ** -23), 3.0, 1e-3, 3.4028235e38,
-                                       -3.3961776e38, float("inf"), float("-inf"), 1e-30, -0.0]),
-                         bits.view(torch.float32)])
+    special = torch.cat(
+        [
+            torch.tensor(
+                [
+                    1 + 2**-23,
+                    -(1 + 2**-9 + 2**-17 + 2**-23),
+                    3.0,
+                    1e-3,
+                    3.4028235e38,
+                    -3.3961776e38,
+                    float("inf"),
+                    float("-inf"),
+                    1e-30,
+                    -0.0,
+                ]
+            ),
+            bits.view(torch.float32),
+        ]
+    )
     x = torch.cat([special, torch.randn(2000) * torch.logspace(-20, 30, 2000)])[:, None].contiguous()
     one = k.amx_pack(torch.ones(1, 1, dtype=torch.bfloat16))
     got = k.amx_gemm(x, one, 1)
     assert torch.equal(got[:10], x[:10]) and got[10:14].isnan().all()
     assert torch.equal(got[14:], x[14:])
-    tiny = torch.tensor([[2.0 ** -110 * (1 + 2 ** -20)], [2.0 ** -127]])
-    assert torch.equal(k.amx_gemm(tiny, one, 1), torch.tensor([[2.0 ** -110], [0.0]]))
+    tiny = torch.tensor([[2.0**-110 * (1 + 2**-20)], [2.0**-127]])
+    assert torch.equal(k.amx_gemm(tiny, one, 1), torch.tensor([[2.0**-110], [0.0]]))
 
 
 def test_bad_input_is_refused():
@@ -94,12 +111,15 @@ def test_decode_step_on_tiles(tmp_path):
         torch.testing.assert_close(c1.k, c2.k, rtol=1e-4, atol=1e-4)
         c3 = KVCache(m.config, 2, 32, torch.float32, "cpu")
         m(toks[:, :12], cache=c3, kv_len=12)
-        steps = [m(toks[:, i:i + 1], input_pos=pos[:, i:i + 1], cache=c3, kv_len=i + 1, start=i) for i in range(12, 20)]
+        steps = [
+            m(toks[:, i : i + 1], input_pos=pos[:, i : i + 1], cache=c3, kv_len=i + 1, start=i) for i in range(12, 20)
+        ]
     assert torch.equal(torch.cat(steps, 1), full[:, 12:])
 
 
 def test_unavailable_tiles_are_said(tmp_path, monkeypatch):
     import engine.kernels.cpu_decode as cd
+
     m = load_model(make_checkpoint(tmp_path / "m", "llama", num_hidden_layers=1), torch.float32)
     fuse_projections(m)
     monkeypatch.setattr(cd, "amx_status", lambda: "the CPU has no AMX-BF16 tiles")
@@ -112,8 +132,10 @@ def test_unavailable_tiles_are_said(tmp_path, monkeypatch):
 def bf16_pair(tmp_path_factory):
     """A target and a draft (its weights plus noise) whose weights are bf16 values, like a bf16 checkpoint."""
     root = tmp_path_factory.mktemp("bf16")
-    return (make_checkpoint(root / "t", "llama", num_hidden_layers=3, values=torch.bfloat16),
-            make_checkpoint(root / "d", "llama", num_hidden_layers=3, perturb=0.005, values=torch.bfloat16))
+    return (
+        make_checkpoint(root / "t", "llama", num_hidden_layers=3, values=torch.bfloat16),
+        make_checkpoint(root / "d", "llama", num_hidden_layers=3, perturb=0.005, values=torch.bfloat16),
+    )
 
 
 def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16_pair):
@@ -133,9 +155,13 @@ def test_engine_runs_a_bf16_checkpoint_on_tiles_and_speculation_stays_exact(bf16
     hf = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     for p, w in zip(prompts, want):
         out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
-        assert out[0, len(p):].tolist() == w
+        assert out[0, len(p) :].tolist() == w
     for drafter, k in [("model", 2), ("model", 5), ("early-exit", 3)]:
-        eng = Engine.from_pretrained(target, draft if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"))
+        eng = Engine.from_pretrained(
+            target,
+            draft if drafter == "model" else None,
+            speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"),
+        )
         if drafter == "model":  # a bf16-valued draft: its step on tiles too (lossless: the default)
             assert eng.info["draft_step_weights"] == "bfloat16" and eng.info["draft_step_amx"] is True
         assert [eng.generate([p], sp)[0].token_ids for p in prompts] == want, (drafter, k)
@@ -152,7 +178,10 @@ def test_two_engines_on_tiles_in_two_threads_give_their_sequential_outputs(bf16_
     target, draft = bf16_pair
     sp = SamplingParams(max_new_tokens=16)
     prompts = [[5, 17, 33], [200, 3, 3, 9], [88, 1], [7, 7, 7, 7, 2]]
-    engines = [Engine.from_pretrained(target), Engine.from_pretrained(target, draft, speculation=SpeculationConfig(k=3))]
+    engines = [
+        Engine.from_pretrained(target),
+        Engine.from_pretrained(target, draft, speculation=SpeculationConfig(k=3)),
+    ]
     want = [[o.token_ids for o in e.generate(prompts, sp)] for e in engines]
     got: list = [None, None]
 

@@ -1,5 +1,6 @@
 """Chat templates from tokenizer_config.json, Hub ids from a local huggingface_hub cache, and incremental
 detokenization of multi-byte UTF-8 split across tokens."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,20 @@ from engine.core.tokenizer import Tokenizer
 
 
 def test_template_from_tokenizer_config_list_and_sandbox(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>"},
-        "chat_template": [{"name": "tool_use", "template": "x"},
-                          {"name": "default", "template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]"
-                                                          "{{ m.content }}{% endfor %}"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>"},
+                "chat_template": [
+                    {"name": "tool_use", "template": "x"},
+                    {
+                        "name": "default",
+                        "template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}",
+                    },
+                ],
+            }
+        )
+    )
     t = ChatTemplate.from_dir(tmp_path)
     assert t.render([{"role": "user", "content": [{"type": "text", "text": "héllo"}]}]) == "<s>[user]héllo"
     with pytest.raises(InvalidRequestError, match="role"):

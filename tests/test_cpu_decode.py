@@ -2,6 +2,7 @@
 same inputs and outputs): logits and KV cache on ragged, padded, re-rowed calls for Llama (GQA), Qwen2
 (q/k/v bias) and Mistral (sliding window); a block of tokens equals one-token steps bit for bit; refusals
 name the reason; the engine's greedy output is unchanged by it."""
+
 from __future__ import annotations
 
 import pytest
@@ -73,7 +74,7 @@ def test_ragged_padded_rerowed_call_matches_the_pytorch_layers(model):
     for b in range(B):
         pos[b, : real[b]] = torch.arange(lens[b], lens[b] + real[b])
     rows = torch.tensor([2, 0, 1])
-    kv_len = max(l + r for l, r in zip(lens, real))
+    kv_len = max(n + r for n, r in zip(lens, real))
     idx = torch.tensor([[0, 3], [0, 1], [1, 2]])
     got, want = _both(model, toks, pos, kv_len=kv_len, rows=rows, logits_idx=idx, cache=c1, cache_ref=c2)
     assert got.shape == want.shape == (B, 2, model.config.vocab_size)
@@ -90,8 +91,9 @@ def test_hidden_states_of_the_scored_rows_match(model):
     toks = torch.tensor([[5, 6, 7], [8, 9, 10]])
     pos = torch.tensor([[12, 13, 14], [12, 13, S - 1]])
     idx = torch.tensor([[0, 2], [0, 1]])
-    (got, h), (want, h_ref) = _both(model, toks, pos, kv_len=15, logits_idx=idx, return_hidden=True,
-                                    cache=c1, cache_ref=c2)
+    (got, h), (want, h_ref) = _both(
+        model, toks, pos, kv_len=15, logits_idx=idx, return_hidden=True, cache=c1, cache_ref=c2
+    )
     assert h.shape == h_ref.shape == (B, 2, model.config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
@@ -118,18 +120,25 @@ def test_greedy_drafting_in_one_call_equals_the_step_loop(model):
     for b in range(B):
         pos[b, : real[b]] = torch.arange(lens[b], lens[b] + real[b])
     rows, last = torch.tensor([1, 2, 0]), torch.tensor(real) - 1
-    kv_len = max(l + r for l, r in zip(lens, real))
+    kv_len = max(n + r for n, r in zip(lens, real))
     step = model.layer_step
     for n_layers in (None, 1):
         with torch.no_grad():
             got = step.greedy(toks, pos, rows, c1, kv_len, n_layers, last, k, V)
             logits, want = step(toks, pos, rows, c2, kv_len, n_layers, last), []
-            nxt = torch.tensor([l + r for l, r in zip(lens, real)])
+            nxt = torch.tensor([n + r for n, r in zip(lens, real)])
             for i in range(k):
                 want.append(logits[:, :V].argmax(-1))
                 if i + 1 < k:
-                    logits = step(want[-1][:, None], (nxt + i)[:, None], rows, c2, kv_len + i + 1, n_layers,
-                                  torch.zeros(B, dtype=torch.long))
+                    logits = step(
+                        want[-1][:, None],
+                        (nxt + i)[:, None],
+                        rows,
+                        c2,
+                        kv_len + i + 1,
+                        n_layers,
+                        torch.zeros(B, dtype=torch.long),
+                    )
         assert torch.equal(got, torch.stack(want, 1)) and got.shape == (B, k)
         assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
     with pytest.raises(RuntimeError, match="greedy: steps >= 1"):
@@ -143,7 +152,7 @@ def test_a_block_equals_one_token_steps_bit_for_bit(model):
     block_cache, step_cache = _prefilled(model, 2), _prefilled(model, 2)
     with torch.no_grad():
         block = model(toks, pos, block_cache, 12 + T)
-        steps = torch.cat([model(toks[:, i: i + 1], pos[:, i: i + 1], step_cache, 13 + i) for i in range(T)], 1)
+        steps = torch.cat([model(toks[:, i : i + 1], pos[:, i : i + 1], step_cache, 13 + i) for i in range(T)], 1)
     assert torch.equal(block, steps)
     assert torch.equal(block_cache.k, step_cache.k) and torch.equal(block_cache.v, step_cache.v)
 
@@ -205,7 +214,12 @@ def test_engine_greedy_output_is_the_same_with_and_without_it(ckpt_dir, draft_di
     sp = SamplingParams(max_new_tokens=24)
     outs = {}
     for pack in (None, False):
-        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=4, k_policy="constant"), kernels=KernelOptions(cpu_pack=pack))
+        eng = Engine.from_pretrained(
+            ckpt_dir,
+            draft_dir if drafter == "model" else None,
+            speculation=SpeculationConfig(drafter=drafter, k=4, k_policy="constant"),
+            kernels=KernelOptions(cpu_pack=pack),
+        )
         want = ["target", "draft"] if drafter == "model" else ["target"]
         assert eng.info["cpu_decode_step"] == (want if pack is None else [])
         assert eng.info["draft_step_weights"] == ("float16" if pack is None and drafter == "model" else None)
@@ -247,8 +261,9 @@ def test_16_bit_weights_widen_exactly(tmp_path, dtype):
 
 
 def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
-    with pytest.raises(InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', "
-                                                 "'bfloat16', 'float32'"):
+    with pytest.raises(
+        InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', 'bfloat16', 'float32'"
+    ):
         Engine.from_pretrained(ckpt_dir, draft_dir, kernels=KernelOptions(draft_step_weights="int8"))
     for name in ("float32", "bfloat16"):
         eng = Engine.from_pretrained(ckpt_dir, draft_dir, kernels=KernelOptions(draft_step_weights=name))

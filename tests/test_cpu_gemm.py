@@ -1,5 +1,6 @@
 """The fp32 small-GEMM CPU kernel (engine/kernels/cpu_gemm.py) against F.linear (its fallback, same API) in float64,
 row independence bit for bit, the module swap and the engine's choice of kernel."""
+
 from __future__ import annotations
 
 import logging
@@ -32,12 +33,12 @@ needs_kernel = pytest.mark.skipif(STATUS is not None, reason=f"small-GEMM kernel
 def test_kernel_matches_linear_in_float64_and_rows_are_independent(K, N):
     g = torch.Generator().manual_seed(K * 31 + N)
     x = torch.randn(MAX_ROWS + 3, K, generator=g)
-    w = torch.randn(N, K, generator=g) / K ** 0.5
+    w = torch.randn(N, K, generator=g) / K**0.5
     gemm = small_gemm_kernel()
     full = gemm(x, w)
     want = (x.double() @ w.double().T).float()
     # fp32 accumulation of K products: within a few ulps of the float64 result, like F.linear
-    tol = 4 * K ** 0.5 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T).max().item()
+    tol = 4 * K**0.5 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T).max().item()
     assert (full - want).abs().max().item() <= tol
     assert (F.linear(x, w) - want).abs().max().item() <= tol
     for rows in (1, 2, 3, 4, 5, 8, 9, 17, MAX_ROWS):  # any row count: each row comes out bit for bit the same
@@ -54,7 +55,7 @@ def test_16_bit_weights_are_widened_exactly(K, N, dtype):
     same, K tails included; and match float64 like the fp32 kernel does."""
     g = torch.Generator().manual_seed(K + N)
     x = torch.randn(7, K, generator=g)
-    w16 = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    w16 = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
     gemm = small_gemm_kernel()
     got = gemm(x, w16)
     assert torch.equal(got, gemm(x, w16.float()))
@@ -78,7 +79,7 @@ def test_small_gemm_linear_has_the_api_of_nn_linear(bias):
             assert mod(x).shape == lin(x).shape
     with torch.no_grad():
         x = torch.randn(9, 48)
-        assert torch.equal(mod(x), torch.cat([mod(x[i:i + 1]) for i in range(9)]))  # bias added per row too
+        assert torch.equal(mod(x), torch.cat([mod(x[i : i + 1]) for i in range(9)]))  # bias added per row too
         big = torch.randn(MAX_ROWS + 1, 48)  # a prefill: PyTorch's own kernel, exactly
         assert torch.equal(mod(big), lin(big))
     # training (autograd) and autocast are F.linear's: the kernel has neither, so they never reach it
@@ -109,7 +110,7 @@ def test_swap_covers_every_fp32_gemm_and_keeps_the_model(ckpt_dir):
     # a verify-sized block (8 rows) goes through the kernel: every projection row equals its one-row result
     x = torch.randn(1, 8, model.config.hidden_size)
     for proj in (a.qkv, a.o_proj, model.layers[0].mlp.gate_up, model.lm_head):
-        assert torch.equal(proj(x), torch.cat([proj(x[:, i:i + 1]) for i in range(8)], 1))
+        assert torch.equal(proj(x), torch.cat([proj(x[:, i : i + 1]) for i in range(8)], 1))
 
 
 @needs_kernel
@@ -141,8 +142,11 @@ def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
     monkeypatch.setattr(cg, "_load", fake_load)
     with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_gemm"):
         mod, reason, amx = cg._build.__wrapped__()
-    assert mod is not None and reason is None and amx == "the AMX code did not build: error: no such " \
-                                                          "instruction: tdpbf16ps"
+    assert (
+        mod is not None
+        and reason is None
+        and amx == "the AMX code did not build: error: no such instruction: tdpbf16ps"
+    )
     assert built == [("specmix_small_gemm", []), ("specmix_small_gemm_noamx", ["-DSPECMIX_NO_AMX"])]
     assert "the AMX kernel did not build" in caplog.text
 
@@ -163,8 +167,11 @@ def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatc
 
 
 def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
-    with pytest.raises(InvalidConfigError, match="cpu_pack=True is invalid here: no fast CPU kernel for dtype "
-                                                 "float16.*allowed: device 'cpu' with dtype bfloat16"):
+    with pytest.raises(
+        InvalidConfigError,
+        match="cpu_pack=True is invalid here: no fast CPU kernel for dtype "
+        "float16.*allowed: device 'cpu' with dtype bfloat16",
+    ):
         Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=True), dtype="float16")
     model = load_model(ckpt_dir, torch.float32)
     assert fast_cpu_linears(model, torch.device("cpu"), False) == (0, None)
@@ -172,6 +179,9 @@ def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
     with pytest.raises(InvalidConfigError, match="device is 'meta'"):
         fast_cpu_linears(model, torch.device("meta"), True)
     for bad in (0, "false", 1):
-        with pytest.raises(InvalidConfigError, match=r"cpu_pack=.* is invalid: allowed None \(where it runs\), True, "
-                                                     "False"):
+        with pytest.raises(
+            InvalidConfigError,
+            match=r"cpu_pack=.* is invalid: allowed None \(where it runs\), True, "
+            "False",
+        ):
             Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=bad))

@@ -1,4 +1,5 @@
 """oneDNN-packed bf16 CPU linears: the same function as the bf16 nn.Linear, row by row, and through the engine."""
+
 from __future__ import annotations
 
 import pytest
@@ -74,7 +75,9 @@ def test_packed_model_logits_match_the_fp32_model_within_bf16_rounding(ckpt_dir)
 
 @needs_onednn
 def test_engine_packs_bf16_by_default_and_decodes(ckpt_dir, draft_dir):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=4, k_policy="constant"), dtype="bfloat16")
+    eng = Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=4, k_policy="constant"), dtype="bfloat16"
+    )
     assert eng.info["cpu_packed_linears"] > 0 and eng.info["draft_dtype"] == "float32"
     assert eng.stats()["memory"]["cpu_packed_bytes"] > 0
     out = eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=24))[0]
@@ -87,7 +90,9 @@ def test_attention_choice_and_refusals(ckpt_dir):
     from engine.core.errors import EngineError
 
     assert Engine.from_pretrained(ckpt_dir).info["attention"] == "sdpa_attention"
-    assert Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="math")).info["attention"] == "math_attention"
+    assert (
+        Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="math")).info["attention"] == "math_attention"
+    )
     with pytest.raises(InvalidConfigError, match="attention='bogus' is invalid: allowed sdpa, math"):
         Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(attention="bogus"))
     with pytest.raises(EngineError, match="attention='math' is invalid with a plan"):
@@ -141,8 +146,9 @@ def test_bf16_verify_block_equals_one_token_steps_bit_for_bit(ckpt_dir):
             if block:
                 outs.append(m(toks[:, p0:p1], torch.arange(p0, p1)[None], cache, p1)[0])
             else:
-                outs.append(torch.cat([m(toks[:, i:i + 1], torch.tensor([[i]]), cache, i + 1)[0]
-                                       for i in range(p0, p1)]))
+                outs.append(
+                    torch.cat([m(toks[:, i : i + 1], torch.tensor([[i]]), cache, i + 1)[0] for i in range(p0, p1)])
+                )
         assert torch.equal(outs[0], outs[1]), (p0, p1)
 
 
@@ -154,11 +160,16 @@ def test_bf16_greedy_speculation_equals_the_bf16_target_alone(ckpt_dir, draft_di
     assert plain.info["attention"] == "math_attention" and plain.info["cpu_packed_linears"] > 0
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
     for k in (1, 2, 4, 8):
-        eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"), dtype="bfloat16")
+        eng = Engine.from_pretrained(
+            ckpt_dir,
+            draft_dir if drafter == "model" else None,
+            speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"),
+            dtype="bfloat16",
+        )
         for batch in (1, 4):
             got = []
             for i in range(0, len(PROMPTS), batch):
-                got += [o.token_ids for o in eng.generate(PROMPTS[i:i + batch], params)]
+                got += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
             assert got == want, (drafter, k, batch)
         assert eng.stats()["drafted"] > 0
 

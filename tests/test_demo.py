@@ -1,4 +1,5 @@
 """The embedded demo pair (engine.demo), on the tiny size built once per session."""
+
 from __future__ import annotations
 
 import hashlib
@@ -102,6 +103,7 @@ def test_pair_layout_and_report(tiny_pair: tuple[Path, Path]) -> None:
 
 def test_checkpoint_files(tiny_pair: tuple[Path, Path]) -> None:
     from safetensors import safe_open
+
     for d in tiny_pair:
         cfg = json.loads((d / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
@@ -119,12 +121,16 @@ def test_checkpoint_files(tiny_pair: tuple[Path, Path]) -> None:
 
 def test_tokenizer_round_trips(tiny_pair: tuple[Path, Path]) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     target, _ = tiny_pair
     ours = Tokenizer(target)
     hf = AutoTokenizer.from_pretrained(str(target))
     fast = PreTrainedTokenizerFast(tokenizer_file=str(target / "tokenizer.json"))
-    samples = [recipe.demo_texts()["heldout"][:3000], "  leading spaces\n\n\ttabs and ünïcödé — “quotes” 🐍\n",
-               "def f(x):\n    return x ** 2  # comment\n"]
+    samples = [
+        recipe.demo_texts()["heldout"][:3000],
+        "  leading spaces\n\n\ttabs and ünïcödé — “quotes” 🐍\n",
+        "def f(x):\n    return x ** 2  # comment\n",
+    ]
     for s in samples:
         ids = ours.encode(s)
         assert ours.decode(ids) == s
@@ -137,6 +143,7 @@ def test_tokenizer_round_trips(tiny_pair: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("which", [0, 1], ids=["target", "draft"])
 def test_logits_match_transformers(tiny_pair: tuple[Path, Path], which: int) -> None:
     from transformers import LlamaForCausalLM
+
     d = tiny_pair[which]
     ours = load_model(d, dtype=torch.float32)
     theirs = LlamaForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
@@ -164,12 +171,14 @@ def test_draft_agrees_with_target(tiny_pair: tuple[Path, Path]) -> None:
 # ----------------------------------------------------------------------------- cache and atomicity
 
 
-def test_second_call_is_a_cache_hit(tiny_pair: tuple[Path, Path], tiny_cache: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_call_is_a_cache_hit(
+    tiny_pair: tuple[Path, Path], tiny_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     before = _digest(tiny_pair[0] / "model.safetensors")
 
     def no_build(*a: object, **k: object) -> None:
         raise AssertionError("rebuilt a cached pair")
+
     monkeypatch.setattr(pair, "build_pair", no_build)
     t0 = time.perf_counter()
     assert pair.demo_pair("tiny", cache_dir=tiny_cache, progress=False) == tiny_pair
@@ -222,6 +231,7 @@ def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def failing(recipe: recipe.DemoRecipe, out: Path, progress: bool = True, size: str = "") -> dict:
         (out / "target").mkdir()
         raise RuntimeError("boom")
+
     monkeypatch.setattr(pair, "build_pair", failing)
     with pytest.raises(RuntimeError, match="boom"):
         pair.demo_pair("tiny", cache_dir=tmp_path, progress=False)
@@ -232,9 +242,21 @@ def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_tool_prints_the_report(tiny_pair: tuple[Path, Path], tiny_cache: Path) -> None:
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo_models.py"), "--size", "tiny",
-                        "--cache-dir", str(tiny_cache), "--quiet"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "make_demo_models.py"),
+            "--size",
+            "tiny",
+            "--cache-dir",
+            str(tiny_cache),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rep = pair.demo_report("tiny", tiny_cache)
     assert f"{rep['agreement']:.3f}" in r.stdout
@@ -247,9 +269,13 @@ def test_tool_errors_are_one_line(tmp_path: Path, args: list[str]) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     args = [str(blocker) if a == "__FILE__" else a for a in args]
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo_models.py"), "--quiet", *args],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_demo_models.py"), "--quiet", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
     assert ("huge" in r.stderr) if "huge" in args else (str(blocker) in r.stderr)
-

@@ -1,4 +1,5 @@
 """Checks on the full demo pair (built once into the specmix cache when missing, ~33 min on 2 cores)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,12 @@ def demo():
 
     target, draft = demo_pair("demo", progress=False)
     root = target.parent
-    return {"target": target, "draft": draft, "heldout": (root / "heldout.txt").read_text(encoding="utf-8"),
-            "calib": (root / "calib.txt").read_text(encoding="utf-8")}
+    return {
+        "target": target,
+        "draft": draft,
+        "heldout": (root / "heldout.txt").read_text(encoding="utf-8"),
+        "calib": (root / "calib.txt").read_text(encoding="utf-8"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,11 @@ def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
     sp = SamplingParams(max_new_tokens=40)
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
     for drafter, k in [("model", 2), ("model", 5), ("ngram", 4), ("early-exit", 3)]:
-        eng = Engine.from_pretrained(demo["target"], demo["draft"] if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"))
+        eng = Engine.from_pretrained(
+            demo["target"],
+            demo["draft"] if drafter == "model" else None,
+            speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant"),
+        )
         one = [eng.generate([p], sp)[0].token_ids for p in prompts]
         batched = [o.token_ids for o in eng.generate(prompts, sp)]
         assert one == ref and batched == ref, (drafter, k)
@@ -47,7 +56,9 @@ def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
 
 def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
     ref = Engine.from_pretrained(demo["target"])
-    planned = Engine.from_pretrained(demo["target"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None), demo["calib"]))
+    planned = Engine.from_pretrained(
+        demo["target"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None), demo["calib"])
+    )
     assert type(planned.target.layers[0].mlp.down_proj).__name__ == "Int8Linear"
     ids = load_eval_ids(ref.tokenizer, demo["heldout"], max_tokens=4096)
     rep = compare_models(ref.logits, planned.logits, ids, 512)
@@ -58,7 +69,9 @@ def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
 def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
     kw = dict(k=4, adaptive_k=False, calib=demo["calib"])
     fp8 = Engine.from_pretrained(demo["target"], demo["draft"], precision=PrecisionConfig(plan), **kw)
-    fp16 = Engine.from_pretrained(demo["target"], demo["draft"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None)), **kw)
+    fp16 = Engine.from_pretrained(
+        demo["target"], demo["draft"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None)), **kw
+    )
     assert type(fp8.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
     # 24 prompts (~1000 drafts; the difference's standard error ~1 point): with 8, the v3 pair's
     # difference read 3.3 points on one set and 1.3 on 24

@@ -1,4 +1,5 @@
 """Every refused input is a typed EngineError naming the problem, and the engine keeps working."""
+
 from __future__ import annotations
 
 import json
@@ -100,6 +101,7 @@ def test_missing_tensor(broken):
 def test_misshaped_tensor(broken):
     def cut(sd):
         sd["model.layers.0.self_attn.q_proj.weight"] = sd["model.layers.0.self_attn.q_proj.weight"][:, :10].clone()
+
     _rewrite(broken, cut)
     with pytest.raises(CheckpointError, match=r"q_proj.weight has shape \(64, 10\), expected \(64, 64\)"):
         load_model(broken)
@@ -173,11 +175,19 @@ def test_bad_request_then_engine_still_works(engine, name, prompts, params, matc
     assert good.token_ids == ref.token_ids and 1 <= len(good.token_ids) <= 8
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("temperature", -0.1, "temperature"), ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"),
-    ("top_k", -1, "top_k"), ("max_new_tokens", 0, "max_new_tokens"), ("seed", "abc", "seed"),
-    ("stop", "END", "stop"), ("stop", [1], "stop"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("temperature", -0.1, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -1, "top_k"),
+        ("max_new_tokens", 0, "max_new_tokens"),
+        ("seed", "abc", "seed"),
+        ("stop", "END", "stop"),
+        ("stop", [1], "stop"),
+    ],
+)
 def test_bad_sampling_params(field, value, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**{field: value})

@@ -1,4 +1,5 @@
 """The standard-library example server (examples/server.py) over HTTP on 127.0.0.1."""
+
 from __future__ import annotations
 
 import http.client
@@ -21,8 +22,9 @@ TIMEOUT = 120  # seconds: a hung server fails the test instead of the suite
 
 @pytest.fixture(scope="module")
 def eng(ckpt_dir, draft_dir):
-    return Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"),
-                                  limits=Limits(max_batch=8))
+    return Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8)
+    )
 
 
 def _server_module():
@@ -35,8 +37,12 @@ def _server_module():
 
 def _post(port: int, body: bytes | dict, path: str = "/generate") -> tuple[int, bytes]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-    c.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body).encode(),
-              headers={"Content-Type": "application/json"})
+    c.request(
+        "POST",
+        path,
+        body=body if isinstance(body, bytes) else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     r = c.getresponse()
     data = r.read()
     c.close()
@@ -58,19 +64,28 @@ def test_http_example(eng, ckpt_dir, draft_dir):
         assert out["text"] == ref.text and out["token_ids"] == ref.token_ids
         assert out["finish_reason"] in ("stop", "length")
         code, data = _post(port, {"prompt": [5, 6, 7], "max_new_tokens": 5})
-        assert code == 200 and json.loads(data)["token_ids"] == \
-            eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].token_ids
-        for bad, match in [(b"{not json", "JSON"), ({"prompt": "x", "temperature": -1}, "temperature"),
-                           ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
-                           ({"prompt": ""}, "empty"), ({"prompt": "x", "beam": 4}, "beam"),
-                           ({"max_new_tokens": 3}, "prompt"), ({"prompt": [1, 999]}, "999"),
-                           ({"prompt": "x", "stream": "yes"}, "stream"), ([1, 2], "object")]:
+        assert (
+            code == 200
+            and json.loads(data)["token_ids"]
+            == eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].token_ids
+        )
+        for bad, match in [
+            (b"{not json", "JSON"),
+            ({"prompt": "x", "temperature": -1}, "temperature"),
+            ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+            ({"prompt": ""}, "empty"),
+            ({"prompt": "x", "beam": 4}, "beam"),
+            ({"max_new_tokens": 3}, "prompt"),
+            ({"prompt": [1, 999]}, "999"),
+            ({"prompt": "x", "stream": "yes"}, "stream"),
+            ([1, 2], "object"),
+        ]:
             code, data = _post(port, bad)
             assert code == 400 and match in json.loads(data)["error"], (bad, data)
         # streaming as server-sent events
         code, data = _post(port, dict(req, stream=True))
         assert code == 200
-        events = [ln[len("data: "):] for ln in data.decode().split("\n\n") if ln.startswith("data: ")]
+        events = [ln[len("data: ") :] for ln in data.decode().split("\n\n") if ln.startswith("data: ")]
         assert events[-1] == "[DONE]"
         objs = [json.loads(x) for x in events[:-1]]
         assert "".join(o.get("text", "") for o in objs) == ref.text
@@ -93,8 +108,10 @@ def test_http_example(eng, ckpt_dir, draft_dir):
     try:
         sock = socket.create_connection(srv.server_address[:2], timeout=TIMEOUT)
         body = json.dumps({"prompt": long_prompt(eng, 200), "max_new_tokens": 200, "stream": True}).encode()
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         got = b""
         while b"data: " not in got:
             chunk = sock.recv(4096)
@@ -108,7 +125,12 @@ def test_http_example(eng, ckpt_dir, draft_dir):
         srv.shutdown()
         srv.server_close()
     # overload -> 503
-    small = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=2, k_policy="constant"), limits=Limits(max_batch=1, max_waiting=0))
+    small = Engine.from_pretrained(
+        ckpt_dir,
+        draft_dir,
+        speculation=SpeculationConfig(k=2, k_policy="constant"),
+        limits=Limits(max_batch=1, max_waiting=0),
+    )
     srv = mod.make_server(small, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     small.scheduler.on_round = lambda: time.sleep(0.005)
@@ -121,5 +143,3 @@ def test_http_example(eng, ckpt_dir, draft_dir):
         small.scheduler.on_round = None
         srv.shutdown()
         srv.server_close()
-
-

@@ -1,4 +1,5 @@
 """The GPU path on a CUDA device (``-m gpu``; skipped without one): attention, CUDA graphs, NVML, FP8."""
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,6 @@ def _ids(outs):
     return [o.token_ids for o in outs]
 
 
-
 def _cc() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
@@ -55,21 +55,39 @@ class _IdTokenizer:
         return [int(t) for t in text.split()]
 
 
-def _gpu_engine(dtype: torch.dtype = torch.float32, k: int = 3, graphs: bool = False,
-                load_window: bool = False) -> Engine:
+def _gpu_engine(
+    dtype: torch.dtype = torch.float32, k: int = 3, graphs: bool = False, load_window: bool = False
+) -> Engine:
     """A random target (GQA) and draft built on the GPU, peaked (std 0.08) so greedy has no near-ties."""
     from engine.cli import gpu_bench
     from engine.core.config import ModelConfig
 
     def cfg(h, layers):
-        return ModelConfig(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=h, intermediate_size=2 * h,
-                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
-                           max_position_embeddings=1024)
+        return ModelConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=300,
+            hidden_size=h,
+            intermediate_size=2 * h,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=h // 4,
+            max_position_embeddings=1024,
+        )
+
     dev = torch.device("cuda")
     t = gpu_bench.random_model(cfg(128, 3), dtype, dev, 0, std=0.08)
     d = gpu_bench.random_model(cfg(64, 1), dtype, dev, 1, std=0.08)
-    parts = parts_from_models(t, _IdTokenizer(), d, "model", SpeculationConfig(k=k, k_policy="constant", k_max=k),
-                              KernelOptions(cuda_graphs=graphs), dev, vocab=300)
+    parts = parts_from_models(
+        t,
+        _IdTokenizer(),
+        d,
+        "model",
+        SpeculationConfig(k=k, k_policy="constant", k_max=k),
+        KernelOptions(cuda_graphs=graphs),
+        dev,
+        vocab=300,
+    )
     return Engine(parts, Limits(max_batch=8, load_window=LoadWindowConfig() if load_window else None))
 
 

@@ -1,6 +1,7 @@
 """The GPU path on the CPU: attention backends, runtime profile checks, CUDA graphs, telemetry and
 the load window, the GPU bench. These check the logic (graphs emulated, flash-attn through a
 pure-PyTorch reference of its kernel); tests/test_gpu_device.py runs it on a CUDA device (-m gpu)."""
+
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ PROMPTS = [[5, 17, 33, 9], [7, 7, 7, 1, 2, 3, 4, 5, 6], [40, 41], [100, 3, 3, 3,
 
 # ------------------------------------------------------------------ references
 
+
 def math_attention(q, k, v, mask):
     """Plain softmax(q k^T / sqrt(d)) v with a bool mask [B|1,1,T,S]; k/v heads repeated for GQA."""
     rep = q.shape[1] // k.shape[1]
@@ -52,8 +54,9 @@ def math_attention(q, k, v, mask):
     return (s.softmax(-1) @ v.float()).to(q.dtype)
 
 
-def ref_flash_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, causal=False,
-                           window_size=(-1, -1)):
+def ref_flash_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, causal=False, window_size=(-1, -1)
+):
     """flash_attn_with_kvcache's documented semantics in PyTorch: q [B,T,H,D], cache [Bc,S,Hkv,D]."""
     B, T = q.shape[:2]
     rows = torch.arange(B) if cache_batch_idx is None else cache_batch_idx.long()
@@ -84,8 +87,9 @@ def pair(ckpt_dir, draft_dir):
 
 def _engine(pair, limits: Limits = Limits(max_batch=8), **kw) -> Engine:
     t, d = pair
-    return Engine.from_pretrained(t, d, speculation=SpeculationConfig(k=3, k_policy="constant"), limits=limits,
-                                  device="cpu", **kw)
+    return Engine.from_pretrained(
+        t, d, speculation=SpeculationConfig(k=3, k_policy="constant"), limits=limits, device="cpu", **kw
+    )
 
 
 def _graphed(pair, buckets) -> Engine:
@@ -97,6 +101,7 @@ def _ids(outs):
 
 
 # ------------------------------------------------------------------ 1. attention backends
+
 
 @pytest.mark.parametrize("T,S,heads", [(1, 9, (4, 4)), (3, 9, (4, 4)), (3, 9, (4, 2)), (5, 5, (4, 2))])
 def test_sdpa_lower_right_dense_mask_and_math_agree(T, S, heads):
@@ -175,16 +180,19 @@ def test_attention_choice_for_every_catalog_gpu(installed):
 
 # ------------------------------------------------------------------ 2. profile runtime section
 
+
 def test_runtime_section_is_validated():
     assert parse_runtime(None) == RuntimeSettings()
     rt = parse_runtime({"cuda_graphs": {}, "load_window": {"memory_threshold": 0.9, "resume_below": 0.5}})
     assert rt.cuda_graphs and rt.batch_buckets == (1, 2, 4, 8, 16, 32) and rt.memory_threshold == 0.9
-    for bad, match in [({"cuda_graphs": {"enabled": "yes"}}, "cuda_graphs.enabled='yes'.*true or false"),
-                       ({"cuda_graphs": {"batch_buckets": [0, 2]}}, "batch_buckets=.*ints in 1..4096"),
-                       ({"load_window": {"memory_threshold": 1.5}}, "memory_threshold=1.5.*\\(0, 1\\]"),
-                       ({"load_window": {"memory_threshold": 0.6}}, "resume_below=0.7.*below memory_threshold"),
-                       ({"graphs": True}, "unknown field.*graphs.*allowed: cuda_graphs, load_window"),
-                       ([], "runtime=\\[\\] is invalid")]:
+    for bad, match in [
+        ({"cuda_graphs": {"enabled": "yes"}}, "cuda_graphs.enabled='yes'.*true or false"),
+        ({"cuda_graphs": {"batch_buckets": [0, 2]}}, "batch_buckets=.*ints in 1..4096"),
+        ({"load_window": {"memory_threshold": 1.5}}, "memory_threshold=1.5.*\\(0, 1\\]"),
+        ({"load_window": {"memory_threshold": 0.6}}, "resume_below=0.7.*below memory_threshold"),
+        ({"graphs": True}, "unknown field.*graphs.*allowed: cuda_graphs, load_window"),
+        ([], "runtime=\\[\\] is invalid"),
+    ]:
         with pytest.raises(ProfileError, match=match):
             parse_runtime(bad)
 
@@ -219,6 +227,7 @@ def test_from_profile_reads_the_runtime_section(tiny_demo, tmp_path):
 
 
 # ------------------------------------------------------------------ 3. CUDA graphs (emulated on the CPU)
+
 
 def test_buckets():
     assert [batch_bucket(n, (1, 2, 4, 8)) for n in (1, 3, 8, 9)] == [1, 4, 8, None]
@@ -271,15 +280,31 @@ def test_a_new_cache_drops_the_graphs(pair):
 
 # ------------------------------------------------------------------ 4. load window
 
+
 def test_load_window_scripted_readings():
     w = LoadWindow(k_max=8, batch_max=32, threshold=0.80, resume=0.70, raise_after=2, k_min=1)
     readings = [0.5, 0.85, 0.9, 0.75, 0.79, 0.65, 0.75, 0.6, 0.6, None, 0.6, 0.6, 0.6, 0.6, 0.99, 0.99, 0.99, 0.99]
     caps = [w.update(r) for r in readings]
-    assert caps == [(8, 32), (4, 16), (2, 8), (2, 8), (2, 8),  # above: halve; in the band: hold
-                    (2, 8), (2, 8),  # one low reading, then the band resets the streak
-                    (2, 8), (4, 16), (4, 16),  # two low readings in a row: double; None holds
-                    (4, 16), (8, 32), (8, 32), (8, 32),  # back to the maximum, and it stays there
-                    (4, 16), (2, 8), (1, 4), (1, 2)]  # floors: k_min 1, batch 1 next
+    assert caps == [
+        (8, 32),
+        (4, 16),
+        (2, 8),
+        (2, 8),
+        (2, 8),  # above: halve; in the band: hold
+        (2, 8),
+        (2, 8),  # one low reading, then the band resets the streak
+        (2, 8),
+        (4, 16),
+        (4, 16),  # two low readings in a row: double; None holds
+        (4, 16),
+        (8, 32),
+        (8, 32),
+        (8, 32),  # back to the maximum, and it stays there
+        (4, 16),
+        (2, 8),
+        (1, 4),
+        (1, 2),
+    ]  # floors: k_min 1, batch 1 next
     assert w.update(0.99) == (1, 1) and w.update(0.99) == (1, 1)
     with pytest.raises(InvalidConfigError, match="resume_below=0.9 is invalid: allowed below memory_threshold"):
         LoadWindow(8, 32, threshold=0.8, resume=0.9)
@@ -331,10 +356,16 @@ def test_memory_pressure_lowers_k_and_batch_instead_of_failing(pair):
 
 # ------------------------------------------------------------------ 5. tools
 
+
 def test_gpu_bench_cpu_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_bench.py"), "--device", "cpu", "--small",
-                        "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_bench.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "gpu-bench.json").read_text())
     assert [row["batch"] for row in res["rows"]] == [1, 2] and not res["skipped"]

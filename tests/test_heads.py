@@ -1,5 +1,6 @@
 """Medusa and EAGLE-style draft heads: lossless (greedy identity, exact sampling), trained heads accept
 better than untrained ones, and a head for another target or of another shape is refused at load."""
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,17 @@ def random_head(target_dir, out, kind: str, draft_vocab: int | None = None, seed
     """A head with random weights (drafts that are sometimes right, sometimes wrong) for the target at target_dir."""
     eng = Engine.from_pretrained(target_dir)
     cfg = eng.target.config
-    vocab_ids = None if draft_vocab is None else torch.arange(0, cfg.vocab_size, cfg.vocab_size // draft_vocab)[
-        :draft_vocab]
-    hcfg = HeadConfig(kind=kind, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=4,
-                      draft_vocab=draft_vocab, target=target_fingerprint(eng.target, eng.tokenizer.vocab()))
+    vocab_ids = (
+        None if draft_vocab is None else torch.arange(0, cfg.vocab_size, cfg.vocab_size // draft_vocab)[:draft_vocab]
+    )
+    hcfg = HeadConfig(
+        kind=kind,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        num_heads=4,
+        draft_vocab=draft_vocab,
+        target=target_fingerprint(eng.target, eng.tokenizer.vocab()),
+    )
     head = init_head(hcfg, eng.target, seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -54,8 +62,9 @@ def trained_heads(ckpt_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("heads")
     out = {}
     for kind, dv in (("medusa", None), ("eagle", None), ("eagle", 128)):
-        opts = TrainOptions(kind=kind, steps=60, samples=24, prompt_len=8, gen_len=40, positions=128,
-                            draft_vocab=dv, heads=3)
+        opts = TrainOptions(
+            kind=kind, steps=60, samples=24, prompt_len=8, gen_len=40, positions=128, draft_vocab=dv, heads=3
+        )
         path = d / f"{kind}-{dv}"
         train_draft(ckpt_dir, path, opts, TEXT * 4, progress=False)
         out[(kind, dv)] = path
@@ -70,19 +79,21 @@ def test_greedy_heads_equal_plain(ckpt_dir, trained_heads, plain, which, k):
     for batch in (1, 4):
         outs = []
         for i in range(0, len(PROMPTS), batch):
-            outs += [o.token_ids for o in eng.generate(PROMPTS[i:i + batch], params)]
+            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
         assert outs == plain, (which, k, batch)
     s = eng.stats()
     assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1  # both outcomes happened
     if which[0] == "medusa":
-        assert len(outs[0]) and all(len(o.stats["per_position_acceptance"]) <= 3 for o in
-                                    eng.generate(PROMPTS[:2], params))  # k capped at the 3 heads
+        assert len(outs[0]) and all(
+            len(o.stats["per_position_acceptance"]) <= 3 for o in eng.generate(PROMPTS[:2], params)
+        )  # k capped at the 3 heads
 
 
 def test_ragged_batch_with_mixed_requests(ckpt_dir, trained_heads, plain):
     """Requests joining mid-flight (no feature yet: no drafts for them in their first round), various lengths."""
-    eng = Engine.from_pretrained(ckpt_dir, trained_heads[("eagle", None)],
-                                 speculation=SpeculationConfig(drafter="eagle", k=3))
+    eng = Engine.from_pretrained(
+        ckpt_dir, trained_heads[("eagle", None)], speculation=SpeculationConfig(drafter="eagle", k=3)
+    )
     lens = [40, 7, 25, 40, 13, 40]
     reqs = [eng.submit(PROMPTS[i], SamplingParams(max_new_tokens=n)) for i, n in enumerate(lens)]
     outs = [r.result() for r in reqs]
@@ -176,7 +187,7 @@ def tiny_heads(tiny_demo, tmp_path_factory):
 def test_trained_head_accepts_better_than_untrained(tiny_heads, tmp_path, kind):
     target, d = tiny_heads
     ids = Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8"))
-    prompts = [ids[i: i + 24] for i in range(0, 600 * 8, 600)]  # held-out prompts (never trained on)
+    prompts = [ids[i : i + 24] for i in range(0, 600 * 8, 600)]  # held-out prompts (never trained on)
     cfg = HeadConfig(**json.loads((d / kind / "head_config.json").read_text()))
     untrained = tmp_path / "untrained"
     save_head(init_head(cfg, Engine.from_pretrained(target).target, seed=0), cfg, None, untrained)
@@ -193,16 +204,36 @@ def test_profile_with_a_head(tiny_heads, tmp_path):
 
     target, d = tiny_heads
     out = tmp_path / "p.json"
-    rc = main(["--gpu", "a100", "--target", str(target), "--draft", str(d / "eagle"), "--device", "cpu", "--quiet",
-               "--eval-text", str(target.parent / "heldout.txt"), "--calib-text", str(target.parent / "calib.txt"),
-               "--max-eval-tokens", "2048", "--out", str(out)])
+    rc = main(
+        [
+            "--gpu",
+            "a100",
+            "--target",
+            str(target),
+            "--draft",
+            str(d / "eagle"),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--eval-text",
+            str(target.parent / "heldout.txt"),
+            "--calib-text",
+            str(target.parent / "calib.txt"),
+            "--max-eval-tokens",
+            "2048",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     prof = json.loads(out.read_text())
     assert prof["speculation"]["drafter"] == "eagle" and prof["models"]["draft"]["config"]["kind"] == "eagle"
     eng = Engine.from_profile(out)
     assert eng.stats()["drafter"] == "eagle"
-    plain = Engine.from_pretrained(target, precision=PrecisionConfig(PrecisionPlan.from_dict(prof["plan"]),
-                                                                     (target.parent / "calib.txt").read_text()))
+    plain = Engine.from_pretrained(
+        target,
+        precision=PrecisionConfig(PrecisionPlan.from_dict(prof["plan"]), (target.parent / "calib.txt").read_text()),
+    )
     prompts = ["The with statement", "A class definition", "import sys\n"]
     sp = SamplingParams(max_new_tokens=32)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
@@ -236,6 +267,7 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path):
                 raise KeyboardInterrupt
             x = torch.randn(8, 4, generator=g)
             return (m(x) - x.flip(-1)).pow(2).mean()
+
         opts = TrainOptions(kind="medusa", steps=20, save_every=10, warmup=2)
         try:
             train_loop(m, loss_fn, opts, 20, state, progress=False)

@@ -1,4 +1,5 @@
 """The model against transformers (the oracle), and the KV cache against recomputation."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,14 +11,20 @@ from engine import Engine, SamplingParams
 from engine.core.checkpoint import load_model
 from engine.core.model import KVCache, fuse_projections
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CASES = {
-    "llama-gqa-tied-llama3rope": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True,
-                                                rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
+    "llama-gqa-tied-llama3rope": (
+        "llama",
+        dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    ),
     "llama-mha-untied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=False)),
-    "llama-linear-rope-bias": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
-                                             attention_bias=True)),
+    "llama-linear-rope-bias": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True)),
     "mistral-sliding-window": ("mistral", dict(num_key_value_heads=1, sliding_window=24)),
     "qwen2-qkv-bias": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
 }
@@ -65,7 +72,7 @@ def _recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -85,7 +92,11 @@ def test_greedy_equals_transformers_generate(ckpt_dir):
     eng = Engine.from_pretrained(ckpt_dir)
     for p in ([5, 6, 7, 8], [100, 3, 250, 17, 9, 42]):
         out = eng.generate([p], SamplingParams(max_new_tokens=64))[0]
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False,
-                          attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+        ref = hf.generate(
+            torch.tensor([p]),
+            max_new_tokens=64,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        )[0, len(p) :].tolist()
         assert out.token_ids == ref[: len(out.token_ids)]
         assert len(out.token_ids) == len(ref)

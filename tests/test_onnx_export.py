@@ -1,5 +1,6 @@
 """ONNX export of one decode/verify step: checker, onnxruntime parity with specmix over a prefill,
 8 decode steps and a verify step (fp32 and quantized), refusals, and tools/export_onnx.py."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,7 @@ import torch
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from engine.api.options import PrecisionConfig
+from engine.api.options import PrecisionConfig  # noqa: E402
 from engine.core.checkpoint import load_model  # noqa: E402
 from engine.core.errors import InvalidConfigError, UnsupportedArchitectureError  # noqa: E402
 from engine.export.onnx_export import (  # noqa: E402
@@ -55,11 +56,15 @@ def _init_types(path: Path) -> dict[int, int]:
 
 # ---------------------------------------------------------------- fp32 exports (random checkpoints)
 
-@pytest.mark.parametrize("arch,kw", [
-    ("llama", dict(num_hidden_layers=2)),                                   # GQA 4/2, untied
-    ("qwen2", dict(num_hidden_layers=2, tie_word_embeddings=True)),         # q/k/v bias, tied
-    ("mistral", dict(num_hidden_layers=2, sliding_window=4)),               # window < prompt
-])
+
+@pytest.mark.parametrize(
+    "arch,kw",
+    [
+        ("llama", dict(num_hidden_layers=2)),  # GQA 4/2, untied
+        ("qwen2", dict(num_hidden_layers=2, tie_word_embeddings=True)),  # q/k/v bias, tied
+        ("mistral", dict(num_hidden_layers=2, sliding_window=4)),  # window < prompt
+    ],
+)
 def test_fp32_export_matches_specmix(tmp_path: Path, arch: str, kw: dict) -> None:
     from util import make_checkpoint
 
@@ -112,6 +117,7 @@ def test_tiny_demo_fp32_target_and_draft(tmp_path: Path, tiny_demo) -> None:
 
 # ---------------------------------------------------------------- quantized exports (the tiny demo pair)
 
+
 @pytest.fixture(scope="module")
 def planned(tiny_demo) -> dict:
     """The tiny pair quantized by the a100 plan (INT8 w8a8 FFN + SmoothQuant, FP8 weight-only draft)
@@ -132,8 +138,10 @@ def planned(tiny_demo) -> dict:
 
 
 def _text_prompt(tok, vocab: int) -> torch.Tensor:
-    rows = [tok.encode("def fibonacci(n):\n    if n < 2:\n        return n"),
-            tok.encode("The with statement is used to wrap the execution of a block")]
+    rows = [
+        tok.encode("def fibonacci(n):\n    if n < 2:\n        return n"),
+        tok.encode("The with statement is used to wrap the execution of a block"),
+    ]
     n = min(len(r) for r in rows)
     return torch.tensor([[t % vocab for t in r[:n]] for r in rows])
 
@@ -183,8 +191,9 @@ def test_dropping_the_activation_quantization_is_caught(tmp_path: Path, planned:
     assert n_changed == 3 * model.config.num_hidden_layers
     path = tmp_path / "weight_only.onnx"
     onnx.save(proto, str(path))
-    p = decode_parity(model, OnnxStep(path), _text_prompt(planned["a100"]["tok"], 512), steps=8,
-                      reference=planned["ref"]["target"])
+    p = decode_parity(
+        model, OnnxStep(path), _text_prompt(planned["a100"]["tok"], 512), steps=8, reference=planned["ref"]["target"]
+    )
     assert p.mean_abs > 0.02 * p.ref_mean_abs, p
 
 
@@ -200,9 +209,17 @@ def test_refusals(planned: dict) -> None:
             build_model(model)
     finally:
         down.set_kernel("w8a8")
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=12, intermediate_size=8,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=3,
-                      max_position_embeddings=8)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=16,
+        hidden_size=12,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=3,
+        max_position_embeddings=8,
+    )
     with torch.device("meta"):
         odd = Transformer(cfg)
     with pytest.raises(UnsupportedArchitectureError, match="head_dim=3"):
@@ -210,6 +227,7 @@ def test_refusals(planned: dict) -> None:
 
 
 # ---------------------------------------------------------------- tools/export_onnx.py
+
 
 @pytest.fixture(scope="module")
 def tool():
@@ -221,8 +239,26 @@ def tiny_profile(tmp_path_factory: pytest.TempPathFactory, tiny_demo) -> Path:
     """profiles/a100-80gb-demo.json of a scratch checkout: build_profile.py on the tiny demo pair."""
     root = tmp_path_factory.mktemp("checkout")
     out = root / "profiles" / "a100-80gb-demo.json"
-    r = subprocess.run([sys.executable, str(BUILD), "--gpu", "a100", "--demo-size", "tiny", "--out", str(out),
-                        "--device", "cpu", "--quiet"], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BUILD),
+            "--gpu",
+            "a100",
+            "--demo-size",
+            "tiny",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -257,8 +293,14 @@ def test_cli_missing_default_profile_exit_2(tool, tmp_path: Path, monkeypatch, c
 
 def test_cli_bad_input_one_line_exit_2_subprocess(tmp_path: Path) -> None:
     for args in (["--profile", str(tmp_path / "nope.json")], ["--steps", "-1"]):
-        r = subprocess.run([sys.executable, str(TOOL), *args, "--out", str(tmp_path / "o")], capture_output=True,
-                           text=True, env=ENV, cwd=REPO, timeout=300)
+        r = subprocess.run(
+            [sys.executable, str(TOOL), *args, "--out", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            cwd=REPO,
+            timeout=300,
+        )
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "Traceback" not in r.stderr and r.stderr.startswith("export_onnx: ")
     assert not (tmp_path / "o").exists()

@@ -1,4 +1,5 @@
 """The OpenAI-compatible server, driven by the official openai client over 127.0.0.1 (uvicorn, live)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,13 +17,15 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from engine import Engine, SamplingParams
-from engine.api.options import Limits, SpeculationConfig
-from engine.serve.openai_app import OpenAIServer, create_app
+from engine import Engine, SamplingParams  # noqa: E402
+from engine.api.options import Limits, SpeculationConfig  # noqa: E402
+from engine.serve.openai_app import OpenAIServer, create_app  # noqa: E402
 
 TIMEOUT = 120
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
 
 
@@ -30,8 +33,11 @@ class Live:
     """A uvicorn server in a thread on a free port of 127.0.0.1."""
 
     def __init__(self, engine: Engine, name: str = "m", defaults: dict | None = None) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(create_app(OpenAIServer(engine, name, defaults)),
-                                                    host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(OpenAIServer(engine, name, defaults)), host="127.0.0.1", port=0, log_level="warning"
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         end = time.monotonic() + 30
@@ -65,7 +71,9 @@ def _chat_checkpoint(src: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def eng(ckpt_dir, draft_dir):
-    return Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8))
+    return Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +96,13 @@ def test_completions_equal_engine_generate(live, eng):
     assert greedy.choices[0].text == ref.text and greedy.choices[0].finish_reason == ref.finish_reason
     assert greedy.usage.completion_tokens == len(ref.token_ids) and greedy.usage.prompt_tokens == 3
     sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7)
-    seeded = c.completions.create(model="m", prompt=[5, 6, 7], max_tokens=24, temperature=0.9, top_p=0.95, seed=7,
-                                  n=3)
+    seeded = c.completions.create(model="m", prompt=[5, 6, 7], max_tokens=24, temperature=0.9, top_p=0.95, seed=7, n=3)
     for j, ch in enumerate(seeded.choices):  # choice j samples with seed + j
         want = eng.generate([[5, 6, 7]], SamplingParams(**{**sp.__dict__, "seed": 7 + j}))[0]
         assert ch.index == j and ch.text == want.text
     assert seeded.usage.completion_tokens == sum(
-        len(eng.generate([[5, 6, 7]], SamplingParams(**{**sp.__dict__, "seed": 7 + j}))[0].token_ids) for j in range(3))
+        len(eng.generate([[5, 6, 7]], SamplingParams(**{**sp.__dict__, "seed": 7 + j}))[0].token_ids) for j in range(3)
+    )
     short = c.completions.create(model="m", prompt="The quick brown", max_tokens=3, temperature=0)
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
     stop = ref.text[6:8]
@@ -104,8 +112,17 @@ def test_completions_equal_engine_generate(live, eng):
 
 def test_completion_stream_and_usage(live, eng):
     ref = eng.generate("The quick brown", SamplingParams(max_new_tokens=30, temperature=0.8, seed=3))[0]
-    chunks = list(live.client.completions.create(model="m", prompt="The quick brown", max_tokens=30, temperature=0.8,
-                                                 seed=3, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        live.client.completions.create(
+            model="m",
+            prompt="The quick brown",
+            max_tokens=30,
+            temperature=0.8,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == ref.text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
@@ -124,8 +141,12 @@ def test_logprobs_are_the_targets(live, eng):
         assert math.isclose(lp.token_logprobs[i], exact[i, t].item(), abs_tol=1e-4)
         top = exact[i].topk(2)  # (the legacy shape is a dict by token text: two tokens may share a text)
         assert lp.top_logprobs[i] == pytest.approx(
-            {eng.tokenizer.decode([t], skip_special_tokens=False): v for t, v in
-             reversed(list(zip(top.indices.tolist(), top.values.tolist())))}, abs=1e-4)
+            {
+                eng.tokenizer.decode([t], skip_special_tokens=False): v
+                for t, v in reversed(list(zip(top.indices.tolist(), top.values.tolist())))
+            },
+            abs=1e-4,
+        )
         assert lp.tokens[i] == eng.tokenizer.decode([t], skip_special_tokens=False)
 
 
@@ -141,8 +162,10 @@ def test_chat_template_matches_transformers_and_adds_no_second_bos(chat_dir):
     assert ids == hf.encode(text, add_special_tokens=False)
     bos = e.tokenizer.token_to_id("<|endoftext|>")
     assert ids.count(bos) == 1 and e.tokenizer.encode(text).count(bos) == 2  # the plain encode adds one more
-    assert e.chat(MESSAGES, SamplingParams(max_new_tokens=6)).token_ids == \
-        e.generate([ids], SamplingParams(max_new_tokens=6))[0].token_ids
+    assert (
+        e.chat(MESSAGES, SamplingParams(max_new_tokens=6)).token_ids
+        == e.generate([ids], SamplingParams(max_new_tokens=6))[0].token_ids
+    )
 
 
 def test_chat_endpoint_stream_and_not(chat_dir):
@@ -150,15 +173,23 @@ def test_chat_endpoint_stream_and_not(chat_dir):
     srv = Live(e, "chat-model")
     try:
         ref = e.chat(MESSAGES, SamplingParams(max_new_tokens=16))
-        r = srv.client.chat.completions.create(model="chat-model", messages=MESSAGES, max_tokens=16, temperature=0,
-                                               logprobs=True, top_logprobs=2)
+        r = srv.client.chat.completions.create(
+            model="chat-model", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2
+        )
         assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
         assert r.usage.prompt_tokens == len(e.chat_prompt(MESSAGES))
         assert len(r.choices[0].logprobs.content) == len(ref.token_ids)
         assert all(len(x.top_logprobs) == 2 for x in r.choices[0].logprobs.content)
-        chunks = list(srv.client.chat.completions.create(model="chat-model", messages=MESSAGES, max_tokens=16,
-                                                         temperature=0, stream=True,
-                                                         stream_options={"include_usage": True}))
+        chunks = list(
+            srv.client.chat.completions.create(
+                model="chat-model",
+                messages=MESSAGES,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
         assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
@@ -176,13 +207,22 @@ def test_chat_without_template_is_a_clear_400_and_completions_still_work(live):
 
 
 # ---------------------------------------------------------------- errors, models, health, metrics
-BAD = [({"prompt": "x", "temperature": -1}, 400, "temperature"), ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-       ({"prompt": "x", "top_p": 2}, 400, "top_p"), ({"prompt": "", "max_tokens": 2}, 400, "prompt"),
-       ({"prompt": [1, 999]}, 400, "prompt"), ({"prompt": "x", "beam": 4}, 400, "beam"),
-       ({"max_tokens": 3}, 400, "prompt"), ({"prompt": "x", "n": 0}, 400, "n"),
-       ({"prompt": "x", "min_p": 1.5}, 400, "min_p"), ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
-       ({"prompt": "x", "stream": "yes"}, 400, "stream"), ({"prompt": "x", "model": "other"}, 404, "model"),
-       ({"prompt": [1] * 500, "max_tokens": 20}, 400, "prompt"), ({"prompt": "x", "logprobs": 9}, 400, "logprobs")]
+BAD = [
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "", "max_tokens": 2}, 400, "prompt"),
+    ({"prompt": [1, 999]}, 400, "prompt"),
+    ({"prompt": "x", "beam": 4}, 400, "beam"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "model": "other"}, 404, "model"),
+    ({"prompt": [1] * 500, "max_tokens": 20}, 400, "prompt"),
+    ({"prompt": "x", "logprobs": 9}, 400, "logprobs"),
+]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(live):
@@ -205,28 +245,43 @@ def test_models_health_metrics(live):
     assert httpx.get(live.url + "/health").json() == {"status": "ok"}
     live.client.completions.create(model="m", prompt="abc", max_tokens=5, stream=True).close()
     text = httpx.get(live.url + "/metrics").text
-    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total",
-                 "emitted_tokens_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "num_requests_running", "num_requests_waiting",
-                 "kv_cache_usage_perc"):
+    for name in (
+        "spec_decode_num_drafts_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "spec_decode_num_accepted_tokens_per_pos_total",
+        "emitted_tokens_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+    ):
         assert re.search(rf'^specmix:{name}{{[^}}]*model_name="m"', text, re.MULTILINE), name
 
 
 def test_overload_is_503_with_retry_after_and_a_failed_round_is_500(ckpt_dir, draft_dir):
-    small = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=2, k_policy="constant"), limits=Limits(max_batch=1, max_waiting=0))
+    small = Engine.from_pretrained(
+        ckpt_dir,
+        draft_dir,
+        speculation=SpeculationConfig(k=2, k_policy="constant"),
+        limits=Limits(max_batch=1, max_waiting=0),
+    )
     srv = Live(small)
     small.scheduler.on_round = lambda: time.sleep(0.005)
     try:
         h = small.submit([1, 2, 3], SamplingParams(max_new_tokens=200))
         r = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": "x"})
-        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "max_waiting=0" in r.json()["error"][
-            "message"]
+        assert (
+            r.status_code == 503 and r.headers["retry-after"] == "1" and "max_waiting=0" in r.json()["error"]["message"]
+        )
         h.cancel()
         h.result(timeout=TIMEOUT)
 
         def boom() -> None:
             raise RuntimeError("injected round failure")
+
         small.scheduler.on_round = boom
         r = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=TIMEOUT)
         assert r.status_code == 500 and "injected round failure" in r.json()["error"]["message"]
@@ -290,7 +345,9 @@ def _metric(url: str, name: str) -> float:
 
 # ---------------------------------------------------------------- load: 64 streaming clients, 8 disconnect
 def test_64_streaming_clients_8_disconnect(ckpt_dir, draft_dir):
-    e = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=16))
+    e = Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=16)
+    )
     prompts = [[(11 * i + 7 * j) % 290 + 1 for j in range(2 + i % 9)] for i in range(64)]
     solo = [e.generate([p], SamplingParams(max_new_tokens=24))[0] for p in prompts]
     srv = Live(e)

@@ -1,4 +1,5 @@
 """The wheel ships what an installed engine needs: the GPU catalog, the C++ kernel sources, console scripts."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
-                        "-w", str(out), "-q"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     (whl,) = out.glob("specmix-*.whl")
     return whl
@@ -26,8 +31,17 @@ def test_wheel_holds_the_catalog_and_the_kernel_sources(wheel: Path) -> None:
     assert "quant/gpus.json" in names
     csrc = {Path(n).name for n in names if n.startswith("engine/kernels/csrc/")}
     assert {"small_gemm.cpp", "amx_gemm.cpp", "decode_layers.cpp", "bindings.cpp", "decode.h"} <= csrc
-    for pkg in ("engine/core", "engine/spec", "engine/kernels", "engine/serve", "engine/api", "engine/build",
-                "engine/demo", "engine/export", "engine/cli"):
+    for pkg in (
+        "engine/core",
+        "engine/spec",
+        "engine/kernels",
+        "engine/serve",
+        "engine/api",
+        "engine/build",
+        "engine/demo",
+        "engine/export",
+        "engine/cli",
+    ):
         assert f"{pkg}/__init__.py" in names, pkg
     assert not any(n.startswith(("tests/", "tools/", "profiles/")) for n in names)
 
@@ -36,10 +50,12 @@ def test_wheel_declares_the_console_scripts(wheel: Path) -> None:
     z = zipfile.ZipFile(wheel)
     (ep,) = [n for n in z.namelist() if n.endswith("entry_points.txt")]
     text = z.read(ep).decode()
-    for script, target in (("specmix-build-profile", "engine.cli.build_profile:main"),
-                           ("specmix-bench", "engine.cli.bench:main"),
-                           ("specmix-perplexity", "engine.cli.perplexity:main"),
-                           ("specmix-export-onnx", "engine.cli.export_onnx:main")):
+    for script, target in (
+        ("specmix-build-profile", "engine.cli.build_profile:main"),
+        ("specmix-bench", "engine.cli.bench:main"),
+        ("specmix-perplexity", "engine.cli.perplexity:main"),
+        ("specmix-export-onnx", "engine.cli.export_onnx:main"),
+    ):
         assert f"{script} = {target}" in text
 
 

@@ -1,4 +1,6 @@
-"""tools/perplexity.py: reproduces a built profile's gate, fails on bounds and on a changed record, exit 2 on bad input."""
+"""tools/perplexity.py: reproduces a built profile's gate, fails on bounds and on a changed record, exit 2 on
+bad input."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +21,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def _run(*args: str | Path, tool: Path = TOOL, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(tool), *map(str, args)], capture_output=True, text=True,
-                          env=ENV, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(tool), *map(str, args)], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,7 @@ def tool():
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A profile written by tools/build_profile.py for a random target/draft pair on the CPU."""
     from util import TEXT, make_checkpoint
+
     if not BUILD.is_file():
         pytest.skip("tools/build_profile.py is missing")
     d = tmp_path_factory.mktemp("prof")
@@ -43,9 +47,26 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (d / "eval.txt").write_text(TEXT * 6, encoding="utf-8")
     (d / "calib.txt").write_text(TEXT[::-1] * 4, encoding="utf-8")
     out = d / "p.json"
-    r = _run("--gpu", "a100", "--target", target, "--draft", draft, "--eval-text", d / "eval.txt",
-             "--calib-text", d / "calib.txt", "--out", out, "--device", "cpu", "--quiet",
-             "--max-drift", "1e6", tool=BUILD)  # the drift of a random model is not what is tested here
+    r = _run(
+        "--gpu",
+        "a100",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--eval-text",
+        d / "eval.txt",
+        "--calib-text",
+        d / "calib.txt",
+        "--out",
+        out,
+        "--device",
+        "cpu",
+        "--quiet",
+        "--max-drift",
+        "1e6",
+        tool=BUILD,
+    )  # the drift of a random model is not what is tested here
     assert r.returncode == 0, r.stderr
     return {"dir": d, "path": out, "profile": json.loads(out.read_text())}
 
@@ -113,8 +134,21 @@ def test_recorded_ppl_not_reproduced_exit_1(tool, built: dict, capsys) -> None:
 
 @pytest.mark.skipif(not WIKI.is_file(), reason=f"WikiText-2 test split not found at {WIKI}")
 def test_wikitext2_eval_text(tool, built: dict, capsys) -> None:
-    rc, out, _ = _main(tool, capsys, "--profile", built["path"], "--eval-text", WIKI, "--max-tokens", "20000",
-                       "--max-drift", "1e9", "--max-kld", "1", "--json")
+    rc, out, _ = _main(
+        tool,
+        capsys,
+        "--profile",
+        built["path"],
+        "--eval-text",
+        WIKI,
+        "--max-tokens",
+        "20000",
+        "--max-drift",
+        "1e9",
+        "--max-kld",
+        "1",
+        "--json",
+    )
     r = json.loads(out)
     q = r["quality"]
     assert rc == 0 and r["same_eval_text"] is False and r["recorded"] is None
@@ -124,9 +158,11 @@ def test_wikitext2_eval_text(tool, built: dict, capsys) -> None:
 
 
 def test_bad_input_one_line_exit_2_subprocess(tmp_path: Path) -> None:
-    for args, want in [(("--profile", tmp_path / "none.json"), "none.json: profile file is missing"),
-                       (("--profile", "x.json", "--max-kld", "-1"), "--max-kld"),
-                       ((), "--profile")]:
+    for args, want in [
+        (("--profile", tmp_path / "none.json"), "none.json: profile file is missing"),
+        (("--profile", "x.json", "--max-kld", "-1"), "--max-kld"),
+        ((), "--profile"),
+    ]:
         r = _run(*args, timeout=120)
         assert r.returncode == 2 and r.stdout == "", (args, r.stderr)
         lines = r.stderr.strip().splitlines()
@@ -168,11 +204,25 @@ def test_bad_input_exit_2(tool, built: dict, capsys, tmp_path: Path, case: str) 
 def test_reproduces_the_demo_tiny_build(tmp_path: Path) -> None:
     """build_profile on the tiny demo pair (eval text as a ``demo:`` reference), then perplexity.py on it."""
     from engine.demo.recipe import pair_dir
+
     if not (pair_dir("tiny") / "report.json").is_file():
         pytest.skip("the tiny demo pair is not built (python tools/make_demo_models.py --size tiny)")
     out = tmp_path / "tiny.json"
-    r = _run("--gpu", "a100", "--demo-size", "tiny", "--max-eval-tokens", "3000", "--out", out, "--device", "cpu",
-             "--quiet", tool=BUILD, timeout=600)
+    r = _run(
+        "--gpu",
+        "a100",
+        "--demo-size",
+        "tiny",
+        "--max-eval-tokens",
+        "3000",
+        "--out",
+        out,
+        "--device",
+        "cpu",
+        "--quiet",
+        tool=BUILD,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())["quality"]
     assert rec["eval_text"] == f"demo:{pair_dir('tiny').name}/heldout.txt" and rec["max_tokens"] == 3000

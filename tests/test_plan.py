@@ -1,4 +1,5 @@
 """GPU catalog, PrecisionPlan rules, memory plan (hand-computed), JSON round trip, apply_plan."""
+
 from __future__ import annotations
 
 import copy
@@ -22,23 +23,49 @@ from quant.memory import weight_bytes
 from quant.plan import DEFAULT_PRECISION, PlanDoesNotFitError, PrecisionPlan, make_plan
 from quant.plan_io import load_plan, plan_from_dict, plan_from_json
 
-ALL_GPUS = ["a100-40gb", "a100-80gb", "a10g", "l4", "l40s", "rtx3090", "rtx4090", "t4", "v100",
-            "h100-pcie", "h100-sxm", "h200"]
+ALL_GPUS = [
+    "a100-40gb",
+    "a100-80gb",
+    "a10g",
+    "l4",
+    "l40s",
+    "rtx3090",
+    "rtx4090",
+    "t4",
+    "v100",
+    "h100-pcie",
+    "h100-sxm",
+    "h200",
+]
 
 
 def cfg(**kw) -> ModelConfig:
-    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
-         "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    }
     d.update(kw)
     return ModelConfig.from_hf_dict(d)
 
 
 LLAMA2_7B = cfg()
-LLAMA_68M = cfg(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
-                num_key_value_heads=12, tie_word_embeddings=False)
+LLAMA_68M = cfg(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=2,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    tie_word_embeddings=False,
+)
 
 
 # ------------------------------------------------------------------ catalog
+
 
 def test_catalog_has_every_gpu_with_sourced_facts():
     cat = load_catalog()
@@ -81,6 +108,7 @@ def test_broken_catalog_names_the_field(tmp_path):
 
 
 # ------------------------------------------------------------------ plan rules
+
 
 def plan_for(gpu: str, **kw) -> PrecisionPlan:
     return make_plan(lookup_gpu(gpu), LLAMA2_7B, LLAMA_68M, **kw)
@@ -169,8 +197,10 @@ def test_bad_plan_arguments_name_the_field():
 
 # Llama-2-7B target, fp16 compute (2 bytes); FFN int8 w8a8 + SmoothQuant:
 ATTN_7B = 4 * 4096 * 4096 * 2  # q, k, v, o in fp16
-FFN_7B = (2 * (11008 * 4096 + 4 * 11008 + 4 * 4096)  # gate, up: int8 + fp32 scale/out + fp32 smooth/in
-          + (4096 * 11008 + 4 * 4096 + 4 * 11008))  # down
+FFN_7B = (
+    2 * (11008 * 4096 + 4 * 11008 + 4 * 4096)  # gate, up: int8 + fp32 scale/out + fp32 smooth/in
+    + (4096 * 11008 + 4 * 4096 + 4 * 11008)
+)  # down
 TARGET_7B = 32 * (ATTN_7B + FFN_7B) + (2 * 32 + 1) * 4096 * 2 + 2 * 32000 * 4096 * 2  # + norms + embed + lm_head
 # Llama-68M draft, all FP8 (1 byte + fp32 scale per output row), untied, fp16 norms:
 ATTN_68M = 4 * (768 * 768 + 4 * 768)
@@ -205,7 +235,7 @@ def test_memory_plan_equals_hand_computation(gpu, gib, batch):
     assert m.kv_cache_bytes == batch * 4096 * KV_PER_TOKEN
     assert m.total_bytes == FIXED + batch * per_sequence(4096) <= budget
     assert FIXED + (batch + 1) * per_sequence(4096) > budget
-    assert m.adjustments and "32 -> %d" % batch in m.adjustments[0]
+    assert m.adjustments and f"32 -> {batch}" in m.adjustments[0]
 
 
 def test_weight_ratios_meet_the_goals():
@@ -230,6 +260,7 @@ def test_memory_lowers_seq_len_then_refuses():
 
 
 # ------------------------------------------------------------------ JSON
+
 
 def test_plan_json_round_trip(tmp_path):
     for gpu in ("a100", "t4", "v100", "h200"):
@@ -270,9 +301,17 @@ def test_plan_json_refuses_bad_fields():
 
 # ------------------------------------------------------------------ apply on tiny models
 
+
 def tiny(seed: int, **kw) -> tuple[ModelConfig, Transformer]:
-    c = cfg(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, **kw)
+    c = cfg(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **kw,
+    )
     torch.manual_seed(seed)
     m = Transformer(c).eval()
     with torch.no_grad():
@@ -294,11 +333,17 @@ def test_apply_plan_to_target_and_tied_draft(gpu, int8_kernel):
     with torch.no_grad():
         ref_t, ref_d = target(toks), draft(toks)
     plan = make_plan(lookup_gpu(gpu), tc, dc, device="cpu", int8_kernel=int8_kernel)
-    calib = collect_activation_stats(target, [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))])
-    assert sorted(calib) == sorted(f"layers.{i}.mlp.{n}" for i in range(2) for n in ("gate_proj", "up_proj", "down_proj"))
+    calib = collect_activation_stats(
+        target, [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))]
+    )
+    assert sorted(calib) == sorted(
+        f"layers.{i}.mlp.{n}" for i in range(2) for n in ("gate_proj", "up_proj", "down_proj")
+    )
     apply_plan(target, plan.target, calib)
     apply_plan(draft, plan.draft)
-    assert isinstance(target.layers[1].mlp.down_proj, Int8Linear) and target.layers[1].mlp.down_proj.kernel == int8_kernel
+    assert (
+        isinstance(target.layers[1].mlp.down_proj, Int8Linear) and target.layers[1].mlp.down_proj.kernel == int8_kernel
+    )
     assert type(target.layers[0].self_attn.q_proj) is torch.nn.Linear and type(target.lm_head) is torch.nn.Linear
     assert isinstance(draft.embed_tokens, FP8Embedding) and isinstance(draft.lm_head, FP8Linear)
     assert draft.lm_head.weight is draft.embed_tokens.weight  # tied stays tied

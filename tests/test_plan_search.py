@@ -1,4 +1,5 @@
 """Per-layer plans (ModelPlan.modules) and the planner's search on calibration text."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,17 @@ from quant.search import (
 
 
 def tiny(seed: int, outliers: bool = False, layers: int = 3) -> tuple[ModelConfig, Transformer]:
-    c = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
-                                  "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
-                                  "num_key_value_heads": 2})
+    c = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
     torch.manual_seed(seed)
     m = Transformer(c).eval()
     with torch.no_grad():
@@ -85,16 +94,19 @@ def test_per_layer_plan_applies_round_trips_and_counts_bytes(tmp_path):
 def test_per_layer_plan_refuses_bad_modules():
     tc, _ = tiny(1)
     d = json.loads(make_plan(lookup_gpu("a100"), tc, None, device="cpu").to_json())
-    for name, match in (("layers.9.mlp.up_proj", "not a module of the model"),
-                        ("layers.0.mlp.wo", "not a module of the model"),
-                        ("lm_head", "not a module of the model")):
+    for name, match in (
+        ("layers.9.mlp.up_proj", "not a module of the model"),
+        ("layers.0.mlp.wo", "not a module of the model"),
+        ("lm_head", "not a module of the model"),
+    ):
         bad = json.loads(json.dumps(d))
         bad["target"]["modules"] = {name: {"storage": "int8", "kernel": "w8a16", "scaling": {}}}
         with pytest.raises(ProfileError, match=match):
             plan_from_dict(bad)
     bad = json.loads(json.dumps(d))
-    bad["target"]["modules"] = {"layers.0.mlp.up_proj": {"storage": "int8", "kernel": "w8a8",
-                                                         "scaling": {"group_size": 64}}}
+    bad["target"]["modules"] = {
+        "layers.0.mlp.up_proj": {"storage": "int8", "kernel": "w8a8", "scaling": {"group_size": 64}}
+    }
     with pytest.raises(ProfileError, match="group_size=64 is invalid with kernel 'w8a8'"):
         plan_from_dict(bad)
     with pytest.raises(InvalidConfigError, match="group_size=64 is invalid with int8_kernel='w8a8'"):
@@ -144,12 +156,18 @@ def test_search_steps_back_only_the_damaging_layers():
     assert all(res.modules[n].scaling["smoothquant_alpha"] == errs[n]["w8a8"][1] for n in kept)
     for n in stepped:  # each stepped back to its fastest candidate within the threshold
         p = res.modules[n]
-        label = "fp16" if p.kernel == "dense" else ("w8a16" if p.scaling["group_size"] is None
-                                                   else f"w8a16/g{p.scaling['group_size']}")
+        label = (
+            "fp16"
+            if p.kernel == "dense"
+            else ("w8a16" if p.scaling["group_size"] is None else f"w8a16/g{p.scaling['group_size']}")
+        )
         assert errs[n][label][0] <= res.threshold
     # the search restored the unquantized model, and the recorded KLD is the plan's own
-    assert all(type(getattr(layer.mlp, n)) is torch.nn.Linear for layer in m.layers
-               for n in ("gate_proj", "up_proj", "down_proj"))
+    assert all(
+        type(getattr(layer.mlp, n)) is torch.nn.Linear
+        for layer in m.layers
+        for n in ("gate_proj", "up_proj", "down_proj")
+    )
     for w, r in zip(calib.windows, ref_logits):
         torch.testing.assert_close(m(w), r)
     tc = m.config
@@ -157,6 +175,7 @@ def test_search_steps_back_only_the_damaging_layers():
     plan.target.families["ffn"] = res.family
     plan.target.modules.update(res.modules)
     from quant.search import Calibration
+
     apply_plan(m, plan.target, calib.absmax)
     kld, top1 = calib_kld(m, Calibration(calib.windows, calib.ref_logprobs, {}, {}))
     assert kld == pytest.approx(res.kld, rel=1e-4) and top1 == pytest.approx(res.top1)
@@ -172,6 +191,7 @@ def test_search_refuses_bad_budget_and_empty_calibration():
 
 
 # ------------------------------------------------------------------ the build's ladder on injected outliers
+
 
 @pytest.fixture(scope="module")
 def outlier_ckpts(tmp_path_factory):
@@ -198,9 +218,30 @@ def outlier_ckpts(tmp_path_factory):
 def _build(target: Path, root: Path, out: Path, *extra: str) -> dict:
     from engine.cli.build_profile import main
 
-    rc = main(["--gpu", "a100", "--target", str(target), "--eval-text", str(root / "eval.txt"),
-               "--calib-text", str(root / "calib.txt"), "--max-eval-tokens", "2048", "--max-kld", "0.002", "--max-drift", "5",
-               "--device", "cpu", "--quiet", "--out", str(out), *extra])
+    rc = main(
+        [
+            "--gpu",
+            "a100",
+            "--target",
+            str(target),
+            "--eval-text",
+            str(root / "eval.txt"),
+            "--calib-text",
+            str(root / "calib.txt"),
+            "--max-eval-tokens",
+            "2048",
+            "--max-kld",
+            "0.002",
+            "--max-drift",
+            "5",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
     assert rc == 0
     return json.loads(out.read_text())
 

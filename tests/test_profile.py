@@ -1,4 +1,5 @@
 """tools/build_profile.py and Engine.from_profile on the tiny demo pair."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,8 +45,11 @@ def test_demo_builds_pass_the_gate_and_plans_follow_the_catalog(builds, tiny_dem
     for p in (a100, h100):
         q = p["quality"]
         assert abs(q["drift"]) <= 0.3 and q["kld_mean"] <= 0.01 and q["attempts"][-1]["passed"]
-        assert p["precision"] == {"draft_model": "fp8", "main_model": {"attention": "fp16", "ffn": "int8"},
-                                  "verifier": "fp16"}
+        assert p["precision"] == {
+            "draft_model": "fp8",
+            "main_model": {"attention": "fp16", "ffn": "int8"},
+            "verifier": "fp16",
+        }
         assert p["plan"]["target"]["families"]["lm_head"]["storage"] in ("fp32", "fp16")
         assert p["models"]["target"]["path"] == f"demo:{tiny_demo[0].parent.name}/target"  # demo-tiny-v<N>-<digest>
         s = p["speculation"]
@@ -71,8 +75,22 @@ def test_failed_gate_writes_nothing_and_keeps_the_old_profile(tool, builds, tmp_
     path = tmp_path / "p.json"
     path.write_bytes(builds["a100"].read_bytes())
     before = path.read_bytes()
-    rc = tool.main(["--gpu", "a100", "--demo-size", "tiny", "--out", str(path), "--device", "cpu", "--quiet",
-                    "--max-drift", "1e-9", "--no-fallback"])
+    rc = tool.main(
+        [
+            "--gpu",
+            "a100",
+            "--demo-size",
+            "tiny",
+            "--out",
+            str(path),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--max-drift",
+            "1e-9",
+            "--no-fallback",
+        ]
+    )
     assert rc == 1
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no temp file left behind
@@ -87,7 +105,17 @@ def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
     assert plan.to_dict() == prof["plan"]
     calib = (tiny_demo[0].parent / "calib.txt").read_text(encoding="utf-8")
     s = prof["speculation"]
-    validated = Engine.from_pretrained(*tiny_demo, speculation=SpeculationConfig(k=s["k"], k_policy=s["policy"], k_min=s["k_min"], k_max=s["k_max"], costs=Costs.from_dict({"c": s["c"], "v": s["v"]})), precision=PrecisionConfig(plan, calib))
+    validated = Engine.from_pretrained(
+        *tiny_demo,
+        speculation=SpeculationConfig(
+            k=s["k"],
+            k_policy=s["policy"],
+            k_min=s["k_min"],
+            k_max=s["k_max"],
+            costs=Costs.from_dict({"c": s["c"], "v": s["v"]}),
+        ),
+        precision=PrecisionConfig(plan, calib),
+    )
     prompts = ["The with statement", "A class definition", "import sys\n"]
     sp = SamplingParams(max_new_tokens=32)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in validated.generate(prompts, sp)]
@@ -131,6 +159,7 @@ def test_refuses_missing_fields(builds, tmp_path, field):
 def test_refuses_changed_weights(builds, tmp_path):
     def edit(d):
         d["models"]["draft"]["sha256"]["model.safetensors"] = "0" * 64
+
     p = _edited(builds, tmp_path, edit)
     with pytest.raises(ProfileError, match="models.draft.sha256.*no longer matches"):
         Engine.from_profile(p)
@@ -140,11 +169,13 @@ def test_refuses_a_kernel_the_machine_lacks(builds, tmp_path):
     def te(d):
         for fam in ("attention", "ffn", "lm_head"):
             d["plan"]["draft"]["families"][fam]["kernel"] = "te"
+
     with pytest.raises(KernelUnavailableError, match="'te'.*transformer"):
         Engine.from_profile(_edited(builds, tmp_path, te))
 
     def flash(d):
         d["plan"]["attention_backend"] = "flash-attn-2"
+
     with pytest.raises(KernelUnavailableError, match="flash-attn-2.*CUDA"):
         Engine.from_profile(_edited(builds, tmp_path, flash))
 
@@ -159,16 +190,21 @@ def test_refuses_a_cuda_profile_without_cuda(builds, tmp_path):
         Engine.from_profile(p)
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--gpu", "b300"], "b300.*a100"),
-    (["--gpu", "a100", "--demo-size", "tiny", "--eval-text", "/nonexistent/x.txt"], "eval-text"),
-    (["--gpu", "a100", "--target", "/nonexistent/t"], "--target and --draft"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--gpu", "b300"], "b300.*a100"),
+        (["--gpu", "a100", "--demo-size", "tiny", "--eval-text", "/nonexistent/x.txt"], "eval-text"),
+        (["--gpu", "a100", "--target", "/nonexistent/t"], "--target and --draft"),
+    ],
+)
 def test_cli_bad_input_is_one_line_exit_2(args, match, tiny_demo):
-    r = subprocess.run([sys.executable, str(BUILD), *args, "--quiet"], capture_output=True, text=True, cwd=REPO,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(BUILD), *args, "--quiet"], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr
     import re
+
     assert re.search(match, lines[0])

@@ -1,4 +1,5 @@
 """engine.build.quality: windows, PPL against transformers, KL divergence, the drift interval, WikiText-2."""
+
 from __future__ import annotations
 
 import math
@@ -31,20 +32,36 @@ WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.te
 def short_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama whose max_position_embeddings (96) is below the default context of 512."""
     from util import make_checkpoint
+
     return make_checkpoint(tmp_path_factory.mktemp("short"), "llama", max_position_embeddings=96)
 
 
 @pytest.fixture(scope="module")
 def text_ids(ckpt_dir: Path) -> list[int]:
     from util import TEXT
+
     ids = load_eval_ids(Engine.from_pretrained(ckpt_dir).tokenizer, TEXT * 8)
     assert len(ids) > 1000
     return ids
 
 
 # ------------------------------------------------------------------------------------------ windows
-@pytest.mark.parametrize("n,ctx", [(2, 512), (100, 512), (512, 512), (513, 512), (1000, 512), (5000, 512),
-                                   (7, 3), (10, 2), (101, 10), (300, 255), (1025, 256)])
+@pytest.mark.parametrize(
+    "n,ctx",
+    [
+        (2, 512),
+        (100, 512),
+        (512, 512),
+        (513, 512),
+        (1000, 512),
+        (5000, 512),
+        (7, 3),
+        (10, 2),
+        (101, 10),
+        (300, 255),
+        (1025, 256),
+    ],
+)
 def test_every_token_after_the_first_scored_once(n: int, ctx: int) -> None:
     wins = eval_windows(n, ctx)
     scored = np.zeros(n, dtype=int)
@@ -83,20 +100,21 @@ def _hf_strided_ppl(model, ids: list[int], ctx: int) -> tuple[float, float, int]
         with torch.no_grad():
             logits = model(x[:, begin:end]).logits[0].double()
         lp = logits[:-1] - torch.logsumexp(logits[:-1], dim=-1, keepdim=True)
-        nll = -lp[torch.arange(end - begin - 1), x[0, begin + 1:end]]
-        nlls.append(nll[-min(trg_len, end - begin - 1):])
+        nll = -lp[torch.arange(end - begin - 1), x[0, begin + 1 : end]]
+        nlls.append(nll[-min(trg_len, end - begin - 1) :])
         prev_end = end
         if end == n:
             break
     nll = torch.cat(nlls)
     ppl = math.exp(nll.mean().item())
-    var = (nll ** 2).mean().item() - nll.mean().item() ** 2
+    var = (nll**2).mean().item() - nll.mean().item() ** 2
     return ppl, ppl * math.sqrt(var / (nll.numel() - 1)), nll.numel()
 
 
 def test_ppl_matches_transformers_with_model_max_context(short_ckpt: Path) -> None:
     import transformers as tf
     from util import TEXT
+
     eng = Engine.from_pretrained(short_ckpt)
     ids = load_eval_ids(eng.tokenizer, TEXT * 3)
     ctx = default_context(eng.config.max_position_embeddings)
@@ -122,10 +140,12 @@ def test_identical_models_have_zero_drift_and_kld(ckpt_dir: Path, text_ids: list
     assert (r.ppl, r.ppl_err) == pytest.approx(perplexity(eng.logits, text_ids, 128, max_tokens=700), rel=1e-12)
 
 
-def test_perturbed_copy_kld_matches_independent_computation(ckpt_dir: Path, text_ids: list[int],
-                                                            tmp_path: Path) -> None:
+def test_perturbed_copy_kld_matches_independent_computation(
+    ckpt_dir: Path, text_ids: list[int], tmp_path: Path
+) -> None:
     from scipy.special import rel_entr
     from util import make_checkpoint
+
     other = make_checkpoint(tmp_path / "pert", "llama", num_hidden_layers=4, perturb=0.02)
     a = Engine.from_pretrained(ckpt_dir)
     b = Engine.from_pretrained(other)
@@ -156,14 +176,18 @@ def test_perturbed_copy_kld_matches_independent_computation(ckpt_dir: Path, text
     assert r.passes(abs(r.drift), r.kld_mean) and not r.passes(abs(r.drift) * 0.99, 1.0)
     assert not r.passes(1e9, r.kld_mean * 0.99)
     d = r.to_dict()
-    assert d["drift_ci95"] == [lo, hi] and d["kld_mean"] == r.kld_mean and set(d) >= {
-        "ppl_ref", "ppl", "drift", "ppl_ref_err", "ppl_err", "kld_p99", "top1", "tokens", "windows"}
+    assert (
+        d["drift_ci95"] == [lo, hi]
+        and d["kld_mean"] == r.kld_mean
+        and set(d) >= {"ppl_ref", "ppl", "drift", "ppl_ref_err", "ppl_err", "kld_p99", "top1", "tokens", "windows"}
+    )
 
 
 def test_planned_engine_against_its_unquantized_self(ckpt_dir: Path, text_ids: list[int]) -> None:
     from util import TEXT
 
     from quant import lookup_gpu, make_plan
+
     ref = Engine.from_pretrained(ckpt_dir)
     plan = make_plan(lookup_gpu("a100"), ref.config, None, device="cpu")
     assert plan.target.families["ffn"].storage == "int8"
@@ -192,6 +216,7 @@ def test_logits_fn_shape_and_vocab_are_checked(text_ids: list[int]) -> None:
 # ------------------------------------------------------------------------------- the interval
 def test_t_quantile_matches_scipy() -> None:
     from scipy.stats import t
+
     for dof in [*range(1, 40), 50, 77, 200, 10_000]:
         assert t_quantile_975(dof) == pytest.approx(t.ppf(0.975, dof), abs=2e-4)
 
@@ -206,7 +231,8 @@ def test_drift_interval_equal_windows_and_coverage() -> None:
     half = t_quantile_975(11) * dw.std(ddof=1) / math.sqrt(12)
     assert unit == "windows"
     assert lo == pytest.approx(10 * math.expm1(diff.mean() - half)) and hi == pytest.approx(
-        10 * math.expm1(diff.mean() + half))
+        10 * math.expm1(diff.mean() + half)
+    )
     # coverage: windows share a random effect (tokens within a window are correlated); the true dPPL is
     # ppl_ref * (exp(mu) - 1). A per-token interval would undercover badly here; ours covers ~95%.
     mu, hits, naive_hits, trials = 0.02, 0, 0, 400
@@ -226,6 +252,7 @@ def test_drift_interval_equal_windows_and_coverage() -> None:
 # ------------------------------------------------------------------------------------ eval text
 def test_load_eval_ids_and_sha(tmp_path: Path, ckpt_dir: Path) -> None:
     import hashlib
+
     tok = Engine.from_pretrained(ckpt_dir).tokenizer
     text = "hello world\nthe quick brown fox\n"
     f = tmp_path / "e.txt"
@@ -249,6 +276,7 @@ def test_load_eval_ids_and_sha(tmp_path: Path, ckpt_dir: Path) -> None:
 @pytest.mark.skipif(not WIKI.is_file(), reason=f"WikiText-2 test split not found at {WIKI}")
 def test_wikitext2_first_20k_tokens(ckpt_dir: Path, tmp_path: Path) -> None:
     from util import make_checkpoint
+
     ref = Engine.from_pretrained(ckpt_dir)
     ids = load_eval_ids(ref.tokenizer, WIKI, max_tokens=20_000)
     assert len(ids) == 20_000

@@ -1,4 +1,5 @@
 """Every quantized module / kernel against fp32 references on fresh random inputs."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,6 +57,7 @@ def test_fp8_kernels_compute_the_stored_data_exactly():
     # native = both operands in e4m3 (x per token), products accumulated in fp32
     m.set_kernel("native")
     from quant.fp8 import quantize_fp8_rowwise
+
     xq, xs = quantize_fp8_rowwise(x)
     expect = dequantize_fp8(xq, xs) @ wd.t() + lin.bias.detach()
     torch.testing.assert_close(m(x), expect, rtol=1e-4, atol=1e-4)
@@ -193,6 +195,7 @@ def test_every_cpu_kernel_is_available_here():
 
 
 # ------------------------------------------------------------------ CUDA (run with -m gpu on a GPU)
+
 
 def _cuda_cc() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)

@@ -1,4 +1,5 @@
 """FP8 / INT8 primitives, LLM.int8 outliers and SmoothQuant against fp32 references."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,6 +36,7 @@ def rel_fro(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------ FP8
 
+
 def test_fp8_round_trip_normal_values_within_2_pow_minus_4():
     # magnitudes spread over many binades, per row
     g = gen(0)
@@ -68,8 +70,14 @@ def test_fp8_saturates_instead_of_nan():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_zero_and_huge_rows_stay_finite(dtype):
     big = torch.finfo(dtype).max
-    t = torch.stack([torch.zeros(16), torch.full((16,), big), torch.linspace(-1, 1, 16) * big,
-                     torch.full((16,), 1e-40 if dtype == torch.float32 else 1e-7)]).to(dtype)
+    t = torch.stack(
+        [
+            torch.zeros(16),
+            torch.full((16,), big),
+            torch.linspace(-1, 1, 16) * big,
+            torch.full((16,), 1e-40 if dtype == torch.float32 else 1e-7),
+        ]
+    ).to(dtype)
     q, s = quantize_fp8_rowwise(t)
     back = dequantize_fp8(q, s, dtype)
     assert torch.isfinite(s).all() and (s > 0).all()
@@ -79,6 +87,7 @@ def test_fp8_zero_and_huge_rows_stay_finite(dtype):
 
 
 # ------------------------------------------------------------------ INT8
+
 
 def test_int8_round_trip_error_at_most_half_a_step():
     t = torch.randn(32, 300, generator=gen(2)) * 5
@@ -124,6 +133,7 @@ def test_int8_zero_and_huge_rows_stay_finite(dtype):
 
 
 # ------------------------------------------------------------------ LLM.int8 and SmoothQuant
+
 
 def _dequantized_weight(m: Int8Linear) -> torch.Tensor:
     return dequantize_int8(m.weight, m.weight_scale)

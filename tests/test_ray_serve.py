@@ -2,6 +2,7 @@
 on 127.0.0.1, the official openai client. One profile of the test pair, built once; the cases share a
 deployment and run in file order (spread, fault, drain, autoscale), then the weight-mismatch case.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,9 +59,30 @@ def profile(ckpt_dir, draft_dir, tmp_path_factory) -> Path:
     (d / "eval.txt").write_text(TEXT * 20, encoding="utf-8")
     (d / "calib.txt").write_text("Calibration text about foxes and dogs. " * 200, encoding="utf-8")
     out = d / "pair.json"
-    assert main(["--gpu", "a100", "--target", str(ckpt_dir), "--draft", str(draft_dir), "--eval-text",
-                 str(d / "eval.txt"), "--calib-text", str(d / "calib.txt"), "--max-eval-tokens", "256",
-                 "--out", str(out), "--device", "cpu", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "--gpu",
+                "a100",
+                "--target",
+                str(ckpt_dir),
+                "--draft",
+                str(draft_dir),
+                "--eval-text",
+                str(d / "eval.txt"),
+                "--calib-text",
+                str(d / "calib.txt"),
+                "--max-eval-tokens",
+                "256",
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -87,8 +109,14 @@ def cluster():
     """A local Ray instance whose workers import this checkout; Serve's proxy on a free loopback port."""
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # a throwaway loopback cluster
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -105,8 +133,15 @@ def cluster():
 
 
 def _args(profile: Path, **kw) -> dict:
-    base = {"profile": str(profile), "served_model_name": "m", "max_batch": 4, "num_cpus": 0.5,
-            "metrics_period_s": 0.5, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 60}
+    base = {
+        "profile": str(profile),
+        "served_model_name": "m",
+        "max_batch": 4,
+        "num_cpus": 0.5,
+        "metrics_period_s": 0.5,
+        "health_check_period_s": 1,
+        "graceful_shutdown_timeout_s": 60,
+    }
     return {**base, **kw}
 
 
@@ -117,8 +152,9 @@ def _replicas(app: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def two(cluster, profile):
     serve.run(build_app(_args(profile, min_replicas=2, max_replicas=2)), name=APP, route_prefix="/")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster['port']}/v1", api_key="none", max_retries=0,
-                           timeout=TIMEOUT)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{cluster['port']}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+    )
     yield client
     serve.delete(APP)
 
@@ -154,8 +190,11 @@ def test_two_replicas_spread_equal_solo_and_metrics(cluster, two, solo):
     for p, (_, text) in zip(PROMPTS, got):
         assert text == solo(p), p
     # every serving replica reports its acceptance and speedup through Serve's metrics (replica tag)
-    acc = _wait(lambda: (v := _metric(cluster, "specmix_acceptance_rate")) and all(v.get(r, 0) > 0 for r in served)
-                and v, "acceptance gauges of both replicas", 60)
+    acc = _wait(
+        lambda: (v := _metric(cluster, "specmix_acceptance_rate")) and all(v.get(r, 0) > 0 for r in served) and v,
+        "acceptance gauges of both replicas",
+        60,
+    )
     tpp = _metric(cluster, "specmix_tokens_per_target_pass")
     gen = _metric(cluster, "specmix_generated_tokens_total") or _metric(cluster, "specmix_generated_tokens")
     for r in served:
@@ -197,7 +236,7 @@ def test_killed_replica_restarts_and_no_request_is_lost(cluster, two, solo):
 def _live(app: str) -> set[str]:
     """The ids of the app's replica actors alive now."""
     pre = f"SERVE_REPLICA::{app}#specmix#"
-    return {a["name"][len(pre):] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(pre)}
+    return {a["name"][len(pre) :] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(pre)}
 
 
 def test_scale_down_drains_running_requests(cluster, two, solo, profile):
@@ -209,8 +248,12 @@ def test_scale_down_drains_running_requests(cluster, two, solo, profile):
     with ThreadPoolExecutor(16) as ex:
         futs = [ex.submit(_try, two, p, long) for p in prompts]
         live = _live(APP)
-        _wait(lambda: all(_metric(cluster, "specmix_running").get(r, 0) > 0 for r in live) or
-              any(f.done() for f in futs), "both replicas decode", 60, 0.2)
+        _wait(
+            lambda: all(_metric(cluster, "specmix_running").get(r, 0) > 0 for r in live) or any(f.done() for f in futs),
+            "both replicas decode",
+            60,
+            0.2,
+        )
         assert not any(f.done() for f in futs), "requests ended before the scale-down: make them longer"
         serve.run(build_app(_args(profile, min_replicas=1, max_replicas=1)), name=APP, route_prefix="/")
         results = [f.result() for f in futs]
@@ -223,8 +266,21 @@ def test_scale_down_drains_running_requests(cluster, two, solo, profile):
 
 def test_autoscale_up_under_load_and_down_when_idle(cluster, two, solo, profile):
     """1 replica, ongoing-requests target = max_batch (4): 16 clients drive it to 2, idling brings it back."""
-    serve.run(build_app(_args(profile, min_replicas=1, max_replicas=2, initial_replicas=1, upscale_delay_s=1,
-                              downscale_delay_s=3, look_back_period_s=1)), name=APP, route_prefix="/")
+    serve.run(
+        build_app(
+            _args(
+                profile,
+                min_replicas=1,
+                max_replicas=2,
+                initial_replicas=1,
+                upscale_delay_s=1,
+                downscale_delay_s=3,
+                look_back_period_s=1,
+            )
+        ),
+        name=APP,
+        route_prefix="/",
+    )
     assert _replicas(APP) == {"RUNNING": 1}
     stop, seen = [], Counter()
 
@@ -295,8 +351,12 @@ def test_options_and_the_deploy_config():
     assert gpu["ray_actor_options"]["num_gpus"] == 1 and gpu["autoscaling_config"]["target_ongoing_requests"] == 64
     assert deployment_options(opts, "cpu")["ray_actor_options"]["num_gpus"] == 0
     assert RayServeOptions.from_args({"profile": "p.json", "max_batch": "8", "full_check": "true"}).max_batch == 8
-    for args, field in (({"profile": "p.json", "max_batch": "0"}, "max_batch"), ({"max_batch": 4}, "profile"),
-                        ({"profile": "p", "replicas": 2}, "replicas"), ({"profile": "p", "stall_s": "x"}, "stall_s"),
-                        ({"profile": "p", "min_replicas": 3, "max_replicas": 2}, "min_replicas")):
+    for args, field in (
+        ({"profile": "p.json", "max_batch": "0"}, "max_batch"),
+        ({"max_batch": 4}, "profile"),
+        ({"profile": "p", "replicas": 2}, "replicas"),
+        ({"profile": "p", "stall_s": "x"}, "stall_s"),
+        ({"profile": "p", "min_replicas": 3, "max_replicas": 2}, "min_replicas"),
+    ):
         with pytest.raises(InvalidConfigError, match=field):
             RayServeOptions.from_args(args)

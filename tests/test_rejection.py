@@ -10,6 +10,7 @@ next iteration would). ``sample_from_probs`` (the exponential race that turns
 that distribution into a token) is checked by chi-square in test_sampling.py,
 and the whole of ``rejection_sample`` by chi-square here.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -153,7 +154,11 @@ def test_exact_law_equals_target(name: str) -> None:
     # the acceptance probability the function implies is min(1, q/p)
     d = info["d"].numpy()
     q_d = np.take_along_axis(info["target"][:, : sc.K].double().numpy(), d[..., None], -1)[..., 0]
-    p_d = np.ones_like(q_d) if sc.p is None else np.take_along_axis(info["draft"].double().numpy(), d[..., None], -1)[..., 0]
+    p_d = (
+        np.ones_like(q_d)
+        if sc.p is None
+        else np.take_along_axis(info["draft"].double().numpy(), d[..., None], -1)[..., 0]
+    )
     with np.errstate(divide="ignore", invalid="ignore"):
         expect = np.where(p_d > 0, np.minimum(1.0, q_d / p_d), (q_d > 0).astype(float))
     np.testing.assert_allclose(info["acc_prob"], expect, atol=1e-6)
@@ -289,8 +294,9 @@ def test_greedy_accept_equals_rejection_sample_on_one_hot_rows() -> None:
     d = torch.where(torch.rand(B, K, generator=g) < 0.6, a[:, :K], torch.randint(0, V, (B, K), generator=g))
     num = torch.randint(0, K + 1, (B,), generator=g)  # ragged, including rows with no drafts
     q = torch.nn.functional.one_hot(a, V).float()
-    want_t, want_n = rejection_sample(d, None, q, num, torch.rand(B, K, generator=g),
-                                      torch.empty(B, V).exponential_(generator=g))
+    want_t, want_n = rejection_sample(
+        d, None, q, num, torch.rand(B, K, generator=g), torch.empty(B, V).exponential_(generator=g)
+    )
     got_t, got_n = greedy_accept(d, a, num)
     assert torch.equal(got_n, want_n) and torch.equal(got_t, want_t)
     assert (got_n == num).any() and (got_n < num).any() and (num == 0).any()

@@ -1,4 +1,5 @@
 """engine/build/report.py: the bench plot's series and PNG, the build report, and the tools that write them."""
+
 from __future__ import annotations
 
 import copy
@@ -6,8 +7,9 @@ import importlib.util
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -30,8 +32,15 @@ def load_tool(name: str) -> Any:
 
 
 def mode(name: str, tps: float, ppa: list | None = None) -> dict[str, Any]:
-    row = {"name": name, "tokens_per_s": tps, "speedup_vs_plain": tps / 100.0, "acceptance_rate": None,
-           "mean_accepted_length": None, "predicted_speedup": None, "repeats": [tps]}
+    row = {
+        "name": name,
+        "tokens_per_s": tps,
+        "speedup_vs_plain": tps / 100.0,
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "predicted_speedup": None,
+        "repeats": [tps],
+    }
     if ppa is not None:
         row["per_position_acceptance"] = ppa
     return row
@@ -40,16 +49,24 @@ def mode(name: str, tps: float, ppa: list | None = None) -> dict[str, Any]:
 @pytest.fixture
 def result() -> dict[str, Any]:
     """A hand-made bench result: plain 100 tok/s, adaptive model drafter, n-gram, fixed K 1, 2, 4."""
-    runs = [{"k": 4, "mode": "specmix-model-k4", "speedup_vs_plain": 1.2},
-            {"k": 1, "mode": "specmix-model-k1", "speedup_vs_plain": 1.1},
-            {"k": 2, "mode": "specmix-model-k2", "speedup_vs_plain": 1.25}]
-    return {"modes": [mode("plain", 100.0), mode("specmix-model", 130.0, [0.8, 0.5, None]),
-                      mode("specmix-ngram", 90.0, [None, None]),
-                      mode("specmix-model-k1", 110.0, [0.7]), mode("specmix-model-k2", 125.0, [0.7, 0.6]),
-                      mode("specmix-model-k4", 120.0, [0.75, None, 0.5, 1.0])],
-            "pair": {"target": "/models/t", "draft": "/models/d"},
-            "settings": {"max_new_tokens": 16, "repeats": 3, "batch": 1},
-            "sweep": {"acceptance": 0.7, "costs": {"c": 0.1, "v": {"1": 1.0, "2": 1.05, "4": 1.2}}, "runs": runs}}
+    runs = [
+        {"k": 4, "mode": "specmix-model-k4", "speedup_vs_plain": 1.2},
+        {"k": 1, "mode": "specmix-model-k1", "speedup_vs_plain": 1.1},
+        {"k": 2, "mode": "specmix-model-k2", "speedup_vs_plain": 1.25},
+    ]
+    return {
+        "modes": [
+            mode("plain", 100.0),
+            mode("specmix-model", 130.0, [0.8, 0.5, None]),
+            mode("specmix-ngram", 90.0, [None, None]),
+            mode("specmix-model-k1", 110.0, [0.7]),
+            mode("specmix-model-k2", 125.0, [0.7, 0.6]),
+            mode("specmix-model-k4", 120.0, [0.75, None, 0.5, 1.0]),
+        ],
+        "pair": {"target": "/models/t", "draft": "/models/d"},
+        "settings": {"max_new_tokens": 16, "repeats": 3, "batch": 1},
+        "sweep": {"acceptance": 0.7, "costs": {"c": 0.1, "v": {"1": 1.0, "2": 1.05, "4": 1.2}}, "runs": runs},
+    }
 
 
 def test_bench_series_exact(result):
@@ -58,17 +75,30 @@ def test_bench_series_exact(result):
     assert s["speedup_vs_k"] == {
         "measured": {"k": [1, 2, 4], "speedup": [1.1, 1.25, 1.2]},
         "predicted": {"k": [1, 2, 3, 4], "speedup": [expected_speedup(0.7, k, costs) for k in (1, 2, 3, 4)]},
-        "acceptance": 0.7, "c": 0.1, "adaptive": 1.3}
+        "acceptance": 0.7,
+        "c": 0.1,
+        "adaptive": 1.3,
+    }
     # the cost model by hand: K=1: (1 - a^2) / ((1 - a)(c + v(1))); K=3: v interpolated to 1.125
     assert s["speedup_vs_k"]["predicted"]["speedup"][0] == pytest.approx(0.51 / (0.3 * 1.1))
-    assert s["speedup_vs_k"]["predicted"]["speedup"][2] == pytest.approx((1 - 0.7 ** 4) / (0.3 * (0.3 + 1.125)))
+    assert s["speedup_vs_k"]["predicted"]["speedup"][2] == pytest.approx((1 - 0.7**4) / (0.3 * (0.3 + 1.125)))
     # the adaptive run, and of the sweep only its largest K; positions with no data are dropped
     assert s["acceptance_by_position"] == {
         "specmix-model": {"position": [1, 2], "acceptance": [0.8, 0.5]},
-        "specmix-model-k4": {"position": [1, 3, 4], "acceptance": [0.75, 0.5, 1.0]}}
-    assert s["tokens_per_s"] == {"modes": ["plain", "specmix-model", "specmix-ngram", "specmix-model-k1",
-                                           "specmix-model-k2", "specmix-model-k4"],
-                                 "tokens_per_s": [100.0, 130.0, 90.0, 110.0, 125.0, 120.0], "plain": 100.0}
+        "specmix-model-k4": {"position": [1, 3, 4], "acceptance": [0.75, 0.5, 1.0]},
+    }
+    assert s["tokens_per_s"] == {
+        "modes": [
+            "plain",
+            "specmix-model",
+            "specmix-ngram",
+            "specmix-model-k1",
+            "specmix-model-k2",
+            "specmix-model-k4",
+        ],
+        "tokens_per_s": [100.0, 130.0, 90.0, 110.0, 125.0, 120.0],
+        "plain": 100.0,
+    }
     assert s["title"].startswith("models: t / d - batch 1")
 
 
@@ -81,8 +111,12 @@ def test_bench_series_without_sweep_or_plain(result):
 
 
 def test_aggregate_positions_mean_over_requests():
-    stats = [{"per_position_acceptance": [1.0, 0.5]}, {"per_position_acceptance": [0.5, None, 1.0]},
-             {"per_position_acceptance": []}, {}]
+    stats = [
+        {"per_position_acceptance": [1.0, 0.5]},
+        {"per_position_acceptance": [0.5, None, 1.0]},
+        {"per_position_acceptance": []},
+        {},
+    ]
     assert aggregate_positions(stats) == {"acceptance": [0.75, 0.5, 1.0], "requests": [2, 1, 1]}
     assert aggregate_positions([]) == {"acceptance": [], "requests": []}
 
@@ -139,21 +173,46 @@ def tiny_bench_args(tiny_demo: tuple[Path, Path], tmp_path: Path) -> list[str]:
     t, d = tiny_demo
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def fibonacci(n):\nThe with statement\n", encoding="utf-8")
-    return ["--target", str(t), "--draft", str(d), "--prompts", str(prompts), "--repeats", "1",
-            "--max-new-tokens", "8", "--no-hf", "--modes", "specmix-model", "--json", str(tmp_path / "r.json")]
+    return [
+        "--target",
+        str(t),
+        "--draft",
+        str(d),
+        "--prompts",
+        str(prompts),
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--no-hf",
+        "--modes",
+        "specmix-model",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
 
 
 def test_bench_sweep_json_and_plot_on_the_tiny_pair(tiny_demo, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rc, out, _ = run_bench(tiny_bench_args(tiny_demo, tmp_path) + ["--threads", "1", "--sweep-k", "1,3",
-                                                                   "--plot", str(tmp_path / "r.png")], capsys)
+    rc, out, _ = run_bench(
+        tiny_bench_args(tiny_demo, tmp_path)
+        + ["--threads", "1", "--sweep-k", "1,3", "--plot", str(tmp_path / "r.png")],
+        capsys,
+    )
     assert rc == 0 and "specmix-model-k3" in out
     r = json.loads((tmp_path / "r.json").read_text())
     names = [m["name"] for m in r["modes"]]
     assert names == ["plain", "specmix-model", "specmix-model-k1", "specmix-model-k3"]
     for m in r["modes"]:  # the existing schema's fields stay
-        assert {"name", "tokens_per_s", "speedup_vs_plain", "acceptance_rate", "mean_accepted_length",
-                "predicted_speedup", "repeats"} <= set(m)
+        assert {
+            "name",
+            "tokens_per_s",
+            "speedup_vs_plain",
+            "acceptance_rate",
+            "mean_accepted_length",
+            "predicted_speedup",
+            "repeats",
+        } <= set(m)
     for m in r["modes"]:  # fp32 greedy speculation is token-identical to the target alone
         assert m["match_vs_plain"] == {"identical": 1.0, "prefix": 1.0} == m["match_vs_float32"]
     assert r["settings"]["dtype"] == "float32"
@@ -198,8 +257,9 @@ def test_bench_bfloat16_reports_match_rates_against_float32(tiny_demo, tmp_path,
 def built(tiny_demo, tmp_path_factory):
     """One tiny-pair build: (profile path, profile dict)."""
     out = tmp_path_factory.mktemp("built") / "a100.json"
-    rc = load_tool("build_profile").main(["--gpu", "a100", "--demo-size", "tiny", "--out", str(out),
-                                          "--device", "cpu", "--quiet"])
+    rc = load_tool("build_profile").main(
+        ["--gpu", "a100", "--demo-size", "tiny", "--out", str(out), "--device", "cpu", "--quiet"]
+    )
     assert rc == 0
     return out, json.loads(out.read_text())
 
@@ -230,8 +290,16 @@ def as_written(path: str, x: Any) -> str:
 
 def test_report_names_every_figure_of_quality_and_speculation(built):
     prof = copy.deepcopy(built[1])
-    prof["quality"]["attempts"].insert(0, {**copy.deepcopy(prof["quality"]["attempts"][0]), "plan": "int8 test",
-                                           "kld_mean": 0.0234567, "ppl": 81.234567, "passed": False})
+    prof["quality"]["attempts"].insert(
+        0,
+        {
+            **copy.deepcopy(prof["quality"]["attempts"][0]),
+            "plan": "int8 test",
+            "kld_mean": 0.0234567,
+            "ppl": 81.234567,
+            "passed": False,
+        },
+    )
     prof["speculation"]["per_position_acceptance"] = [0.61, 0.42, None]
     md = build_report(prof, "a100.png")
     found = list(leaves(prof["quality"], "quality")) + list(leaves(prof["speculation"], "speculation"))
@@ -260,8 +328,22 @@ def test_failed_build_leaves_the_previous_report_untouched(built, tmp_path, caps
     for ext in (".json", ".md", ".png"):
         shutil.copy(path.with_suffix(ext), tmp_path / f"p{ext}")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    rc = load_tool("build_profile").main(["--gpu", "a100", "--demo-size", "tiny", "--out", str(tmp_path / "p.json"),
-                                          "--device", "cpu", "--quiet", "--max-drift", "1e-9", "--no-fallback"])
+    rc = load_tool("build_profile").main(
+        [
+            "--gpu",
+            "a100",
+            "--demo-size",
+            "tiny",
+            "--out",
+            str(tmp_path / "p.json"),
+            "--device",
+            "cpu",
+            "--quiet",
+            "--max-drift",
+            "1e-9",
+            "--no-fallback",
+        ]
+    )
     assert rc == 1 and "no plan passed the gate" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
@@ -284,10 +366,10 @@ def test_profile_plot_with_per_position_acceptance(built, tmp_path):
     sp = prof["speculation"]
     costs = Costs.from_dict({"c": sp["c"], "v": sp["v"]})
     assert s["k"] == list(range(1, 9))
-    assert s["curves"]["FP8 draft (planned)"]["speedup"] == [expected_speedup(sp["acceptance"], k, costs)
-                                                             for k in s["k"]]
-    assert s["chosen"]["predicted_speedup"] == pytest.approx(
-        s["curves"]["FP8 draft (planned)"]["speedup"][sp["k"] - 1])
+    assert s["curves"]["FP8 draft (planned)"]["speedup"] == [
+        expected_speedup(sp["acceptance"], k, costs) for k in s["k"]
+    ]
+    assert s["chosen"]["predicted_speedup"] == pytest.approx(s["curves"]["FP8 draft (planned)"]["speedup"][sp["k"] - 1])
     (tmp_path / "one.png").write_bytes(draw_profile(s))
     prof = copy.deepcopy(prof)
     prof["speculation"]["per_position_acceptance"] = [0.6, 0.4]

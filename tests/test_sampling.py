@@ -1,4 +1,5 @@
 """SamplingParams validation, process_logits against transformers' warpers, and sampling."""
+
 from __future__ import annotations
 
 import math
@@ -77,7 +78,9 @@ def test_sampling_params_accepts_and_normalises() -> None:
     p = SamplingParams(max_new_tokens=5, temperature=1, top_k=3, top_p=0.5, seed=-7, stop=["a", "bc"])
     assert p.stop == ("a", "bc") and isinstance(p.temperature, float) and not p.greedy
     assert SamplingParams(temperature=np.float32(0.5), top_k=np.int64(4)).top_k == 4
-    assert hash(p) == hash(SamplingParams(max_new_tokens=5, temperature=1.0, top_k=3, top_p=0.5, seed=-7, stop=("a", "bc")))
+    assert hash(p) == hash(
+        SamplingParams(max_new_tokens=5, temperature=1.0, top_k=3, top_p=0.5, seed=-7, stop=("a", "bc"))
+    )
     with pytest.raises(AttributeError):
         p.temperature = 2.0  # type: ignore[misc]
 
@@ -268,15 +271,26 @@ def test_row_processing_fast_paths_equal_process_logits():
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g) * 3
-    cases = {"greedy": [SamplingParams()] * 6,
-             "softmax": [SamplingParams(temperature=t) for t in (0.5, 1.0, 1.5, 0.7, 2.0, 1.0)],
-             "general": [SamplingParams(temperature=1.0, top_k=5), SamplingParams(), SamplingParams(top_p=0.5,
-                         temperature=0.9), SamplingParams(temperature=1.0), SamplingParams(), SamplingParams()]}
+    cases = {
+        "greedy": [SamplingParams()] * 6,
+        "softmax": [SamplingParams(temperature=t) for t in (0.5, 1.0, 1.5, 0.7, 2.0, 1.0)],
+        "general": [
+            SamplingParams(temperature=1.0, top_k=5),
+            SamplingParams(),
+            SamplingParams(top_p=0.5, temperature=0.9),
+            SamplingParams(temperature=1.0),
+            SamplingParams(),
+            SamplingParams(),
+        ],
+    }
     for mode, params in cases.items():
         rp = RowProcessing.of(params, "cpu")
         assert rp.mode == mode
         t, k, p = params_to_tensors(params, "cpu")
         assert torch.allclose(rp.probs(logits), process_logits(logits, t, k, p), atol=1e-6)
         rep = rp.repeat(3)
-        assert torch.allclose(rep.probs(logits.repeat_interleave(3, 0)),
-                              process_logits(logits, t, k, p).repeat_interleave(3, 0), atol=1e-6)
+        assert torch.allclose(
+            rep.probs(logits.repeat_interleave(3, 0)),
+            process_logits(logits, t, k, p).repeat_interleave(3, 0),
+            atol=1e-6,
+        )

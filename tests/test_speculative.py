@@ -1,4 +1,5 @@
 """Lossless speculative decoding: greedy identity, exact sampling distribution, reproducibility."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,13 +26,18 @@ def plain(ckpt_dir):
 @pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=SpeculationConfig(drafter=drafter, k=k, k_policy="constant",
-                                 early_exit_layers=2 if drafter == "early-exit" else None))
+    eng = Engine.from_pretrained(
+        ckpt_dir,
+        draft_dir if drafter == "model" else None,
+        speculation=SpeculationConfig(
+            drafter=drafter, k=k, k_policy="constant", early_exit_layers=2 if drafter == "early-exit" else None
+        ),
+    )
     params = SamplingParams(max_new_tokens=40)
     for batch in (1, 4):
         outs = []
         for i in range(0, len(PROMPTS), batch):
-            outs += [o.token_ids for o in eng.generate(PROMPTS[i:i + batch], params)]
+            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
         assert outs == plain, (drafter, k, batch)
     s = eng.stats()
     assert s["drafted"] > 0
@@ -40,7 +46,9 @@ def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k)
 
 
 def test_adaptive_k_greedy_identity_and_stats(ckpt_dir, draft_dir, plain):
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3))  # cost-model policy, measured costs
+    eng = Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3)
+    )  # cost-model policy, measured costs
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
     assert [o.token_ids for o in outs] == plain
     st = outs[0].stats
@@ -94,9 +102,14 @@ def _exact_joint(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarr
     return (q1[:, None] * q2).double().numpy()
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(max_new_tokens=2, temperature=1.0),
-                                SamplingParams(max_new_tokens=2, temperature=1.5, top_k=10, top_p=0.85)],
-                         ids=["t1.0", "t1.5-k10-p0.85"])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(max_new_tokens=2, temperature=1.0),
+        SamplingParams(max_new_tokens=2, temperature=1.5, top_k=10, top_p=0.85),
+    ],
+    ids=["t1.0", "t1.5-k10-p0.85"],
+)
 def test_joint_distribution_of_two_tokens_matches_target(tiny_pair, sp):
     eng = Engine.from_pretrained(*tiny_pair, speculation=SpeculationConfig(k=2, k_policy="constant"))
     prompt = [1, 2, 3]
@@ -126,10 +139,12 @@ def test_seeded_output_is_the_same_alone_and_in_a_batch(tiny_pair):
     alone = eng.generate([[1, 2, 3]], sp)[0].token_ids
     again = eng.generate([[1, 2, 3]], sp)[0].token_ids
     assert alone == again
-    mixed = [SamplingParams(max_new_tokens=24, temperature=1.0),
-             sp,
-             SamplingParams(max_new_tokens=10, temperature=0.7, seed=7),
-             SamplingParams(max_new_tokens=30, temperature=1.2)]
+    mixed = [
+        SamplingParams(max_new_tokens=24, temperature=1.0),
+        sp,
+        SamplingParams(max_new_tokens=10, temperature=0.7, seed=7),
+        SamplingParams(max_new_tokens=30, temperature=1.2),
+    ]
     outs = eng.generate([[4, 5], [1, 2, 3], [9], [1, 2, 3]], mixed)
     assert outs[1].token_ids == alone
     other_seed = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=24, temperature=1.0, seed=99))[0]

@@ -1,4 +1,5 @@
 """INT8 weight-only (W8A16) Linears, per output channel and per group, against FP32 references."""
+
 from __future__ import annotations
 
 import pytest
@@ -67,11 +68,12 @@ def test_groupwise_primitives_round_trip_within_half_a_step():
     assert ((back - w).abs() <= s[:, cols] / 2 * (1 + 1e-6)).all()
     # each group's absmax maps to +-127 exactly (symmetric, per group)
     for g in range(4):
-        blk = q[:, g * 32:(g + 1) * 32].abs().amax(dim=1)
+        blk = q[:, g * 32 : (g + 1) * 32].abs().amax(dim=1)
         assert (blk == 127).all()
     # one group spanning the whole row is the per-channel quantization
     q1, s1 = quantize_int8_groupwise(w, 100)
     from quant.int8 import quantize_int8_rowwise
+
     q2, s2 = quantize_int8_rowwise(w)
     assert torch.equal(q1, q2) and torch.equal(s1[:, 0], s2)
     torch.testing.assert_close(dequantize_int8(q2, s2), dequantize_int8_groupwise(q1, s1, 100), rtol=0, atol=0)
@@ -140,6 +142,7 @@ def test_w8a16_registered_and_available_everywhere():
 
 
 # ------------------------------------------------------------------ CUDA (run with -m gpu on a GPU)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_size", GROUPS)

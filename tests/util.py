@@ -1,4 +1,5 @@
 """Small random checkpoints saved by transformers (the oracle), with a byte-level tokenizer."""
+
 from __future__ import annotations
 
 import time
@@ -7,9 +8,12 @@ from typing import Any
 
 import torch
 
-TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 +
-        "Speculative decoding drafts tokens and the target verifies them in one pass. "
-        "def f(x):\n    return x * 2\n" * 2)
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. "
+    * 3
+    + "Speculative decoding drafts tokens and the target verifies them in one pass. "
+    "def f(x):\n    return x * 2\n" * 2
+)
 
 
 def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
@@ -18,15 +22,26 @@ def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT], trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
 
 
-def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed: int = 0,
-                    perturb: float = 0.0, values: torch.dtype | None = None, **overrides) -> Path:
+def make_checkpoint(
+    out: Path,
+    arch: str = "llama",
+    vocab_size: int = 300,
+    seed: int = 0,
+    perturb: float = 0.0,
+    values: torch.dtype | None = None,
+    **overrides,
+) -> Path:
     """Save a random transformers model of the given family + tokenizer into `out`.
 
     perturb > 0 adds N(0, perturb) noise to every matrix after the seeded init: with the
@@ -35,12 +50,23 @@ def make_checkpoint(out: Path, arch: str = "llama", vocab_size: int = 300, seed:
     """
     import transformers as tf
 
-    base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                eos_token_id=0, bos_token_id=None)
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=None,
+    )
     base.update(overrides)
-    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[arch]
+    cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    }[arch]
     torch.manual_seed(seed)
     model = cls[1](cls[0](**base)).eval()
     with torch.no_grad():  # larger random weights give peaked, less tie-prone distributions

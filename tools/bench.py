@@ -3,6 +3,7 @@
 
 The code: engine/cli/bench.py (the project installed).
 """
+
 import sys
 
 from engine.cli.bench import main

@@ -12,6 +12,7 @@ configuration emits the same tokens. TTFT: submission to the first content chunk
 latency (ITL): per request, (last chunk - first chunk) / (tokens - 1), i.e. time per output token
 after the first. Figures are p50/p99 over requests; tokens/s is all output tokens over the wall time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,19 @@ def prompts(n: int, words: int, seed: int = 0) -> list[str]:
 
     text = demo_texts()["heldout"].split()
     rng = random.Random(seed)
-    return [" ".join(text[(s := rng.randrange(len(text) - words)): s + words]) for _ in range(n)]
+    return [" ".join(text[(s := rng.randrange(len(text) - words)) : s + words]) for _ in range(n)]
 
 
 async def one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -72,8 +80,9 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))] if s else float("nan")
 
 
-async def run_load(url: str, model: str, texts: list[str], max_tokens: int, concurrency: int | None,
-                   rate: float | None, seed: int = 0) -> dict[str, Any]:
+async def run_load(
+    url: str, model: str, texts: list[str], max_tokens: int, concurrency: int | None, rate: float | None, seed: int = 0
+) -> dict[str, Any]:
     import httpx
 
     results: list[dict[str, float]] = []
@@ -87,6 +96,7 @@ async def run_load(url: str, model: str, texts: list[str], max_tokens: int, conc
             async def worker() -> None:
                 while queue:
                     results.append(await one(client, url, model, queue.pop(), max_tokens))
+
             await asyncio.gather(*[worker() for _ in range(concurrency or 1)])
         else:
             rng = random.Random(seed)
@@ -97,10 +107,19 @@ async def run_load(url: str, model: str, texts: list[str], max_tokens: int, conc
             results = list(await asyncio.gather(*tasks))
         wall = time.perf_counter() - t0
     toks = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "rate": rate, "requests": len(results), "output_tokens": toks,
-            "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 2),
-            **{f"{k}_p{q}_ms": round(1000 * _pct([r[k] for r in results], q), 2)
-               for k in ("ttft", "itl", "e2e") for q in (50, 99)}}
+    return {
+        "concurrency": concurrency,
+        "rate": rate,
+        "requests": len(results),
+        "output_tokens": toks,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(toks / wall, 2),
+        **{
+            f"{k}_p{q}_ms": round(1000 * _pct([r[k] for r in results], q), 2)
+            for k in ("ttft", "itl", "e2e")
+            for q in (50, 99)
+        },
+    }
 
 
 def _free_port() -> int:
@@ -111,8 +130,18 @@ def _free_port() -> int:
 
 def spawn(args: argparse.Namespace, config: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, str(ROOT / "tools" / "serve.py"), "--target", args.target, "--port", str(port),
-           "--served-model-name", "bench", "--max-batch", str(max(64, max(args.concurrency)))]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "serve.py"),
+        "--target",
+        args.target,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--max-batch",
+        str(max(64, max(args.concurrency))),
+    ]
     if args.draft and config != "off":
         cmd += ["--draft", args.draft]
     cmd += CONFIGS[config]
@@ -153,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
     servers = [("url", None, args.url)] if args.url else []
-    for cfg in ([] if args.url else args.configs):
+    for cfg in [] if args.url else args.configs:
         proc, url = spawn(args, cfg)
         servers.append((cfg, proc, url))
         try:
@@ -166,8 +195,22 @@ def main(argv: list[str] | None = None) -> int:
     hdr = ("config", "conc", "rate", "reqs", "tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99")
     print(" | ".join(hdr))
     for r in rows:
-        print(" | ".join(str(x) for x in (r["config"], r["concurrency"], r["rate"], r["requests"], r["tokens_per_s"],
-                                           r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"])))
+        print(
+            " | ".join(
+                str(x)
+                for x in (
+                    r["config"],
+                    r["concurrency"],
+                    r["rate"],
+                    r["requests"],
+                    r["tokens_per_s"],
+                    r["ttft_p50_ms"],
+                    r["ttft_p99_ms"],
+                    r["itl_p50_ms"],
+                    r["itl_p99_ms"],
+                )
+            )
+        )
     if args.json:
         sys.path.insert(0, str(ROOT))
         from engine.core.files import write_json_atomic
@@ -181,7 +224,7 @@ def _bench_one(args: argparse.Namespace, cfg: str, url: str) -> list[dict[str, A
 
     model = args.model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     out = []
-    for conc in ([None] if args.rate else args.concurrency):
+    for conc in [None] if args.rate else args.concurrency:
         n = args.num_requests or max(8, 4 * (conc or 1))
         texts = prompts(n, args.prompt_words)
         r = asyncio.run(run_load(url, model, texts, args.max_tokens, conc, args.rate))

@@ -3,6 +3,7 @@
 
 The code: engine/cli/build_profile.py (the project installed).
 """
+
 import sys
 
 from engine.cli.build_profile import main

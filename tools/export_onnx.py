@@ -3,6 +3,7 @@
 
 The code: engine/cli/export_onnx.py (the project installed).
 """
+
 import sys
 
 from engine.cli.export_onnx import main

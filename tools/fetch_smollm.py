@@ -3,6 +3,7 @@
 
 The code: engine/cli/fetch_smollm.py (the project installed).
 """
+
 import sys
 
 from engine.cli.fetch_smollm import main

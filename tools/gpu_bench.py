@@ -3,6 +3,7 @@
 
 The code: engine/cli/gpu_bench.py (the project installed).
 """
+
 import sys
 
 from engine.cli.gpu_bench import main

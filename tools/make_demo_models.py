@@ -3,6 +3,7 @@
 
 The code: engine/cli/make_demo_models.py (the project installed).
 """
+
 import sys
 
 from engine.cli.make_demo_models import main

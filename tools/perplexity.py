@@ -3,6 +3,7 @@
 
 The code: engine/cli/perplexity.py (the project installed).
 """
+
 import sys
 
 from engine.cli.perplexity import main

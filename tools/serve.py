@@ -3,6 +3,7 @@
 
 The code: engine/cli/serve.py (the project installed; the server needs the ``serve`` extra).
 """
+
 import sys
 
 from engine.cli.serve import main

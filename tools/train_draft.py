@@ -3,6 +3,7 @@
 
 The code: engine/cli/train_draft.py (the project installed).
 """
+
 import sys
 
 from engine.cli.train_draft import main

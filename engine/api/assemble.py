@@ -3,6 +3,7 @@
 ``assemble`` is the one place where a model's kernels are chosen (through ``Transformer.use_kernels``)
 and where CUDA graphs wrap its forwards; the Engine receives the finished parts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,43 +73,67 @@ def resolve_model_dtype(target_dir: str | Path, dtype: str | torch.dtype | None,
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(own or "", torch.float16)
 
 
-def check_options(draft_dir: Any, spec: SpeculationConfig, precision: PrecisionConfig | None,
-                  kernels: KernelOptions, dev: torch.device) -> str | None:
+def check_options(
+    draft_dir: Any,
+    spec: SpeculationConfig,
+    precision: PrecisionConfig | None,
+    kernels: KernelOptions,
+    dev: torch.device,
+) -> str | None:
     """The drafter to build; InvalidConfigError for options that contradict each other or the models."""
     drafter = spec.drafter if spec.drafter is not None else ("model" if draft_dir is not None else None)
     if drafter == "model" and draft_dir is None:
-        raise InvalidConfigError("speculation.drafter='model' needs a draft checkpoint (draft=None): give draft, "
-                                 "or choose drafter 'ngram', 'early-exit' or None")
+        raise InvalidConfigError(
+            "speculation.drafter='model' needs a draft checkpoint (draft=None): give draft, "
+            "or choose drafter 'ngram', 'early-exit' or None"
+        )
     if drafter in HEAD_DRAFTERS and draft_dir is None:
-        raise InvalidConfigError(f"speculation.drafter={drafter!r} needs a head directory (draft=None): allowed a "
-                                 f"directory written by specmix-train-draft --kind {drafter}")
+        raise InvalidConfigError(
+            f"speculation.drafter={drafter!r} needs a head directory (draft=None): allowed a "
+            f"directory written by specmix-train-draft --kind {drafter}"
+        )
     if drafter in HEAD_DRAFTERS and kernels.cuda_graphs:
-        raise InvalidConfigError(f"kernels.cuda_graphs=True is not available with speculation.drafter={drafter!r} "
-                                 "(the graphed target returns no features): allowed cuda_graphs=False")
+        raise InvalidConfigError(
+            f"kernels.cuda_graphs=True is not available with speculation.drafter={drafter!r} "
+            "(the graphed target returns no features): allowed cuda_graphs=False"
+        )
     if drafter not in ("model", *HEAD_DRAFTERS) and draft_dir is not None:
-        raise InvalidConfigError(f"draft={str(draft_dir)!r} is given but speculation.drafter={drafter!r} does not "
-                                 "use it: allowed drafter='model' (or None) with a draft checkpoint, 'medusa' or "
-                                 "'eagle' with a head directory")
+        raise InvalidConfigError(
+            f"draft={str(draft_dir)!r} is given but speculation.drafter={drafter!r} does not "
+            "use it: allowed drafter='model' (or None) with a draft checkpoint, 'medusa' or "
+            "'eagle' with a head directory"
+        )
     if spec.draft_dtype is not None and drafter != "model":
         raise InvalidConfigError(f"speculation.draft_dtype={spec.draft_dtype!r} needs a draft checkpoint (draft=None)")
     if precision is not None and kernels.attention is not None:
-        raise InvalidConfigError(f"kernels.attention={kernels.attention!r} is invalid with a plan: precision.plan "
-                                 f"names the backend (plan.attention_backend={precision.plan.attention_backend!r}); "
-                                 "allowed None")
+        raise InvalidConfigError(
+            f"kernels.attention={kernels.attention!r} is invalid with a plan: precision.plan "
+            f"names the backend (plan.attention_backend={precision.plan.attention_backend!r}); "
+            "allowed None"
+        )
     if dev.type != "cpu" and kernels.cpu_pack:
         raise InvalidConfigError(f"kernels.cpu_pack=True is for the CPU, but device={dev.type!r}")
     if dev.type != "cpu" and kernels.draft_step_weights is not None:
-        raise InvalidConfigError(f"kernels.draft_step_weights={kernels.draft_step_weights!r} is for the CPU, "
-                                 f"but device={dev.type!r}")
+        raise InvalidConfigError(
+            f"kernels.draft_step_weights={kernels.draft_step_weights!r} is for the CPU, but device={dev.type!r}"
+        )
     if kernels.cuda_graphs and dev.type != "cuda" and not kernels.emulate_graphs:
-        raise InvalidConfigError(f"kernels.cuda_graphs=True needs device='cuda' (device={dev.type!r}); "
-                                 "allowed on the CPU only with kernels.emulate_graphs=True")
+        raise InvalidConfigError(
+            f"kernels.cuda_graphs=True needs device='cuda' (device={dev.type!r}); "
+            "allowed on the CPU only with kernels.emulate_graphs=True"
+        )
     return drafter
 
 
-def assemble(target_dir: str | Path, draft_dir: str | Path | None, spec: SpeculationConfig,
-             precision: PrecisionConfig | None, kernels: KernelOptions, dev: torch.device,
-             dtype: str | torch.dtype | None) -> Parts:
+def assemble(
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    spec: SpeculationConfig,
+    precision: PrecisionConfig | None,
+    kernels: KernelOptions,
+    dev: torch.device,
+    dtype: str | torch.dtype | None,
+) -> Parts:
     """Load, quantize (the plan), fuse projections, choose kernels, wrap in graphs, build the drafter."""
     drafter_name = check_options(draft_dir, spec, precision, kernels, dev)
     dt = resolve_model_dtype(target_dir, dtype, dev)
@@ -125,7 +150,8 @@ def assemble(target_dir: str | Path, draft_dir: str | Path | None, spec: Specula
             raise VocabMismatchError(
                 f"draft {draft_dir} and target {target_dir} have different vocabularies: "
                 f"draft tokenizer has {dtok.vocab_size} tokens (model vocab {draft_model.config.vocab_size}), "
-                f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})")
+                f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})"
+            )
         vocab = min(vocab, draft_model.config.vocab_size)
     if precision is not None:
         apply_precision_plan(precision.plan, target, draft_model, tok, dev, precision.calibration)
@@ -139,16 +165,27 @@ def assemble(target_dir: str | Path, draft_dir: str | Path | None, spec: Specula
     # each fp32 model's few-row forward as one C++ call; GEMM weights 16-bit where lossless ("auto": else
     # fp16, for the draft: the target verifies every proposal, so only the acceptance can move)
     step_w = {"target": None, "draft": kernels.draft_step_weights or "auto"}
-    stepped = [name for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
-               if dev.type == "cpu" and kernels.cpu_pack is not False and m is not None
-               and install_decode_step(m, step_w[name]) is None]
-    info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
-            "dtype": str(dt).replace("torch.", ""),
-            "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
-            "fused_projection_groups": fused, "cpu_packed_linears": packed, "cpu_linear_kernel": cpu_kernel,
-            "cpu_decode_step": stepped, **step_info({"target": target, "draft": draft_model}),
-            "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
-            "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1)}
+    stepped = [
+        name
+        for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
+        if dev.type == "cpu"
+        and kernels.cpu_pack is not False
+        and m is not None
+        and install_decode_step(m, step_w[name]) is None
+    ]
+    info = {
+        "target_dir": str(target_dir),
+        "draft_dir": None if draft_dir is None else str(draft_dir),
+        "dtype": str(dt).replace("torch.", ""),
+        "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
+        "fused_projection_groups": fused,
+        "cpu_packed_linears": packed,
+        "cpu_linear_kernel": cpu_kernel,
+        "cpu_decode_step": stepped,
+        **step_info({"target": target, "draft": draft_model}),
+        "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
+        "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1),
+    }
     head = None
     if drafter_name in HEAD_DRAFTERS:  # checked against the target (DraftMismatchError), in its dtype
         assert draft_dir is not None
@@ -156,9 +193,18 @@ def assemble(target_dir: str | Path, draft_dir: str | Path | None, spec: Specula
     return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info, head)
 
 
-def parts_from_models(target: Transformer, tokenizer: Any, draft_model: Transformer | None, drafter: str | None,
-                      spec: SpeculationConfig, kernels: KernelOptions, dev: torch.device, vocab: int | None = None,
-                      info: dict[str, Any] | None = None, head: HeadDrafter | None = None) -> Parts:
+def parts_from_models(
+    target: Transformer,
+    tokenizer: Any,
+    draft_model: Transformer | None,
+    drafter: str | None,
+    spec: SpeculationConfig,
+    kernels: KernelOptions,
+    dev: torch.device,
+    vocab: int | None = None,
+    info: dict[str, Any] | None = None,
+    head: HeadDrafter | None = None,
+) -> Parts:
     """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy.
     ``head``: the drafter of a trained head (medusa / eagle), built by ``assemble``."""
     k_max, k = spec.resolved_k_max, spec.k
@@ -169,21 +215,35 @@ def parts_from_models(target: Transformer, tokenizer: Any, draft_model: Transfor
     draft_fwd: Any = draft_model
     graphs: list[GraphedForward] = []
     if kernels.cuda_graphs:
-        tg, dg = graph_forwards(target, draft_model, k_max if drafter else 0, kernels.batch_buckets,
-                                emulate=kernels.emulate_graphs)
+        tg, dg = graph_forwards(
+            target, draft_model, k_max if drafter else 0, kernels.batch_buckets, emulate=kernels.emulate_graphs
+        )
         target_fwd, draft_fwd = tg, (dg if dg is not None else draft_model)
         graphs = [tg] + ([dg] if dg is not None else [])
-    d = head if head is not None else make_drafter(drafter, target_fwd, draft_fwd, target.config.num_hidden_layers,
-                                                   spec)
+    d = (
+        head
+        if head is not None
+        else make_drafter(drafter, target_fwd, draft_fwd, target.config.num_hidden_layers, spec)
+    )
     policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if d is not None else None
     info = {**(info or {}), "drafter": drafter if d is not None else None}
-    return Parts(target=target, tokenizer=tokenizer, draft_model=draft_model, drafter=d, policy=policy,
-                 vocab=vocab or target.config.vocab_size, device=dev, target_forward=target_fwd, graphs=graphs,
-                 info=info)
+    return Parts(
+        target=target,
+        tokenizer=tokenizer,
+        draft_model=draft_model,
+        drafter=d,
+        policy=policy,
+        vocab=vocab or target.config.vocab_size,
+        device=dev,
+        target_forward=target_fwd,
+        graphs=graphs,
+        info=info,
+    )
 
 
-def make_drafter(name: str | None, target_fwd: Any, draft_fwd: Any, n_layers: int,
-                 spec: SpeculationConfig) -> Drafter | None:
+def make_drafter(
+    name: str | None, target_fwd: Any, draft_fwd: Any, n_layers: int, spec: SpeculationConfig
+) -> Drafter | None:
     if name == "model":
         return ModelDrafter(draft_fwd, None)
     if name == "ngram":

@@ -1,9 +1,11 @@
 """The public Engine: load a target (and a drafter), generate, stream, score."""
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -37,11 +39,17 @@ class Engine:
     number of threads: requests join a continuously batched worker (engine/serve/scheduler.py).
     """
 
-    def __init__(self, parts: Parts, limits: Limits = Limits(), costs: Costs | None = None,
-                 profile: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, parts: Parts, limits: Limits = Limits(), costs: Costs | None = None, profile: dict[str, Any] | None = None
+    ) -> None:
         """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``."""
         self.target, self.tokenizer, self.drafter = parts.target, parts.tokenizer, parts.drafter
-        self.draft_model, self.policy, self.vocab, self.device = parts.draft_model, parts.policy, parts.vocab, parts.device
+        self.draft_model, self.policy, self.vocab, self.device = (
+            parts.draft_model,
+            parts.policy,
+            parts.vocab,
+            parts.device,
+        )
         self.config = parts.target.config
         self.info = dict(parts.info)
         self.profile = profile
@@ -51,27 +59,44 @@ class Engine:
         self._costs = costs
         ctx = self.config.max_position_embeddings
         if limits.max_seq_len is not None and limits.max_seq_len > ctx:
-            raise InvalidConfigError(f"limits.max_seq_len={limits.max_seq_len} is invalid: allowed an int in "
-                                     f"2..{ctx} (the model's context)")
+            raise InvalidConfigError(
+                f"limits.max_seq_len={limits.max_seq_len} is invalid: allowed an int in 2..{ctx} (the model's context)"
+            )
         self.max_seq_len = limits.max_seq_len if limits.max_seq_len is not None else ctx
-        self.loop = DecodeLoop(parts.target_forward, parts.tokenizer, parts.drafter,
-                               self.config.eos_token_ids, self.vocab, self.device)
+        self.loop = DecodeLoop(
+            parts.target_forward, parts.tokenizer, parts.drafter, self.config.eos_token_ids, self.vocab, self.device
+        )
         self.gpu_reader, governor = None, None
         if limits.load_window is not None:
             pol = self.policy
-            self.gpu_reader, governor = make_governor(self.device, limits.load_window, pol.k_min if pol else 0,
-                                                      pol.k_max if pol else 0, limits.max_batch)
-        self.scheduler = Scheduler(self.loop, policy=self.policy, costs=lambda: self.costs, device=self.device,
-                                   max_batch=limits.max_batch, max_waiting=limits.max_waiting,
-                                   max_seq_len=self.max_seq_len, governor=governor)
+            self.gpu_reader, governor = make_governor(
+                self.device, limits.load_window, pol.k_min if pol else 0, pol.k_max if pol else 0, limits.max_batch
+            )
+        self.scheduler = Scheduler(
+            self.loop,
+            policy=self.policy,
+            costs=lambda: self.costs,
+            device=self.device,
+            max_batch=limits.max_batch,
+            max_waiting=limits.max_waiting,
+            max_seq_len=self.max_seq_len,
+            governor=governor,
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, *,
-                        speculation: SpeculationConfig = SpeculationConfig(),
-                        precision: PrecisionConfig | None = None, limits: Limits = Limits(),
-                        kernels: KernelOptions = KernelOptions(), device: str | torch.device | None = None,
-                        dtype: str | torch.dtype | None = None) -> "Engine":
+    def from_pretrained(
+        cls,
+        target: str | Path,
+        draft: str | Path | None = None,
+        *,
+        speculation: SpeculationConfig = SpeculationConfig(),
+        precision: PrecisionConfig | None = None,
+        limits: Limits = Limits(),
+        kernels: KernelOptions = KernelOptions(),
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> Engine:
         """Load a target checkpoint (and a draft checkpoint) and build the engine.
 
         ``speculation``: the drafter and the K policy (without a draft checkpoint and a drafter, plain
@@ -81,8 +106,11 @@ class Engine:
         Each option object documents its fields (engine/api/options.py); contradictions raise
         InvalidConfigError naming both sides.
         """
-        for name, v, typ in (("speculation", speculation, SpeculationConfig), ("limits", limits, Limits),
-                             ("kernels", kernels, KernelOptions)):
+        for name, v, typ in (
+            ("speculation", speculation, SpeculationConfig),
+            ("limits", limits, Limits),
+            ("kernels", kernels, KernelOptions),
+        ):
             if not isinstance(v, typ):
                 raise InvalidConfigError(f"{name}={v!r:.60} is invalid: allowed a {typ.__name__}")
         if precision is not None and not isinstance(precision, PrecisionConfig):
@@ -92,8 +120,14 @@ class Engine:
         return cls(parts, limits, costs=speculation.costs)
 
     @classmethod
-    def from_profile(cls, path: str | Path, device: str | torch.device | None = None, *,
-                     limits: Limits | None = None, full_check: bool = False) -> "Engine":
+    def from_profile(
+        cls,
+        path: str | Path,
+        device: str | torch.device | None = None,
+        *,
+        limits: Limits | None = None,
+        full_check: bool = False,
+    ) -> Engine:
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
 
         ``limits``: batch and queue limits (the profile's load window is kept). Refuses with a
@@ -119,8 +153,13 @@ class Engine:
             assert self.policy is not None
             layers = self.drafter.n_layers if isinstance(self.drafter, EarlyExitDrafter) else None
             step_fn = getattr(self.drafter, "step_fn", None)  # a head's step (spec/head_drafters.py)
-            self._costs = measure_costs(self.target, self.draft_model, k_max=self.policy.k_max, draft_layers=layers,
-                                        draft_fn=step_fn() if step_fn is not None else None)
+            self._costs = measure_costs(
+                self.target,
+                self.draft_model,
+                k_max=self.policy.k_max,
+                draft_layers=layers,
+                draft_fn=step_fn() if step_fn is not None else None,
+            )
             log.info("measured costs: c=%.3f v=%s", self._costs.c, self._costs.v)
         return self._costs
 
@@ -145,7 +184,8 @@ class Engine:
                         raise InvalidRequestError(f"prompts[{i}][{j}]={t!r} is invalid: allowed an int token id")
                     if not 0 <= t < V:
                         raise InvalidRequestError(
-                            f"prompts[{i}][{j}]={t} is out of range: allowed token ids 0..{V - 1} (vocab {V})")
+                            f"prompts[{i}][{j}]={t} is out of range: allowed token ids 0..{V - 1} (vocab {V})"
+                        )
             else:
                 raise InvalidRequestError(f"prompts[{i}]={p!r:.80} is invalid: allowed a str or a list of token ids")
             if not ids:
@@ -161,7 +201,8 @@ class Engine:
         if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
             if len(params) != n:
                 raise InvalidRequestError(
-                    f"params has {len(params)} entries for {n} prompts: allowed one SamplingParams or one per prompt")
+                    f"params has {len(params)} entries for {n} prompts: allowed one SamplingParams or one per prompt"
+                )
             return list(params)
         raise InvalidRequestError(f"params={params!r:.80} is invalid: allowed a SamplingParams or a list of them")
 
@@ -175,12 +216,14 @@ class Engine:
             if n > ctx:  # drafts never pass prompt + max_new_tokens - 1: K is capped by what remains
                 raise InvalidRequestError(
                     f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = "
-                    f"{n}, beyond the model's context of {ctx} tokens")
+                    f"{n}, beyond the model's context of {ctx} tokens"
+                )
             if n > lim:
                 k = self.scheduler.k_max
                 raise InvalidRequestError(
                     f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = {n}, beyond the "
-                    f"engine's max_seq_len={lim} (the KV cache holds max_seq_len + k_max {k} + 2 positions per row)")
+                    f"engine's max_seq_len={lim} (the KV cache holds max_seq_len + k_max {k} + 2 positions per row)"
+                )
         return ids, plist
 
     # ------------------------------------------------------------------ public API
@@ -192,8 +235,7 @@ class Engine:
         ids, plist = self._validate([prompt] if not _is_id_list(prompt) else [list(prompt)], params)
         return self.scheduler.submit(ids, plist)[0]
 
-    def submit_many(self, prompts: Sequence[str | Sequence[int]],
-                    params: Sequence[SamplingParams]) -> list[Request]:
+    def submit_many(self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams]) -> list[Request]:
         """Queue several prompts together (all or none: OverloadedError when they do not all fit)."""
         ids, plist = self._validate([p if isinstance(p, str) else list(p) for p in prompts], list(params))
         return self.scheduler.submit(ids, plist)
@@ -210,7 +252,8 @@ class Engine:
         if self.chat_template is None:
             raise ChatTemplateMissingError(
                 f"the model {self.info.get('target_dir')} has no chat template (no chat_template in "
-                "tokenizer_config.json, no chat_template.jinja): chat is unavailable, plain completions work")
+                "tokenizer_config.json, no chat_template.jinja): chat is unavailable, plain completions work"
+            )
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
@@ -221,8 +264,9 @@ class Engine:
         """Answer a conversation ([{"role", "content"}, ...]) with the checkpoint's chat template."""
         return self.generate([self.chat_prompt(messages)], params)[0]
 
-    def generate(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[Completion]:
+    def generate(
+        self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Completion]:
         """Complete every prompt; params: one SamplingParams for all, or one per prompt.
 
         finish_reason is "stop", "length", or "error" (NaN/inf logits in that sequence);
@@ -249,8 +293,13 @@ class Engine:
     def metrics_text(self) -> str:
         """Counters and gauges in the Prometheus text exposition format."""
         cache = self.loop.cache
-        return metrics_text(self.scheduler.snapshot(), kv_cache_bytes=cache.nbytes if cache is not None else 0,
-                            device=self.device, governor=self.scheduler.governor, graphs=graph_stats(self.cuda_graphs))
+        return metrics_text(
+            self.scheduler.snapshot(),
+            kv_cache_bytes=cache.nbytes if cache is not None else 0,
+            device=self.device,
+            governor=self.scheduler.governor,
+            graphs=graph_stats(self.cuda_graphs),
+        )
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
@@ -258,8 +307,11 @@ class Engine:
         if isinstance(token_ids, torch.Tensor):
             ids = token_ids
         else:
-            rows = self._prompt_ids([list(r) for r in token_ids]) if isinstance(token_ids, (list, tuple)) else \
-                self._prompt_ids(token_ids)
+            rows = (
+                self._prompt_ids([list(r) for r in token_ids])
+                if isinstance(token_ids, (list, tuple))
+                else self._prompt_ids(token_ids)
+            )
             if len({len(r) for r in rows}) != 1:
                 raise InvalidRequestError("token_ids rows have different lengths: allowed equal-length rows")
             ids = torch.tensor(rows, dtype=torch.long)
@@ -267,7 +319,8 @@ class Engine:
             raise InvalidRequestError(f"token_ids has shape {tuple(ids.shape)}: allowed [B, T]")
         if ids.shape[1] > self.config.max_position_embeddings:
             raise InvalidRequestError(
-                f"token_ids has {ids.shape[1]} tokens, beyond the context of {self.config.max_position_embeddings}")
+                f"token_ids has {ids.shape[1]} tokens, beyond the context of {self.config.max_position_embeddings}"
+            )
         return self.target(ids.to(self.device)).float()
 
     def check_health(self, stall_s: float = 120.0, max_failed_rounds: int = 3) -> None:
@@ -286,9 +339,11 @@ class Engine:
         """Acceptance rate, mean accepted length, tokens/s, target passes per token, memory."""
         snap = self.scheduler.snapshot()
         t = snap["totals"]
-        mem = {"kv_cache_bytes": self.loop.cache.nbytes if self.loop.cache is not None else 0,
-               "target_weight_bytes": _module_bytes(self.target),
-               "cpu_packed_bytes": packed_bytes(self.target)}  # packed copies (cpu_pack), not in the above
+        mem = {
+            "kv_cache_bytes": self.loop.cache.nbytes if self.loop.cache is not None else 0,
+            "target_weight_bytes": _module_bytes(self.target),
+            "cpu_packed_bytes": packed_bytes(self.target),
+        }  # packed copies (cpu_pack), not in the above
         if self.draft_model is not None:
             mem["draft_weight_bytes"] = _module_bytes(self.draft_model)
         if self.device.type == "cuda":
@@ -318,8 +373,11 @@ class Engine:
 def _runtime_stats(engine: Engine) -> dict[str, Any]:
     """CUDA graph counters and capture time, GPU memory/utilization and the load window (None when off)."""
     gov = engine.scheduler.governor
-    return {"cuda_graphs": graph_stats(engine.cuda_graphs), "gpu": gpu_stats(engine.device, engine.gpu_reader),
-            "load_window": None if gov is None else gov.snapshot()}
+    return {
+        "cuda_graphs": graph_stats(engine.cuda_graphs),
+        "gpu": gpu_stats(engine.device, engine.gpu_reader),
+        "load_window": None if gov is None else gov.snapshot(),
+    }
 
 
 def _module_bytes(m: torch.nn.Module) -> int:

@@ -6,10 +6,12 @@ takes these. Each field is checked when the object is made; a contradiction betw
 A profile's ``speculation`` and ``runtime`` sections serialise ``SpeculationConfig``,
 ``KernelOptions`` and ``Limits.load_window`` (``to_profile`` / ``from_profile``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from engine.core.errors import InvalidConfigError
 from engine.kernels.backends import ATTENTION_CHOICES
@@ -58,31 +60,38 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise InvalidConfigError(f"speculation.drafter={self.drafter!r} is invalid: allowed "
-                                     f"{', '.join(DRAFTERS)} or None")
+            raise InvalidConfigError(
+                f"speculation.drafter={self.drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None"
+            )
         _int("speculation.k", self.k, 1)
         if self.k_policy not in POLICIES:
-            raise InvalidConfigError(f"speculation.k_policy={self.k_policy!r} is invalid: allowed "
-                                     f"{', '.join(POLICIES)}")
+            raise InvalidConfigError(
+                f"speculation.k_policy={self.k_policy!r} is invalid: allowed {', '.join(POLICIES)}"
+            )
         _int("speculation.k_min", self.k_min, 1)
         if self.k_min > self.k:
-            raise InvalidConfigError(f"speculation.k_min={self.k_min} is above speculation.k={self.k}: "
-                                     "allowed k_min <= k")
+            raise InvalidConfigError(
+                f"speculation.k_min={self.k_min} is above speculation.k={self.k}: allowed k_min <= k"
+            )
         if self.k_max is not None:
             _int("speculation.k_max", self.k_max, 1)
             if self.k_max < self.k:
-                raise InvalidConfigError(f"speculation.k_max={self.k_max} is below speculation.k={self.k}: "
-                                         "allowed k_max >= k")
+                raise InvalidConfigError(
+                    f"speculation.k_max={self.k_max} is below speculation.k={self.k}: allowed k_max >= k"
+                )
         if self.early_exit_layers is not None:
             if self.drafter != "early-exit":
-                raise InvalidConfigError(f"speculation.early_exit_layers={self.early_exit_layers!r} needs "
-                                         f"speculation.drafter='early-exit' (it is {self.drafter!r})")
+                raise InvalidConfigError(
+                    f"speculation.early_exit_layers={self.early_exit_layers!r} needs "
+                    f"speculation.drafter='early-exit' (it is {self.drafter!r})"
+                )
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
-            raise InvalidConfigError(f"speculation.draft_dtype={self.draft_dtype!r} is invalid: allowed "
-                                     f"{', '.join(STEP_WEIGHTS)} or None")
+            raise InvalidConfigError(
+                f"speculation.draft_dtype={self.draft_dtype!r} is invalid: allowed {', '.join(STEP_WEIGHTS)} or None"
+            )
 
     @property
     def resolved_k_max(self) -> int:
@@ -90,17 +99,28 @@ class SpeculationConfig:
 
     def to_profile(self) -> dict[str, Any]:
         """The profile's ``speculation`` keys this object owns (the build adds its measurements)."""
-        out: dict[str, Any] = {"drafter": self.drafter, "k": self.k, "k_min": self.k_min,
-                               "k_max": self.resolved_k_max, "policy": self.k_policy}
+        out: dict[str, Any] = {
+            "drafter": self.drafter,
+            "k": self.k,
+            "k_min": self.k_min,
+            "k_max": self.resolved_k_max,
+            "policy": self.k_policy,
+        }
         if self.costs is not None:
             out.update(self.costs.to_dict())
         return out
 
     @classmethod
-    def from_profile(cls, spec: dict[str, Any]) -> "SpeculationConfig":
+    def from_profile(cls, spec: dict[str, Any]) -> SpeculationConfig:
         costs = Costs.from_dict(spec) if "c" in spec else None
-        return cls(drafter=spec["drafter"], k=int(spec["k"]), k_min=int(spec["k_min"]), k_max=int(spec["k_max"]),
-                   k_policy=spec["policy"], costs=costs)
+        return cls(
+            drafter=spec["drafter"],
+            k=int(spec["k"]),
+            k_min=int(spec["k_min"]),
+            k_max=int(spec["k_max"]),
+            k_policy=spec["policy"],
+            costs=costs,
+        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +137,9 @@ class PrecisionConfig:
         if not isinstance(self.plan, PrecisionPlan):
             raise InvalidConfigError(f"precision.plan={self.plan!r:.60} is invalid: allowed a PrecisionPlan")
         if self.calibration is not None and not isinstance(self.calibration, (str, list, tuple)):
-            raise InvalidConfigError(f"precision.calibration={self.calibration!r:.60} is invalid: allowed a str, "
-                                     "token-id lists or None")
+            raise InvalidConfigError(
+                f"precision.calibration={self.calibration!r:.60} is invalid: allowed a str, token-id lists or None"
+            )
 
 
 @dataclass(frozen=True)
@@ -159,8 +180,9 @@ class Limits:
         if self.max_seq_len is not None:
             _int("limits.max_seq_len", self.max_seq_len, 2)
         if self.load_window is not None and not isinstance(self.load_window, LoadWindowConfig):
-            raise InvalidConfigError(f"limits.load_window={self.load_window!r:.60} is invalid: allowed a "
-                                     "LoadWindowConfig or None")
+            raise InvalidConfigError(
+                f"limits.load_window={self.load_window!r:.60} is invalid: allowed a LoadWindowConfig or None"
+            )
 
 
 @dataclass(frozen=True)
@@ -185,14 +207,18 @@ class KernelOptions:
 
     def __post_init__(self) -> None:
         if self.attention is not None and self.attention not in ATTENTION_CHOICES:
-            raise InvalidConfigError(f"kernels.attention={self.attention!r} is invalid: allowed "
-                                     f"{', '.join(ATTENTION_CHOICES)} or None")
+            raise InvalidConfigError(
+                f"kernels.attention={self.attention!r} is invalid: allowed {', '.join(ATTENTION_CHOICES)} or None"
+            )
         if self.cpu_pack not in (None, True, False):
-            raise InvalidConfigError(f"kernels.cpu_pack={self.cpu_pack!r} is invalid: allowed None (where it runs), "
-                                     "True, False")
+            raise InvalidConfigError(
+                f"kernels.cpu_pack={self.cpu_pack!r} is invalid: allowed None (where it runs), True, False"
+            )
         if self.draft_step_weights is not None and self.draft_step_weights not in STEP_WEIGHTS:
-            raise InvalidConfigError(f"kernels.draft_step_weights={self.draft_step_weights!r} is invalid: allowed "
-                                     f"{', '.join(STEP_WEIGHTS)} or None (bfloat16 where lossless, else float16)")
+            raise InvalidConfigError(
+                f"kernels.draft_step_weights={self.draft_step_weights!r} is invalid: allowed "
+                f"{', '.join(STEP_WEIGHTS)} or None (bfloat16 where lossless, else float16)"
+            )
         object.__setattr__(self, "batch_buckets", check_buckets(self.batch_buckets, "kernels.batch_buckets"))
         if self.emulate_graphs and not self.cuda_graphs:
             raise InvalidConfigError("kernels.emulate_graphs=True needs kernels.cuda_graphs=True")
@@ -201,7 +227,11 @@ class KernelOptions:
 def runtime_to_profile(kernels: KernelOptions, limits: Limits) -> dict[str, Any]:
     """The profile's ``runtime`` section for these options."""
     lw = limits.load_window
-    return {"cuda_graphs": {"enabled": kernels.cuda_graphs, "batch_buckets": list(kernels.batch_buckets)},
-            "load_window": {"enabled": lw is not None,
-                            "memory_threshold": (lw or LoadWindowConfig()).memory_threshold,
-                            "resume_below": (lw or LoadWindowConfig()).resume_below}}
+    return {
+        "cuda_graphs": {"enabled": kernels.cuda_graphs, "batch_buckets": list(kernels.batch_buckets)},
+        "load_window": {
+            "enabled": lw is not None,
+            "memory_threshold": (lw or LoadWindowConfig()).memory_threshold,
+            "resume_below": (lw or LoadWindowConfig()).resume_below,
+        },
+    }

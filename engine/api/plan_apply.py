@@ -1,7 +1,9 @@
 """Quantizing an engine's models as a PrecisionPlan says (module swap), with SmoothQuant calibration."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -11,12 +13,13 @@ from engine.core.tokenizer import Tokenizer
 from engine.kernels.backends import select_attention
 
 
-def calib_batches(tok: Tokenizer, calib: str | Sequence[Sequence[int]], window: int = 256,
-                  max_windows: int = 16) -> list[torch.Tensor]:
+def calib_batches(
+    tok: Tokenizer, calib: str | Sequence[Sequence[int]], window: int = 256, max_windows: int = 16
+) -> list[torch.Tensor]:
     """Calibration text (or token lists) -> up to max_windows LongTensors [1, <=window]."""
     if isinstance(calib, str):
         ids = tok.encode(calib)
-        rows = [ids[i:i + window] for i in range(0, len(ids), window)]
+        rows = [ids[i : i + window] for i in range(0, len(ids), window)]
     else:
         rows = [list(r) for r in calib]
     rows = [r for r in rows if r][:max_windows]
@@ -25,8 +28,14 @@ def calib_batches(tok: Tokenizer, calib: str | Sequence[Sequence[int]], window: 
     return [torch.tensor([r], dtype=torch.long) for r in rows]
 
 
-def apply_precision_plan(plan: Any, target: Transformer, draft: Transformer | None, tok: Tokenizer,
-                dev: torch.device, calib: str | Sequence[Sequence[int]] | None) -> None:
+def apply_precision_plan(
+    plan: Any,
+    target: Transformer,
+    draft: Transformer | None,
+    tok: Tokenizer,
+    dev: torch.device,
+    calib: str | Sequence[Sequence[int]] | None,
+) -> None:
     """Quantize target and draft by module swap, as the PrecisionPlan says."""
     from quant.apply import apply_plan, collect_activation_stats
     from quant.plan import PrecisionPlan
@@ -34,8 +43,9 @@ def apply_precision_plan(plan: Any, target: Transformer, draft: Transformer | No
     if not isinstance(plan, PrecisionPlan):
         raise InvalidConfigError(f"plan={type(plan).__name__} is invalid: allowed a quant.plan.PrecisionPlan or None")
     if plan.device != dev.type:
-        raise InvalidConfigError(f"plan.device={plan.device!r} but the engine runs on {dev.type!r}: make the plan "
-                                 f"with device={dev.type!r}")
+        raise InvalidConfigError(
+            f"plan.device={plan.device!r} but the engine runs on {dev.type!r}: make the plan with device={dev.type!r}"
+        )
     attn = select_attention(plan.attention_backend, dev)
     for m in (target, draft):
         if m is not None:
@@ -43,8 +53,10 @@ def apply_precision_plan(plan: Any, target: Transformer, draft: Transformer | No
     stats = None
     if any(f.scaling.get("smoothquant_alpha") is not None for f in plan.target.all_plans() if f.quantized):
         if calib is None:
-            raise InvalidConfigError("calib is required: the plan smooths the INT8 FFN (SmoothQuant) and needs "
-                                     "calibration text or token lists (never the eval text)")
+            raise InvalidConfigError(
+                "calib is required: the plan smooths the INT8 FFN (SmoothQuant) and needs "
+                "calibration text or token lists (never the eval text)"
+            )
         stats = collect_activation_stats(target, calib_batches(tok, calib))
     apply_plan(target, plan.target, stats)
     if draft is not None and plan.draft is not None:

@@ -6,6 +6,7 @@ quality gate's figures, the speculation settings, and versions. Loading checks
 all of it and refuses, with a ProfileError naming the file and the field, a
 profile that does not match the machine or the weights on disk.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,21 @@ from engine.core.files import default_cache_dir, sha256_file, verified_sha256
 from quant.plan_io import plan_from_dict
 
 PROFILE_SCHEMA_VERSION = 1
-REQUIRED = ("schema_version", "gpu", "validated_on", "device", "models", "precision", "plan", "memory",
-            "quality", "speculation", "calibration", "versions", "created_at")
+REQUIRED = (
+    "schema_version",
+    "gpu",
+    "validated_on",
+    "device",
+    "models",
+    "precision",
+    "plan",
+    "memory",
+    "quality",
+    "speculation",
+    "calibration",
+    "versions",
+    "created_at",
+)
 DEMO_PREFIX = "demo:"
 
 
@@ -50,12 +64,14 @@ def model_ref(model_dir: Path, demo: tuple[str, Path] | None = None) -> str:
 def resolve_ref(ref: str, where: str = "profile") -> Path:
     """The path of a model (or text) reference written by ``model_ref``."""
     if ref.startswith(DEMO_PREFIX):
-        name, _, rel = ref[len(DEMO_PREFIX):].partition("/")
+        name, _, rel = ref[len(DEMO_PREFIX) :].partition("/")
         root = default_cache_dir() / name
         if not root.is_dir():
             size = name.split("-")[1] if name.count("-") >= 3 else "demo"
-            raise ProfileError(f"{where}: {ref} is not built on this machine ({root} is missing): "
-                               f"run python tools/make_demo_models.py --size {size}")
+            raise ProfileError(
+                f"{where}: {ref} is not built on this machine ({root} is missing): "
+                f"run python tools/make_demo_models.py --size {size}"
+            )
         return root / rel
     return Path(ref)
 
@@ -72,8 +88,9 @@ def load_profile(path: str | Path, check_weights: bool = True, full_check: bool 
     if not isinstance(prof, dict):
         raise ProfileError(f"{p}: a profile is a JSON object")
     if prof.get("schema_version") != PROFILE_SCHEMA_VERSION:
-        raise ProfileError(f"{p}: schema_version={prof.get('schema_version')!r} is not supported: "
-                           f"allowed {PROFILE_SCHEMA_VERSION}")
+        raise ProfileError(
+            f"{p}: schema_version={prof.get('schema_version')!r} is not supported: allowed {PROFILE_SCHEMA_VERSION}"
+        )
     missing = [k for k in REQUIRED if k not in prof]
     if missing:
         raise ProfileError(f"{p}: missing field(s) {', '.join(missing)}")
@@ -94,8 +111,10 @@ def load_profile(path: str | Path, check_weights: bool = True, full_check: bool 
                     raise ProfileError(f"{p}: models.{role}.sha256: weight file {f} is missing")
                 # the verified (size, mtime, inode) record spares re-reading unchanged weights at every start
                 if verified_sha256(f, full=full_check) != want:
-                    raise ProfileError(f"{p}: models.{role}.sha256: {f} no longer matches the profile "
-                                       f"(the weights changed): rebuild the profile")
+                    raise ProfileError(
+                        f"{p}: models.{role}.sha256: {f} no longer matches the profile "
+                        f"(the weights changed): rebuild the profile"
+                    )
     spec = prof["speculation"]
     for key in ("drafter", "k", "k_min", "k_max", "policy"):
         if key not in spec:
@@ -110,13 +129,16 @@ def load_profile(path: str | Path, check_weights: bool = True, full_check: bool 
 def profile_device(prof: dict[str, Any], device: str | torch.device | None) -> torch.device:
     want = torch.device(device) if device is not None else torch.device(prof["device"])
     if want.type == "cuda" and not torch.cuda.is_available():
-        raise ProfileError(f"{prof.get('_path', 'profile')}: device={want.type!r}: the profile was built for "
-                           "CUDA but this machine has no CUDA device; build a profile with --device cpu")
+        raise ProfileError(
+            f"{prof.get('_path', 'profile')}: device={want.type!r}: the profile was built for "
+            "CUDA but this machine has no CUDA device; build a profile with --device cpu"
+        )
     return want
 
 
-def engine_options(prof: dict[str, Any], device: str | torch.device | None = None,
-                   limits: Limits | None = None) -> dict[str, Any]:
+def engine_options(
+    prof: dict[str, Any], device: str | torch.device | None = None, limits: Limits | None = None
+) -> dict[str, Any]:
     """Arguments of Engine.from_pretrained that rebuild exactly the profile's engine: its models, its
     ``speculation`` section as a SpeculationConfig, its plan as a PrecisionConfig and its ``runtime``
     section as KernelOptions and the load window of ``limits`` (missing CUDA graphs fail here, before
@@ -146,9 +168,15 @@ def engine_options(prof: dict[str, Any], device: str | torch.device | None = Non
     except (InvalidConfigError, KeyError, TypeError, ValueError) as e:
         raise ProfileError(f"{where}: speculation: {e}") from None
     kernels, lim = runtime_options(runtime_settings(prof, dev), dev, KernelOptions(), limits or Limits())
-    return dict(target=resolve_ref(prof["models"]["target"]["path"]),
-                draft=resolve_ref(draft["path"]) if draft else None,
-                speculation=spec, precision=PrecisionConfig(plan, calib), limits=lim, kernels=kernels, device=dev)
+    return dict(
+        target=resolve_ref(prof["models"]["target"]["path"]),
+        draft=resolve_ref(draft["path"]) if draft else None,
+        speculation=spec,
+        precision=PrecisionConfig(plan, calib),
+        limits=lim,
+        kernels=kernels,
+        device=dev,
+    )
 
 
 def resolve_eval_text(prof: dict[str, Any]) -> Path:

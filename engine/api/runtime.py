@@ -14,6 +14,7 @@ A CUDA profile that enables graphs on a machine that cannot capture them fails a
 load with KernelUnavailableError; a CPU profile runs eagerly (graphs are a GPU
 runtime matter, never a plan choice). Bad values are ProfileErrors naming the field.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,8 +73,9 @@ def parse_runtime(section: Any, where: str = "runtime") -> RuntimeSettings:
         cg = _obj(sec["cuda_graphs"], f"{where}.cuda_graphs")
         kw["cuda_graphs"] = _bool(cg, "enabled", True, f"{where}.cuda_graphs")
         try:
-            kw["batch_buckets"] = check_buckets(cg.get("batch_buckets", list(DEFAULT_BATCH_BUCKETS)),
-                                                f"{where}.cuda_graphs.batch_buckets")
+            kw["batch_buckets"] = check_buckets(
+                cg.get("batch_buckets", list(DEFAULT_BATCH_BUCKETS)), f"{where}.cuda_graphs.batch_buckets"
+            )
         except InvalidConfigError as e:
             raise ProfileError(str(e)) from None
     if "load_window" in sec:
@@ -88,8 +90,7 @@ def parse_runtime(section: Any, where: str = "runtime") -> RuntimeSettings:
     return RuntimeSettings(**kw)
 
 
-def runtime_settings(prof: dict[str, Any], device: torch.device, facts: HardwareFacts | None = None
-                     ) -> RuntimeSettings:
+def runtime_settings(prof: dict[str, Any], device: torch.device, facts: HardwareFacts | None = None) -> RuntimeSettings:
     """The profile's runtime, checked against the machine (KernelUnavailableError for missing CUDA graphs)."""
     where = f"{prof.get('_path', 'profile')}: runtime"
     rt = parse_runtime(prof.get("runtime"), where)
@@ -101,19 +102,22 @@ def runtime_settings(prof: dict[str, Any], device: torch.device, facts: Hardware
     return rt
 
 
-def make_governor(device: torch.device, cfg: LoadWindowConfig, k_min: int, k_max: int, max_batch: int
-                  ) -> tuple[Any, LoadGovernor | None]:
+def make_governor(
+    device: torch.device, cfg: LoadWindowConfig, k_min: int, k_max: int, max_batch: int
+) -> tuple[Any, LoadGovernor | None]:
     """(the GPU reader, the load window's governor) for an engine; (None, None) where no reader runs (the CPU)."""
     reader = cfg.reader if cfg.reader is not None else make_reader(device)
     if reader is None:
         return None, None
-    window = LoadWindow(k_max=k_max, batch_max=max_batch, threshold=cfg.memory_threshold,
-                        resume=cfg.resume_below, k_min=k_min)
+    window = LoadWindow(
+        k_max=k_max, batch_max=max_batch, threshold=cfg.memory_threshold, resume=cfg.resume_below, k_min=k_min
+    )
     return reader, LoadGovernor(reader, window)
 
 
-def runtime_options(rt: RuntimeSettings, device: torch.device, kernels: KernelOptions, limits: Limits
-                    ) -> tuple[KernelOptions, Limits]:
+def runtime_options(
+    rt: RuntimeSettings, device: torch.device, kernels: KernelOptions, limits: Limits
+) -> tuple[KernelOptions, Limits]:
     """The profile's runtime section as the engine's options (graphs only on CUDA)."""
     kernels = replace(kernels, cuda_graphs=rt.cuda_graphs and device.type == "cuda", batch_buckets=rt.batch_buckets)
     lw = LoadWindowConfig(rt.memory_threshold, rt.resume_below) if rt.load_window else None

@@ -15,6 +15,7 @@ Same prompts and max_new_tokens for every mode, greedy, batch 1 (the prompts run
 after another). Modes are interleaved within each repeat; one warm-up round, then
 --repeats rounds; figures are medians. Speedups are ratios within this one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -40,8 +42,13 @@ from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
 from engine.spec.adaptive import Costs, best_k, expected_speedup
 
-SPEC_MODES = {"specmix-model": "model", "specmix-ngram": "ngram", "specmix-early-exit": "early-exit",
-              "specmix-medusa": "medusa", "specmix-eagle": "eagle"}  # the heads' modes need --medusa / --eagle
+SPEC_MODES = {
+    "specmix-model": "model",
+    "specmix-ngram": "ngram",
+    "specmix-early-exit": "early-exit",
+    "specmix-medusa": "medusa",
+    "specmix-eagle": "eagle",
+}  # the heads' modes need --medusa / --eagle
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
 DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
 DTYPES = ("float32", "bfloat16")
@@ -51,29 +58,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path)
     p.add_argument("--draft", type=Path)
-    p.add_argument("--medusa", type=Path, help="trained Medusa heads (specmix-train-draft --kind medusa): adds "
-                   "the specmix-medusa mode")
-    p.add_argument("--eagle", type=Path, help="a trained EAGLE-style head (specmix-train-draft --kind eagle): adds "
-                   "the specmix-eagle mode")
+    p.add_argument(
+        "--medusa",
+        type=Path,
+        help="trained Medusa heads (specmix-train-draft --kind medusa): adds the specmix-medusa mode",
+    )
+    p.add_argument(
+        "--eagle",
+        type=Path,
+        help="a trained EAGLE-style head (specmix-train-draft --kind eagle): adds the specmix-eagle mode",
+    )
     p.add_argument("--demo-size", default="demo")
     p.add_argument("--prompts", type=Path, help="one prompt per line (default: 4 from the demo held-out text)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="the target's dtype for every mode, transformers' too (default float32; the draft stays "
-                        "float32 on the CPU). bfloat16 is not token-identical to float32: the table then "
-                        "reports each mode's greedy match rate against the float32 target")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="the target's dtype for every mode, transformers' too (default float32; the draft stays "
+        "float32 on the CPU). bfloat16 is not token-identical to float32: the table then "
+        "reports each mode's greedy match rate against the float32 target",
+    )
     p.add_argument("--modes", default=None, help="comma-separated subset of modes")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
-    p.add_argument("--attention", default=None, help="the target's attention backend (default: the engine's "
-                   "choice: math with --dtype bfloat16, which keeps speculation exact; sdpa is faster, not exact)")
+    p.add_argument(
+        "--attention",
+        default=None,
+        help="the target's attention backend (default: the engine's "
+        "choice: math with --dtype bfloat16, which keeps speculation exact; sdpa is faster, not exact)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
-    p.add_argument("--sweep-k", default=None,
-                   help=f"comma-separated fixed K values for the draft-model drafter, adaptive K off "
-                        f"(default {DEFAULT_SWEEP} with --plot, none without; '' for none)")
+    p.add_argument(
+        "--sweep-k",
+        default=None,
+        help=f"comma-separated fixed K values for the draft-model drafter, adaptive K off "
+        f"(default {DEFAULT_SWEEP} with --plot, none without; '' for none)",
+    )
     return p.parse_args(argv)
 
 
@@ -84,8 +108,9 @@ def parse_sweep(a: argparse.Namespace) -> list[int]:
     except ValueError:
         ks = [0]
     if any(k < 1 for k in ks):
-        raise InvalidConfigError(f"--sweep-k={spec!r} is invalid: allowed comma-separated ints >= 1, "
-                                 f"e.g. {DEFAULT_SWEEP}")
+        raise InvalidConfigError(
+            f"--sweep-k={spec!r} is invalid: allowed comma-separated ints >= 1, e.g. {DEFAULT_SWEEP}"
+        )
     return ks
 
 
@@ -106,8 +131,13 @@ def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
     return [paras[i * step][:160] for i in range(4)]
 
 
-def spec_runner(eng: Engine, prompts: list[str], n: int, sink: list[dict[str, Any]] | None = None,
-                outputs: list[list[int]] | None = None) -> Callable[[], tuple[int, float]]:
+def spec_runner(
+    eng: Engine,
+    prompts: list[str],
+    n: int,
+    sink: list[dict[str, Any]] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> Callable[[], tuple[int, float]]:
     """Generate every prompt once; each Completion's stats go to ``sink`` and the token ids of the latest
     run to ``outputs`` (when given)."""
     sp = SamplingParams(max_new_tokens=n)
@@ -124,6 +154,7 @@ def spec_runner(eng: Engine, prompts: list[str], n: int, sink: list[dict[str, An
         if outputs is not None:
             outputs[:] = ids
         return toks, secs
+
     return run
 
 
@@ -140,8 +171,9 @@ def match_rate(outs: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
     return {"identical": sum(o == r for o, r in zip(outs, ref)) / len(ref), "prefix": statistics.fmean(prefix)}
 
 
-def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int,
-              dtype: torch.dtype = torch.float32):
+def hf_runner(
+    target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int, dtype: torch.dtype = torch.float32
+):
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
@@ -166,6 +198,7 @@ def hf_runner(target: Path, draft: Path, prompts: list[str], n: int, mode: str, 
                 out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
                 toks += out.shape[1] - x.shape[1]
         return toks, time.perf_counter() - t0
+
     return run, counts
 
 
@@ -198,16 +231,23 @@ def bench(a: argparse.Namespace) -> int:
     for mode, drafter in SPEC_MODES.items():
         if drafter in heads and heads[drafter] is None:
             continue
-        engines[mode] = Engine.from_pretrained(target, draft if drafter == "model" else heads.get(drafter),
-                                               speculation=SpeculationConfig(drafter=drafter, k=a.k), **opts)
+        engines[mode] = Engine.from_pretrained(
+            target,
+            draft if drafter == "model" else heads.get(drafter),
+            speculation=SpeculationConfig(drafter=drafter, k=a.k),
+            **opts,
+        )
     costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
     for mode, k in sweep_modes.items():
-        engines[mode] = Engine.from_pretrained(target, draft, speculation=SpeculationConfig(k=k, k_policy="constant", costs=costs), **opts)
+        engines[mode] = Engine.from_pretrained(
+            target, draft, speculation=SpeculationConfig(k=k, k_policy="constant", costs=costs), **opts
+        )
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
-    runners: dict[str, Callable[[], tuple[int, float]]] = {m: spec_runner(e, prompts, n, sinks.get(m), outputs[m])
-                                                          for m, e in engines.items()}
+    runners: dict[str, Callable[[], tuple[int, float]]] = {
+        m: spec_runner(e, prompts, n, sinks.get(m), outputs[m]) for m, e in engines.items()
+    }
     hf_counts = {}
     have_hf = not a.no_hf
     if have_hf:
@@ -242,9 +282,16 @@ def bench(a: argparse.Namespace) -> int:
     modes = []
     for m in runners:
         tps = statistics.median(rates[m])
-        row: dict[str, Any] = {"name": m, "tokens_per_s": tps, "speedup_vs_plain": tps / plain,
-                               "acceptance_rate": None, "mean_accepted_length": None, "predicted_speedup": None,
-                               "repeats": rates[m], "fixed_k": sweep_modes.get(m)}
+        row: dict[str, Any] = {
+            "name": m,
+            "tokens_per_s": tps,
+            "speedup_vs_plain": tps / plain,
+            "acceptance_rate": None,
+            "mean_accepted_length": None,
+            "predicted_speedup": None,
+            "repeats": rates[m],
+            "fixed_k": sweep_modes.get(m),
+        }
         if m in outputs:  # spec vs the target alone in this dtype (1.0 in float32), and vs the float32 target
             row["match_vs_plain"] = match_rate(outputs[m], outputs["plain"])
             row["match_vs_float32"] = match_rate(outputs[m], reference)
@@ -269,17 +316,30 @@ def bench(a: argparse.Namespace) -> int:
         modes.append(row)
     sweep_result = sweep_summary(modes, sweep_modes, sinks, costs)
     print_table(modes)
-    result = {"modes": modes, "pair": {"target": str(target), "draft": str(draft)},
-              "settings": {"max_new_tokens": n, "repeats": a.repeats, "k": a.k,
-                           "prompts": prompts, "threads": torch.get_num_threads(),
-                           "greedy": True, "dtype": dt, "draft_dtype": engines["specmix-model"].info["draft_dtype"],
-                           "attention": engines["plain"].info["attention"],
-                           "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
-                           "cpu_decode_step": engines["specmix-model"].info.get("cpu_decode_step"),
-                           **{k: engines["specmix-model"].info.get(k) for k in (
-                               "target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")},
-                           "batch": 1, "sweep_k": sweep},
-              "sweep": sweep_result}
+    result = {
+        "modes": modes,
+        "pair": {"target": str(target), "draft": str(draft)},
+        "settings": {
+            "max_new_tokens": n,
+            "repeats": a.repeats,
+            "k": a.k,
+            "prompts": prompts,
+            "threads": torch.get_num_threads(),
+            "greedy": True,
+            "dtype": dt,
+            "draft_dtype": engines["specmix-model"].info["draft_dtype"],
+            "attention": engines["plain"].info["attention"],
+            "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
+            "cpu_decode_step": engines["specmix-model"].info.get("cpu_decode_step"),
+            **{
+                k: engines["specmix-model"].info.get(k)
+                for k in ("target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")
+            },
+            "batch": 1,
+            "sweep_k": sweep,
+        },
+        "sweep": sweep_result,
+    }
     from engine.core.files import write_bytes_atomic, write_json_atomic
 
     if a.json:
@@ -290,8 +350,12 @@ def bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def sweep_summary(modes: list[dict[str, Any]], sweep_modes: dict[str, int], sinks: dict[str, list[dict[str, Any]]],
-                  costs: Costs | None) -> dict[str, Any] | None:
+def sweep_summary(
+    modes: list[dict[str, Any]],
+    sweep_modes: dict[str, int],
+    sinks: dict[str, list[dict[str, Any]]],
+    costs: Costs | None,
+) -> dict[str, Any] | None:
     """The fixed-K runs with the cost model's prediction: one acceptance a for all K (the cost model
     takes a as a property of the pair), estimated as the first draft position's acceptance over the
     sweep's requests (unbiased under the model's i.i.d. acceptance; accepted/drafted is not for K > 1)."""
@@ -304,21 +368,49 @@ def sweep_summary(modes: list[dict[str, Any]], sweep_modes: dict[str, int], sink
     for name, row in rows.items():
         k = sweep_modes[name]
         row["predicted_speedup"] = None if acc is None else expected_speedup(acc, k, costs)
-        runs.append({"k": k, "mode": name, **{f: row[f] for f in ("tokens_per_s", "speedup_vs_plain", "acceptance_rate",
-                                                                  "mean_accepted_length", "predicted_speedup")}})
-    return {"drafter": "model", "adaptive_k": False, "acceptance": acc,
-            "acceptance_estimate": "first draft position, mean over the sweep's requests",
-            "costs": costs.to_dict(), "runs": sorted(runs, key=lambda r: r["k"])}
+        runs.append(
+            {
+                "k": k,
+                "mode": name,
+                **{
+                    f: row[f]
+                    for f in (
+                        "tokens_per_s",
+                        "speedup_vs_plain",
+                        "acceptance_rate",
+                        "mean_accepted_length",
+                        "predicted_speedup",
+                    )
+                },
+            }
+        )
+    return {
+        "drafter": "model",
+        "adaptive_k": False,
+        "acceptance": acc,
+        "acceptance_estimate": "first draft position, mean over the sweep's requests",
+        "costs": costs.to_dict(),
+        "runs": sorted(runs, key=lambda r: r["k"]),
+    }
 
 
 def print_table(modes: list[dict[str, Any]]) -> None:
-    fmt = (lambda x, f: "-" if x is None else format(x, f))
+    fmt = lambda x, f: "-" if x is None else format(x, f)
     rows = [("mode", "tok/s", "x plain", "accept", "mean len", "predicted", "same as plain", "same as fp32")]
     for m in modes:
         same = [None if m.get(f) is None else m[f]["identical"] for f in ("match_vs_plain", "match_vs_float32")]
-        rows.append((m["name"], fmt(m["tokens_per_s"], ".1f"), fmt(m["speedup_vs_plain"], ".2f"),
-                     fmt(m["acceptance_rate"], ".3f"), fmt(m["mean_accepted_length"], ".2f"),
-                     fmt(m["predicted_speedup"], ".2f"), fmt(same[0], ".0%"), fmt(same[1], ".0%")))
+        rows.append(
+            (
+                m["name"],
+                fmt(m["tokens_per_s"], ".1f"),
+                fmt(m["speedup_vs_plain"], ".2f"),
+                fmt(m["acceptance_rate"], ".3f"),
+                fmt(m["mean_accepted_length"], ".2f"),
+                fmt(m["predicted_speedup"], ".2f"),
+                fmt(same[0], ".0%"),
+                fmt(same[1], ".0%"),
+            )
+        )
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(x) for c, x in zip(r, w)))

@@ -15,6 +15,7 @@ with a Markdown build report (.md) and its plot (.png; skipped without matplotli
 Exit status: 0 written; 1 no plan passed the gate (nothing written, an existing profile and
 its report untouched); 2 bad input (one line on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,30 +57,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", required=True, help="catalog name (quant/gpus.json, e.g. a100, h100, l4) or 'auto'")
     p.add_argument("--target", type=Path, help="target checkpoint directory (default: the demo pair)")
-    p.add_argument("--draft", type=Path, help="draft checkpoint directory, or a trained head directory "
-                   "(specmix-train-draft --kind medusa|eagle) (default: the demo pair)")
+    p.add_argument(
+        "--draft",
+        type=Path,
+        help="draft checkpoint directory, or a trained head directory "
+        "(specmix-train-draft --kind medusa|eagle) (default: the demo pair)",
+    )
     p.add_argument("--demo-size", default="demo", help="demo pair size when no models are given (demo|tiny)")
     p.add_argument("--eval-text", type=Path, help="evaluation text (default: the demo pair's held-out text)")
-    p.add_argument("--calib-text", type=Path, help="calibration text, never the eval text "
-                   "(default: the demo pair's calibration slice)")
+    p.add_argument(
+        "--calib-text",
+        type=Path,
+        help="calibration text, never the eval text (default: the demo pair's calibration slice)",
+    )
     p.add_argument("--max-drift", type=float, default=0.3, help="bound on |dPPL| (default 0.3)")
     p.add_argument("--max-kld", type=float, default=0.01, help="bound on mean KLD (default 0.01)")
-    p.add_argument("--max-eval-tokens", type=int, default=None,
-                   help=f"cap on eval tokens (default: all; {TARGET_ONLY_EVAL_TOKENS} for a --target without "
-                        "--eval-text, which evaluates on WikiText-2 test)")
+    p.add_argument(
+        "--max-eval-tokens",
+        type=int,
+        default=None,
+        help=f"cap on eval tokens (default: all; {TARGET_ONLY_EVAL_TOKENS} for a --target without "
+        "--eval-text, which evaluates on WikiText-2 test)",
+    )
     p.add_argument("--no-fallback", action="store_true", help="fail instead of stepping the plan back")
     p.add_argument("--no-search", action="store_true", help="keep the precision section's plan (no per-layer search)")
-    p.add_argument("--int8-kernel", choices=("w8a8", "llm-int8", "w8a16"), default="w8a8",
-                   help="with --no-search: the FFN's INT8 kernel of the first plan tried (default w8a8)")
-    p.add_argument("--group-size", type=int, default=None,
-                   help="with --no-search --int8-kernel w8a16: input channels per weight scale (default: per channel)")
-    p.add_argument("--plan-kld-budget", type=float, default=1e-3,
-                   help="the search's bound on mean KLD on the calibration text (default 0.001)")
-    p.add_argument("--plan-min-top1", type=float, default=0.0,
-                   help="the search's bound on top-1 agreement on the calibration text (default 0: none)")
+    p.add_argument(
+        "--int8-kernel",
+        choices=("w8a8", "llm-int8", "w8a16"),
+        default="w8a8",
+        help="with --no-search: the FFN's INT8 kernel of the first plan tried (default w8a8)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="with --no-search --int8-kernel w8a16: input channels per weight scale (default: per channel)",
+    )
+    p.add_argument(
+        "--plan-kld-budget",
+        type=float,
+        default=1e-3,
+        help="the search's bound on mean KLD on the calibration text (default 0.001)",
+    )
+    p.add_argument(
+        "--plan-min-top1",
+        type=float,
+        default=0.0,
+        help="the search's bound on top-1 agreement on the calibration text (default 0: none)",
+    )
     p.add_argument("--out", type=Path, help="output file (default profiles/<gpu>-<model>.json)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="device to build and validate on (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="device to build and validate on (default: cuda when available, else cpu)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -127,9 +159,16 @@ def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
             raise InvalidConfigError(f"--{what} {path}: unreadable ({e.__class__.__name__}: {e})") from None
     if hashlib.sha256(texts["eval-text"].encode()).digest() == hashlib.sha256(texts["calib-text"].encode()).digest():
         raise InvalidConfigError("--calib-text is the eval text: calibration must never use the eval text")
-    return {"target": Path(target), "draft": None if draft is None else Path(draft), "name": name, "demo": demo,
-            "eval_path": Path(eval_path), "calib_path": Path(calib_path),
-            "eval_text": texts["eval-text"], "calib_text": texts["calib-text"]}
+    return {
+        "target": Path(target),
+        "draft": None if draft is None else Path(draft),
+        "name": name,
+        "demo": demo,
+        "eval_path": Path(eval_path),
+        "calib_path": Path(calib_path),
+        "eval_text": texts["eval-text"],
+        "calib_text": texts["calib-text"],
+    }
 
 
 def default_calib_text() -> Path:
@@ -146,17 +185,25 @@ def default_calib_text() -> Path:
 
 
 def ladder(a: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    fp16_ffn = {"draft_model": DEFAULT_PRECISION["draft_model"],
-                "main_model": {"attention": "fp16", "ffn": "fp16"}, "verifier": "fp16"}
+    fp16_ffn = {
+        "draft_model": DEFAULT_PRECISION["draft_model"],
+        "main_model": {"attention": "fp16", "ffn": "fp16"},
+        "verifier": "fp16",
+    }
     if a.no_search:
-        first = {"w8a8": "int8 w8a8 + SmoothQuant", "llm-int8": "int8 llm-int8",
-                 "w8a16": "int8 w8a16 " + (f"per group of {a.group_size}" if a.group_size else "per channel")}
+        first = {
+            "w8a8": "int8 w8a8 + SmoothQuant",
+            "llm-int8": "int8 llm-int8",
+            "w8a16": "int8 w8a16 " + (f"per group of {a.group_size}" if a.group_size else "per channel"),
+        }
         steps = [(first[a.int8_kernel], {"int8_kernel": a.int8_kernel, "group_size": a.group_size})]
         if a.int8_kernel == "w8a8":
             steps.append(("int8 llm-int8", {"int8_kernel": "llm-int8"}))
     else:
-        steps = [("planner: per-layer search", {"search": True}),
-                 ("int8 w8a16 per group of 64", {"int8_kernel": "w8a16", "group_size": 64})]
+        steps = [
+            ("planner: per-layer search", {"search": True}),
+            ("int8 w8a16 per group of 64", {"int8_kernel": "w8a16", "group_size": 64}),
+        ]
     steps.append(("fp16 FFN", {"precision": fp16_ffn}))
     return steps[:1] if a.no_fallback else steps
 
@@ -179,17 +226,38 @@ def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], de
         if search and plan.target.families["ffn"].quantized:
             from engine.build.planner import search_plan
 
-            plan, record = search_plan(inp["target"], plan, inp["calib_text"], gpu, device=device,
-                                       kld_budget=a.plan_kld_budget, min_top1=a.plan_min_top1, draft_dir=inp["draft"])
+            plan, record = search_plan(
+                inp["target"],
+                plan,
+                inp["calib_text"],
+                gpu,
+                device=device,
+                kld_budget=a.plan_kld_budget,
+                min_top1=a.plan_min_top1,
+                draft_dir=inp["draft"],
+            )
         ffn = plan.target.families["ffn"]
         precision = PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"])
         planned = Engine.from_pretrained(inp["target"], device=device, precision=precision)
         rep = compare_models(ref.logits, planned.logits, ids, context, progress=not a.quiet)
         ok = rep.passes(a.max_drift, a.max_kld)
-        attempts.append({"plan": label, "ffn": {"storage": ffn.storage, "kernel": ffn.kernel},
-                         **rep.to_dict(), "passed": ok, **({"search": record} if record else {})})
-        log.info("gate %s: dPPL %+.4f, KLD %.5f, top-1 %.4f -> %s", label, rep.drift, rep.kld_mean, rep.top1,
-                 "pass" if ok else "fail")
+        attempts.append(
+            {
+                "plan": label,
+                "ffn": {"storage": ffn.storage, "kernel": ffn.kernel},
+                **rep.to_dict(),
+                "passed": ok,
+                **({"search": record} if record else {}),
+            }
+        )
+        log.info(
+            "gate %s: dPPL %+.4f, KLD %.5f, top-1 %.4f -> %s",
+            label,
+            rep.drift,
+            rep.kld_mean,
+            rep.top1,
+            "pass" if ok else "fail",
+        )
         if ok:
             return (plan, rep, context, len(ids)), attempts
     return None, attempts
@@ -205,8 +273,11 @@ def build(a: argparse.Namespace) -> int:
     passed, attempts = run_gate(a, inp, gpu, device)
     if passed is None:
         print(summary_table(attempts), file=sys.stderr)
-        print(f"build_profile: no plan passed the gate (|dPPL| <= {a.max_drift}, KLD <= {a.max_kld}); "
-              f"nothing written to {out}", file=sys.stderr)
+        print(
+            f"build_profile: no plan passed the gate (|dPPL| <= {a.max_drift}, KLD <= {a.max_kld}); "
+            f"nothing written to {out}",
+            file=sys.stderr,
+        )
         return 1
     plan, rep, context, n_tokens = passed
     if inp["draft"] is None:
@@ -225,9 +296,11 @@ def build(a: argparse.Namespace) -> int:
             path.unlink()
     print(summary_table(attempts))
     fp16 = f" (fp16 draft {spec['acceptance_fp16_draft']:.3f})" if "acceptance_fp16_draft" in spec else ""
-    print(f"speculation: {spec['drafter']} K={spec['k']} in [{spec['k_min']}, {spec['k_max']}], acceptance "
-          f"{spec['acceptance']:.3f}{fp16}, c={spec['c']:.3f}, "
-          f"predicted speedup {spec['predicted_speedup']:.2f}x")
+    print(
+        f"speculation: {spec['drafter']} K={spec['k']} in [{spec['k_min']}, {spec['k_max']}], acceptance "
+        f"{spec['acceptance']:.3f}{fp16}, c={spec['c']:.3f}, "
+        f"predicted speedup {spec['predicted_speedup']:.2f}x"
+    )
     print(f"wrote {out}")
     print("wrote " + ", ".join(str(p) for p, d in report.items() if d is not None))
     return 0
@@ -242,36 +315,54 @@ def _model_config(model_dir: Path) -> dict[str, Any]:
 
 def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a) -> dict[str, Any]:
     m = plan.memory
-    ref = (lambda p: model_ref(p, inp["demo"]))
-    validated = torch.cuda.get_device_name() if device == "cuda" else f"cpu: {platform.processor() or platform.machine()}"
+    ref = lambda p: model_ref(p, inp["demo"])
+    validated = (
+        torch.cuda.get_device_name() if device == "cuda" else f"cpu: {platform.processor() or platform.machine()}"
+    )
     return {
         "schema_version": PROFILE_SCHEMA_VERSION,
         "name": Path(a.out).stem if a.out else f"{gpu['name']}-{inp['name']}",
         "gpu": gpu,
         "validated_on": validated,
         "device": device,
-        "models": {role: None if inp[role] is None else
-                   {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]),
-                    "config": _model_config(inp[role])} for role in ("target", "draft")},
+        "models": {
+            role: None
+            if inp[role] is None
+            else {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]), "config": _model_config(inp[role])}
+            for role in ("target", "draft")
+        },
         "precision": plan.precision,
         "plan": plan.to_dict(),
-        "memory": {"target": {"bytes": m.target_weight_bytes, "fp16_bytes": m.target_fp16_bytes},
-                   "draft": {"bytes": m.draft_weight_bytes, "fp16_bytes": m.draft_fp16_bytes}
-                   if inp["draft"] is not None else None,
-                   "kv_cache_bytes": m.kv_cache_bytes, "budget_bytes": m.budget_bytes,
-                   "max_batch": m.max_batch, "max_seq_len": m.max_seq_len},
-        "quality": {**{k: v for k, v in rep.to_dict().items()}, "context": context, "max_tokens": a.max_eval_tokens,
-                    "eval_text": ref(inp["eval_path"]),
-                    "eval_text_sha256": hashlib.sha256(inp["eval_text"].encode()).hexdigest(),
-                    "gates": {"max_drift": a.max_drift, "max_kld": a.max_kld}, "attempts": attempts},
-        "calibration": {"text": ref(inp["calib_path"]),
-                        "sha256": hashlib.sha256(inp["calib_text"].encode()).hexdigest()},
+        "memory": {
+            "target": {"bytes": m.target_weight_bytes, "fp16_bytes": m.target_fp16_bytes},
+            "draft": {"bytes": m.draft_weight_bytes, "fp16_bytes": m.draft_fp16_bytes}
+            if inp["draft"] is not None
+            else None,
+            "kv_cache_bytes": m.kv_cache_bytes,
+            "budget_bytes": m.budget_bytes,
+            "max_batch": m.max_batch,
+            "max_seq_len": m.max_seq_len,
+        },
+        "quality": {
+            **{k: v for k, v in rep.to_dict().items()},
+            "context": context,
+            "max_tokens": a.max_eval_tokens,
+            "eval_text": ref(inp["eval_path"]),
+            "eval_text_sha256": hashlib.sha256(inp["eval_text"].encode()).hexdigest(),
+            "gates": {"max_drift": a.max_drift, "max_kld": a.max_kld},
+            "attempts": attempts,
+        },
+        "calibration": {
+            "text": ref(inp["calib_path"]),
+            "sha256": hashlib.sha256(inp["calib_text"].encode()).hexdigest(),
+        },
         "speculation": spec,
         # how the engine runs the plan: CUDA graphs where the profile's device is a GPU (never on the
         # CPU), and the load-aware window (lower K and the batch above this GPU memory use)
-        "runtime": {"cuda_graphs": {"enabled": device == "cuda", "batch_buckets": list(DEFAULT_BATCH_BUCKETS)},
-                    "load_window": {"enabled": True, "memory_threshold": DEFAULT_THRESHOLD,
-                                    "resume_below": DEFAULT_RESUME}},
+        "runtime": {
+            "cuda_graphs": {"enabled": device == "cuda", "batch_buckets": list(DEFAULT_BATCH_BUCKETS)},
+            "load_window": {"enabled": True, "memory_threshold": DEFAULT_THRESHOLD, "resume_below": DEFAULT_RESUME},
+        },
         "versions": {"torch": torch.__version__, "specmix": engine.__version__},
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -281,9 +372,18 @@ def summary_table(attempts: list[dict[str, Any]]) -> str:
     rows = [("plan", "PPL ref", "PPL", "dPPL (95% CI)", "KLD mean", "KLD p99", "top-1", "gate")]
     for t in attempts:
         lo, hi = t["drift_ci95"]
-        rows.append((t["plan"], f"{t['ppl_ref']:.4f}", f"{t['ppl']:.4f}", f"{t['drift']:+.4f} ({lo:+.4f}, {hi:+.4f})",
-                     f"{t['kld_mean']:.5f}", f"{t['kld_p99']:.5f}", f"{t['top1']:.4f}",
-                     "pass" if t["passed"] else "FAIL"))
+        rows.append(
+            (
+                t["plan"],
+                f"{t['ppl_ref']:.4f}",
+                f"{t['ppl']:.4f}",
+                f"{t['drift']:+.4f} ({lo:+.4f}, {hi:+.4f})",
+                f"{t['kld_mean']:.5f}",
+                f"{t['kld_p99']:.5f}",
+                f"{t['top1']:.4f}",
+                "pass" if t["passed"] else "FAIL",
+            )
+        )
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)) for r in rows)
 

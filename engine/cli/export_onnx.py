@@ -26,6 +26,7 @@ identical quantized activations.
 Exit status: 0 written; 1 the parity check failed (the files are still written); 2 bad
 input (one line on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,7 @@ def _int_at_least(lo: int, name: str) -> Any:
         if v < lo:
             raise argparse.ArgumentTypeError(f"{name}={text!r} is invalid: allowed an int >= {lo}")
         return v
+
     return conv
 
 
@@ -68,13 +70,20 @@ def _positive_float(text: str) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="export_onnx.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", type=Path, help=f"profile JSON (default: {DEFAULT_PROFILE}, built by "
-                   "python tools/build_profile.py --gpu a100)")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help=f"profile JSON (default: {DEFAULT_PROFILE}, built by python tools/build_profile.py --gpu a100)",
+    )
     p.add_argument("--out", type=Path, help="output directory (default: build/onnx/<profile name>)")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime parity check")
     p.add_argument("--steps", type=_int_at_least(0, "--steps"), default=8, help="decode steps checked (default 8)")
-    p.add_argument("--max-rel", type=_positive_float, default=1e-3,
-                   help="bound on max |ONNX - specmix| / max |specmix logits| (default 1e-3)")
+    p.add_argument(
+        "--max-rel",
+        type=_positive_float,
+        default=1e-3,
+        help="bound on max |ONNX - specmix| / max |specmix logits| (default 1e-3)",
+    )
     p.add_argument("--quiet", action="store_true", help="warnings only")
     return p.parse_args(argv)
 
@@ -127,33 +136,51 @@ def export(a: argparse.Namespace) -> dict[str, Any]:
         mods = module_parity(model, prompt)
         ok = rep.passed(a.max_rel) and mods["max_rel"] <= a.max_rel and mods["quantized_activations_differing"] == 0
         parity[role] = {**rep.to_dict(), "modules": mods, "passed": ok}
-        log.info("%s: %d quantized modules on specmix's inputs: max rel diff %.3g, %d of %d quantized activations "
-                 "differ", role, mods["modules"], mods["max_rel"], mods["quantized_activations_differing"],
-                 mods["quantized_activations"])
-        log.info("%s: |onnx - specmix| max %.3g mean %.3g; quantization error max %.3g mean %.3g; one-ulp floor "
-                 "max %.3g mean %.3g", role, rep.max_abs, rep.mean_abs, rep.ref_max_abs, rep.ref_mean_abs,
-                 rep.floor_max_abs, rep.floor_mean_abs)
+        log.info(
+            "%s: %d quantized modules on specmix's inputs: max rel diff %.3g, %d of %d quantized activations differ",
+            role,
+            mods["modules"],
+            mods["max_rel"],
+            mods["quantized_activations_differing"],
+            mods["quantized_activations"],
+        )
+        log.info(
+            "%s: |onnx - specmix| max %.3g mean %.3g; quantization error max %.3g mean %.3g; one-ulp floor "
+            "max %.3g mean %.3g",
+            role,
+            rep.max_abs,
+            rep.mean_abs,
+            rep.ref_max_abs,
+            rep.ref_mean_abs,
+            rep.floor_max_abs,
+            rep.floor_mean_abs,
+        )
     import onnxruntime
 
     manifest = {
-        "profile": str(a.profile), "opset": OPSET, "ir_version": IR_VERSION,
+        "profile": str(a.profile),
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
         "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         "cache": "the caller keeps it: feed present.{i}.* back as past_key_values.{i}.*; slot = position, "
-                 "rows share past_seq; a rollback slices present to the accepted length (axis 2)",
+        "rows share past_seq; a rollback slices present to the accepted length (axis 2)",
         "precision": eng.profile.get("precision") if eng.profile else None,
         "graphs": graphs,
         "parity": parity or None,
-        "parity_check": None if a.no_check else {
+        "parity_check": None
+        if a.no_check
+        else {
             "what": f"prefill of {len(PROMPTS)} prompts, {a.steps} greedy decode steps and one 4-token verify "
-                    "step: onnxruntime CPU vs specmix as planned (max/mean), specmix as planned vs unquantized "
-                    "(ref_*: the quantization error), specmix as planned vs itself with its embedding and RMSNorm "
-                    "outputs moved one ulp (floor_*: its float32 rounding sensitivity)",
+            "step: onnxruntime CPU vs specmix as planned (max/mean), specmix as planned vs unquantized "
+            "(ref_*: the quantization error), specmix as planned vs itself with its embedding and RMSNorm "
+            "outputs moved one ulp (floor_*: its float32 rounding sensitivity)",
             "modules": "each quantized Linear alone as an ONNX graph fed the inputs it sees in a specmix "
-                       "prefill: worst output diff relative to the output scale, quantized activations that "
-                       "differ from specmix's",
+            "prefill: worst output diff relative to the output scale, quantized activations that "
+            "differ from specmix's",
             "rule": f"(max_rel <= {a.max_rel:g}, or max_abs <= ref_max_abs and mean_abs <= 0.2 ref_mean_abs) "
-                    f"and modules.max_rel <= {a.max_rel:g} and no quantized activation differs",
-            "passed": all(p["passed"] for p in parity.values())},
+            f"and modules.max_rel <= {a.max_rel:g} and no quantized activation differs",
+            "passed": all(p["passed"] for p in parity.values()),
+        },
     }
     write_json_atomic(out / "manifest.json", manifest)
     return manifest
@@ -169,17 +196,25 @@ def _main(argv: list[str] | None) -> int:
     if a.profile is None:
         a.profile = Path(DEFAULT_PROFILE)
         if not a.profile.is_file():
-            raise InvalidConfigError(f"the default profile {DEFAULT_PROFILE} is missing: build it with "
-                                     "python tools/build_profile.py --gpu a100, or pass --profile FILE")
+            raise InvalidConfigError(
+                f"the default profile {DEFAULT_PROFILE} is missing: build it with "
+                "python tools/build_profile.py --gpu a100, or pass --profile FILE"
+            )
     try:
         m = export(a)
     except ImportError as e:
         raise InvalidConfigError(f"{e.name or e}: install the onnx extra (pip install -e '.[onnx]')") from None
     for role, g in m["graphs"].items():
         p = (m["parity"] or {}).get(role)
-        fig = "" if p is None else (f": |onnx - specmix| max {p['max_abs']:.3g} mean {p['mean_abs']:.3g} "
-                                    f"(quantization error max {p['ref_max_abs']:.3g} mean {p['ref_mean_abs']:.3g}; "
-                                    f"one-ulp floor max {p['floor_max_abs']:.3g} mean {p['floor_mean_abs']:.3g})")
+        fig = (
+            ""
+            if p is None
+            else (
+                f": |onnx - specmix| max {p['max_abs']:.3g} mean {p['mean_abs']:.3g} "
+                f"(quantization error max {p['ref_max_abs']:.3g} mean {p['ref_mean_abs']:.3g}; "
+                f"one-ulp floor max {p['floor_max_abs']:.3g} mean {p['floor_mean_abs']:.3g})"
+            )
+        )
         print(f"{role}: {g['file']}{fig}")
     chk = m["parity_check"]
     if chk is not None and not chk["passed"]:

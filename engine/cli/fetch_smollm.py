@@ -3,6 +3,7 @@ checkpoint in the specmix cache; prints the directory. A second run only checks 
 
     python tools/fetch_smollm.py [--cache-dir DIR]
 """
+
 from __future__ import annotations
 
 import argparse

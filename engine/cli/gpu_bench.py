@@ -20,6 +20,7 @@ where the GPU has FP8 tensor cores, weight-only below). For each batch (1, 8, 32
 Writes gpu-bench.json and gpu-bench.md to --out ($OUT or ./gpu-results). A time
 budget guard skips (and lists) what would not finish within --budget-s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,17 +50,30 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def shape(name: str) -> ModelConfig:
     dims = {  # hidden, intermediate, layers, heads, kv heads, vocab
-        "llama2-7b": (4096, 11008, 32, 32, 32, 32000), "llama-68m": (768, 3072, 2, 12, 12, 32000),
-        "small-target": (64, 128, 2, 4, 2, 256), "small-draft": (32, 64, 1, 2, 2, 256)}[name]
+        "llama2-7b": (4096, 11008, 32, 32, 32, 32000),
+        "llama-68m": (768, 3072, 2, 12, 12, 32000),
+        "small-target": (64, 128, 2, 4, 2, 256),
+        "small-draft": (32, 64, 1, 2, 2, 256),
+    }[name]
     h, i, n, a, kv, v = dims
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=v, hidden_size=h, intermediate_size=i,
-                       num_hidden_layers=n, num_attention_heads=a, num_key_value_heads=kv, head_dim=h // a,
-                       max_position_embeddings=4096, eos_token_ids=[2])
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=v,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=n,
+        num_attention_heads=a,
+        num_key_value_heads=kv,
+        head_dim=h // a,
+        max_position_embeddings=4096,
+        eos_token_ids=[2],
+    )
 
 
 @torch.no_grad()
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                 std: float = 0.02) -> Transformer:
+def random_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int, std: float = 0.02
+) -> Transformer:
     """Random N(0, std) weights built directly on ``device`` (no CPU copy of a 7B model)."""
     with torch.device("meta"):
         m = Transformer(cfg)
@@ -73,8 +88,9 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
     return m.eval()
 
 
-def swap_linears(model: Transformer, make: Callable[[nn.Linear], nn.Module], names: tuple[str, ...],
-                 lm_head: bool = False) -> None:
+def swap_linears(
+    model: Transformer, make: Callable[[nn.Linear], nn.Module], names: tuple[str, ...], lm_head: bool = False
+) -> None:
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for n in names:
@@ -119,8 +135,16 @@ class Timer:
         return statistics.median(times)
 
 
-def step_fn(fwd: Callable[..., torch.Tensor], cfg: ModelConfig, batch: int, T: int, context: int,
-            cache: KVCache, device: torch.device, aligned: bool) -> Callable[[], torch.Tensor]:
+def step_fn(
+    fwd: Callable[..., torch.Tensor],
+    cfg: ModelConfig,
+    batch: int,
+    T: int,
+    context: int,
+    cache: KVCache,
+    device: torch.device,
+    aligned: bool,
+) -> Callable[[], torch.Tensor]:
     toks = torch.randint(0, cfg.vocab_size, (batch, T), device=device)
     pos = (context + torch.arange(T, device=device)).expand(batch, T).contiguous()
     idx = torch.arange(T, device=device).expand(batch, T).contiguous()
@@ -145,11 +169,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     elem = torch.finfo(dtype).bits // 8
     w_target, w_draft = read_bytes(target), read_bytes(draft)
     res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        "torch": torch.__version__,
         "target": f"{tname} random weights, attention {str(dtype)[6:]}, FFN int8 w8a8",
-        "draft": f"{dname} random weights, FP8 {fp8_kernel}", "context": a.context, "iters": a.iters,
-        "peak_tbps": a.peak_tbps, "graphs": graphs, "target_read_bytes": w_target, "draft_read_bytes": w_draft,
-        "rows": [], "skipped": []}
+        "draft": f"{dname} random weights, FP8 {fp8_kernel}",
+        "context": a.context,
+        "iters": a.iters,
+        "peak_tbps": a.peak_tbps,
+        "graphs": graphs,
+        "target_read_bytes": w_target,
+        "draft_read_bytes": w_draft,
+        "rows": [],
+        "skipped": [],
+    }
 
     def over_budget(what: str) -> bool:
         if time.monotonic() - t_start > a.budget_s:
@@ -194,17 +226,27 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     ks = sorted({k for r in res["rows"] for k in r.get("verify_over_decode", {})}, key=int)
-    lines = [f"# gpu_bench: {res['device']} (torch {res['torch']})", "",
-             f"target: {res['target']}; draft: {res['draft']}; context {res['context']} tokens; "
-             f"median of {res['iters']}; graphs: {res['graphs']}; peak {res['peak_tbps']} TB/s", "",
-             "| batch | decode eager ms | decode graph ms | graph speedup | TB/s | of peak | "
-             + " | ".join(f"verify K={k} / decode" for k in ks)
-             + " | draft eager ms | draft graph ms | c | capture s |",
-             "|" + "---|" * (10 + len(ks))]
+    lines = [
+        f"# gpu_bench: {res['device']} (torch {res['torch']})",
+        "",
+        f"target: {res['target']}; draft: {res['draft']}; context {res['context']} tokens; "
+        f"median of {res['iters']}; graphs: {res['graphs']}; peak {res['peak_tbps']} TB/s",
+        "",
+        "| batch | decode eager ms | decode graph ms | graph speedup | TB/s | of peak | "
+        + " | ".join(f"verify K={k} / decode" for k in ks)
+        + " | draft eager ms | draft graph ms | c | capture s |",
+        "|" + "---|" * (10 + len(ks)),
+    ]
     for r in res["rows"]:
         v = r.get("verify_over_decode", {})
-        cells = [str(r["batch"]), f"{r['decode_eager_ms']:.3f}", f"{r['decode_graph_ms']:.3f}",
-                 f"{r['graph_speedup']:.2f}", f"{r['achieved_tbps']:.3f}", f"{100 * r['peak_fraction']:.1f}%"]
+        cells = [
+            str(r["batch"]),
+            f"{r['decode_eager_ms']:.3f}",
+            f"{r['decode_graph_ms']:.3f}",
+            f"{r['graph_speedup']:.2f}",
+            f"{r['achieved_tbps']:.3f}",
+            f"{100 * r['peak_fraction']:.1f}%",
+        ]
         cells += [f"{v[k]:.2f}" if k in v else "-" for k in ks]
         cells += [f"{r[x]:.3f}" if x in r else "-" for x in ("draft_eager_ms", "draft_graph_ms", "c")]
         cells.append(f"{r['capture_seconds']:.2f}")

@@ -5,6 +5,7 @@
 
 Exit status 0 on success; any error is one line on stderr and exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse

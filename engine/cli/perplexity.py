@@ -19,6 +19,7 @@ profile's), the recorded PPL of either model (reference and planned) is not repr
 within a relative tolerance of --ppl-rtol (default 1e-3: |PPL - recorded| <= 1e-3 * recorded);
 2 on bad input (one line on stderr, no traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,7 @@ def _positive(kind: type, minimum: float, name: str) -> Any:
         if not (math.isfinite(v) and v >= minimum):
             raise argparse.ArgumentTypeError(f"{name}={text!r} is invalid: allowed a number >= {minimum}")
         return v
+
     return conv
 
 
@@ -55,15 +57,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="perplexity.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", type=Path, required=True, help="profile JSON written by tools/build_profile.py")
     p.add_argument("--eval-text", type=Path, help="UTF-8 text to evaluate on (default: the profile's eval text)")
-    p.add_argument("--max-drift", type=_positive(float, 0.0, "--max-drift"),
-                   help="bound on |dPPL| (default: the profile's quality.gates.max_drift)")
-    p.add_argument("--max-kld", type=_positive(float, 0.0, "--max-kld"),
-                   help="bound on mean KLD (default: the profile's quality.gates.max_kld)")
-    p.add_argument("--max-tokens", type=_positive(int, 2, "--max-tokens"),
-                   help="evaluate the first N tokens only (default: the profile's quality.max_tokens, else all)")
-    p.add_argument("--ppl-rtol", type=_positive(float, 0.0, "--ppl-rtol"), default=DEFAULT_PPL_RTOL,
-                   help="relative tolerance for reproducing the recorded PPLs on the profile's own eval text "
-                        f"(default {DEFAULT_PPL_RTOL:g})")
+    p.add_argument(
+        "--max-drift",
+        type=_positive(float, 0.0, "--max-drift"),
+        help="bound on |dPPL| (default: the profile's quality.gates.max_drift)",
+    )
+    p.add_argument(
+        "--max-kld",
+        type=_positive(float, 0.0, "--max-kld"),
+        help="bound on mean KLD (default: the profile's quality.gates.max_kld)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive(int, 2, "--max-tokens"),
+        help="evaluate the first N tokens only (default: the profile's quality.max_tokens, else all)",
+    )
+    p.add_argument(
+        "--ppl-rtol",
+        type=_positive(float, 0.0, "--ppl-rtol"),
+        default=DEFAULT_PPL_RTOL,
+        help="relative tolerance for reproducing the recorded PPLs on the profile's own eval text "
+        f"(default {DEFAULT_PPL_RTOL:g})",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), help="device (default: the profile's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -110,13 +125,15 @@ def evaluate(a: argparse.Namespace) -> dict[str, Any]:
     recorded_max, ctx_rec = quality.get("max_tokens"), quality.get("context")
     for key, v in (("max_tokens", recorded_max), ("context", ctx_rec)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
-            raise ProfileError(f"{prof.get('_path', 'profile')}: field quality.{key}={v!r} is invalid: "
-                               "allowed an int >= 2 or null")
+            raise ProfileError(
+                f"{prof.get('_path', 'profile')}: field quality.{key}={v!r} is invalid: allowed an int >= 2 or null"
+            )
     max_tokens = a.max_tokens if a.max_tokens is not None else recorded_max
     same_text = sha == _field(prof, "quality.eval_text_sha256")
     comparable = same_text and max_tokens == recorded_max
-    recorded = ({"ppl_ref": _number(prof, "quality.ppl_ref"), "ppl": _number(prof, "quality.ppl")}
-                if comparable else None)
+    recorded = (
+        {"ppl_ref": _number(prof, "quality.ppl_ref"), "ppl": _number(prof, "quality.ppl")} if comparable else None
+    )
     planned, reference = engines_for_profile(prof, a.device)
     context = ctx_rec if ctx_rec is not None else default_context(reference.config.max_position_embeddings)
     ids = load_eval_ids(reference.tokenizer, text, max_tokens=max_tokens)
@@ -125,14 +142,27 @@ def evaluate(a: argparse.Namespace) -> dict[str, Any]:
     if recorded is not None:
         got = {"ppl_ref": rep.ppl_ref, "ppl": rep.ppl}
         reproduced = all(abs(got[k] - v) <= a.ppl_rtol * abs(v) for k, v in recorded.items())
-    checks = {"drift": bool(abs(rep.drift) <= max_drift), "kld": bool(rep.kld_mean <= max_kld),
-              "reproduced": reproduced}
+    checks = {
+        "drift": bool(abs(rep.drift) <= max_drift),
+        "kld": bool(rep.kld_mean <= max_kld),
+        "reproduced": reproduced,
+    }
     ok = checks["drift"] and checks["kld"] and reproduced is not False
-    return {"profile": str(a.profile), "eval_text": str(eval_path), "eval_text_sha256": sha,
-            "same_eval_text": same_text, "max_tokens": max_tokens, "device": str(reference.device),
-            "quality": rep.to_dict(), "bounds": {"max_drift": max_drift, "max_kld": max_kld},
-            "recorded": recorded, "ppl_rtol": a.ppl_rtol, "checks": checks, "passed": ok,
-            "exit_code": 0 if ok else 1}
+    return {
+        "profile": str(a.profile),
+        "eval_text": str(eval_path),
+        "eval_text_sha256": sha,
+        "same_eval_text": same_text,
+        "max_tokens": max_tokens,
+        "device": str(reference.device),
+        "quality": rep.to_dict(),
+        "bounds": {"max_drift": max_drift, "max_kld": max_kld},
+        "recorded": recorded,
+        "ppl_rtol": a.ppl_rtol,
+        "checks": checks,
+        "passed": ok,
+        "exit_code": 0 if ok else 1,
+    }
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -164,11 +194,15 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"recorded PPL: not compared ({why})")
     else:
         rec = r["recorded"]
-        lines.append(f"recorded PPL: base {rec['ppl_ref']:.4f}, Q {rec['ppl']:.4f}: "
-                     f"{'reproduced' if c['reproduced'] else 'NOT reproduced'} (rel tol {r['ppl_rtol']:g})")
-    lines.append(f"gate: |dPPL| {abs(q['drift']):.4f} {'<=' if c['drift'] else '>'} {b['max_drift']:g}, "
-                 f"KLD {q['kld_mean']:.6f} {'<=' if c['kld'] else '>'} {b['max_kld']:g}: "
-                 f"{'PASS' if r['passed'] else 'FAIL'}")
+        lines.append(
+            f"recorded PPL: base {rec['ppl_ref']:.4f}, Q {rec['ppl']:.4f}: "
+            f"{'reproduced' if c['reproduced'] else 'NOT reproduced'} (rel tol {r['ppl_rtol']:g})"
+        )
+    lines.append(
+        f"gate: |dPPL| {abs(q['drift']):.4f} {'<=' if c['drift'] else '>'} {b['max_drift']:g}, "
+        f"KLD {q['kld_mean']:.6f} {'<=' if c['kld'] else '>'} {b['max_kld']:g}: "
+        f"{'PASS' if r['passed'] else 'FAIL'}"
+    )
     return "\n".join(lines)
 
 
@@ -188,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         r = evaluate(a)
         print(json.dumps(r, indent=2) if a.json else format_report(r))
         return r["exit_code"]
+
     return run_tool(PROG, body)
 
 

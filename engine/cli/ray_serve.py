@@ -14,6 +14,7 @@ a stalled or repeatedly failing decode round restarts the replica); on scale-dow
 to the replica and waits up to ``graceful_shutdown_timeout_s`` for its running requests to finish.
 Replicas report acceptance and load as Serve metrics (engine/serve/ray_metrics.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,11 +77,14 @@ class RayServeOptions:
             if getattr(self, name) < 1:
                 raise InvalidConfigError(f"{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
         if not 0 <= self.min_replicas <= self.max_replicas:
-            raise InvalidConfigError(f"min_replicas={self.min_replicas} is invalid: allowed 0..max_replicas "
-                                     f"({self.max_replicas})")
+            raise InvalidConfigError(
+                f"min_replicas={self.min_replicas} is invalid: allowed 0..max_replicas ({self.max_replicas})"
+            )
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
-            raise InvalidConfigError(f"initial_replicas={self.initial_replicas} is invalid: allowed "
-                                     f"min_replicas..max_replicas ({self.min_replicas}..{self.max_replicas})")
+            raise InvalidConfigError(
+                f"initial_replicas={self.initial_replicas} is invalid: allowed "
+                f"min_replicas..max_replicas ({self.min_replicas}..{self.max_replicas})"
+            )
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(v, (int, float)) and v > 0):
@@ -104,8 +108,13 @@ class RayServeOptions:
                 v = None
             elif isinstance(v, str) and not kind.startswith("str"):
                 try:
-                    v = (v.lower() in ("1", "true", "yes") if kind == "bool" else
-                         int(v) if kind.startswith("int") else float(v))
+                    v = (
+                        v.lower() in ("1", "true", "yes")
+                        if kind == "bool"
+                        else int(v)
+                        if kind.startswith("int")
+                        else float(v)
+                    )
                 except ValueError:
                     raise InvalidConfigError(f"{name}={v!r} is invalid: allowed a {kind}") from None
             kw[name] = v
@@ -114,8 +123,17 @@ class RayServeOptions:
         return cls(**kw)
 
 
-REPLICA_FIELDS = ("profile", "served_model_name", "device", "max_batch", "max_waiting", "num_cpus", "stall_s",
-                  "metrics_period_s", "full_check")
+REPLICA_FIELDS = (
+    "profile",
+    "served_model_name",
+    "device",
+    "max_batch",
+    "max_waiting",
+    "num_cpus",
+    "stall_s",
+    "metrics_period_s",
+    "full_check",
+)
 
 
 def replica_args(opts: RayServeOptions) -> dict[str, Any]:
@@ -157,8 +175,9 @@ class SpecmixReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         limits = Limits(max_batch=opts.max_batch, max_waiting=opts.max_waiting)
         try:
-            self.engine = Engine.from_profile(opts.profile, device=opts.device, limits=limits,
-                                              full_check=opts.full_check)
+            self.engine = Engine.from_profile(
+                opts.profile, device=opts.device, limits=limits, full_check=opts.full_check
+            )
         except EngineError as e:
             log.error("replica %s refuses to start: %s: %s", self.replica_id, type(e).__name__, e)
             raise
@@ -170,8 +189,14 @@ class SpecmixReplica:
         self.server = OpenAIServer(self.engine, name)
         self.metrics = ReplicaMetrics()
         self._reporter = asyncio.get_running_loop().create_task(self._report())
-        log.info("replica %s serves %s from %s on %s (max_batch %d)", self.replica_id, name, opts.profile,
-                 self.engine.device, opts.max_batch)
+        log.info(
+            "replica %s serves %s from %s on %s (max_batch %d)",
+            self.replica_id,
+            name,
+            opts.profile,
+            self.engine.device,
+            opts.max_batch,
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
         from engine.serve.openai_app import create_app
@@ -191,15 +216,23 @@ class SpecmixReplica:
 
     def stats(self) -> dict[str, Any]:
         """This replica's id, its Serve metric values and the engine's stats (through a deployment handle)."""
-        return {"replica": self.replica_id, "metrics": self.metrics.update(self.engine.scheduler.snapshot()),
-                "engine": {k: v for k, v in self.engine.stats().items() if k != "memory"}}
+        return {
+            "replica": self.replica_id,
+            "metrics": self.metrics.update(self.engine.scheduler.snapshot()),
+            "engine": {k: v for k, v in self.engine.stats().items() if k != "memory"},
+        }
 
     def __del__(self) -> None:
         if hasattr(self, "_reporter"):
             self._reporter.cancel()
             snap = self.engine.scheduler.snapshot()
-            log.info("replica %s stops: %d requests finished, %d running, %d waiting", self.replica_id,
-                     snap["totals"].requests, snap["running"], snap["waiting"])
+            log.info(
+                "replica %s stops: %d requests finished, %d running, %d waiting",
+                self.replica_id,
+                snap["totals"].requests,
+                snap["running"],
+                snap["waiting"],
+            )
 
 
 def _stem(path: str) -> str:
@@ -212,17 +245,26 @@ def deployment_options(opts: RayServeOptions, profile_device: str) -> dict[str, 
     cuda = (opts.device or profile_device) == "cuda"
     gpus = opts.num_gpus if opts.num_gpus is not None else (1 if cuda else 0)
     actor: dict[str, Any] = {"num_cpus": opts.num_cpus if opts.num_cpus is not None else 1, "num_gpus": gpus}
-    auto = {"min_replicas": opts.min_replicas, "max_replicas": opts.max_replicas,
-            "target_ongoing_requests": opts.max_batch, "upscale_delay_s": opts.upscale_delay_s,
-            "downscale_delay_s": opts.downscale_delay_s, "look_back_period_s": opts.look_back_period_s,
-            "metrics_interval_s": min(10.0, opts.look_back_period_s / 2)}  # Serve wants look-back > interval
+    auto = {
+        "min_replicas": opts.min_replicas,
+        "max_replicas": opts.max_replicas,
+        "target_ongoing_requests": opts.max_batch,
+        "upscale_delay_s": opts.upscale_delay_s,
+        "downscale_delay_s": opts.downscale_delay_s,
+        "look_back_period_s": opts.look_back_period_s,
+        "metrics_interval_s": min(10.0, opts.look_back_period_s / 2),
+    }  # Serve wants look-back > interval
     if opts.initial_replicas is not None:
         auto["initial_replicas"] = opts.initial_replicas
-    return {"ray_actor_options": actor, "autoscaling_config": auto, "max_ongoing_requests": 2 * opts.max_batch,
-            "health_check_period_s": opts.health_check_period_s,
-            "health_check_timeout_s": opts.health_check_timeout_s,
-            "graceful_shutdown_timeout_s": opts.graceful_shutdown_timeout_s,
-            "graceful_shutdown_wait_loop_s": min(2.0, opts.graceful_shutdown_timeout_s)}
+    return {
+        "ray_actor_options": actor,
+        "autoscaling_config": auto,
+        "max_ongoing_requests": 2 * opts.max_batch,
+        "health_check_period_s": opts.health_check_period_s,
+        "health_check_timeout_s": opts.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": opts.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": min(2.0, opts.graceful_shutdown_timeout_s),
+    }
 
 
 def build_app(args: dict[str, Any]) -> Application:

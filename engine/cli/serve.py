@@ -5,6 +5,7 @@
 
 Needs the ``serve`` extra (``pip install -e '.[serve]'``: FastAPI, uvicorn, prometheus_client).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,14 @@ from typing import Any
 
 log = logging.getLogger("specmix.serve")
 
-GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_new_tokens"}
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_new_tokens",
+}
 
 
 def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
@@ -44,18 +51,29 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--profile", help="a built profile (tools/build_profile.py)")
     src.add_argument("--target", help="target checkpoint: a directory or a Hugging Face Hub id owner/name")
     ap.add_argument("--draft", help="draft checkpoint (directory or Hub id), with --target")
-    ap.add_argument("--drafter", default=None, choices=["model", "ngram", "early-exit"],
-                    help="default: model with --draft, else none")
+    ap.add_argument(
+        "--drafter",
+        default=None,
+        choices=["model", "ngram", "early-exit"],
+        help="default: model with --draft, else none",
+    )
     ap.add_argument("--no-spec", action="store_true", help="decode plainly (speculation off)")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--k-policy", default=None, help="cost-model (default), constant, heuristic, ...")
-    ap.add_argument("--full-check", action="store_true",
-                    help="re-hash every weight file of the profile (default: only files whose size/mtime changed)")
+    ap.add_argument(
+        "--full-check",
+        action="store_true",
+        help="re-hash every weight file of the profile (default: only files whose size/mtime changed)",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: the target)")
-    ap.add_argument("--generation-config", choices=["auto", "none"], default="none",
-                    help="auto: the target's generation_config.json gives the sampling defaults")
+    ap.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="none",
+        help="auto: the target's generation_config.json gives the sampling defaults",
+    )
     ap.add_argument("--hub-cache-dir", default=None, help="huggingface_hub cache (default: HF_HUB_CACHE)")
     ap.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
     ap.add_argument("--host", default="127.0.0.1")
@@ -82,8 +100,14 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
     drafter = None if args.no_spec else (args.drafter or ("model" if draft is not None else None))
     spec = SpeculationConfig(drafter=drafter, k=args.k, k_policy=args.k_policy or "cost-model")
-    eng = Engine.from_pretrained(target, draft if drafter == "model" else None, speculation=spec, limits=limits,
-                                 device=args.device, dtype=args.dtype)
+    eng = Engine.from_pretrained(
+        target,
+        draft if drafter == "model" else None,
+        speculation=spec,
+        limits=limits,
+        device=args.device,
+        dtype=args.dtype,
+    )
     return eng, args.served_model_name or args.target, target
 
 
@@ -106,11 +130,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", e)
         return 2
     pol = eng.policy
-    log.info("model %s: target %s, draft %s, drafter %s, K %s (policy %s), profile %s, plan %s, dtype %s",
-             name, eng.info.get("target_dir"), eng.info.get("draft_dir"), eng.info.get("drafter"),
-             pol.k if pol else None, pol.name if pol else None,
-             eng.profile.get("_path") if eng.profile else None,
-             json.dumps(eng.profile.get("plan"))[:200] if eng.profile else None, eng.info.get("dtype"))
+    log.info(
+        "model %s: target %s, draft %s, drafter %s, K %s (policy %s), profile %s, plan %s, dtype %s",
+        name,
+        eng.info.get("target_dir"),
+        eng.info.get("draft_dir"),
+        eng.info.get("drafter"),
+        pol.k if pol else None,
+        pol.name if pol else None,
+        eng.profile.get("_path") if eng.profile else None,
+        json.dumps(eng.profile.get("plan"))[:200] if eng.profile else None,
+        eng.info.get("dtype"),
+    )
     log.info("chat template: %s; generation defaults: %s", "yes" if eng.chat_template else "none", defaults or "none")
     if eng.policy is not None and eng.policy.name == "cost-model":
         log.info("K controller costs: c=%.3f", eng.costs.c)  # measured now, not in the first request

@@ -7,6 +7,7 @@ The target generates the training text itself (prompts cut from --text, default 
 training split; never give it the evaluation text). Interrupted runs resume from ``--out``.
 Load the result with ``Engine.from_pretrained(target, OUT, drafter=KIND)``.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,10 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         a = parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        opts = TrainOptions(kind=a.kind, steps=a.steps, layers=a.layers, hidden=a.hidden, heads=a.heads,
-                            draft_vocab=a.draft_vocab, samples=a.samples, gen_len=a.gen_len,
-                            temperature=a.temperature, greedy_share=a.greedy_share, seed=a.seed)
+        opts = TrainOptions(
+            kind=a.kind,
+            steps=a.steps,
+            layers=a.layers,
+            hidden=a.hidden,
+            heads=a.heads,
+            draft_vocab=a.draft_vocab,
+            samples=a.samples,
+            gen_len=a.gen_len,
+            temperature=a.temperature,
+            greedy_share=a.greedy_share,
+            seed=a.seed,
+        )
         report = train_draft(a.target, a.out, opts, _text(a.text), device=a.device, progress=not a.quiet)
         print(json.dumps(report, indent=2))
         return 0
+
     return run_tool("specmix-train-draft", body)

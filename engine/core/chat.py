@@ -9,6 +9,7 @@ Templates are untrusted code (they come with downloaded checkpoints): they run i
 ``ImmutableSandboxedEnvironment``, with the few helpers templates of the field expect
 (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII characters).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,10 +60,12 @@ def _pick_template(value: object, where: str) -> str:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        raise CheckpointError(f"{where}: chat_template is a list without a 'default' template "
-                              f"(names: {', '.join(map(str, named))})")
-    raise CheckpointError(f"{where}: chat_template={value!r:.60} is invalid: allowed a string or a list of "
-                          "{name, template}")
+        raise CheckpointError(
+            f"{where}: chat_template is a list without a 'default' template (names: {', '.join(map(str, named))})"
+        )
+    raise CheckpointError(
+        f"{where}: chat_template={value!r:.60} is invalid: allowed a string or a list of {{name, template}}"
+    )
 
 
 def _flatten_content(content: object, i: int) -> str | None:
@@ -73,19 +76,23 @@ def _flatten_content(content: object, i: int) -> str | None:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"messages[{i}].content[{j}]={part!r:.80} is invalid: allowed a text part "
-                                          '{"type": "text", "text": str} (this server serves text models)')
+                raise InvalidRequestError(
+                    f"messages[{i}].content[{j}]={part!r:.80} is invalid: allowed a text part "
+                    '{"type": "text", "text": str} (this server serves text models)'
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise InvalidRequestError(f"messages[{i}].content={content!r:.80} is invalid: allowed a string or a list of "
-                              "text parts")
+    raise InvalidRequestError(
+        f"messages[{i}].content={content!r:.80} is invalid: allowed a string or a list of text parts"
+    )
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
     """Validate OpenAI-style messages; returns copies with text content as plain strings."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError(f"messages={messages!r:.80} is invalid: allowed a non-empty list of "
-                                  "{role, content} objects")
+        raise InvalidRequestError(
+            f"messages={messages!r:.80} is invalid: allowed a non-empty list of {{role, content}} objects"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -134,21 +141,22 @@ class ChatTemplate:
             return cls(_pick_template(cfg["chat_template"], where), special, where)
         return None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **extra: Any) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text of ``messages`` (validated), ending with the assistant's turn header."""
         from jinja2 import TemplateError
 
         msgs = check_messages(list(messages))
         try:
-            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **extra)
+            return self._template.render(
+                messages=msgs, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra
+            )
         except TemplateError as e:  # raise_exception() in the template: the messages break its rules
             raise InvalidRequestError(f"messages are invalid for this model's chat template: {e}") from None
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 

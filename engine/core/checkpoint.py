@@ -4,6 +4,7 @@ The model is built on the meta device and the safetensors tensors are assigned
 in place (memory-mapped reads, one conversion per tensor), so a checkpoint is
 never held twice. Every failure is a CheckpointError naming the path and cause.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,14 @@ from engine.core.model import Transformer
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -52,8 +59,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", config: ModelConfig | None = None) -> Transformer:
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    config: ModelConfig | None = None,
+) -> Transformer:
     """Build the model on the meta device and assign the checkpoint's tensors."""
     dtype = resolve_dtype(dtype)
     cfg = config or load_config(model_dir)
@@ -67,7 +78,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32,
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():
-                    name = key[len("model."):] if key.startswith("model.") else key
+                    name = key[len("model.") :] if key.startswith("model.") else key
                     if name not in expected:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             continue
@@ -76,8 +87,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32,
                     t = f.get_tensor(key)
                     want = tuple(expected[name].shape)
                     if tuple(t.shape) != want:
-                        raise CheckpointError(
-                            f"{path}: tensor {key} has shape {tuple(t.shape)}, expected {want}")
+                        raise CheckpointError(f"{path}: tensor {key} has shape {tuple(t.shape)}, expected {want}")
                     state[name] = t.to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
@@ -87,8 +97,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32,
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"{model_dir}: missing tensor(s) {', '.join(missing[:5])}{more}")
-    model.load_state_dict(state, strict=True, assign=True) if not cfg.tie_word_embeddings else \
-        model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=True, assign=True) if not cfg.tie_word_embeddings else model.load_state_dict(
+        state, strict=False, assign=True
+    )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_rope()

@@ -1,10 +1,12 @@
 """What the command-line tools share: argument errors as one line, and their exit codes
 (0 ok, 1 a check failed, 2 bad input or a refused build, 130 interrupted)."""
+
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from engine.core.errors import EngineError
 

@@ -4,6 +4,7 @@ Only the fields the Llama-family decoder needs are kept. Both the older
 (``rope_theta`` + ``rope_scaling``) and the transformers-5 (``rope_parameters``)
 spellings of the rotary settings are understood.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], where: str = "config.json") -> ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPES.get(d.get("model_type", ""), d.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -4,6 +4,7 @@ Every refusal the engine makes is an ``EngineError``. Errors caused by a bad
 argument are also ``ValueError``s, so callers that already catch ValueError keep
 working. Messages name the field (or file) and the allowed values.
 """
+
 from __future__ import annotations
 
 

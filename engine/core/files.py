@@ -1,4 +1,5 @@
 """Files: the specmix cache directory, sha256 of a file, and atomic writes (temp file + rename)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,12 @@ def verified_sha256(path: Path, full: bool = False) -> str:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             log.warning("%s is unreadable (%s): hashing the weights again", rec_file, e)
     rec = records.get(path.name)
-    if not full and isinstance(rec, dict) and isinstance(rec.get("sha256"), str) and \
-            all(rec.get(k) == v for k, v in stamp.items()):
+    if (
+        not full
+        and isinstance(rec, dict)
+        and isinstance(rec.get("sha256"), str)
+        and all(rec.get(k) == v for k, v in stamp.items())
+    ):
         return rec["sha256"]
     digest = sha256_file(path)
     records[path.name] = {**stamp, "sha256": digest}

@@ -4,6 +4,7 @@ Only the files an engine reads are fetched (safetensors weights, JSON configs, t
 chat template), never pickled weights. ``offline`` (or ``HF_HUB_OFFLINE=1``) uses the local cache
 only; a model that neither the cache nor the Hub provides is a CheckpointError naming both.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,9 @@ def is_hub_id(ref: str) -> bool:
     return bool(_HUB_ID.match(ref)) and not Path(ref).exists()
 
 
-def resolve_model(ref: str | Path, *, cache_dir: str | Path | None = None, offline: bool | None = None,
-                  revision: str | None = None) -> Path:
+def resolve_model(
+    ref: str | Path, *, cache_dir: str | Path | None = None, offline: bool | None = None, revision: str | None = None
+) -> Path:
     """The local directory of ``ref``: the path itself, or the Hub snapshot of an ``owner/name`` id."""
     p = Path(ref)
     if p.exists() or not is_hub_id(str(ref)):
@@ -38,12 +40,18 @@ def resolve_model(ref: str | Path, *, cache_dir: str | Path | None = None, offli
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
-        d = snapshot_download(str(ref), revision=revision, cache_dir=None if cache_dir is None else str(cache_dir),
-                              allow_patterns=list(HUB_FILES), local_files_only=offline)
+        d = snapshot_download(
+            str(ref),
+            revision=revision,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            allow_patterns=list(HUB_FILES),
+            local_files_only=offline,
+        )
     except LocalEntryNotFoundError:
         where = "the local cache (offline mode)" if offline else "the local cache nor the Hub (network unreachable?)"
-        raise CheckpointError(f"{ref}: a Hub id that neither {where} provides; "
-                              f"cache_dir={cache_dir or 'the default HF cache'}") from None
+        raise CheckpointError(
+            f"{ref}: a Hub id that neither {where} provides; cache_dir={cache_dir or 'the default HF cache'}"
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise CheckpointError(f"{ref}: could not be fetched from the Hub: {e}") from None
     path = Path(d)

@@ -12,10 +12,12 @@ writes the new keys at ``input_pos`` and attends over the first ``kv_len``
 slots with a position mask, so each sequence of a ragged batch has its own
 length, and rolling a sequence back is just using a smaller position next time.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal:
     qg = q.view(B, Hkv, H // Hkv, T, D)
     # k @ q^T, transposed back: the same values as q @ k^T (checked bitwise) and faster with bf16 on
     # oneDNN, which otherwise re-lays out the transposed cache slice every call
-    scores = torch.matmul(k.unsqueeze(2), qg.transpose(-1, -2)).transpose(-1, -2).float() * (D ** -0.5)
+    scores = torch.matmul(k.unsqueeze(2), qg.transpose(-1, -2)).transpose(-1, -2).float() * (D**-0.5)
     if mask is not None:
         scores = scores.masked_fill(~(mask if mask.dim() < 4 else mask.unsqueeze(2)), float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v.unsqueeze(2))  # [B, Hkv, G, T, D]
@@ -68,7 +70,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal:
 MATH_KEY_BUCKET = 32
 
 
-def _math_with_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: "_Ctx", window: int | None) -> Tensor:
+def _math_with_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: _Ctx, window: int | None) -> Tensor:
     """``math_attention`` over the cache with the key count rounded up to a multiple of MATH_KEY_BUCKET
     (masked by position): oneDNN builds a kernel per matmul shape, and a key count that grows by one
     every step made each call pay for a new one."""
@@ -129,7 +131,7 @@ def rope_cos_sin(inv_freq: Tensor, pos: Tensor, dtype: torch.dtype) -> tuple[Ten
     freqs = pos.float()[..., None] * inv_freq  # [B,T,D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     sin = emb.sin()
-    return emb.cos().to(dtype), torch.cat((-sin[..., : freqs.shape[-1]], sin[..., freqs.shape[-1]:]), -1).to(dtype)
+    return emb.cos().to(dtype), torch.cat((-sin[..., : freqs.shape[-1]], sin[..., freqs.shape[-1] :]), -1).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin_folded: Tensor) -> Tensor:
@@ -142,8 +144,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin_folded: Tensor) -> Tensor:
 class KVCache:
     """Static cache: k, v [layers, max_batch, kv_heads, max_seq_len, head_dim]."""
 
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_seq_len: int,
-                 dtype: torch.dtype, device: torch.device | str, n_layers: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_batch: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        n_layers: int | None = None,
+    ) -> None:
         n = cfg.num_hidden_layers if n_layers is None else n_layers
         shape = (n, max_batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -167,14 +176,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, h, bias=cfg.o_bias)
         self.qkv: FusedLinear | None = None  # q/k/v as one GEMM (fuse_projections)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
-                cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn, cache: tuple[Tensor, Tensor] | None, ctx: _Ctx
+    ) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         if self.qkv is not None:  # one GEMM, one rotation for q and k together
             qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)
             qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
         else:
             q = apply_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), cos, sin)
             k = apply_rope(self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)
@@ -184,8 +194,8 @@ class Attention(nn.Module):
         else:
             kc, vc = cache  # [max_batch, Hkv, S, D]
             if ctx.start is not None:  # rows 0..B-1 all write start..start+T-1: a slice copy
-                kc[:B, :, ctx.start: ctx.start + T] = k
-                vc[:B, :, ctx.start: ctx.start + T] = v
+                kc[:B, :, ctx.start : ctx.start + T] = k
+                vc[:B, :, ctx.start : ctx.start + T] = v
             else:  # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
                 kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
                 vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
@@ -249,7 +259,7 @@ def _fuse(mods: tuple[nn.Module, ...]) -> FusedLinear | None:
     return FusedLinear(w, b)
 
 
-def fuse_projections(model: "Transformer") -> int:
+def fuse_projections(model: Transformer) -> int:
     """Run q/k/v as one GEMM and gate/up as one (inference only, after any quantization module swap:
     quantized layers are left alone). Per layer 3 GEMMs and their dispatch fewer, which is most of a
     small model's step on a CPU. Returns the number of fused groups."""
@@ -272,8 +282,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn,
-                cache: tuple[Tensor, Tensor] | None, ctx: "_Ctx") -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn, cache: tuple[Tensor, Tensor] | None, ctx: _Ctx
+    ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, cache, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -281,8 +292,15 @@ class Block(nn.Module):
 class _Ctx:
     """Per-forward indexing shared by all layers (built once, not per layer)."""
 
-    def __init__(self, pos: Tensor, rows: Tensor, rows_are_prefix: bool, kv_len: int, mask: Tensor | None,
-                 start: int | None = None) -> None:
+    def __init__(
+        self,
+        pos: Tensor,
+        rows: Tensor,
+        rows_are_prefix: bool,
+        kv_len: int,
+        mask: Tensor | None,
+        start: int | None = None,
+    ) -> None:
         self.pos, self.rows, self.rows_are_prefix, self.kv_len, self.mask = pos, rows, rows_are_prefix, kv_len, mask
         self.start = start  # set when rows 0..B-1 all hold positions start..start+T-1 (no padding)
 
@@ -375,7 +393,7 @@ class Transformer(nn.Module):
             cos_t, sin_t = self.rope_table(cache.max_seq_len, x.dtype)
             if start is not None:
                 assert rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"
-                cos, sin = cos_t[None, None, start: start + T], sin_t[None, None, start: start + T]
+                cos, sin = cos_t[None, None, start : start + T], sin_t[None, None, start : start + T]
                 # one query that sees every key needs no mask; a block gets its mask built once here,
                 # shared by every layer (not rebuilt by the attention function in each of them)
                 full = T == 1 and (window is None or kv_len <= window)

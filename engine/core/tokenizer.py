@@ -1,4 +1,5 @@
 """The tokenizer of a checkpoint (``tokenizer.json`` through the ``tokenizers`` library)."""
+
 from __future__ import annotations
 
 from pathlib import Path

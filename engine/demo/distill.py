@@ -12,6 +12,7 @@ optimizer, step, RNG) in ``out``/train_state.pt every ``save_every`` steps; both
 the draft is written (a head: engine/spec/heads.py's format; a model: a Hugging Face checkpoint with
 the target's tokenizer).
 """
+
 from __future__ import annotations
 
 import json
@@ -119,8 +120,16 @@ def _windows(data: DistillData, n: int, depth: int, g: torch.Generator) -> tuple
     return pick // data.tokens.shape[1], pick % data.tokens.shape[1]
 
 
-def head_loss(kind: str, head: nn.Module, target: Any, lm_w: Tensor, pos_of: Tensor | None, data: DistillData,
-              opts: TrainOptions, g: torch.Generator) -> Tensor:
+def head_loss(
+    kind: str,
+    head: nn.Module,
+    target: Any,
+    lm_w: Tensor,
+    pos_of: Tensor | None,
+    data: DistillData,
+    opts: TrainOptions,
+    g: torch.Generator,
+) -> Tensor:
     """One batch's loss for medusa (head i on h_t vs q_{t+1+i}) or eagle (unrolled depth steps)."""
     depth = opts.heads
     rows, t = _windows(data, opts.positions, depth, g)
@@ -143,7 +152,7 @@ def head_loss(kind: str, head: nn.Module, target: Any, lm_w: Tensor, pos_of: Ten
         logq = F.linear(f[:, j], lm_w).float().log_softmax(-1)
         kl = kl_loss(logq, data.vals[rows, q_pos], data.idx[rows, q_pos], pos_of).mean()
         hard = _hard(logq, data.tokens[rows, q_pos + 1], pos_of)
-        total = total + 0.8 ** j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard)
+        total = total + 0.8**j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard)
     return total
 
 
@@ -165,8 +174,14 @@ def _lr(step: int, total: int, warmup: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
 
 
-def train_loop(module: nn.Module, loss_fn: Callable[[torch.Generator], Tensor], opts: TrainOptions, steps: int,
-               state_path: Path, progress: bool) -> float:
+def train_loop(
+    module: nn.Module,
+    loss_fn: Callable[[torch.Generator], Tensor],
+    opts: TrainOptions,
+    steps: int,
+    state_path: Path,
+    progress: bool,
+) -> float:
     """AdamW with warmup + cosine, clip 1.0; resumes from ``state_path`` and saves it every save_every steps."""
     params = [p for p in module.parameters() if p.requires_grad]
     lr = opts.lr or 3e-3
@@ -194,8 +209,16 @@ def train_loop(module: nn.Module, loss_fn: Callable[[torch.Generator], Tensor], 
         bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % opts.save_every == 0 and step + 1 < steps:
             tmp = state_path.with_name(state_path.name + f".tmp-{os.getpid()}")
-            torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "rng": g.get_state(),
-                        "step": step + 1, "ema": ema}, tmp)
+            torch.save(
+                {
+                    "module": module.state_dict(),
+                    "opt": opt.state_dict(),
+                    "rng": g.get_state(),
+                    "step": step + 1,
+                    "ema": ema,
+                },
+                tmp,
+            )
             os.replace(tmp, state_path)
     module.eval()
     return ema
@@ -203,9 +226,16 @@ def train_loop(module: nn.Module, loss_fn: Callable[[torch.Generator], Tensor], 
 
 def draft_model_config(target_cfg: Any, layers: int, hidden: int) -> Any:
     heads = max(1, hidden // 64)
-    return replace(target_cfg, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                   num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
-                   tie_word_embeddings=True)
+    return replace(
+        target_cfg,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        tie_word_embeddings=True,
+    )
 
 
 def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
@@ -215,22 +245,40 @@ def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (target_dir / name).is_file():
             shutil.copyfile(target_dir / name, out / name)
-    tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().contiguous().clone()
-               for k, v in draft.state_dict().items() if k != "lm_head.weight"}
+    tensors = {
+        ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().contiguous().clone()
+        for k, v in draft.state_dict().items()
+        if k != "lm_head.weight"
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
     c = draft.config
     raw.pop("quantization_config", None)
-    raw.update(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-               head_dim=c.head_dim, tie_word_embeddings=True, torch_dtype="float32")
+    raw.update(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
     tmp = out / f"config.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / "config.json")
 
 
-def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, text: str, *,
-                device: str = "cpu", progress: bool = True, engine: Any = None) -> dict[str, Any]:
+def train_draft(
+    target_dir: str | Path,
+    out: str | Path,
+    opts: TrainOptions,
+    text: str,
+    *,
+    device: str = "cpu",
+    progress: bool = True,
+    engine: Any = None,
+) -> dict[str, Any]:
     """Generate, label, train and write the draft into ``out``; returns a report (also out/train_report.json)."""
     from engine.api.engine import Engine
 
@@ -246,14 +294,18 @@ def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, tex
     else:
         ids = eng.tokenizer.encode(text)
         prompts = cut_prompts(ids, opts.samples, opts.prompt_len, opts.seed)
-        seqs, gen_s = generate(eng, prompts, opts.gen_len, opts.temperature, opts.seed, progress,
-                               greedy_share=opts.greedy_share)
+        seqs, gen_s = generate(
+            eng, prompts, opts.gen_len, opts.temperature, opts.seed, progress, greedy_share=opts.greedy_share
+        )
         data = label(target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, progress)
         data.gen_seconds = gen_s
         data.save(data_path)
-    report.update(generated_tokens=data.generated_tokens, gen_s=round(data.gen_seconds, 1),
-                  gen_tokens_per_s=round(data.generated_tokens / max(data.gen_seconds, 1e-9), 1),
-                  label_s=round(data.label_seconds, 1))
+    report.update(
+        generated_tokens=data.generated_tokens,
+        gen_s=round(data.gen_seconds, 1),
+        gen_tokens_per_s=round(data.generated_tokens / max(data.gen_seconds, 1e-9), 1),
+        label_s=round(data.label_seconds, 1),
+    )
     steps = opts.steps or default_steps(opts.kind)
     t0 = time.perf_counter()
     state = out / "train_state.pt"
@@ -270,10 +322,17 @@ def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, tex
         save_draft_model(draft, target_dir, out)
     else:
         vocab_ids = None if opts.draft_vocab is None else frequent_tokens(data, opts.draft_vocab, cfg.vocab_size)
-        hcfg = HeadConfig(kind=opts.kind, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                          layers=opts.layers or 1, intermediate_size=opts.hidden or 0, num_heads=opts.heads,
-                          draft_vocab=None if vocab_ids is None else len(vocab_ids), rms_norm_eps=cfg.rms_norm_eps,
-                          target=target_fingerprint(target, eng.tokenizer.vocab()))
+        hcfg = HeadConfig(
+            kind=opts.kind,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            layers=opts.layers or 1,
+            intermediate_size=opts.hidden or 0,
+            num_heads=opts.heads,
+            draft_vocab=None if vocab_ids is None else len(vocab_ids),
+            rms_norm_eps=cfg.rms_norm_eps,
+            target=target_fingerprint(target, eng.tokenizer.vocab()),
+        )
         head = init_head(hcfg, target, opts.seed)
         lm_w = target.lm_head.weight.detach().float()
         pos_of = None
@@ -281,8 +340,14 @@ def train_draft(target_dir: str | Path, out: str | Path, opts: TrainOptions, tex
             lm_w = lm_w[vocab_ids]
             pos_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
             pos_of[vocab_ids] = torch.arange(len(vocab_ids))
-        loss = train_loop(head, lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
-                          opts, steps, state, progress)
+        loss = train_loop(
+            head,
+            lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
+            opts,
+            steps,
+            state,
+            progress,
+        )
         save_head(head, hcfg, vocab_ids, out)
     report.update(kind=opts.kind, steps=steps, train_s=round(time.perf_counter() - t0, 1), final_loss=round(loss, 4))
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -13,6 +13,7 @@
 ``DistillData`` is what training reads; ``save`` / ``load`` cache it (one torch file, written atomically)
 so an interrupted training resumes without generating again.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,11 +66,19 @@ def cut_prompts(ids: list[int], n: int, prompt_len: int, seed: int) -> list[list
         raise ValueError(f"the training text has {len(ids)} tokens: allowed more than prompt_len={prompt_len}")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - prompt_len, (n,), generator=g).tolist()
-    return [ids[s: s + prompt_len] for s in starts]
+    return [ids[s : s + prompt_len] for s in starts]
 
 
-def generate(engine: Any, prompts: list[list[int]], gen_len: int, temperature: float, seed: int,
-             progress: bool = True, chunk: int = 256, greedy_share: float = 0.0) -> tuple[list[list[int]], float]:
+def generate(
+    engine: Any,
+    prompts: list[list[int]],
+    gen_len: int,
+    temperature: float,
+    seed: int,
+    progress: bool = True,
+    chunk: int = 256,
+    greedy_share: float = 0.0,
+) -> tuple[list[list[int]], float]:
     """Each prompt + the target's continuation (the engine's batched generation), and the seconds taken."""
     from engine.api.engine import SamplingParams
 
@@ -77,10 +86,16 @@ def generate(engine: Any, prompts: list[list[int]], gen_len: int, temperature: f
     t0 = time.perf_counter()
     bar = tqdm(total=len(prompts) * gen_len, desc="generating", unit="tok", disable=not progress, leave=False)
     for i in range(0, len(prompts), chunk):
-        group = prompts[i: i + chunk]
+        group = prompts[i : i + chunk]
         n_greedy = round(greedy_share * len(prompts))  # the first n_greedy prompts are continued greedily
-        params = [SamplingParams(max_new_tokens=gen_len, temperature=0.0 if i + j < n_greedy else temperature,
-                                 seed=seed * 1_000_003 + i + j) for j in range(len(group))]
+        params = [
+            SamplingParams(
+                max_new_tokens=gen_len,
+                temperature=0.0 if i + j < n_greedy else temperature,
+                seed=seed * 1_000_003 + i + j,
+            )
+            for j in range(len(group))
+        ]
         for p, o in zip(group, engine.generate(group, params)):
             out.append(list(p) + list(o.token_ids))
         bar.update(len(group) * gen_len)
@@ -89,8 +104,15 @@ def generate(engine: Any, prompts: list[list[int]], gen_len: int, temperature: f
 
 
 @torch.no_grad()
-def label(target: Any, seqs: list[list[int]], topk: int, features: bool, prompt_len: int,
-          progress: bool = True, group_tokens: int = 8192) -> DistillData:
+def label(
+    target: Any,
+    seqs: list[list[int]],
+    topk: int,
+    features: bool,
+    prompt_len: int,
+    progress: bool = True,
+    group_tokens: int = 8192,
+) -> DistillData:
     """The target's top-k log-probs (and features) at every position of ``seqs``."""
     t0 = time.perf_counter()
     N, T = len(seqs), max(len(s) for s in seqs)
@@ -105,10 +127,10 @@ def label(target: Any, seqs: list[list[int]], topk: int, features: bool, prompt_
     dev = target.norm.weight.device
     g = max(1, group_tokens // T)
     for i in tqdm(range(0, N, g), desc="target labels", disable=not progress, leave=False):
-        x = tokens[i: i + g].to(dev)
+        x = tokens[i : i + g].to(dev)
         logits, h = target(x, return_hidden=True)
         top = logits.float().log_softmax(-1).topk(topk, dim=-1)
-        vals[i: i + g], idx[i: i + g] = top.values.half().cpu(), top.indices.int().cpu()
+        vals[i : i + g], idx[i : i + g] = top.values.half().cpu(), top.indices.int().cpu()
         if feats is not None:
-            feats[i: i + g] = h.to(torch.bfloat16).cpu()
+            feats[i : i + g] = h.to(torch.bfloat16).cpu()
     return DistillData(tokens, lengths, vals, idx, feats, prompt_len, label_seconds=time.perf_counter() - t0)

@@ -5,6 +5,7 @@ cache lacks them (engine/demo/recipe.py names the directory, engine/demo/train.p
 A build happens in a temporary directory beside the target and is renamed into place at
 the end under a lock: a killed build leaves no pair.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -12,9 +13,10 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from engine.demo.recipe import DemoRecipe, get_recipe, pair_dir
 from engine.demo.train import build_pair as _train
@@ -22,8 +24,9 @@ from engine.demo.train import build_pair as _train
 log = logging.getLogger(__name__)
 
 
-def demo_pair(size: str = "demo", cache_dir: str | Path | None = None, progress: bool = True,
-              force: bool = False) -> tuple[Path, Path]:
+def demo_pair(
+    size: str = "demo", cache_dir: str | Path | None = None, progress: bool = True, force: bool = False
+) -> tuple[Path, Path]:
     """(target_dir, draft_dir) of the demo pair of ``size``, built first when the cache lacks it."""
     final = pair_dir(size, cache_dir)
     if force or not (final / "report.json").is_file():

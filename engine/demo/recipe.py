@@ -7,6 +7,7 @@ Corpus: ``pydoc_data.topics`` (values joined in sorted-key order); the last 10%
 (cut at a line boundary) is held out and never trained on; the calibration
 slice is the last 5% of the training split (never the held-out text).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -71,19 +72,39 @@ RECIPES: dict[str, DemoRecipe] = {
     # enough (8 layers, 58M) that a verify pass costs little more than a step beside a 2-layer draft;
     # the draft distilled with target-sampled chunks (temperature 0.8) as well as training text.
     "demo": DemoRecipe(
-        vocab_size=2048, target=ModelShape(768, 8, 2048, 12, 12), draft=ModelShape(256, 2, 768, 4, 4),
-        target_steps=300, draft_steps=1500, target_dropout=0.1, distill_sampled=256, distill_temperature=0.8,
-        weight_values="bfloat16"),
+        vocab_size=2048,
+        target=ModelShape(768, 8, 2048, 12, 12),
+        draft=ModelShape(256, 2, 768, 4, 4),
+        target_steps=300,
+        draft_steps=1500,
+        target_dropout=0.1,
+        distill_sampled=256,
+        distill_temperature=0.8,
+        weight_values="bfloat16",
+    ),
     "tiny": DemoRecipe(
-        vocab_size=512, target=ModelShape(192, 2, 512, 4, 4), draft=ModelShape(64, 1, 192, 2, 2),
-        target_steps=200, draft_steps=200, batch=4, seq_len=128, long_every=0, max_position_embeddings=256,
-        target_lr=3e-3, draft_lr=1e-2, warmup=10, eval_ctx=256, distill_topk=32),
+        vocab_size=512,
+        target=ModelShape(192, 2, 512, 4, 4),
+        draft=ModelShape(64, 1, 192, 2, 2),
+        target_steps=200,
+        draft_steps=200,
+        batch=4,
+        seq_len=128,
+        long_every=0,
+        max_position_embeddings=256,
+        target_lr=3e-3,
+        draft_lr=1e-2,
+        warmup=10,
+        eval_ctx=256,
+        distill_topk=32,
+    ),
 }
 
 
 def corpus_text() -> str:
     """The English text that ships with CPython: ``pydoc_data.topics`` joined in key order."""
     from pydoc_data.topics import topics
+
     return "".join(topics[k] for k in sorted(topics))
 
 
@@ -97,7 +118,7 @@ def demo_texts() -> dict[str, str]:
     text = corpus_text()
     i = _cut(text, 0.9)
     train, heldout = text[:i], text[i:]
-    return {"train": train, "calib": train[_cut(train, 0.95):], "heldout": heldout}
+    return {"train": train, "calib": train[_cut(train, 0.95) :], "heldout": heldout}
 
 
 def get_recipe(size: str) -> DemoRecipe:

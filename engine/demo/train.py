@@ -5,6 +5,7 @@ next-token cross-entropy, the draft distilled from it (KL over the target's top-
 the rest, mixed with hard labels; on training text and, when the recipe asks, on text the target
 generates), both evaluated on the held-out split, and everything saved as Hugging Face checkpoints.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,11 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,35 +73,54 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         t0 = time.perf_counter()
         tloss = _train_target(target, train_ids, recipe, bf16, progress)
         _round_weights(target, recipe.weight_values)
-        report["target"] = {"params": _params(target), "train_s": round(time.perf_counter() - t0, 1),
-                            "steps": recipe.target_steps, "final_train_loss": round(tloss, 4)}
+        report["target"] = {
+            "params": _params(target),
+            "train_s": round(time.perf_counter() - t0, 1),
+            "steps": recipe.target_steps,
+            "final_train_loss": round(tloss, 4),
+        }
         draft = _init_model(dcfg)
         t0 = time.perf_counter()
         dloss = _distill_draft(draft, target, train_ids, recipe, bf16, progress)
         _round_weights(draft, recipe.weight_values)
-        report["draft"] = {"params": _params(draft), "train_s": round(time.perf_counter() - t0, 1),
-                           "steps": recipe.draft_steps, "final_distill_loss": round(dloss, 4)}
+        report["draft"] = {
+            "params": _params(draft),
+            "train_s": round(time.perf_counter() - t0, 1),
+            "steps": recipe.draft_steps,
+            "final_distill_loss": round(dloss, 4),
+        }
         ev = evaluate_pair(target, draft, held_ids, recipe.eval_ctx)
         report["target"]["heldout_ppl"] = ev["target_ppl"]
         report["draft"]["heldout_ppl"] = ev["draft_ppl"]
         report["agreement"] = ev["agreement"]
         report["eval_positions"] = ev["positions"]
-    report.update(vocab_size=tok.get_vocab_size(), train_tokens=len(train_ids), heldout_tokens=len(held_ids),
-                  bf16_training=bf16, threads=recipe.threads)
+    report.update(
+        vocab_size=tok.get_vocab_size(),
+        train_tokens=len(train_ids),
+        heldout_tokens=len(held_ids),
+        bf16_training=bf16,
+        threads=recipe.threads,
+    )
     for name, model in (("target", target), ("draft", draft)):
         save_checkpoint(model, tok, out / name)
     (out / "heldout.txt").write_text(texts["heldout"], encoding="utf-8")
     (out / "calib.txt").write_text(texts["calib"], encoding="utf-8")
     report["total_s"] = round(time.perf_counter() - t_all, 1)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    log.info("demo pair %s: target %.1fM params ppl %.2f, draft %.2fM params ppl %.2f, agreement %.3f, %.0f s",
-             size, report["target"]["params"] / 1e6, report["target"]["heldout_ppl"],
-             report["draft"]["params"] / 1e6, report["draft"]["heldout_ppl"], report["agreement"],
-             report["total_s"])
+    log.info(
+        "demo pair %s: target %.1fM params ppl %.2f, draft %.2fM params ppl %.2f, agreement %.3f, %.0f s",
+        size,
+        report["target"]["params"] / 1e6,
+        report["target"]["heldout_ppl"],
+        report["draft"]["params"] / 1e6,
+        report["draft"]["heldout_ppl"],
+        report["agreement"],
+        report["total_s"],
+    )
     return report
 
 
-def train_tokenizer(text: str, vocab_size: int) -> "Any":
+def train_tokenizer(text: str, vocab_size: int) -> Any:
     """Byte-level BPE (tokenizers library) with the eos token as id 0."""
     from tokenizers import (
         Tokenizer,
@@ -109,23 +130,38 @@ def train_tokenizer(text: str, vocab_size: int) -> "Any":
         processors,
         trainers,
     )
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(text.splitlines(keepends=True), trainer)
     return tok
 
 
 def _model_config(recipe: DemoRecipe, s: ModelShape, eos: int) -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=recipe.vocab_size, hidden_size=s.hidden,
-        intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, head_dim=s.hidden // s.heads,
-        max_position_embeddings=recipe.max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=eos, eos_token_ids=[eos])
+        architecture="LlamaForCausalLM",
+        vocab_size=recipe.vocab_size,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.hidden // s.heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_ids=[eos],
+    )
 
 
 def _params(model: torch.nn.Module) -> int:
@@ -174,13 +210,23 @@ def _autocast(bf16: bool) -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
-def _train(model: Transformer, recipe: DemoRecipe, steps: int, lr: float, desc: str, progress: bool,
-           loss_fn: Callable[[int], torch.Tensor]) -> float:
+def _train(
+    model: Transformer,
+    recipe: DemoRecipe,
+    steps: int,
+    lr: float,
+    desc: str,
+    progress: bool,
+    loss_fn: Callable[[int], torch.Tensor],
+) -> float:
     """AdamW (decoupled weight decay on matrices), warmup + cosine to lr / 10, clip 1.0; EMA of the loss."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                             {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     model.train()
     ema = float("nan")
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
@@ -206,14 +252,21 @@ def _train_target(model: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf1
         long = recipe.long_every > 0 and step % recipe.long_every == recipe.long_every - 1
         T, B = (2 * recipe.seq_len, max(1, recipe.batch // 2)) if long else (recipe.seq_len, recipe.batch)
         starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen)
-        x = torch.stack([ids[s: s + T + 1] for s in starts.tolist()])
+        x = torch.stack([ids[s : s + T + 1] for s in starts.tolist()])
         with _autocast(bf16):
             logits = model(x[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
     p = recipe.target_dropout
-    hooks = [m.register_forward_hook(lambda mod, inp, out: F.dropout(out, p, mod.training))
-             for layer in model.layers for m in (layer.self_attn, layer.mlp)] if p > 0 else []
+    hooks = (
+        [
+            m.register_forward_hook(lambda mod, inp, out: F.dropout(out, p, mod.training))
+            for layer in model.layers
+            for m in (layer.self_attn, layer.mlp)
+        ]
+        if p > 0
+        else []
+    )
     try:
         return _train(model, recipe, recipe.target_steps, recipe.target_lr, "target", progress, loss_fn)
     finally:
@@ -222,33 +275,38 @@ def _train_target(model: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf1
 
 
 @torch.no_grad()
-def _soft_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool,
-                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _soft_labels(
+    target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunks [N, C] of the training ids and the target's top-k log-probs / indices [N, C, k] on them.
 
     Chunks of C = 2 * seq_len tokens at ``distill_offsets`` offsets; only as many (chosen at random)
     as the distillation steps will use are scored.
     """
     C = 2 * recipe.seq_len
-    starts = [s for off in range(recipe.distill_offsets)
-              for s in range(off * C // recipe.distill_offsets, len(ids) - C + 1, C)]
+    starts = [
+        s
+        for off in range(recipe.distill_offsets)
+        for s in range(off * C // recipe.distill_offsets, len(ids) - C + 1, C)
+    ]
     bs = max(1, recipe.batch // 2)
     keep = torch.randperm(len(starts), generator=gen)[: recipe.draft_steps * bs].sort().values
-    x = torch.stack([ids[starts[i]: starts[i] + C] for i in keep.tolist()])
+    x = torch.stack([ids[starts[i] : starts[i] + C] for i in keep.tolist()])
     vals = torch.empty(len(x), C, recipe.distill_topk, dtype=torch.float16)
     idx = torch.empty(len(x), C, recipe.distill_topk, dtype=torch.int16 if recipe.vocab_size < 2**15 else torch.int32)
     step = 2 * recipe.batch
     for i in tqdm(range(0, len(x), step), desc="soft labels", disable=not progress, leave=False):
         with _autocast(bf16):
-            logits = target(x[i: i + step])
+            logits = target(x[i : i + step])
         top = logits.float().log_softmax(-1).topk(recipe.distill_topk, dim=-1)
-        vals[i: i + step], idx[i: i + step] = top.values.half(), top.indices.to(idx.dtype)
+        vals[i : i + step], idx[i : i + step] = top.values.half(), top.indices.to(idx.dtype)
     return x, vals, idx
 
 
 @torch.no_grad()
-def _sampled_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool,
-                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sampled_labels(
+    target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``distill_sampled`` chunks of C = 2 * seq_len tokens: a 32-token training prompt continued by
     the target (sampled at ``distill_temperature``, greedy at 0), with the target's top-k log-probs
     [N, C, k] on the way."""
@@ -260,30 +318,37 @@ def _sampled_labels(target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, 
     for b in range(0, n, G):
         g = min(G, n - b)
         starts = torch.randint(0, len(ids) - P, (g,), generator=gen).tolist()
-        x[b: b + g, :P] = torch.stack([ids[s: s + P] for s in starts])
+        x[b : b + g, :P] = torch.stack([ids[s : s + P] for s in starts])
         cache = KVCache(target.config, g, C, torch.float32, "cpu")
         with _autocast(bf16):
-            logits = target(x[b: b + g, :P], cache=cache, kv_len=P).float()
+            logits = target(x[b : b + g, :P], cache=cache, kv_len=P).float()
         for pos in range(P, C + 1):
             lp = logits.log_softmax(-1)
             top = lp.topk(k, dim=-1)
-            vals[b: b + g, pos - logits.shape[1]: pos], idx[b: b + g, pos - logits.shape[1]: pos] = \
-                top.values.half(), top.indices.int()
+            vals[b : b + g, pos - logits.shape[1] : pos], idx[b : b + g, pos - logits.shape[1] : pos] = (
+                top.values.half(),
+                top.indices.int(),
+            )
             if pos == C:
                 break
             t = recipe.distill_temperature
-            x[b: b + g, pos] = lp[:, -1].argmax(-1) if t == 0 else \
-                torch.multinomial((lp[:, -1] / t).softmax(-1), 1, generator=gen)[:, 0]
+            x[b : b + g, pos] = (
+                lp[:, -1].argmax(-1)
+                if t == 0
+                else torch.multinomial((lp[:, -1] / t).softmax(-1), 1, generator=gen)[:, 0]
+            )
             with _autocast(bf16):
-                logits = target(x[b: b + g, pos: pos + 1], input_pos=torch.full((g, 1), pos), cache=cache,
-                                kv_len=pos + 1).float()
+                logits = target(
+                    x[b : b + g, pos : pos + 1], input_pos=torch.full((g, 1), pos), cache=cache, kv_len=pos + 1
+                ).float()
             bar.update(g)
     bar.close()
     return x, vals, idx
 
 
-def _distill_draft(draft: Transformer, target: Transformer, ids: torch.Tensor, recipe: DemoRecipe,
-                   bf16: bool, progress: bool) -> float:
+def _distill_draft(
+    draft: Transformer, target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool
+) -> float:
     """KL(target || draft) over the target's top-k tokens plus one bucket for the rest of the
     vocabulary, mixed with the hard next-token labels: (1 - w) * KL + w * CE."""
     gen = torch.Generator().manual_seed(recipe.seed + 2)
@@ -324,34 +389,43 @@ def evaluate_pair(target: Transformer, draft: Transformer, ids: torch.Tensor, ct
     nll = {"target": 0.0, "draft": 0.0}
     agree, count = 0, 0
     for w in windows.split(4):
-        y = w[:, ctx // 2 + 1:]
+        y = w[:, ctx // 2 + 1 :]
         preds = {}
         for name, m in (("target", target), ("draft", draft)):
-            logits = m(w)[:, ctx // 2: -1].float()
+            logits = m(w)[:, ctx // 2 : -1].float()
             nll[name] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
             preds[name] = logits.argmax(-1)
         agree += (preds["target"] == preds["draft"]).sum().item()
         count += y.numel()
-    return {"target_ppl": round(math.exp(nll["target"] / count), 4),
-            "draft_ppl": round(math.exp(nll["draft"] / count), 4),
-            "agreement": round(agree / count, 4), "positions": count}
+    return {
+        "target_ppl": round(math.exp(nll["target"] / count), 4),
+        "draft_ppl": round(math.exp(nll["draft"] / count), 4),
+        "agreement": round(agree / count, 4),
+        "positions": count,
+    }
 
 
 @torch.no_grad()
-def greedy_agreement(target: Transformer, draft: Transformer, ids: torch.Tensor, n_prompts: int = 16,
-                     prompt_len: int = 64, new_tokens: int = 128) -> float:
+def greedy_agreement(
+    target: Transformer,
+    draft: Transformer,
+    ids: torch.Tensor,
+    n_prompts: int = 16,
+    prompt_len: int = 64,
+    new_tokens: int = 128,
+) -> float:
     """Draft top-1 == target top-1 along the target's own greedy continuations of held-out prompts
     (the per-token acceptance of greedy speculative decoding)."""
     starts = torch.linspace(0, len(ids) - prompt_len - 1, n_prompts).long().tolist()
-    seq = torch.stack([ids[s: s + prompt_len] for s in starts])
+    seq = torch.stack([ids[s : s + prompt_len] for s in starts])
     cache = KVCache(target.config, n_prompts, prompt_len + new_tokens, torch.float32, "cpu")
     logits = target(seq, cache=cache, kv_len=prompt_len)[:, -1]
     for pos in range(prompt_len, prompt_len + new_tokens - 1):
         seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
         logits = target(seq[:, -1:], input_pos=torch.full((n_prompts, 1), pos), cache=cache, kv_len=pos + 1)[:, -1]
     seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
-    t_top = target(seq)[:, prompt_len - 1: -1].argmax(-1)
-    d_top = draft(seq)[:, prompt_len - 1: -1].argmax(-1)
+    t_top = target(seq)[:, prompt_len - 1 : -1].argmax(-1)
+    d_top = draft(seq)[:, prompt_len - 1 : -1].argmax(-1)
     return round((t_top == d_top).float().mean().item(), 4)
 
 
@@ -359,17 +433,33 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for transformers' LlamaForCausalLM (and engine.core.config.load_config)."""
     eos = cfg.eos_token_ids[0]
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": 0.02, "pretraining_tp": 1,
-        "use_cache": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": None,
-        "torch_dtype": "float32", "dtype": "float32",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        "dtype": "float32",
     }
 
 
@@ -388,10 +478,19 @@ def save_checkpoint(model: Transformer, tok: Any, out: Path) -> None:
     eos = cfg.eos_token_ids[0]
     _write_json(out / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos})
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
-        "unk_token": None, "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg.max_position_embeddings})
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": EOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": cfg.max_position_embeddings,
+        },
+    )
     _write_json(out / "special_tokens_map.json", {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN})
 
 

@@ -27,6 +27,7 @@ Quantization (the module docstring of engine/export/onnx_graph.py has the node p
 Everything computes in float32; a model loaded in fp16/bf16 is exported with its weights cast
 to float32 (exactly), so its ONNX logits follow the fp32 arithmetic, not the fp16 one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,19 +64,23 @@ def _require(module: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise InvalidConfigError(f"{what} needs the Python package {module!r}: pip install -e '.[onnx]' "
-                                 "(onnx>=1.16, onnxruntime>=1.18)") from None
+        raise InvalidConfigError(
+            f"{what} needs the Python package {module!r}: pip install -e '.[onnx]' (onnx>=1.16, onnxruntime>=1.18)"
+        ) from None
 
 
 def check_exportable(model: Transformer) -> None:
     """Refuse (UnsupportedArchitectureError naming the field) what the step graph does not express."""
     cfg = model.config
     if cfg.head_dim % 2:
-        raise UnsupportedArchitectureError(f"head_dim={cfg.head_dim} is odd: the rotary embedding needs an even "
-                                           "head_dim")
+        raise UnsupportedArchitectureError(
+            f"head_dim={cfg.head_dim} is odd: the rotary embedding needs an even head_dim"
+        )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise UnsupportedArchitectureError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                                           f"num_key_value_heads={cfg.num_key_value_heads}")
+        raise UnsupportedArchitectureError(
+            f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
+        )
 
 
 def graph_io(model: Transformer) -> dict[str, Any]:
@@ -83,8 +88,10 @@ def graph_io(model: Transformer) -> dict[str, Any]:
     cfg = model.config
     kv = ["batch", cfg.num_key_value_heads, "past_seq", cfg.head_dim]
     kvo = ["batch", cfg.num_key_value_heads, "total_seq", cfg.head_dim]
-    ins = {"input_ids": {"dtype": "int64", "shape": ["batch", "step"]},
-           "positions": {"dtype": "int64", "shape": ["batch", "step"]}}
+    ins = {
+        "input_ids": {"dtype": "int64", "shape": ["batch", "step"]},
+        "positions": {"dtype": "int64", "shape": ["batch", "step"]},
+    }
     outs = {"logits": {"dtype": "float32", "shape": ["batch", "step", cfg.vocab_size]}}
     for i in range(cfg.num_hidden_layers):
         for w in ("key", "value"):
@@ -118,8 +125,13 @@ def export_step(model: Transformer, path: str | Path) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         data_name = f"{path.name}.data"
-        onnx.save_model(proto, str(tmp / path.name), save_as_external_data=external, all_tensors_to_one_file=True,
-                        location=data_name if external else None)
+        onnx.save_model(
+            proto,
+            str(tmp / path.name),
+            save_as_external_data=external,
+            all_tensors_to_one_file=True,
+            location=data_name if external else None,
+        )
         if external:
             os.replace(tmp / data_name, path.parent / data_name)
         os.replace(tmp / path.name, path)
@@ -127,13 +139,31 @@ def export_step(model: Transformer, path: str | Path) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     onnx.checker.check_model(str(path), full_check=True)
     cfg = model.config
-    log.info("wrote %s (%d layers, vocab %d, %d bytes)", path, cfg.num_hidden_layers, cfg.vocab_size,
-             path.stat().st_size)
-    return {"file": path.name, "external_data": data_name if external else None, "opset": OPSET,
-            "ir_version": IR_VERSION, **graph_io(model), "quantization": quant,
-            "config": {k: getattr(cfg, k) for k in ("architecture", "vocab_size", "hidden_size", "num_hidden_layers",
-                                                    "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                    "tie_word_embeddings", "sliding_window")}}
+    log.info(
+        "wrote %s (%d layers, vocab %d, %d bytes)", path, cfg.num_hidden_layers, cfg.vocab_size, path.stat().st_size
+    )
+    return {
+        "file": path.name,
+        "external_data": data_name if external else None,
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        **graph_io(model),
+        "quantization": quant,
+        "config": {
+            k: getattr(cfg, k)
+            for k in (
+                "architecture",
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "tie_word_embeddings",
+                "sliding_window",
+            )
+        },
+    }
 
 
 class OnnxStep:
@@ -157,8 +187,9 @@ class OnnxStep:
         _, hkv, _, d = self.kv_shape
         return [np.zeros((batch, hkv, 0, d), np.float32) for _ in self.cache_names]
 
-    def __call__(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor,
-                 cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    def __call__(
+        self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray | torch.Tensor, cache: list[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
         """(logits [B, T, V], the present cache) for one step."""
         feeds = {"input_ids": np.asarray(input_ids, np.int64), "positions": np.asarray(positions, np.int64)}
         feeds.update(zip(self.cache_names, cache))
@@ -203,17 +234,25 @@ class Parity:
         quantization error: max |diff| <= the error's max and mean |diff| <= a fifth of its mean."""
         if self.max_rel <= max_rel:
             return True
-        return (self.ref_max_abs is not None and self.ref_mean_abs is not None
-                and self.max_abs <= QUANT_MAX_FRACTION * self.ref_max_abs
-                and self.mean_abs <= QUANT_MEAN_FRACTION * self.ref_mean_abs)
+        return (
+            self.ref_max_abs is not None
+            and self.ref_mean_abs is not None
+            and self.max_abs <= QUANT_MAX_FRACTION * self.ref_max_abs
+            and self.mean_abs <= QUANT_MEAN_FRACTION * self.ref_mean_abs
+        )
 
 
 def _flat(logits: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.reshape(-1, x.shape[-1]) for x in logits])
 
 
-def specmix_decode(model: Transformer, prompt: torch.Tensor, steps: int, tokens: list[torch.Tensor] | None = None,
-                   verify: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def specmix_decode(
+    model: Transformer,
+    prompt: torch.Tensor,
+    steps: int,
+    tokens: list[torch.Tensor] | None = None,
+    verify: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """specmix logits of a prefill of ``prompt`` [B, T0], ``steps`` decode steps, then ``verify`` [B, K].
 
     The decode steps feed ``tokens`` ([B] each) or, when None, the greedy choices.
@@ -237,8 +276,9 @@ def specmix_decode(model: Transformer, prompt: torch.Tensor, steps: int, tokens:
     return out, fed
 
 
-def _one_ulp_floor(model: Transformer, prompt: torch.Tensor, steps: int, tokens: list[torch.Tensor],
-                   verify: torch.Tensor | None) -> list[torch.Tensor]:
+def _one_ulp_floor(
+    model: Transformer, prompt: torch.Tensor, steps: int, tokens: list[torch.Tensor], verify: torch.Tensor | None
+) -> list[torch.Tensor]:
     """specmix_decode with the output of the embedding and of every RMSNorm moved one ulp up or down
     (a seeded random direction per element): rounding-level noise where each sublayer starts."""
     from engine.core.model import RMSNorm
@@ -258,8 +298,15 @@ def _one_ulp_floor(model: Transformer, prompt: torch.Tensor, steps: int, tokens:
             h.remove()
 
 
-def decode_parity(model: Transformer, step: OnnxStep, prompt: torch.Tensor, steps: int = 8,
-                  reference: Transformer | None = None, verify: int = 0, floor: bool = False) -> Parity:
+def decode_parity(
+    model: Transformer,
+    step: OnnxStep,
+    prompt: torch.Tensor,
+    steps: int = 8,
+    reference: Transformer | None = None,
+    verify: int = 0,
+    floor: bool = False,
+) -> Parity:
     """Compare ONNX with specmix over a prefill of ``prompt`` [B, T0] and ``steps`` greedy decode steps.
 
     Tokens are specmix's greedy choices (fed to both). ``verify`` > 0 appends one multi-token
@@ -268,8 +315,10 @@ def decode_parity(model: Transformer, step: OnnxStep, prompt: torch.Tensor, step
     one-ulp sensitivity of specmix itself (see Parity).
     """
     if steps < 0 or verify < 0 or prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise InvalidConfigError(f"steps={steps}, verify={verify}, prompt shape {tuple(prompt.shape)}: allowed "
-                                 "steps >= 0, verify >= 0 and a prompt [batch, >= 1]")
+        raise InvalidConfigError(
+            f"steps={steps}, verify={verify}, prompt shape {tuple(prompt.shape)}: allowed "
+            "steps >= 0, verify >= 0 and a prompt [batch, >= 1]"
+        )
     B, T0 = prompt.shape
     g = torch.Generator().manual_seed(0)
     ver = torch.randint(0, model.config.vocab_size, (B, verify), generator=g) if verify else None
@@ -287,8 +336,14 @@ def decode_parity(model: Transformer, step: OnnxStep, prompt: torch.Tensor, step
         got.append(torch.from_numpy(lg_o))
     a, o = _flat(ours), _flat(got)
     scale, d = float(a.abs().max()), (a - o).abs()
-    res = Parity(steps=steps, max_abs=float(d.max()), mean_abs=float(d.mean()), max_rel=float(d.max()) / scale,
-                 logit_scale=scale, argmax_agree=float((a.argmax(-1) == o.argmax(-1)).float().mean()))
+    res = Parity(
+        steps=steps,
+        max_abs=float(d.max()),
+        mean_abs=float(d.mean()),
+        max_rel=float(d.max()) / scale,
+        logit_scale=scale,
+        argmax_agree=float((a.argmax(-1) == o.argmax(-1)).float().mean()),
+    )
     if reference is not None:
         r = (a - _flat(specmix_decode(reference, prompt, steps, tokens, ver)[0])).abs()
         res.ref_max_abs, res.ref_mean_abs = float(r.max()), float(r.mean())
@@ -308,8 +363,9 @@ def module_parity(model: Transformer, prompt: torch.Tensor) -> dict[str, Any]:
 
     mods = {n: m for n, m in model.named_modules() if isinstance(m, (Int8Linear, FP8Linear))}
     seen: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_pre_hook(lambda _m, args, n=n: seen.setdefault(n, args[0].detach()))
-             for n, m in mods.items()]
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, args, n=n: seen.setdefault(n, args[0].detach())) for n, m in mods.items()
+    ]
     try:
         with torch.no_grad():
             model(prompt.to(model.norm.weight.device))
@@ -333,5 +389,9 @@ def module_parity(model: Transformer, prompt: torch.Tensor) -> dict[str, Any]:
                 got = np.asarray(res[1]).view(np.uint8)
             differ += int((q != got).sum())
             total += q.size
-    return {"modules": len(mods), "max_rel": worst, "quantized_activations": total,
-            "quantized_activations_differing": differ}
+    return {
+        "modules": len(mods),
+        "max_rel": worst,
+        "quantized_activations": total,
+        "quantized_activations_differing": differ,
+    }

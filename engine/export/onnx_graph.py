@@ -32,6 +32,7 @@ The per-token scale is specmix's (quant/fp8.py rowwise_scale): absmax / qmax, st
 down while ``qmax * scale > absmax`` (``scale * (1 - 2^-24)`` is exactly that step for a normal
 float32), at least the smallest normal float32.
 """
+
 from __future__ import annotations
 
 import math
@@ -126,8 +127,7 @@ class _StepBuilder:
     def _dynamic_qdq(self, x: str, qmax: float, elem: int, name: str) -> str:
         """Per-token (per-row of x [M, K]) symmetric dynamic quantization -> the dequantized x."""
         g = self.g
-        amax = g.op("ReduceMax", [g.op("Abs", [x], f"{name}_abs"), g.const([1], np.int64)], f"{name}_amax",
-                    keepdims=0)
+        amax = g.op("ReduceMax", [g.op("Abs", [x], f"{name}_abs"), g.const([1], np.int64)], f"{name}_amax", keepdims=0)
         qm = g.const(qmax)
         scale = g.op("Div", [amax, qm], f"{name}_scale0")
         for i in range(2):  # quant/fp8.py rowwise_scale: never qmax * scale > amax
@@ -153,9 +153,11 @@ class _StepBuilder:
         g = self.g
         if isinstance(mod, Int8Linear):
             if mod.kernel not in EXPORTABLE_KERNELS["int8"]:
-                raise InvalidConfigError(f"{name}: int8 kernel={mod.kernel!r} cannot be exported to ONNX: allowed "
-                                         f"{', '.join(EXPORTABLE_KERNELS['int8'])} (LLM.int8's outlier split has no "
-                                         "Q/DQ form); plan the FFN with int8_kernel='w8a8'")
+                raise InvalidConfigError(
+                    f"{name}: int8 kernel={mod.kernel!r} cannot be exported to ONNX: allowed "
+                    f"{', '.join(EXPORTABLE_KERNELS['int8'])} (LLM.int8's outlier split has no "
+                    "Q/DQ form); plan the FFN with int8_kernel='w8a8'"
+                )
             if mod.smooth is not None:
                 x = g.op("Div", [x, g.tensor(mod.smooth, f"{name}.smooth")], f"{name}_smoothed")
                 self._note("int8 SmoothQuant", name)
@@ -164,9 +166,11 @@ class _StepBuilder:
             self._note("int8 w8a8", name)
         elif isinstance(mod, FP8Linear):
             if mod.kernel not in EXPORTABLE_KERNELS["fp8"]:
-                raise InvalidConfigError(f"{name}: fp8 kernel={mod.kernel!r} cannot be exported to ONNX: allowed "
-                                         f"{', '.join(EXPORTABLE_KERNELS['fp8'])} (transformer-engine's delayed "
-                                         "scaling keeps run-time state)")
+                raise InvalidConfigError(
+                    f"{name}: fp8 kernel={mod.kernel!r} cannot be exported to ONNX: allowed "
+                    f"{', '.join(EXPORTABLE_KERNELS['fp8'])} (transformer-engine's delayed "
+                    "scaling keeps run-time state)"
+                )
             if mod.kernel == "native":
                 x = self._dynamic_qdq(x, 448.0, g.TP.FLOAT8E4M3FN, name)
             w = self._dequant_weight(mod.weight, mod.weight_scale, name)
@@ -174,8 +178,10 @@ class _StepBuilder:
         elif type(mod) in (nn.Linear, OneDNNLinear, SmallGemmLinear):  # the same weight (a packed copy aside)
             w = g.tensor(mod.weight, f"{name}.weight")
         else:
-            raise InvalidConfigError(f"{name}: module {type(mod).__name__} cannot be exported: allowed nn.Linear, "
-                                     "OneDNNLinear, SmallGemmLinear, Int8Linear, FP8Linear")
+            raise InvalidConfigError(
+                f"{name}: module {type(mod).__name__} cannot be exported: allowed nn.Linear, "
+                "OneDNNLinear, SmallGemmLinear, Int8Linear, FP8Linear"
+            )
         ins = [x, w] + ([g.tensor(mod.bias, f"{name}.bias")] if mod.bias is not None else [])
         return g.op("Gemm", ins, f"{name}_out", transB=1)
 
@@ -189,17 +195,20 @@ class _StepBuilder:
         elif type(mod) is nn.Embedding:
             table = g.tensor(mod.weight, "embed_tokens.weight")
         else:
-            raise InvalidConfigError(f"embed_tokens: module {type(mod).__name__} cannot be exported: allowed "
-                                     "nn.Embedding, FP8Embedding")
+            raise InvalidConfigError(
+                f"embed_tokens: module {type(mod).__name__} cannot be exported: allowed nn.Embedding, FP8Embedding"
+            )
         return g.op("Gather", [table, ids_flat], "embeds", axis=0)
 
     # ------------------------------------------------------------------ the decoder
     def rms_norm(self, x: str, mod: nn.Module, name: str) -> str:
         g = self.g
-        ms = g.op("ReduceMean", [g.op("Mul", [x, x], f"{name}_sq"), g.const([-1], np.int64)], f"{name}_ms",
-                  keepdims=1)
-        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(mod.eps)], f"{name}_mse")], f"{name}_rms")],
-                   f"{name}_inv")
+        ms = g.op("ReduceMean", [g.op("Mul", [x, x], f"{name}_sq"), g.const([-1], np.int64)], f"{name}_ms", keepdims=1)
+        inv = g.op(
+            "Reciprocal",
+            [g.op("Sqrt", [g.op("Add", [ms, g.const(mod.eps)], f"{name}_mse")], f"{name}_rms")],
+            f"{name}_inv",
+        )
         return g.op("Mul", [g.tensor(mod.weight, f"{name}.weight"), g.op("Mul", [x, inv], f"{name}_n")], f"{name}_out")
 
     def rope(self, x: str, cos: str, sin: str, name: str) -> str:
@@ -214,8 +223,11 @@ class _StepBuilder:
         p = f"layers.{i}.self_attn"
 
         def heads(t: str, n: int, nm: str) -> str:  # [M, n*D] -> [B, n, T, D]
-            r = g.op("Reshape", [t, g.op("Concat", [dims["B"], dims["T"], g.const([n, D], np.int64)], f"{nm}_shp",
-                                                axis=0)], f"{nm}_4d")
+            r = g.op(
+                "Reshape",
+                [t, g.op("Concat", [dims["B"], dims["T"], g.const([n, D], np.int64)], f"{nm}_shp", axis=0)],
+                f"{nm}_4d",
+            )
             return g.op("Transpose", [r], f"{nm}_bhtd", perm=[0, 2, 1, 3])
 
         q = self.rope(heads(self.linear(x, attn.q_proj, f"{p}.q_proj"), H, f"{p}_q"), cos, sin, f"{p}_q")
@@ -233,8 +245,12 @@ class _StepBuilder:
             scores = g.op("Where", [mask, scores, g.const(-np.inf)], f"{p}_masked")
         probs = g.op("Softmax", [scores], f"{p}_probs", axis=-1)
         o = g.op("MatMul", [probs, v5], f"{p}_o5")
-        o = g.op("Transpose", [g.op("Reshape", [o, g.const([0, H, -1, D], np.int64)], f"{p}_o4")], f"{p}_obthd",
-                 perm=[0, 2, 1, 3])
+        o = g.op(
+            "Transpose",
+            [g.op("Reshape", [o, g.const([0, H, -1, D], np.int64)], f"{p}_o4")],
+            f"{p}_obthd",
+            perm=[0, 2, 1, 3],
+        )
         o = g.op("Reshape", [o, g.const([-1, H * D], np.int64)], f"{p}_o2d")
         return self.linear(o, attn.o_proj, f"{p}.o_proj")
 
@@ -258,19 +274,35 @@ class _StepBuilder:
         g, cfg, h, TP = self.g, self.cfg, self.g.h, self.g.TP
         L, Hkv, D, V = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
         shp = g.op("Shape", ["input_ids"], "ids_shape")
-        dims = {"B": g.op("Slice", [shp, g.const([0], np.int64), g.const([1], np.int64)], "dim_B"),
-                "T": g.op("Slice", [shp, g.const([1], np.int64), g.const([2], np.int64)], "dim_T")}
+        dims = {
+            "B": g.op("Slice", [shp, g.const([0], np.int64), g.const([1], np.int64)], "dim_B"),
+            "T": g.op("Slice", [shp, g.const([1], np.int64), g.const([2], np.int64)], "dim_T"),
+        }
         x = self.embed(g.op("Reshape", ["input_ids", g.const([-1], np.int64)], "ids_flat"))
         # rotary tables cos/sin [B, 1, T, D] from the positions (engine/core/model.py rope_cos_sin)
         pos = g.op("Unsqueeze", [g.op("Cast", ["positions"], "pos_f", to=TP.FLOAT), g.const([-1], np.int64)], "pos3")
         freqs = g.op("Mul", [pos, g.tensor(self.m.inv_freq, "inv_freq")], "freqs")
-        emb = g.op("Unsqueeze", [g.op("Concat", [freqs, freqs], "rope_emb", axis=-1), g.const([1], np.int64)],
-                   "rope_emb4")
+        emb = g.op(
+            "Unsqueeze", [g.op("Concat", [freqs, freqs], "rope_emb", axis=-1), g.const([1], np.int64)], "rope_emb4"
+        )
         cos, sin = g.op("Cos", [emb], "rope_cos"), g.op("Sin", [emb], "rope_sin")
         # position mask [B, 1, 1, T, S]: slot j visible to position p iff j <= p (and p - j < window)
-        total = g.op("Add", [g.op("Slice", [g.op("Shape", ["past_key_values.0.key"], "past_shape"),
-                                            g.const([2], np.int64), g.const([3], np.int64)], "dim_past"),
-                             dims["T"]], "dim_total")
+        total = g.op(
+            "Add",
+            [
+                g.op(
+                    "Slice",
+                    [
+                        g.op("Shape", ["past_key_values.0.key"], "past_shape"),
+                        g.const([2], np.int64),
+                        g.const([3], np.int64),
+                    ],
+                    "dim_past",
+                ),
+                dims["T"],
+            ],
+            "dim_total",
+        )
         j = g.op("Range", [g.const(0, np.int64), g.op("Squeeze", [total], "total_s"), g.const(1, np.int64)], "slots")
         p5 = g.op("Unsqueeze", ["positions", g.const([1, 2, 4], np.int64)], "pos5")
         mask = g.op("LessOrEqual", [j, p5], "visible")
@@ -279,19 +311,44 @@ class _StepBuilder:
             mask = g.op("And", [mask, g.op("Greater", [j, lo], "in_window")], "visible_w")
         for i in range(L):
             blk = self.m.layers[i]
-            x = g.op("Add", [x, self.attention(self.rms_norm(x, blk.input_layernorm, f"layers.{i}.input_layernorm"),
-                                               i, cos, sin, mask, dims)], f"layers.{i}_h")
-            x = g.op("Add", [x, self.mlp(self.rms_norm(x, blk.post_attention_layernorm,
-                                                       f"layers.{i}.post_attention_layernorm"), i)], f"layers.{i}_out")
+            x = g.op(
+                "Add",
+                [
+                    x,
+                    self.attention(
+                        self.rms_norm(x, blk.input_layernorm, f"layers.{i}.input_layernorm"), i, cos, sin, mask, dims
+                    ),
+                ],
+                f"layers.{i}_h",
+            )
+            x = g.op(
+                "Add",
+                [
+                    x,
+                    self.mlp(self.rms_norm(x, blk.post_attention_layernorm, f"layers.{i}.post_attention_layernorm"), i),
+                ],
+                f"layers.{i}_out",
+            )
         logits2d = self.lm_head(self.rms_norm(x, self.m.norm, "norm"))
-        logits = g.op("Reshape", [logits2d, g.op("Concat", [dims["B"], dims["T"], g.const([V], np.int64)],
-                                                 "logits_shp", axis=0)], "logits")
-        kv_in = [h.make_tensor_value_info(f"past_key_values.{i}.{w}", TP.FLOAT, ["batch", Hkv, "past_seq", D])
-                 for i in range(L) for w in ("key", "value")]
-        kv_out = [h.make_tensor_value_info(f"present.{i}.{w}", TP.FLOAT, ["batch", Hkv, "total_seq", D])
-                  for i in range(L) for w in ("key", "value")]
-        inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "step"]),
-                  h.make_tensor_value_info("positions", TP.INT64, ["batch", "step"])] + kv_in
+        logits = g.op(
+            "Reshape",
+            [logits2d, g.op("Concat", [dims["B"], dims["T"], g.const([V], np.int64)], "logits_shp", axis=0)],
+            "logits",
+        )
+        kv_in = [
+            h.make_tensor_value_info(f"past_key_values.{i}.{w}", TP.FLOAT, ["batch", Hkv, "past_seq", D])
+            for i in range(L)
+            for w in ("key", "value")
+        ]
+        kv_out = [
+            h.make_tensor_value_info(f"present.{i}.{w}", TP.FLOAT, ["batch", Hkv, "total_seq", D])
+            for i in range(L)
+            for w in ("key", "value")
+        ]
+        inputs = [
+            h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "step"]),
+            h.make_tensor_value_info("positions", TP.INT64, ["batch", "step"]),
+        ] + kv_in
         outputs = [h.make_tensor_value_info(logits, TP.FLOAT, ["batch", "step", V])] + kv_out
         graph = h.make_graph(g.nodes, "specmix_step", inputs, outputs, g.inits)
         model = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET)], producer_name="specmix")

@@ -19,13 +19,15 @@ from the forward's positions, ``cache_batch_idx`` from its rows), so a ragged
 batch needs no gather and no mask; it returns None when the block does not fit
 that form and the model then uses the masked call.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,24 +64,32 @@ def probe_hardware(device: torch.device | str) -> HardwareFacts:
     if dev.type != "cuda":
         return HardwareFacts(device_type=dev.type, nvml=importlib.util.find_spec("pynvml") is not None)
     cc = torch.cuda.get_device_capability(dev)
-    return HardwareFacts(device_type="cuda", capability=(int(cc[0]), int(cc[1])),
-                         flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
-                         cuda_graphs=torch.cuda.is_available() and hasattr(torch.cuda, "CUDAGraph"),
-                         nvml=importlib.util.find_spec("pynvml") is not None)
+    return HardwareFacts(
+        device_type="cuda",
+        capability=(int(cc[0]), int(cc[1])),
+        flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
+        cuda_graphs=torch.cuda.is_available() and hasattr(torch.cuda, "CUDAGraph"),
+        nvml=importlib.util.find_spec("pynvml") is not None,
+    )
 
 
 def facts_for_gpu(entry: dict[str, Any], flash_attn_installed: bool, nvml: bool = True) -> HardwareFacts:
     """The facts of a catalog GPU (quant/gpus.json entry) with flash-attn installed or not."""
     from quant.catalog import compute_capability
 
-    return HardwareFacts(device_type="cuda", capability=compute_capability(entry, entry.get("name", "gpu")),
-                         flash_attn_installed=flash_attn_installed, cuda_graphs=True, nvml=nvml)
+    return HardwareFacts(
+        device_type="cuda",
+        capability=compute_capability(entry, entry.get("name", "gpu")),
+        flash_attn_installed=flash_attn_installed,
+        cuda_graphs=True,
+        nvml=nvml,
+    )
 
 
 # ---------------------------------------------------------------- attention
 
-def attention_available(name: str, device: torch.device | str, facts: HardwareFacts | None = None
-                        ) -> tuple[bool, str]:
+
+def attention_available(name: str, device: torch.device | str, facts: HardwareFacts | None = None) -> tuple[bool, str]:
     f = facts or probe_hardware(device)
     if name == "sdpa":
         return True, "PyTorch scaled_dot_product_attention"
@@ -139,8 +149,7 @@ class FlashAttention:
         out = self._kernel("func")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return out.transpose(1, 2)
 
-    def with_cache(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: Any, window: int | None
-                   ) -> Tensor | None:
+    def with_cache(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: Any, window: int | None) -> Tensor | None:
         """Attention of q [B,H,T,D] over the cache rows [max_batch,Hkv,S,D] (new keys already written).
 
         Row b's real positions are pos[b,0] .. pos[b,0]+n_b-1 (n_b <= T; padding queries are
@@ -154,13 +163,20 @@ class FlashAttention:
         seqlens = (ctx.pos[:, 0] + T).clamp(max=S).to(torch.int32)  # padding rows (pos = scratch) clamp
         batch_idx = None if ctx.rows_are_prefix else ctx.rows.to(torch.int32)
         win = (window - 1, 0) if window is not None else (-1, -1)
-        out = self._kernel("with_kvcache")(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                           cache_seqlens=seqlens, cache_batch_idx=batch_idx, causal=True,
-                                           window_size=win)
+        out = self._kernel("with_kvcache")(
+            q.transpose(1, 2),
+            k_cache.transpose(1, 2),
+            v_cache.transpose(1, 2),
+            cache_seqlens=seqlens,
+            cache_batch_idx=batch_idx,
+            causal=True,
+            window_size=win,
+        )
         return out.transpose(1, 2)
 
 
 # ---------------------------------------------------------------- CUDA graphs
+
 
 def cuda_graphs_available(facts: HardwareFacts) -> tuple[bool, str]:
     if facts.device_type != "cuda":
@@ -173,19 +189,23 @@ def cuda_graphs_available(facts: HardwareFacts) -> tuple[bool, str]:
 def require_cuda_graphs(facts: HardwareFacts, where: str = "runtime.cuda_graphs") -> None:
     ok, why = cuda_graphs_available(facts)
     if not ok:
-        raise KernelUnavailableError(f"{where}: CUDA graphs are unavailable: {why}; set {where}.enabled to "
-                                     f"false or run on a CUDA GPU")
+        raise KernelUnavailableError(
+            f"{where}: CUDA graphs are unavailable: {why}; set {where}.enabled to false or run on a CUDA GPU"
+        )
 
 
 # ---------------------------------------------------------------- NVML
+
 
 def detect_gpu_name(index: int = 0) -> str:
     """The name NVML reports for GPU ``index`` (for ``--gpu auto``); KernelUnavailableError when none."""
     try:
         import pynvml  # nvidia-ml-py, optional
     except ImportError:
-        raise KernelUnavailableError("--gpu auto needs NVML: pip install 'specmix[nvml]' (nvidia-ml-py) "
-                                     "on a machine with an NVIDIA GPU; or name the GPU with --gpu NAME") from None
+        raise KernelUnavailableError(
+            "--gpu auto needs NVML: pip install 'specmix[nvml]' (nvidia-ml-py) "
+            "on a machine with an NVIDIA GPU; or name the GPU with --gpu NAME"
+        ) from None
     try:
         pynvml.nvmlInit()
         try:
@@ -193,6 +213,7 @@ def detect_gpu_name(index: int = 0) -> str:
         finally:
             pynvml.nvmlShutdown()
     except pynvml.NVMLError as e:
-        raise KernelUnavailableError(f"--gpu auto: NVML found no NVIDIA GPU ({e}); name the GPU with --gpu NAME") \
-            from None
+        raise KernelUnavailableError(
+            f"--gpu auto: NVML found no NVIDIA GPU ({e}); name the GPU with --gpu NAME"
+        ) from None
     return name.decode() if isinstance(name, bytes) else str(name)

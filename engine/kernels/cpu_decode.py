@@ -1,9 +1,9 @@
 """A fp32 model's few-row forward as one C++ call (engine/kernels/csrc/decode_layers.cpp).
 
 Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic (the demo draft's
-step is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings). ``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused
-q/k/v, rotary, the static KV cache, causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down;
-final norm and LM head on the scored rows) in one call. ``Transformer.forward`` uses it when
+step is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings).
+``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused q/k/v, rotary, the static
+KV cache, causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down; final norm and LM head on the scored rows) in one call. ``Transformer.forward`` uses it when
 installed (``model.layer_step``) for every call with a fp32 cache and no autograd, prompts
 included: a decode step often carries a new sequence's prompt beside the others' tokens, and one
 path for all of them keeps every row's result independent of what else is in the batch (the
@@ -21,6 +21,7 @@ Every row is computed the same way whatever the number of rows in the call (both
 row-independent and each query's attention is its own loop), so a verify pass and the one-token
 steps agree bit for bit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,9 +50,16 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _gemm_weights(model: Transformer) -> list[Tensor]:
-    return [w for layer in model.layers for w in (layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight,
-                                                   layer.mlp.gate_up.weight, layer.mlp.down_proj.weight)] + [
-        model.lm_head.weight]  # type: ignore[union-attr]
+    return [
+        w
+        for layer in model.layers
+        for w in (
+            layer.self_attn.qkv.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up.weight,
+            layer.mlp.down_proj.weight,
+        )
+    ] + [model.lm_head.weight]  # type: ignore[union-attr]
 
 
 def exact_weight_dtype(model: Transformer) -> torch.dtype:
@@ -71,15 +79,21 @@ def _plain_weight(mod: Any) -> bool:
     if not (type(mod) in (nn.Linear, SmallGemmLinear) or isinstance(mod, FusedLinear)):
         return False
     w = mod.weight
-    return w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() and (
-        mod.bias is None or mod.bias.dtype == torch.float32)
+    return (
+        w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and w.is_contiguous()
+        and (mod.bias is None or mod.bias.dtype == torch.float32)
+    )
 
 
 def decode_step_reason(model: Transformer) -> str | None:
     """None when ``DecodeStep`` can run this model here, else why not."""
     if model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
-        return f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on " \
-               f"{model.norm.weight.device.type})"
+        return (
+            f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on "
+            f"{model.norm.weight.device.type})"
+        )
     if model.attn_fn is not sdpa_attention:
         return f"the model's attention backend is {getattr(model.attn_fn, '__name__', model.attn_fn)!r}, not sdpa"
     cfg = model.config
@@ -88,17 +102,26 @@ def decode_step_reason(model: Transformer) -> str | None:
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         # (the module, or the unfused Linear standing for a group fuse_projections left alone)
-        parts = {"qkv": (a.qkv, a.q_proj), "o_proj": (a.o_proj, a.o_proj), "gate_up": (m.gate_up, m.gate_proj),
-                 "down_proj": (m.down_proj, m.down_proj)}
+        parts = {
+            "qkv": (a.qkv, a.q_proj),
+            "o_proj": (a.o_proj, a.o_proj),
+            "gate_up": (m.gate_up, m.gate_proj),
+            "down_proj": (m.down_proj, m.down_proj),
+        }
         for name, (mod, alone) in parts.items():
             if mod is None and type(alone) is nn.Linear:
                 return f"layer {i} {name} is not fused (fuse_projections first)"
             if mod is None or not _plain_weight(mod):
-                return f"layer {i} {name} is {type(alone if mod is None else mod).__name__}, not a plain fp32 projection"
+                return (
+                    f"layer {i} {name} is {type(alone if mod is None else mod).__name__}, not a plain fp32 projection"
+                )
         if m.gate_up.bias is not None:  # type: ignore[union-attr]
             return f"layer {i} gate_up has a bias"
-    if type(model.embed_tokens) is not nn.Embedding or not _plain_weight(model.lm_head) \
-            or model.lm_head.bias is not None:
+    if (
+        type(model.embed_tokens) is not nn.Embedding
+        or not _plain_weight(model.lm_head)
+        or model.lm_head.bias is not None
+    ):
         return f"the embedding or LM head is not a plain fp32 one ({type(model.lm_head).__name__})"
     return small_gemm_status()
 
@@ -112,8 +135,9 @@ class DecodeStep:
         if reason is not None:
             raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
         if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype={weight_dtype} is invalid: allowed "
-                             f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
+            raise ValueError(
+                f"weight_dtype={weight_dtype} is invalid: allowed {', '.join(str(d) for d in WEIGHT_DTYPES)}"
+            )
         if amx and weight_dtype != torch.bfloat16:
             raise ValueError(f"amx=True is invalid with weight_dtype={weight_dtype}: allowed torch.bfloat16")
         amx_reason = amx_status()
@@ -131,15 +155,29 @@ class DecodeStep:
         weights: list[Tensor] = []
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
-            weights += [vec(layer.input_layernorm.weight), mat(a.qkv.weight), vec(a.qkv.bias), mat(a.o_proj.weight),
-                        vec(a.o_proj.bias), vec(layer.post_attention_layernorm.weight), mat(m.gate_up.weight),
-                        mat(m.down_proj.weight), vec(m.down_proj.bias)]
+            weights += [
+                vec(layer.input_layernorm.weight),
+                mat(a.qkv.weight),
+                vec(a.qkv.bias),
+                mat(a.o_proj.weight),
+                vec(a.o_proj.bias),
+                vec(layer.post_attention_layernorm.weight),
+                mat(m.gate_up.weight),
+                mat(m.down_proj.weight),
+                vec(m.down_proj.bias),
+            ]
         weights += [vec(model.embed_tokens.weight), vec(model.norm.weight), mat(model.lm_head.weight)]
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
-        self.impl = cpu_kernels().DecodeModel(weights, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                              cfg.sliding_window or 0, cfg.rms_norm_eps, self.amx)
+        self.impl = cpu_kernels().DecodeModel(
+            weights,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.sliding_window or 0,
+            cfg.rms_norm_eps,
+            self.amx,
+        )
         self._empty = torch.empty(0, dtype=torch.long)
         self._empty_f = torch.empty(0)
 
@@ -147,27 +185,66 @@ class DecodeStep:
         """Whether this call (tokens [B,T]) goes through the kernel: a fp32 cache and no autograd."""
         return cache.k.dtype == torch.float32 and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
 
-    def __call__(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
-                 n_layers: int | None, logits_idx: Tensor | None, return_hidden: bool = False
-                 ) -> Tensor | tuple[Tensor, Tensor]:
+    def __call__(
+        self,
+        tokens: Tensor,
+        pos: Tensor,
+        rows: Tensor | None,
+        cache: KVCache,
+        kv_len: int,
+        n_layers: int | None,
+        logits_idx: Tensor | None,
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """tokens, pos [B,T]; rows [B] cache rows (None: 0..B-1) -> logits [B,T,V] ([B,V] / [B,J,V] at
         logits_idx [B] / [B,J]), like ``Transformer.forward`` (with ``return_hidden``: and the final-norm outputs)."""
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
         hidden = torch.empty(1) if return_hidden else self._empty_f
-        logits = self.impl.forward(tokens, pos, self._empty if rows is None else rows,
-                                   self._empty if logits_idx is None else logits_idx, kv_len,
-                                   self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin, hidden)
+        logits = self.impl.forward(
+            tokens,
+            pos,
+            self._empty if rows is None else rows,
+            self._empty if logits_idx is None else logits_idx,
+            kv_len,
+            self.n_layers if n_layers is None else n_layers,
+            cache.k,
+            cache.v,
+            cos,
+            sin,
+            hidden,
+        )
         return (logits, hidden) if return_hidden else logits
 
-    def greedy(self, tokens: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int,
-               n_layers: int | None, last: Tensor, steps: int, vocab: int) -> Tensor:
+    def greedy(
+        self,
+        tokens: Tensor,
+        pos: Tensor,
+        rows: Tensor | None,
+        cache: KVCache,
+        kv_len: int,
+        n_layers: int | None,
+        last: Tensor,
+        steps: int,
+        vocab: int,
+    ) -> Tensor:
         """Greedy drafting in one call: this forward scored at ``last`` [B], then ``steps`` - 1 one-token
         forwards, each on the previous argmax over the first ``vocab`` logits -> the argmaxes [B, steps]
         (what calling ``__call__`` and ``argmax`` in a loop returns, without the Python between steps)."""
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
-        return self.impl.greedy(tokens, pos, self._empty if rows is None else rows, last, kv_len,
-                                self.n_layers if n_layers is None else n_layers, cache.k, cache.v, cos, sin,
-                                steps, vocab)
+        return self.impl.greedy(
+            tokens,
+            pos,
+            self._empty if rows is None else rows,
+            last,
+            kv_len,
+            self.n_layers if n_layers is None else n_layers,
+            cache.k,
+            cache.v,
+            cos,
+            sin,
+            steps,
+            vocab,
+        )
 
 
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | None = None) -> str | None:

@@ -24,6 +24,7 @@ build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm``.
 ``SmallGemmLinear`` has the same API and parameters as the ``nn.Linear`` it replaces,
 and ``F.linear`` is its fallback with the same API (tests compare the two).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ import logging
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +71,12 @@ def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
     from torch.utils.cpp_extension import load
 
     try:
-        return load(name=name, sources=[str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-mavx512f", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"]), None
+        return load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-mavx512f", "-fopenmp", *cflags],
+            extra_ldflags=["-fopenmp"],
+        ), None
     except (RuntimeError, OSError, ImportError) as e:  # a compiler or linker failure: say so, never hide it
         lines = str(e).strip().splitlines()
         # torch's message starts with the compile command; the compiler's first "error:" line says what broke
@@ -121,8 +127,9 @@ def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
     return cpu_kernels().small_gemm
 
 
-def _small_gemm_linear(kernel: Callable[[Tensor, Tensor], Tensor], x: Tensor, weight: Tensor,
-                       bias: Tensor | None) -> Tensor:
+def _small_gemm_linear(
+    kernel: Callable[[Tensor, Tensor], Tensor], x: Tensor, weight: Tensor, bias: Tensor | None
+) -> Tensor:
     """``F.linear(x, weight, bias)`` through the kernel when x has at most MAX_ROWS rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or _needs_torch(x, weight, bias):
@@ -135,14 +142,17 @@ def _needs_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Autograd or CPU autocast: the kernel has neither (inference never needs them), F.linear has both."""
     if torch.is_autocast_enabled("cpu"):
         return True
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad))
+    return torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
 
 
 def _check_weight(weight: Tensor) -> None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError(f"the small-GEMM kernel needs a contiguous fp32 CPU weight, got {weight.dtype} on "
-                         f"{weight.device} (contiguous={weight.is_contiguous()})")
+        raise ValueError(
+            f"the small-GEMM kernel needs a contiguous fp32 CPU weight, got {weight.dtype} on "
+            f"{weight.device} (contiguous={weight.is_contiguous()})"
+        )
 
 
 class SmallGemmLinear(nn.Module):

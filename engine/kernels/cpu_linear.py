@@ -19,10 +19,11 @@ whole model. The fp32 model is a different model numerically; ``tools/bench.py
 Both are a swap of ``nn.Linear`` modules (``pack_linears``, ``small_gemm_linears``), like
 quantization. The fused q/k/v and gate/up GEMMs (``model.fuse_projections``) are swapped too.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -90,8 +91,12 @@ class PackedFused(FusedLinear):
         return _packed_linear(x, self.packed, self.bias)
 
 
-def _swap_linears(model: Transformer, dtype: torch.dtype, make_linear: Callable[[nn.Linear], nn.Module],
-                  make_fused: Callable[[FusedLinear], FusedLinear]) -> int:
+def _swap_linears(
+    model: Transformer,
+    dtype: torch.dtype,
+    make_linear: Callable[[nn.Linear], nn.Module],
+    make_fused: Callable[[FusedLinear], FusedLinear],
+) -> int:
     """Swap every CPU ``nn.Linear`` of ``dtype`` (exactly that class: quantized layers stay) and every plain
     fused projection; returns the number of GEMMs swapped. Linears inside a fused group are left alone
     (the group's GEMM is the fused one: no second copy)."""
@@ -99,8 +104,10 @@ def _swap_linears(model: Transformer, dtype: torch.dtype, make_linear: Callable[
     in_fused: set[int] = set()
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        for fused, parts, attr, owner in ((a.qkv, (a.q_proj, a.k_proj, a.v_proj), "qkv", a),
-                                          (m.gate_up, (m.gate_proj, m.up_proj), "gate_up", m)):
+        for fused, parts, attr, owner in (
+            (a.qkv, (a.q_proj, a.k_proj, a.v_proj), "qkv", a),
+            (m.gate_up, (m.gate_proj, m.up_proj), "gate_up", m),
+        ):
             if not isinstance(fused, FusedLinear):
                 continue
             in_fused.update(id(p) for p in parts)  # swapped or not, the group's GEMM is the fused one
@@ -110,8 +117,12 @@ def _swap_linears(model: Transformer, dtype: torch.dtype, make_linear: Callable[
                 n += 1
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
-            if (type(child) is nn.Linear and id(child) not in in_fused and child.weight.dtype == dtype
-                    and child.weight.device.type == "cpu"):
+            if (
+                type(child) is nn.Linear
+                and id(child) not in in_fused
+                and child.weight.dtype == dtype
+                and child.weight.device.type == "cpu"
+            ):
                 setattr(mod, cname, make_linear(child))
                 n += 1
     return n
@@ -154,9 +165,11 @@ def fast_cpu_linears(model: Transformer, device: torch.device, request: bool | N
         why = f"no fast CPU kernel for dtype {str(dt).replace('torch.', '')}"
     if why is not None:
         if request:
-            raise InvalidConfigError(f"cpu_pack=True is invalid here: {why} (allowed: device 'cpu' with dtype "
-                                     f"bfloat16 and oneDNN bf16 kernels, or float32 and the small-GEMM kernel; "
-                                     f"dtype={str(dt).replace('torch.', '')})")
+            raise InvalidConfigError(
+                f"cpu_pack=True is invalid here: {why} (allowed: device 'cpu' with dtype "
+                f"bfloat16 and oneDNN bf16 kernels, or float32 and the small-GEMM kernel; "
+                f"dtype={str(dt).replace('torch.', '')})"
+            )
         if device.type == "cpu":
             log.info("CPU linears stay on PyTorch's kernels: %s", why)
         return 0, None

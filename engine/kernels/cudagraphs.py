@@ -31,13 +31,15 @@ runs the same static padded forward without capturing (what the CPU tests check)
 Graphs share one memory pool; outputs are cloned right after replay, so a later
 replay of another graph never overwrites what a caller holds.
 """
+
 from __future__ import annotations
 
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,8 +56,11 @@ DEFAULT_MAX_GRAPHS = 96
 
 def check_buckets(buckets: Sequence[int], where: str = "runtime.cuda_graphs.batch_buckets") -> tuple[int, ...]:
     """Sorted distinct positive ints; InvalidConfigError naming ``where`` otherwise."""
-    if (not isinstance(buckets, (list, tuple)) or not buckets
-            or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 4096 for b in buckets)):
+    if (
+        not isinstance(buckets, (list, tuple))
+        or not buckets
+        or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 4096 for b in buckets)
+    ):
         raise InvalidConfigError(f"{where}={buckets!r} is invalid: allowed a non-empty list of ints in 1..4096")
     return tuple(sorted(set(buckets)))
 
@@ -113,13 +118,22 @@ class _Static:
 class GraphedForward:
     """The cached forward of ``model`` from CUDA graphs where the call fits one (see the module doc)."""
 
-    def __init__(self, model: Transformer, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, *,
-                 max_tokens: int = 16, emulate: bool = False, max_graphs: int = DEFAULT_MAX_GRAPHS,
-                 pool: Any = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        *,
+        max_tokens: int = 16,
+        emulate: bool = False,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+        pool: Any = None,
+    ) -> None:
         dev = model.norm.weight.device
         if not emulate and dev.type != "cuda":
-            raise InvalidConfigError(f"CUDA graphs need the model on a CUDA device, not {dev.type!r} "
-                                     "(emulate=True runs the static forward eagerly)")
+            raise InvalidConfigError(
+                f"CUDA graphs need the model on a CUDA device, not {dev.type!r} "
+                "(emulate=True runs the static forward eagerly)"
+            )
         self._model, self.device, self.emulate = model, dev, emulate
         self.buckets = check_buckets(list(batch_buckets), "batch_buckets")
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
@@ -138,8 +152,16 @@ class GraphedForward:
         return self._model
 
     # ------------------------------------------------------------ the call
-    def key_for(self, tokens: Tensor, input_pos: Tensor | None, cache: KVCache | None, kv_len: int | None,
-                rows: Tensor | None, logits_idx: Tensor | None, n_layers: int | None) -> GraphKey | None:
+    def key_for(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor | None,
+        cache: KVCache | None,
+        kv_len: int | None,
+        rows: Tensor | None,
+        logits_idx: Tensor | None,
+        n_layers: int | None,
+    ) -> GraphKey | None:
         """The graph a call would replay, or None (eager)."""
         if cache is None or input_pos is None or kv_len is None:
             return None
@@ -150,14 +172,23 @@ class GraphedForward:
         idx = None if logits_idx is None else tuple(logits_idx.shape[1:])
         return GraphKey(bb, T, idx, kv_bucket(kv_len, cache.max_seq_len), rows is None, n_layers)
 
-    def __call__(self, tokens: Tensor, input_pos: Tensor | None = None, cache: KVCache | None = None,
-                 kv_len: int | None = None, rows: Tensor | None = None, logits_idx: Tensor | None = None,
-                 n_layers: int | None = None, start: int | None = None) -> Tensor:
+    def __call__(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor | None = None,
+        cache: KVCache | None = None,
+        kv_len: int | None = None,
+        rows: Tensor | None = None,
+        logits_idx: Tensor | None = None,
+        n_layers: int | None = None,
+        start: int | None = None,
+    ) -> Tensor:
         key = self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers)
         if key is None:
             self.stats.eager_calls += 1
-            return self._model(tokens, input_pos, cache, kv_len, rows, logits_idx=logits_idx, n_layers=n_layers,
-                               start=start)
+            return self._model(
+                tokens, input_pos, cache, kv_len, rows, logits_idx=logits_idx, n_layers=n_layers, start=start
+            )
         assert cache is not None and input_pos is not None
         self._check_cache(cache)
         g = self._graphs.get(key)
@@ -241,15 +272,19 @@ class GraphedForward:
         self._count_capture(dt)
 
 
-def graph_forwards(target: Transformer, draft: Transformer | None, k_max: int,
-                   batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, *, emulate: bool = False
-                   ) -> tuple[GraphedForward, GraphedForward | None]:
+def graph_forwards(
+    target: Transformer,
+    draft: Transformer | None,
+    k_max: int,
+    batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+    *,
+    emulate: bool = False,
+) -> tuple[GraphedForward, GraphedForward | None]:
     """Graphed forwards for the target (verify widths up to k_max + 2; the early-exit drafter shares it,
     n_layers being in the key) and for a draft model (its steps and catch-up, T <= 2; None without one).
     The engine's builder hands them to the decode loop and the drafter in place of the models."""
     tg = GraphedForward(target, batch_buckets, max_tokens=k_max + 2, emulate=emulate)
-    dg = None if draft is None else GraphedForward(draft, batch_buckets, max_tokens=2, emulate=emulate,
-                                                   pool=tg.pool)
+    dg = None if draft is None else GraphedForward(draft, batch_buckets, max_tokens=2, emulate=emulate, pool=tg.pool)
     log.info("CUDA graphs on (batch buckets %s%s)", ",".join(map(str, tg.buckets)), ", emulated" if emulate else "")
     return tg, dg
 

@@ -10,6 +10,7 @@ The engine's worker thread only hands each request its new token ids and wakes t
 cost per update is the new tokens'), stop-string hold-back and JSON happen here, on the event loop.
 A client that disconnects cancels its requests; their cache rows are freed at the next round.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,7 +74,7 @@ class Choice:
             if err is not None:
                 raise err
             if comp is not None:
-                piece = comp.text[len(self.text):] if comp.text.startswith(self.text) else ""
+                piece = comp.text[len(self.text) :] if comp.text.startswith(self.text) else ""
                 if not comp.text.startswith(self.text):
                     log.warning("streamed text is not a prefix of the final text; the rest is not sent")
                 self.text += piece
@@ -97,16 +98,16 @@ class Choice:
 
 def _openai_finish(reason: str | None) -> str:
     if reason == "error":  # NaN/inf logits in this sequence's row
-        raise ApiError(500, "generation failed: the model produced non-finite logits for this request",
-                       "server_error")
+        raise ApiError(500, "generation failed: the model produced non-finite logits for this request", "server_error")
     return reason or "length"
 
 
 class OpenAIServer:
     """The state behind the routes: the engine, its served name, defaults and metrics."""
 
-    def __init__(self, engine: Any, model_name: str, defaults: dict[str, Any] | None = None,
-                 metrics: ServeMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Any, model_name: str, defaults: dict[str, Any] | None = None, metrics: ServeMetrics | None = None
+    ) -> None:
         self.engine, self.model_name, self.defaults = engine, model_name, dict(defaults or {})
         self.metrics = metrics or ServeMetrics(engine, model_name)
         self.created = now()
@@ -114,8 +115,12 @@ class OpenAIServer:
     # ------------------------------------------------------------ requests -> engine
     def _check_model(self, req: ParsedRequest) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"model={req.model!r} does not exist: allowed {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model={req.model!r} does not exist: allowed {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _params(self, req: ParsedRequest, prompt_len: int, seed: int | None) -> Any:
         from engine.spec.sampling import SamplingParams
@@ -146,8 +151,9 @@ class OpenAIServer:
             return chat_logprobs(entries, self.token_text)
         return completion_logprobs(entries, self.token_text, offset)
 
-    async def complete(self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
-                       ) -> dict[str, Any]:
+    async def complete(
+        self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
+    ) -> dict[str, Any]:
         """The non-streaming answer: every choice to its end."""
         out, n_out = [], 0
         for c in choices:
@@ -157,18 +163,28 @@ class OpenAIServer:
                 lps += lp
             self.metrics.observe(c.req)
             n_out += len(c.req.tokens_so_far())
-            item: dict[str, Any] = {"index": c.index, "finish_reason": _openai_finish(c.finish_reason),
-                                    "logprobs": self._logprobs(lps, chat, 0) if req.logprobs is not None else None}
+            item: dict[str, Any] = {
+                "index": c.index,
+                "finish_reason": _openai_finish(c.finish_reason),
+                "logprobs": self._logprobs(lps, chat, 0) if req.logprobs is not None else None,
+            }
             if chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
             out.append(item)
-        return {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
-                "created": now(), "model": self.model_name, "choices": out, "usage": usage(prompt_tokens, n_out)}
+        return {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": out,
+            "usage": usage(prompt_tokens, n_out),
+        }
 
-    async def stream(self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
-                     ) -> AsyncIterator[str]:
+    async def stream(
+        self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
+    ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per update of a choice, then usage (when asked), then [DONE]."""
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -188,13 +204,21 @@ class OpenAIServer:
             if req.logprobs is not None and lps:
                 lp = self._logprobs(lps, chat, len(c.text) - len(piece))
             if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else \
-                    ({"content": piece} if piece or not finish else {})
+                delta: dict[str, Any] = (
+                    {"role": "assistant", "content": piece}
+                    if first
+                    else ({"content": piece} if piece or not finish else {})
+                )
                 ch: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": finish}
-            body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                    "choices": [ch]}
+            body: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": [ch],
+            }
             if req.include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -225,9 +249,20 @@ class OpenAIServer:
             else:
                 if req.include_usage:
                     n_out = sum(len(c.req.tokens_so_far()) for c in choices)
-                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                                 "model": self.model_name, "choices": [],
-                                                 "usage": usage(prompt_tokens, n_out)}) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {
+                                "id": rid,
+                                "object": obj,
+                                "created": created,
+                                "model": self.model_name,
+                                "choices": [],
+                                "usage": usage(prompt_tokens, n_out),
+                            }
+                        )
+                        + "\n\n"
+                    )
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or an error ended the stream): free what still runs
             for c in choices:
@@ -268,8 +303,18 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "specmix", "max_model_len": server.engine.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "specmix",
+                    "max_model_len": server.engine.max_seq_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -289,8 +334,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
             except EngineError as e:
                 raise engine_error(e) from None
             if req.stream:
-                return StreamingResponse(server.stream(req, chat, choices, prompt_tokens),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    server.stream(req, chat, choices, prompt_tokens),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             task = asyncio.ensure_future(server.complete(req, chat, choices, prompt_tokens))
             try:
                 while not task.done():  # a client that goes away cancels its requests

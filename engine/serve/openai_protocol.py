@@ -5,6 +5,7 @@ sampling controls OpenAI lacks are accepted as the extra fields vLLM and TGI cli
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``).
 Every refusal is an ``ApiError`` carrying the HTTP status and the offending field.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -16,12 +17,32 @@ from typing import Any
 from engine.core.errors import EngineError
 
 # sampling fields shared by both endpoints (value checks happen in SamplingParams, which names the field)
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos")
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+)
 COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "stop", "logprobs", "user") + SAMPLING
 COMPLETION_FIELDS = COMMON + ("prompt", "echo", "best_of", "suffix", "logit_bias")
-CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs", "logit_bias",
-                        "add_generation_prompt", "parallel_tool_calls", "metadata", "store", "service_tier")
+CHAT_FIELDS = COMMON + (
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "logit_bias",
+    "add_generation_prompt",
+    "parallel_tool_calls",
+    "metadata",
+    "store",
+    "service_tier",
+)
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -30,8 +51,15 @@ MAX_TOP_LOGPROBS = 20
 class ApiError(Exception):
     """An HTTP error in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
@@ -48,7 +76,7 @@ def param_of(err: EngineError) -> str | None:
     """The request field an EngineError's message names (``SamplingParams.top_p=...`` -> top_p)."""
     msg = str(err)
     if msg.startswith("SamplingParams."):
-        name = msg[len("SamplingParams."):].split("=", 1)[0].split("[", 1)[0]
+        name = msg[len("SamplingParams.") :].split("=", 1)[0].split("[", 1)[0]
         return {"max_new_tokens": "max_tokens"}.get(name, name)
     if msg.startswith("prompt"):
         return "prompt"
@@ -133,7 +161,7 @@ def parse(body: object, chat: bool, defaults: dict[str, Any] | None = None) -> P
     include_usage = False
     if so is not None:
         if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options", f"stream_options={so!r:.80} is invalid: allowed {{\"include_usage\": bool}}")
+            raise bad("stream_options", f'stream_options={so!r:.80} is invalid: allowed {{"include_usage": bool}}')
         if not stream:
             raise bad("stream_options", "stream_options is only allowed with stream: true")
         include_usage = bool(so.get("include_usage", False))
@@ -188,8 +216,11 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_logprobs(entries: Sequence[Any], token_text: Any, offset: int) -> dict[str, Any]:
@@ -210,9 +241,11 @@ def completion_logprobs(entries: Sequence[Any], token_text: Any, offset: int) ->
 
 def chat_logprobs(entries: Sequence[Any], token_text: Any) -> dict[str, Any]:
     """The chat shape: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+
     def one(t: int, lp: float) -> dict[str, Any]:
         s = token_text(t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
-                        for e in entries]}
+    return {
+        "content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top]) for e in entries]
+    }

@@ -7,6 +7,7 @@ token, inter-token latency, end to end) are observed from each request's deliver
 ends; gauges of running and waiting requests and KV-cache use are read at scrape time.
 Each ``ServeMetrics`` owns its registry (no process-wide state).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -15,8 +16,29 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.serve.request import Request
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class _EngineCollector:
@@ -46,23 +68,28 @@ class _EngineCollector:
             return g
 
         yield counter("requests_finished", "Requests finished (any reason).", t.requests)
-        yield counter("prompt_rejected_overload", "Requests refused because the wait queue was full.",
-                      t.rejected_overload)
+        yield counter(
+            "prompt_rejected_overload", "Requests refused because the wait queue was full.", t.rejected_overload
+        )
         yield counter("emitted_tokens", "Tokens emitted (committed to outputs).", t.generated)
         drafts = t.pos_tried[0] if t.pos_tried else 0
         yield counter("spec_decode_num_drafts", "Speculative rounds of a sequence with >= 1 draft token.", drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", t.drafted)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", t.accepted)
-        yield counter("sequence_rounds", "Target passes a sequence took part in (one per sequence per round).",
-                      t.iterations)
-        per = CounterMetricFamily("specmix:spec_decode_num_accepted_tokens_per_pos",
-                                  "Draft tokens accepted at each draft position (1-based).",
-                                  labels=["model_name", "position"])
+        yield counter(
+            "sequence_rounds", "Target passes a sequence took part in (one per sequence per round).", t.iterations
+        )
+        per = CounterMetricFamily(
+            "specmix:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (1-based).",
+            labels=["model_name", "position"],
+        )
         for i, a in enumerate(t.pos_accepted):
             per.add_metric([self.model, str(i + 1)], a)
         yield per
-        fin = CounterMetricFamily("specmix:request_success", "Requests finished, by finish reason.",
-                                  labels=["model_name", "finished_reason"])
+        fin = CounterMetricFamily(
+            "specmix:request_success", "Requests finished, by finish reason.", labels=["model_name", "finished_reason"]
+        )
         for reason, n in sorted(t.finished.items()):
             fin.add_metric([self.model, reason], n)
         yield fin
@@ -72,8 +99,11 @@ class _EngineCollector:
         cache = eng.loop.cache
         used = sum(len(r.prompt) + len(r.tokens_so_far()) for r in eng.scheduler.running_requests())
         cap = cache.max_batch * cache.max_seq_len if cache is not None else 0
-        yield gauge("kv_cache_usage_perc", "Share of the KV cache's positions holding a running request's tokens.",
-                    used / cap if cap else 0.0)
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Share of the KV cache's positions holding a running request's tokens.",
+            used / cap if cap else 0.0,
+        )
         yield gauge("kv_cache_bytes", "Bytes of the target's KV cache.", cache.nbytes if cache is not None else 0)
 
 
@@ -88,12 +118,15 @@ class ServeMetrics:
         self.registry.register(_EngineCollector(engine, model))
 
         def hist(name: str, help_: str) -> Any:
-            return Histogram(f"specmix:{name}", help_, ["model_name"], registry=self.registry,
-                             buckets=LATENCY_BUCKETS).labels(model)
+            return Histogram(
+                f"specmix:{name}", help_, ["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS
+            ).labels(model)
 
         self.ttft = hist("time_to_first_token_seconds", "Time from submission to the first emitted token.")
-        self.itl = hist("inter_token_latency_seconds", "Time per emitted token after the first (a round's gap "
-                        "shared by the tokens it emitted).")
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time per emitted token after the first (a round's gap shared by the tokens it emitted).",
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Time from submission to the last token.")
 
     def observe(self, req: Request) -> None:

@@ -13,6 +13,7 @@ so an operator sees each replica's acceptance and speedup beside Serve's own req
 
 ``ReplicaMetrics.update`` takes the scheduler's ``snapshot()`` and adds what changed since the last call.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,9 +55,12 @@ class ReplicaMetrics:
                 self.counters[name].inc(delta)
             self.last[field] = now
             self.values[name] = float(now)
-        gauges = {"specmix_acceptance_rate": t.accepted / t.drafted if t.drafted else 0.0,
-                  "specmix_tokens_per_target_pass": t.generated / t.iterations if t.iterations else 0.0,
-                  "specmix_running": float(snapshot["running"]), "specmix_waiting": float(snapshot["waiting"])}
+        gauges = {
+            "specmix_acceptance_rate": t.accepted / t.drafted if t.drafted else 0.0,
+            "specmix_tokens_per_target_pass": t.generated / t.iterations if t.iterations else 0.0,
+            "specmix_running": float(snapshot["running"]),
+            "specmix_waiting": float(snapshot["waiting"]),
+        }
         for name, v in gauges.items():
             self.gauges[name].set(v)
         self.values.update(gauges)

@@ -4,6 +4,7 @@ The worker (engine/serve/scheduler.py) delivers token ids (and logprobs) and wak
 waiters and listeners; everything else (detokenization, the Completion) runs in the reader's thread.
 Also here: ``Completion``, the engine-wide ``Totals`` and ``RequestFailedError``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,8 +65,14 @@ class Request:
     Closing the iterator early (``break`` in a for loop, GeneratorExit) cancels the request.
     """
 
-    def __init__(self, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer, wake: Callable[[], None],
-                 complete: Callable[[Seq], Completion]) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        wake: Callable[[], None],
+        complete: Callable[[Seq], Completion],
+    ) -> None:
         """``wake`` nudges the worker (a cancel); ``complete`` builds the Completion of a finished sequence."""
         self.prompt, self.params = prompt, params
         self._tokenizer, self._wake, self._complete = tokenizer, wake, complete
@@ -114,8 +121,12 @@ class Request:
     def poll(self, since: int = 0) -> tuple[list[int], list[TokenLogprob], Completion | None, EngineError | None]:
         """Tokens (and logprobs) from index ``since`` on, the Completion when finished, the error when failed."""
         with self._cv:
-            return (self._tokens[since:], self._logprobs[since:] if self.params.logprobs is not None else [],
-                    self._built(), self._error)
+            return (
+                self._tokens[since:],
+                self._logprobs[since:] if self.params.logprobs is not None else [],
+                self._built(),
+                self._error,
+            )
 
     def tokens_so_far(self) -> list[int]:
         with self._cv:
@@ -156,7 +167,7 @@ class Request:
                     comp, toks = self._built(), self._tokens[seen:]
                 if comp is not None:
                     if comp.text.startswith(sent) and len(comp.text) > len(sent):
-                        yield comp.text[len(sent):]
+                        yield comp.text[len(sent) :]
                     return
                 seen += len(toks)
                 pending += tok.step(stream, toks) or ""
@@ -170,8 +181,14 @@ class Request:
                 self.cancel()
 
     # ------------------------------------------------------------ worker side
-    def _deliver(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] = (), final: Seq | None = None,
-                 completion: Completion | None = None, error: EngineError | None = None) -> None:
+    def _deliver(
+        self,
+        tokens: Sequence[int],
+        logprobs: Sequence[TokenLogprob] = (),
+        final: Seq | None = None,
+        completion: Completion | None = None,
+        error: EngineError | None = None,
+    ) -> None:
         with self._cv:
             if tokens:
                 self._times.append((time.perf_counter(), len(tokens)))

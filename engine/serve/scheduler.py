@@ -22,6 +22,7 @@ after ``idle_exit_s`` without work (so an unused Engine can be collected) and
 is restarted by the next submission; at interpreter exit it cancels what is
 left and ends between rounds (it is not a daemon, so no torch op is cut off).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,7 +31,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,12 +46,23 @@ from engine.spec.seq import Seq
 
 log = logging.getLogger(__name__)
 
+
 class Scheduler:
     """The worker thread, its wait queue, the cache rows and the engine-wide counters."""
 
-    def __init__(self, loop: DecodeLoop, *, policy: KPolicy | None, costs: Callable[[], Costs | None],
-                 device: torch.device, max_batch: int, max_waiting: int, max_seq_len: int,
-                 governor: LoadGovernor | None = None, idle_exit_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        loop: DecodeLoop,
+        *,
+        policy: KPolicy | None,
+        costs: Callable[[], Costs | None],
+        device: torch.device,
+        max_batch: int,
+        max_waiting: int,
+        max_seq_len: int,
+        governor: LoadGovernor | None = None,
+        idle_exit_s: float = 0.5,
+    ) -> None:
         """``loop`` runs the rounds; ``policy`` (None: plain decoding) and ``costs`` (called once, when the
         first cost-model controller is made) build each sequence's K controller; ``governor`` is the load
         window (None: no caps)."""
@@ -77,8 +90,9 @@ class Scheduler:
         """Cache positions a request needs: its tokens, K headroom and the scratch slot."""
         return len(prompt) + params.max_new_tokens + self.k_max + 2
 
-    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-               drive: bool = False) -> list[Request]:
+    def submit(
+        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], drive: bool = False
+    ) -> list[Request]:
         """Queue the (validated) prompts together, or refuse them all with OverloadedError.
         ``drive``: the caller will run rounds itself (``drive``), counted before the worker can start."""
         reqs = [Request(p, sp, self.tokenizer, self.wake, self._completion) for p, sp in zip(prompts, params)]
@@ -89,7 +103,8 @@ class Scheduler:
                 raise OverloadedError(
                     f"overloaded: {len(self._waiting)} requests waiting and {self._reserved} running "
                     f"(max_waiting={self.max_waiting}, max_batch={self.max_batch}); "
-                    f"{len(reqs)} more do not fit, retry later")
+                    f"{len(reqs)} more do not fit, retry later"
+                )
             self._waiting.extend(reqs)
             self._callers += drive
             if self._thread is None:
@@ -216,8 +231,7 @@ class Scheduler:
                     continue
             self._waiting.popleft()
             row = heapq.heappop(self._free_rows)
-            r.seq = Seq(prompt=r.prompt, params=r.params, generator=torch.Generator(device=self.device),
-                        row=row)
+            r.seq = Seq(prompt=r.prompt, params=r.params, generator=torch.Generator(device=self.device), row=row)
             self._reserved += 1
             admitted.append(r)
         return admitted
@@ -270,7 +284,7 @@ class Scheduler:
             if r.seq.finished:
                 self._retire(r, new=new)
             elif new:
-                r._deliver(new, r.seq.logprobs[-len(new):] if r.seq.logprobs is not None else ())
+                r._deliver(new, r.seq.logprobs[-len(new) :] if r.seq.logprobs is not None else ())
 
     def _retire(self, r: Request, error: EngineError | None = None, new: Sequence[int] = ()) -> None:
         """Leave the batch: free the row, account, hand the caller its completion (or error)."""
@@ -285,19 +299,25 @@ class Scheduler:
             else:
                 self.totals.failed += 1
             self._lock.notify_all()
-        lps = s.logprobs[-len(new):] if new and s.logprobs is not None and error is None else ()
+        lps = s.logprobs[-len(new) :] if new and s.logprobs is not None and error is None else ()
         r._deliver(list(new), lps, final=None if error else s, error=error)
 
     def _completion(self, s: Seq) -> Completion:
-        return Completion(text=self.loop.final_text(s), token_ids=s.generated,
-                          finish_reason=s.finish_reason or "length", prompt_token_ids=s.prompt,
-                          stats=s.stats.to_dict(), logprobs=None if s.logprobs is None else list(s.logprobs))
+        return Completion(
+            text=self.loop.final_text(s),
+            token_ids=s.generated,
+            finish_reason=s.finish_reason or "length",
+            prompt_token_ids=s.prompt,
+            stats=s.stats.to_dict(),
+            logprobs=None if s.logprobs is None else list(s.logprobs),
+        )
 
     def _finish_unstarted(self, r: Request) -> None:
         self.totals.requests += 1
         self.totals.finished["cancelled"] += 1
-        r._deliver([], completion=Completion(text="", token_ids=[], finish_reason="cancelled",
-                                             prompt_token_ids=r.prompt))
+        r._deliver(
+            [], completion=Completion(text="", token_ids=[], finish_reason="cancelled", prompt_token_ids=r.prompt)
+        )
 
     def _account(self, s: Seq) -> None:
         t, st = self.totals, s.stats
@@ -338,6 +358,13 @@ class Scheduler:
         """A consistent copy of the counters plus the queue gauges."""
         with self._lock:
             t = self.totals
-            return {"totals": Totals(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict)
-                                            else v) for k, v in vars(t).items()}),
-                    "waiting": len(self._waiting), "running": self._reserved}
+            return {
+                "totals": Totals(
+                    **{
+                        k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                        for k, v in vars(t).items()
+                    }
+                ),
+                "waiting": len(self._waiting),
+                "running": self._reserved,
+            }

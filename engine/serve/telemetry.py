@@ -18,14 +18,16 @@ nvidia-smi shows them) on CUDA with nvidia-ml-py; ``TorchMemInfoReader``
 (cudaMemGetInfo: the same memory figures, no utilization) on CUDA without it;
 none on the CPU, where the window is a no-op.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -48,8 +50,12 @@ class GpuReading:
         return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"memory_used_bytes": self.used_bytes, "memory_total_bytes": self.total_bytes,
-                "memory_used_fraction": round(self.fraction, 4), "utilization_pct": self.utilization_pct}
+        return {
+            "memory_used_bytes": self.used_bytes,
+            "memory_total_bytes": self.total_bytes,
+            "memory_used_fraction": round(self.fraction, 4),
+            "utilization_pct": self.utilization_pct,
+        }
 
 
 class Reader(Protocol):
@@ -67,8 +73,9 @@ class NvmlReader:
         try:
             self._nvml = importlib.import_module("pynvml")
         except ImportError:
-            raise KernelUnavailableError("GPU telemetry needs NVML: pip install 'specmix[nvml]' (nvidia-ml-py)") \
-                from None
+            raise KernelUnavailableError(
+                "GPU telemetry needs NVML: pip install 'specmix[nvml]' (nvidia-ml-py)"
+            ) from None
         dev = torch.device(device)
         self._nvml.nvmlInit()
         uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
@@ -150,10 +157,16 @@ class LoadWindow:
         self.threshold = _check_fraction("memory_threshold", self.threshold)
         self.resume = _check_fraction("resume_below", self.resume)
         if self.resume >= self.threshold:
-            raise InvalidConfigError(f"resume_below={self.resume} is invalid: allowed below memory_threshold="
-                                     f"{self.threshold}")
-        for name, v, lo in (("k_max", self.k_max, 0), ("batch_max", self.batch_max, 1), ("raise_after",
-                            self.raise_after, 1), ("k_min", self.k_min, 0), ("batch_min", self.batch_min, 1)):
+            raise InvalidConfigError(
+                f"resume_below={self.resume} is invalid: allowed below memory_threshold={self.threshold}"
+            )
+        for name, v, lo in (
+            ("k_max", self.k_max, 0),
+            ("batch_max", self.batch_max, 1),
+            ("raise_after", self.raise_after, 1),
+            ("k_min", self.k_min, 0),
+            ("batch_min", self.batch_min, 1),
+        ):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed an int >= {lo}")
         self.k_min, self.batch_min = min(self.k_min, self.k_max), min(self.batch_min, self.batch_max)
@@ -171,16 +184,29 @@ class LoadWindow:
             self._low = 0
             k, b = max(self.k_min, self.k_cap // 2), max(self.batch_min, self.batch_cap // 2)
             if (k, b) != (self.k_cap, self.batch_cap):
-                log.warning("GPU memory at %.0f%% (threshold %.0f%%): lowering K cap %d -> %d, batch cap %d -> %d",
-                            100 * fraction, 100 * self.threshold, self.k_cap, k, self.batch_cap, b)
+                log.warning(
+                    "GPU memory at %.0f%% (threshold %.0f%%): lowering K cap %d -> %d, batch cap %d -> %d",
+                    100 * fraction,
+                    100 * self.threshold,
+                    self.k_cap,
+                    k,
+                    self.batch_cap,
+                    b,
+                )
             self.k_cap, self.batch_cap = k, b
         elif fraction <= self.resume:
             self._low += 1
             if self._low >= self.raise_after and self.throttled:
                 self._low = 0
                 k, b = min(self.k_max, max(1, self.k_cap) * 2), min(self.batch_max, self.batch_cap * 2)
-                log.info("GPU memory at %.0f%%: raising K cap %d -> %d, batch cap %d -> %d",
-                         100 * fraction, self.k_cap, k, self.batch_cap, b)
+                log.info(
+                    "GPU memory at %.0f%%: raising K cap %d -> %d, batch cap %d -> %d",
+                    100 * fraction,
+                    self.k_cap,
+                    k,
+                    self.batch_cap,
+                    b,
+                )
                 self.k_cap, self.batch_cap = k, b
         else:
             self._low = 0
@@ -190,8 +216,9 @@ class LoadWindow:
 class LoadGovernor:
     """A reader and a LoadWindow: ``poll()`` reads at most every ``interval_s`` and returns the caps."""
 
-    def __init__(self, reader: Reader, window: LoadWindow, interval_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, reader: Reader, window: LoadWindow, interval_s: float = 0.25, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.reader, self.window, self.interval_s, self.clock = reader, window, interval_s, clock
         self.last: GpuReading | None = None
         self._at: float | None = None
@@ -210,9 +237,15 @@ class LoadGovernor:
 
     def snapshot(self) -> dict[str, Any]:
         w = self.window
-        return {"source": self.reader.source, "memory_threshold": w.threshold, "resume_below": w.resume,
-                "k_cap": w.k_cap, "batch_cap": w.batch_cap, "throttled": w.throttled,
-                "last_reading": None if self.last is None else self.last.to_dict()}
+        return {
+            "source": self.reader.source,
+            "memory_threshold": w.threshold,
+            "resume_below": w.resume,
+            "k_cap": w.k_cap,
+            "batch_cap": w.batch_cap,
+            "throttled": w.throttled,
+            "last_reading": None if self.last is None else self.last.to_dict(),
+        }
 
 
 def gpu_stats(device: torch.device, reader: Reader | None) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ observations: a round that drafted K_b and accepted n saw n successes and, if
 n < K_b, one failure. Successes and trials are exponentially decayed, so a is
 an EMA of the per-token acceptance probability.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class Costs:
         return {"c": self.c, "v": {str(k): x for k, x in sorted(self.v.items())}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Costs":
+    def from_dict(cls, d: dict) -> Costs:
         return cls(c=float(d["c"]), v={int(k): float(x) for k, x in d.get("v", {}).items()})
 
 
@@ -93,7 +94,8 @@ class KPolicy:
             raise InvalidConfigError(f"k={self.k!r} is invalid: allowed an int >= 1")
         if not (1 <= self.k_min <= self.k <= self.k_max):
             raise InvalidConfigError(
-                f"k bounds are invalid: need 1 <= k_min ({self.k_min}) <= k ({self.k}) <= k_max ({self.k_max})")
+                f"k bounds are invalid: need 1 <= k_min ({self.k_min}) <= k ({self.k}) <= k_max ({self.k_max})"
+            )
         if not 0.0 <= self.decay < 1.0:
             raise InvalidConfigError(f"decay={self.decay!r} is invalid: allowed 0 <= decay < 1")
 

@@ -13,11 +13,12 @@ repeats. Ratios taken side by side cancel the slow drifts of a shared machine, a
 median ignores the odd disturbed repeat in either direction (a minimum of separately
 timed runs does not: one lucky draft run made c look half its size).
 """
+
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,8 +26,9 @@ from engine.core.model import KVCache, Transformer
 from engine.spec.adaptive import Costs
 
 
-def cached_forward(model: Transformer, n_tokens: int, *, context: int = 64, batch: int = 1,
-                   n_layers: int | None = None) -> Callable[[], object]:
+def cached_forward(
+    model: Transformer, n_tokens: int, *, context: int = 64, batch: int = 1, n_layers: int | None = None
+) -> Callable[[], object]:
     """One cached forward of n_tokens per row after ``context`` cached tokens, every row at the same
     length: the aligned path (slice writes, no mask) the loop runs for a batch of one."""
     w = model.norm.weight
@@ -35,14 +37,20 @@ def cached_forward(model: Transformer, n_tokens: int, *, context: int = 64, batc
     toks = torch.randint(0, model.config.vocab_size, (batch, n_tokens), device=dev)
     pos = (context + torch.arange(n_tokens, device=dev)).expand(batch, n_tokens)
     idx = torch.arange(n_tokens, device=dev).expand(batch, n_tokens)
-    return lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx, n_layers=n_layers,
-                         start=context)
+    return lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx, n_layers=n_layers, start=context)
 
 
 @torch.no_grad()
-def measure_costs(target: Transformer, draft: Transformer | None, *, k_max: int = 8,
-                  draft_layers: int | None = None, batch: int = 1, reps: int = 7,
-                  draft_fn: Callable[[], object] | None = None) -> Costs:
+def measure_costs(
+    target: Transformer,
+    draft: Transformer | None,
+    *,
+    k_max: int = 8,
+    draft_layers: int | None = None,
+    batch: int = 1,
+    reps: int = 7,
+    draft_fn: Callable[[], object] | None = None,
+) -> Costs:
     """c and v(K) for K in 1..k_max. ``draft`` None with draft_layers: early exit; ``draft_fn``: one step of
     another drafter (a head: spec/head_drafters.py); none of them: n-gram (c = 0)."""
     dev = target.norm.weight.device

@@ -11,6 +11,7 @@ drafter, whose p is one-hot) and how many drafts each row really has.
   verify pass rewrites the same positions with the same tokens.
 - ``NGramDrafter``: prompt lookup; no model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ DRAFTERS = ("model", "ngram", "early-exit", "medusa", "eagle")  # the last two: 
 
 @dataclass
 class DraftBatch:
-    seqs: list["Seq"]
+    seqs: list[Seq]
     rows: Tensor | None  # [B] cache rows (None: rows 0..B-1)
     processing: RowProcessing  # per-row temperature / top-k / top-p, the same as the target's
     k: int  # drafts to propose per row (the batch's largest K_b)
@@ -51,13 +52,14 @@ class Drafter(Protocol):
         """Make room for max_batch rows of max_seq_len positions (the same length as the target's cache)."""
         ...
 
-    def after_verify(self, seq: "Seq", n_before: int, accepted: int, k: int) -> None:
+    def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         """Called once per sequence after its round: n_before committed tokens, `accepted` drafts kept."""
         ...
 
 
-def catch_up_batch(seqs: list["Seq"], starts: list[int], scratch_pos: int, device: torch.device
-                   ) -> tuple[Tensor, Tensor, Tensor, int]:
+def catch_up_batch(
+    seqs: list[Seq], starts: list[int], scratch_pos: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, int]:
     """Right-padded tokens [B,T] of seq.tokens[start:], their positions [B,T] (padding -> scratch),
     the last real index per row [B], and kv_len (1 + the largest real position)."""
     chunks = [s.tokens[st:] for s, st in zip(seqs, starts)]
@@ -88,7 +90,7 @@ class ModelDrafter:
             dtype = w.dtype if w.is_floating_point() else torch.float16
             self.cache = KVCache(self.model.config, max_batch, max_seq_len, dtype, w.device)
 
-    def _start(self, seq: "Seq") -> int:
+    def _start(self, seq: Seq) -> int:
         return seq.dlen
 
     @torch.no_grad()
@@ -107,8 +109,16 @@ class ModelDrafter:
                 s.dlen = len(s.tokens)
             return drafts, None, None
         aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
-        logits = self.model(toks, pos, cache, kv_len, batch.rows, logits_idx=last, n_layers=self.n_layers,
-                            start=starts[0] if aligned else None)
+        logits = self.model(
+            toks,
+            pos,
+            cache,
+            kv_len,
+            batch.rows,
+            logits_idx=last,
+            n_layers=self.n_layers,
+            start=starts[0] if aligned else None,
+        )
         next_pos = torch.tensor(n_tok, device=dev)  # where d1 goes
         drafts, probs = [], []
         for i in range(batch.k):
@@ -123,14 +133,21 @@ class ModelDrafter:
             drafts.append(d)
             if i + 1 < batch.k:
                 kv_len += 1
-                logits = self.model(d[:, None], (next_pos + i)[:, None], cache, kv_len, batch.rows,
-                                    logits_idx=torch.zeros_like(d), n_layers=self.n_layers,
-                                    start=n_tok[0] + i if aligned else None)
+                logits = self.model(
+                    d[:, None],
+                    (next_pos + i)[:, None],
+                    cache,
+                    kv_len,
+                    batch.rows,
+                    logits_idx=torch.zeros_like(d),
+                    n_layers=self.n_layers,
+                    start=n_tok[0] + i if aligned else None,
+                )
         for s in seqs:
             s.dlen = len(s.tokens)
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None), None
 
-    def after_verify(self, seq: "Seq", n_before: int, accepted: int, k: int) -> None:
+    def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         # fed: the committed tokens, then d1..d_{k-1}; the accepted ones stay valid
         seq.dlen = n_before + min(accepted, k - 1)
 
@@ -144,10 +161,10 @@ class EarlyExitDrafter(ModelDrafter):
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         pass  # uses the target's cache
 
-    def _start(self, seq: "Seq") -> int:
+    def _start(self, seq: Seq) -> int:
         return seq.tlen
 
-    def after_verify(self, seq: "Seq", n_before: int, accepted: int, k: int) -> None:
+    def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         pass  # the verify pass rewrote every position the drafter wrote
 
 
@@ -162,10 +179,10 @@ class NGramDrafter:
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         L = len(tokens)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            tail = tokens[L - n:]
+            tail = tokens[L - n :]
             for start in range(L - n - 1, -1, -1):  # latest earlier occurrence first
-                if tokens[start:start + n] == tail:
-                    return tokens[start + n: start + n + k]
+                if tokens[start : start + n] == tail:
+                    return tokens[start + n : start + n + k]
         return []
 
     def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
@@ -176,7 +193,7 @@ class NGramDrafter:
                 out[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         return out.to(batch.target_cache.k.device), None, [len(p) for p in props]
 
-    def after_verify(self, seq: "Seq", n_before: int, accepted: int, k: int) -> None:
+    def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         pass
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:

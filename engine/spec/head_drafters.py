@@ -10,6 +10,7 @@ top-k, top-p: ``RowProcessing``), over the reduced draft vocabulary when the hea
 elsewhere; the acceptance rule is the same exact rule as for a draft model (the residual covers the
 tokens outside the draft vocabulary). Greedy batches return no distributions.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -71,8 +72,9 @@ class HeadDrafter:
         assert batch.noise is not None
         return sample_from_probs(p, batch.noise[:, i]), p
 
-    def _result(self, drafts: list[Tensor], probs: list[Tensor], have: list[bool], k: int, asked: int
-                ) -> tuple[Tensor, Tensor | None, list[int] | None]:
+    def _result(
+        self, drafts: list[Tensor], probs: list[Tensor], have: list[bool], k: int, asked: int
+    ) -> tuple[Tensor, Tensor | None, list[int] | None]:
         num = None if all(have) and k == asked else [k if h else 0 for h in have]
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None), num
 

@@ -17,6 +17,7 @@ target's fingerprint: hidden size, vocabulary, layer count, a hash of the tokeni
 probe values of its embedding) and ``model.safetensors``. ``load_head`` refuses a head of another
 shape or for another target with ``DraftMismatchError`` naming the mismatch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,9 +76,13 @@ def target_fingerprint(target: Transformer, tokenizer_vocab: dict[str, int]) -> 
     w = target.embed_tokens.weight.detach()
     rows = torch.linspace(0, cfg.vocab_size - 1, PROBE_ROWS).long().to(w.device)
     probe = w[rows, :PROBE_COLS].float().cpu()
-    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "tokenizer_vocab_sha256": vocab_hash(tokenizer_vocab),
-            "embed_probe": [round(x, 6) for x in probe.flatten().tolist()]}
+    return {
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "tokenizer_vocab_sha256": vocab_hash(tokenizer_vocab),
+        "embed_probe": [round(x, 6) for x in probe.flatten().tolist()],
+    }
 
 
 def check_target(cfg: HeadConfig, target: Transformer, tokenizer_vocab: dict[str, int], where: str) -> None:
@@ -90,12 +95,15 @@ def check_target(cfg: HeadConfig, target: Transformer, tokenizer_vocab: dict[str
         raise DraftMismatchError(f"{where}: vocab_size {cfg.vocab_size} != the target's {got['vocab_size']}")
     for key in ("num_hidden_layers", "tokenizer_vocab_sha256"):
         if want.get(key) != got[key]:
-            raise DraftMismatchError(f"{where}: target.{key} {want.get(key)!r} != the target's {got[key]!r} "
-                                     "(a head trained for another target)")
+            raise DraftMismatchError(
+                f"{where}: target.{key} {want.get(key)!r} != the target's {got[key]!r} "
+                "(a head trained for another target)"
+            )
     a, b = torch.tensor(want.get("embed_probe", [])), torch.tensor(got["embed_probe"])
     if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-2, atol=1e-3):
-        raise DraftMismatchError(f"{where}: target.embed_probe differs from the target's embedding "
-                                 "(a head trained for another target)")
+        raise DraftMismatchError(
+            f"{where}: target.embed_probe differs from the target's embedding (a head trained for another target)"
+        )
 
 
 class MedusaHeads(nn.Module):
@@ -193,8 +201,9 @@ def read_head_config(path: str | Path) -> HeadConfig:
     return cfg
 
 
-def load_head(path: str | Path, target: Transformer, tokenizer_vocab: dict[str, int], kind: str | None = None
-              ) -> tuple[nn.Module, HeadConfig, Tensor | None]:
+def load_head(
+    path: str | Path, target: Transformer, tokenizer_vocab: dict[str, int], kind: str | None = None
+) -> tuple[nn.Module, HeadConfig, Tensor | None]:
     """(head on the target's device and dtype, its config, vocab_ids or None), checked against ``target``.
 
     ``kind``: the drafter asked for ("medusa" | "eagle"); a head of the other kind is refused."""
@@ -213,14 +222,23 @@ def load_head(path: str | Path, target: Transformer, tokenizer_vocab: dict[str, 
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     for k in sorted(set(want) | set(got)):
         if want.get(k) != got.get(k):
-            raise DraftMismatchError(f"{Path(path) / 'model.safetensors'}: tensor {k} has shape {got.get(k)}, "
-                                     f"the config ({HEAD_CONFIG}) needs {want.get(k)}")
+            raise DraftMismatchError(
+                f"{Path(path) / 'model.safetensors'}: tensor {k} has shape {got.get(k)}, "
+                f"the config ({HEAD_CONFIG}) needs {want.get(k)}"
+            )
     if vocab_ids is not None:
-        bad = vocab_ids.dim() != 1 or len(vocab_ids) != cfg.draft_vocab or len(vocab_ids) == 0 \
-            or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= cfg.vocab_size
+        bad = (
+            vocab_ids.dim() != 1
+            or len(vocab_ids) != cfg.draft_vocab
+            or len(vocab_ids) == 0
+            or int(vocab_ids.min()) < 0
+            or int(vocab_ids.max()) >= cfg.vocab_size
+        )
         if bad:
-            raise DraftMismatchError(f"{Path(path) / 'model.safetensors'}: vocab_ids must hold draft_vocab="
-                                     f"{cfg.draft_vocab} ids in 0..{cfg.vocab_size - 1}")
+            raise DraftMismatchError(
+                f"{Path(path) / 'model.safetensors'}: vocab_ids must hold draft_vocab="
+                f"{cfg.draft_vocab} ids in 0..{cfg.vocab_size - 1}"
+            )
     elif cfg.draft_vocab is not None:
         raise DraftMismatchError(f"{where}: draft_vocab={cfg.draft_vocab} but the weights hold no vocab_ids")
     head.load_state_dict(tensors)

@@ -24,10 +24,11 @@ Without a drafter K is 0 and a round is a plain decode step (or the prefill).
 Padding tokens are written to a scratch slot (the cache's last position),
 which no real position ever reads.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -43,8 +44,15 @@ log = logging.getLogger(__name__)
 
 
 class DecodeLoop:
-    def __init__(self, target: Transformer, tokenizer: Tokenizer, drafter: Drafter | None,
-                 eos_ids: list[int], vocab: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer: Tokenizer,
+        drafter: Drafter | None,
+        eos_ids: list[int],
+        vocab: int,
+        device: torch.device,
+    ) -> None:
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.eos = set(eos_ids)
         self.vocab, self.device = vocab, device
@@ -87,8 +95,13 @@ class DecodeLoop:
         scratch = cache.max_seq_len - 1
         row_ids = [s.row for s in active]
         rows = None if row_ids == list(range(B)) else torch.tensor(row_ids, device=dev)
-        proc = RowProcessing.of([s.params for s in active], dev, history=[(s.prompt, s.generated) for s in active],
-                                eos=sorted(self.eos), vocab=V)
+        proc = RowProcessing.of(
+            [s.params for s in active],
+            dev,
+            history=[(s.prompt, s.generated) for s in active],
+            eos=sorted(self.eos),
+            vocab=V,
+        )
         ks = [self.k_for(s) for s in active]
         kmax = max(ks)
 
@@ -129,7 +142,7 @@ class DecodeLoop:
         toks = torch.zeros(B, T, dtype=torch.long)
         pos = torch.full((B, T), scratch, dtype=torch.long)
         for b, s in enumerate(active):
-            toks[b, : catch[b]] = torch.tensor(s.tokens[s.tlen:], dtype=torch.long)
+            toks[b, : catch[b]] = torch.tensor(s.tokens[s.tlen :], dtype=torch.long)
             pos[b, : catch[b] + ks[b]] = torch.arange(s.tlen, s.tlen + catch[b] + ks[b])
         toks, pos = toks.to(dev), pos.to(dev)
         catch_t = torch.tensor(catch, dtype=torch.long, device=dev)
@@ -141,11 +154,20 @@ class DecodeLoop:
         aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
         feats: Tensor | None = None
         if getattr(self.drafter, "needs_features", False):
-            logits, feats = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
-                                        start=active[0].tlen if aligned else None, return_hidden=True)
+            logits, feats = self.target(
+                toks,
+                pos,
+                cache,
+                kv_len,
+                rows,
+                logits_idx=idx,
+                start=active[0].tlen if aligned else None,
+                return_hidden=True,
+            )
         else:
-            logits = self.target(toks, pos, cache, kv_len, rows, logits_idx=idx,
-                                 start=active[0].tlen if aligned else None)  # [B, K+1, Vt]
+            logits = self.target(
+                toks, pos, cache, kv_len, rows, logits_idx=idx, start=active[0].tlen if aligned else None
+            )  # [B, K+1, Vt]
         if self.inject_nan is not None:
             for b, s in enumerate(active):
                 if self.inject_nan(s):
@@ -168,9 +190,13 @@ class DecodeLoop:
         events = []
         for b, s in enumerate(active):
             if res[b][-1]:
-                log.warning("non-finite target logits in the row of a %d-token sequence (cache row %d) after "
-                            "%d generated tokens: ending it with finish_reason 'error'",
-                            len(s.prompt), s.row, len(s.generated))
+                log.warning(
+                    "non-finite target logits in the row of a %d-token sequence (cache row %d) after "
+                    "%d generated tokens: ending it with finish_reason 'error'",
+                    len(s.prompt),
+                    s.row,
+                    len(s.generated),
+                )
                 s.finish("error")
                 # its keys/values may be non-finite too: a later sequence in this row must not read them
                 # (the math attention reads a bucket of slots past kv_len, masked, and 0 * NaN is NaN)
@@ -203,8 +229,13 @@ class DecodeLoop:
         n = max(rows.values())
         top_v, top_i = lp.topk(n, dim=-1) if n else (lp[..., :0], lp[..., :0].long())
         ch, tv, ti = chosen.tolist(), top_v.tolist(), top_i.tolist()
-        return {b: [TokenLogprob(t, ch[j][p], list(zip(ti[j][p][: rows[b]], tv[j][p][: rows[b]])))
-                    for p, t in enumerate(out[b].tolist())] for j, b in enumerate(rows)}
+        return {
+            b: [
+                TokenLogprob(t, ch[j][p], list(zip(ti[j][p][: rows[b]], tv[j][p][: rows[b]])))
+                for p, t in enumerate(out[b].tolist())
+            ]
+            for j, b in enumerate(rows)
+        }
 
     def _stop_checks(self, s: Seq, new: list[int]) -> list[int]:
         """Cut the accepted run at a stop token, max_new_tokens or a stop string; finish the sequence.

@@ -15,6 +15,7 @@ position: position i of a round sees the committed output plus drafts d_0 .. d_{
 round (as plain decoding would have generated them), so both distributions of the acceptance rule
 are the ones plain sampling would use after that prefix.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -37,8 +38,7 @@ class PenaltyParams(Protocol):
 
 
 def needs_history(p: PenaltyParams) -> bool:
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            or p.min_tokens > 0)
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.min_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,13 @@ class Penalties:
     use_ban: bool
 
     @classmethod
-    def of(cls, rows: Sequence[tuple[Sequence[int], Sequence[int], PenaltyParams]], eos: Sequence[int], vocab: int,
-           device: torch.device | str) -> Penalties | None:
+    def of(
+        cls,
+        rows: Sequence[tuple[Sequence[int], Sequence[int], PenaltyParams]],
+        eos: Sequence[int],
+        vocab: int,
+        device: torch.device | str,
+    ) -> Penalties | None:
         """rows: (prompt, output so far, params) per batch row; None when no row needs any of this."""
         if not any(needs_history(p) for _, _, p in rows):
             return None
@@ -77,16 +82,29 @@ class Penalties:
         use_rep = any(p.repetition_penalty != 1.0 for _, _, p in rows)
         counts = bag([list(g) if needs_history(p) else [] for _, g, p in rows])
         prompt_seen = bag([list(pr) if p.repetition_penalty != 1.0 else [] for pr, _, p in rows]) > 0
-        stops = [[t for t in ((() if p.ignore_eos else tuple(eos)) + tuple(p.stop_token_ids)) if 0 <= t < V]
-                 if p.min_tokens > len(g) else [] for _, g, p in rows]
+        stops = [
+            [t for t in ((() if p.ignore_eos else tuple(eos)) + tuple(p.stop_token_ids)) if 0 <= t < V]
+            if p.min_tokens > len(g)
+            else []
+            for _, g, p in rows
+        ]
         banned = bag(stops) > 0
 
         def col(name: str) -> Tensor:
             return torch.tensor([float(getattr(p, name)) for _, _, p in rows], dtype=torch.float32, device=dev)
 
         short = torch.tensor([max(0, p.min_tokens - len(g)) for _, g, p in rows], dtype=torch.long, device=dev)
-        return cls(counts, prompt_seen, col("repetition_penalty"), col("presence_penalty"), col("frequency_penalty"),
-                   short, banned, use_rep, any(stops))
+        return cls(
+            counts,
+            prompt_seen,
+            col("repetition_penalty"),
+            col("presence_penalty"),
+            col("frequency_penalty"),
+            short,
+            banned,
+            use_rep,
+            any(stops),
+        )
 
     def apply(self, logits: Tensor, drafts: Tensor | None, start: int) -> Tensor:
         """logits [B, P, V] at draft positions start .. start+P-1 -> processed logits [B, P, V] float32.
@@ -103,7 +121,7 @@ class Penalties:
             assert drafts is not None and drafts.shape[1] >= n
             oh = torch.zeros(B, n, V, device=dev).scatter_(2, drafts[:, :n, None].clamp(0, V - 1), 1.0)
             before = torch.cat([torch.zeros(B, 1, V, device=dev), oh.cumsum(1)], 1)  # [B, n+1, V]
-            cnt = cnt + before[:, start: start + P]
+            cnt = cnt + before[:, start : start + P]
         if self.use_repetition:
             seen = self.prompt_seen[:, None, :] | (cnt > 0)
             r = self.repetition[:, None, None]

@@ -17,6 +17,7 @@ does exactly that without building distributions, for all-greedy batches).
 Everything runs on the tensors' device with no host synchronisation; the
 randomness (uniforms and Exp(1) noise) is drawn up front by the caller.
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,7 +72,8 @@ def acceptance(
 
 def rejection_sample(
     draft_tokens: Tensor,  # [B, K] int64 proposed ids (entries beyond num_draft[b] are ignored)
-    draft_probs: Tensor | None,  # [B, K, V] float32, draft distribution after the same processing; None = deterministic drafter (p = one-hot(d))
+    draft_probs: Tensor
+    | None,  # [B, K, V] float32, draft distribution after the same processing; None: deterministic (p = one-hot(d))
     target_probs: Tensor,  # [B, K+1, V] float32, target distribution at each draft position + the bonus position
     num_draft: Tensor,  # [B] int64, K_b <= K drafts of row b (ragged K)
     uniforms: Tensor,  # [B, K] float32 in [0, 1), drawn up front
@@ -105,6 +107,7 @@ def greedy_accept(
     pos = torch.arange(k + 1, device=draft_tokens.device)  # [K+1]
     match = (draft_tokens == target_argmax[:, :k]) & (pos[:k].unsqueeze(0) < num_draft.unsqueeze(-1))  # [B, K]
     num_accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [B]
-    tokens = torch.where(pos.unsqueeze(0) <= num_accepted.unsqueeze(-1), target_argmax,
-                         torch.zeros_like(target_argmax))  # [B, K+1]: accepted drafts equal the argmax
+    tokens = torch.where(
+        pos.unsqueeze(0) <= num_accepted.unsqueeze(-1), target_argmax, torch.zeros_like(target_argmax)
+    )  # [B, K+1]: accepted drafts equal the argmax
     return tokens, num_accepted

@@ -11,6 +11,7 @@ picks token ``t`` with probability ``probs[t] / sum(probs)``. The noise is drawn
 up front (per request, from the request's own generator), so sampling itself
 needs no host synchronisation and is invariant to the scale of ``probs``.
 """
+
 from __future__ import annotations
 
 import math
@@ -157,8 +158,9 @@ def params_to_tensors(
     return temperature, top_k, top_p
 
 
-def process_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                   min_p: Tensor | None = None) -> Tensor:
+def process_logits(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None
+) -> Tensor:
     """Logits -> sampling distribution, per row, in fp32.
 
     logits [N, V] (any float dtype); temperature [N] float32; top_k [N] int64
@@ -224,9 +226,7 @@ def _check_generator(i: int, g: torch.Generator | None, device: torch.device) ->
         )
 
 
-def draw_noise(
-    generators: Sequence[torch.Generator | None], V: int, device: torch.device | str
-) -> Tensor:
+def draw_noise(generators: Sequence[torch.Generator | None], V: int, device: torch.device | str) -> Tensor:
     """Exp(1) noise [N, V] float32, row i drawn from generators[i] (None = global RNG)."""
     dev = torch.device(device)
     rows = []
@@ -238,9 +238,7 @@ def draw_noise(
     return torch.stack(rows)
 
 
-def draw_uniforms(
-    generators: Sequence[torch.Generator | None], n: int, device: torch.device | str
-) -> Tensor:
+def draw_uniforms(generators: Sequence[torch.Generator | None], n: int, device: torch.device | str) -> Tensor:
     """Uniforms [N, n] float32 in [0, 1), row i drawn from generators[i] (None = global RNG)."""
     dev = torch.device(device)
     rows = []
@@ -271,9 +269,14 @@ class RowProcessing:
     penalties: Penalties | None = None
 
     @classmethod
-    def of(cls, params_list: Sequence[SamplingParams], device: torch.device | str,
-           history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None, eos: Sequence[int] = (),
-           vocab: int = 0) -> "RowProcessing":
+    def of(
+        cls,
+        params_list: Sequence[SamplingParams],
+        device: torch.device | str,
+        history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        eos: Sequence[int] = (),
+        vocab: int = 0,
+    ) -> RowProcessing:
         """history: (prompt, output so far) per row, for the penalties and min_tokens (None: none apply)."""
 
         t, k, p = params_to_tensors(params_list, device)
@@ -281,8 +284,7 @@ class RowProcessing:
         if history is not None:
             pen = Penalties.of([(pr, g, sp) for (pr, g), sp in zip(history, params_list)], eos, vocab, device)
         use_min_p = any(x.min_p > 0 for x in params_list)
-        min_p = torch.tensor([x.min_p for x in params_list], dtype=torch.float32, device=device) if use_min_p \
-            else None
+        min_p = torch.tensor([x.min_p for x in params_list], dtype=torch.float32, device=device) if use_min_p else None
         if all(x.greedy for x in params_list) and pen is None:
             mode = "greedy"
         elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in params_list):
@@ -291,17 +293,23 @@ class RowProcessing:
             mode = "general"
         return cls(t, k, p, mode, min_p, pen)
 
-    def repeat(self, n: int) -> "RowProcessing":
+    def repeat(self, n: int) -> RowProcessing:
         """Each row repeated n times in place (row b -> rows b*n .. b*n+n-1), without the penalties."""
         mp = None if self.min_p is None else self.min_p.repeat_interleave(n)
-        return RowProcessing(self.temperature.repeat_interleave(n), self.top_k.repeat_interleave(n),
-                             self.top_p.repeat_interleave(n), self.mode, mp)
+        return RowProcessing(
+            self.temperature.repeat_interleave(n),
+            self.top_k.repeat_interleave(n),
+            self.top_p.repeat_interleave(n),
+            self.mode,
+            mp,
+        )
 
     def probs(self, logits: Tensor) -> Tensor:
         """logits [N, V] (after any penalties) -> probs [N, V] float32."""
         if self.mode == "greedy":
             return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
-                -1, logits.argmax(dim=-1, keepdim=True), 1.0)
+                -1, logits.argmax(dim=-1, keepdim=True), 1.0
+            )
         if self.mode == "softmax":
             x = logits.float()
             return ((x - x.amax(dim=-1, keepdim=True)) / self.temperature.unsqueeze(-1)).softmax(dim=-1)

@@ -1,5 +1,6 @@
 """A sequence's state in the decode loop (``Seq``), its counters (``SeqStats``) and an emitted token's
 log-probabilities (``TokenLogprob``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ class Seq:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
     def finish(self, reason: str) -> None:
         if not self.finished:
