@@ -1,15 +1,15 @@
 """A fp32 model's few-row forward as one C++ call (engine/kernels/csrc/decode_layers.cpp).
 
-Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic (the demo draft's
-step is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings).
-``DecodeStep`` runs the same forward (embedding; per layer RMSNorm, fused q/k/v, rotary, the static
-KV cache, causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down; final norm and LM head on the
-scored rows) in one call. ``Transformer.forward`` uses it when installed (``model.layer_step``) for every call with a fp32 cache and no autograd, prompts
-included: a decode step often carries a new sequence's prompt beside the others' tokens, and one
-path for all of them keeps every row's result independent of what else is in the batch (the
-PyTorch forward rounds a large batch differently). The PyTorch forward is its fallback with the
-same inputs and outputs (tests run both and compare). ``DecodeStep.greedy`` drafts k greedy tokens
-in one call (no Python between the draft steps).
+Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic (the demo draft's step
+is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings). ``DecodeStep``
+runs the same forward (embedding; per layer RMSNorm, fused q/k/v, rotary, the static KV cache,
+causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down; final norm and LM head on the scored
+rows) in one call. ``Transformer.forward`` uses it when installed (``model.layer_step``) for every
+call with a fp32 cache and no autograd, prompts included: a decode step often carries a new
+sequence's prompt beside the others' tokens, and one path for all of them keeps every row's result
+independent of what else is in the batch (the PyTorch forward rounds a large batch differently). The
+PyTorch forward is its fallback with the same inputs and outputs (tests run both and compare).
+``DecodeStep.greedy`` drafts k greedy tokens in one call (no Python between the draft steps).
 
 The GEMM weights: fp32 (the model's own tensors) on the AVX-512 small-GEMM kernel, or 16-bit
 copies widened in registers. A model whose weights are all bf16 values (a bf16 checkpoint loaded
