@@ -12,13 +12,8 @@ from .apply import apply_plan, collect_activation_stats, model_weight_bytes
 from .catalog import known_gpus, load_catalog, lookup_gpu
 from .kernels import KERNELS, kernel_available, require_kernel
 from .linear import FP8Embedding, FP8Linear, Int8Linear
-from .plan import (
-    DEFAULT_PRECISION,
-    ModelPlan,
-    PlanDoesNotFitError,
-    PrecisionPlan,
-    make_plan,
-)
+from .plan import PlanDoesNotFitError, make_plan
+from .plan_schema import DEFAULT_PRECISION, ModelPlan, PrecisionPlan
 
 __all__ = [
     "DEFAULT_PRECISION",

@@ -24,7 +24,7 @@ from engine.core.model import Transformer
 
 from .kernels import require_kernel
 from .linear import FP8Embedding, FP8Linear, Int8Linear
-from .plan import FAMILY_MODULES, FamilyPlan, ModelPlan
+from .plan_schema import FAMILY_MODULES, FamilyPlan, ModelPlan
 
 log = logging.getLogger(__name__)
 

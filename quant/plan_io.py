@@ -10,7 +10,7 @@ from typing import Any
 from engine.core.errors import InvalidConfigError, ProfileError
 
 from .kernels import FP8_KERNELS, INT8_KERNELS
-from .plan import (
+from .plan_schema import (
     DENSE_STORAGE,
     FAMILIES,
     FAMILY_MODULES,

@@ -38,7 +38,8 @@ from engine.core.errors import InvalidConfigError
 
 from .catalog import validate_gpu
 from .linear import Int8Linear
-from .plan import FAMILY_MODULES, FamilyPlan, w8a16_family
+from .plan import w8a16_family
+from .plan_schema import FAMILY_MODULES, FamilyPlan
 
 log = logging.getLogger(__name__)
 

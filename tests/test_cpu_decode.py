@@ -11,9 +11,10 @@ from util import make_checkpoint
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, SpeculationConfig
+from engine.core.attention import sdpa_attention
 from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
-from engine.core.model import KVCache, fuse_projections, sdpa_attention
+from engine.core.model import KVCache, fuse_projections
 from engine.kernels.cpu_decode import (
     DecodeStep,
     decode_step_reason,

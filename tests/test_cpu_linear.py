@@ -131,7 +131,8 @@ PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]
 
 @needs_onednn
 def test_bf16_verify_block_equals_one_token_steps_bit_for_bit(ckpt_dir):
-    from engine.core.model import KVCache, math_attention
+    from engine.core.attention import math_attention
+    from engine.core.model import KVCache
 
     m = load_model(ckpt_dir, torch.bfloat16)
     fuse_projections(m)
@@ -179,7 +180,8 @@ def test_math_attention_through_the_cache_equals_sdpa(tmp_path, arch, kw):
     """fp32, any CPU: the math backend's cache path (bucketed keys, rows, ragged positions, a window)."""
     from util import make_checkpoint
 
-    from engine.core.model import KVCache, math_attention, sdpa_attention
+    from engine.core.attention import math_attention, sdpa_attention
+    from engine.core.model import KVCache
 
     m = load_model(make_checkpoint(tmp_path / arch, arch, **kw), torch.float32)
     g = torch.Generator().manual_seed(4)

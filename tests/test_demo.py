@@ -18,8 +18,8 @@ import torch
 from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError
 from engine.core.tokenizer import Tokenizer
+from engine.demo import evaluate as demo_evaluate
 from engine.demo import pair, recipe
-from engine.demo import train as demo_train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,7 +162,7 @@ def test_draft_agrees_with_target(tiny_pair: tuple[Path, Path]) -> None:
     """Recompute the reported agreement from the saved checkpoints."""
     target, draft = tiny_pair
     ids = torch.tensor(Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8")))
-    ev = demo_train.evaluate_pair(load_model(target), load_model(draft), ids, recipe.get_recipe("tiny").eval_ctx)
+    ev = demo_evaluate.evaluate_pair(load_model(target), load_model(draft), ids, recipe.get_recipe("tiny").eval_ctx)
     rep = json.loads((target.parent / "report.json").read_text())
     assert ev["agreement"] == pytest.approx(rep["agreement"], abs=2e-3)
     assert ev["target_ppl"] == pytest.approx(rep["target"]["heldout_ppl"], rel=1e-3)

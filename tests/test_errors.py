@@ -136,8 +136,8 @@ def test_vocab_mismatch(ckpt_dir, tmp_path):
 
 
 def test_unknown_drafter_and_bad_k(ckpt_dir):
-    with pytest.raises(InvalidConfigError, match="drafter='medusa'.*model, ngram, early-exit"):
-        Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="medusa"))
+    with pytest.raises(InvalidConfigError, match="drafter='hydra'.*model, ngram, early-exit, medusa, eagle"):
+        Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="hydra"))
     with pytest.raises(InvalidConfigError, match="k=0.*>= 1"):
         Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=0))
     with pytest.raises(InvalidConfigError, match="device"):

@@ -17,7 +17,8 @@ from engine.api.options import (
     LoadWindowConfig,
     SpeculationConfig,
 )
-from engine.core.model import KVCache, sdpa_attention
+from engine.core.attention import sdpa_attention
+from engine.core.model import KVCache
 from engine.kernels.backends import (
     FlashAttention,
 )
@@ -107,7 +108,7 @@ def test_gpu_flash_attn_agrees_with_sdpa_fp16():
     pytest.importorskip("flash_attn")
     if _cc() < (8, 0):
         pytest.skip("flash-attn 2 needs compute capability >= 8.0")
-    from engine.core.model import _Ctx, position_mask
+    from engine.core.attention import _Ctx, position_mask
 
     g = torch.Generator(device="cuda").manual_seed(1)
     kc, vc = (torch.randn(4, 4, 256, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))

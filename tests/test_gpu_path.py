@@ -22,9 +22,10 @@ from engine.api.options import (
     SpeculationConfig,
 )
 from engine.api.runtime import RuntimeSettings, parse_runtime, runtime_settings
+from engine.core.attention import math_attention as engine_math_attention
+from engine.core.attention import sdpa_attention
 from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
-from engine.core.model import KVCache, sdpa_attention
-from engine.core.model import math_attention as engine_math_attention
+from engine.core.model import KVCache
 from engine.kernels.backends import (
     FlashAttention,
     HardwareFacts,
@@ -118,7 +119,7 @@ def test_sdpa_lower_right_dense_mask_and_math_agree(T, S, heads):
 
 def test_flash_adapter_with_reference_kernel_matches_sdpa_in_the_cache():
     """Ragged rows (different offsets, explicit cache rows, padding) through with_cache == the masked path."""
-    from engine.core.model import _Ctx, position_mask
+    from engine.core.attention import _Ctx, position_mask
 
     g = torch.Generator().manual_seed(3)
     H, Hkv, D, S, T = 4, 2, 16, 32, 4

@@ -18,7 +18,7 @@ from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
-from quant.plan import PrecisionPlan
+from quant.plan_schema import PrecisionPlan
 
 
 def spec(kind: str, k: int = 5) -> SpeculationConfig:

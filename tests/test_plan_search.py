@@ -15,8 +15,9 @@ from quant.apply import apply_plan, model_weight_bytes
 from quant.catalog import lookup_gpu
 from quant.linear import Int8Linear
 from quant.memory import weight_bytes
-from quant.plan import FamilyPlan, make_plan, w8a16_family
+from quant.plan import make_plan, w8a16_family
 from quant.plan_io import load_plan, plan_from_dict
+from quant.plan_schema import FamilyPlan
 from quant.search import (
     ALPHA_GRID,
     CHOICES,

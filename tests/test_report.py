@@ -1,4 +1,4 @@
-"""engine/build/report.py: the bench plot's series and PNG, the build report, and the tools that write them."""
+"""engine/build/plots.py and report.py: the bench plot's series and PNG, the build report, the tools writing them."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from typing import Any
 
 import pytest
 
-from engine.build.report import (
-    aggregate_positions,
-    bench_series,
-    build_report,
-    build_report_files,
-    profile_series,
-)
+from engine.build.plots import aggregate_positions, bench_series, profile_series
+from engine.build.report import build_report, build_report_files
+from engine.cli.bench_modes import match_rate
 from engine.core.errors import InvalidConfigError
 from engine.spec.adaptive import Costs, expected_speedup
 
@@ -133,7 +129,7 @@ def check_png(path: Path) -> tuple[int, int]:
 
 def test_bench_png_opens(result, tmp_path):
     pytest.importorskip("matplotlib")
-    from engine.build.report import draw_bench
+    from engine.build.plots import draw_bench
 
     (tmp_path / "b.png").write_bytes(draw_bench(bench_series(result)))
     w, h = check_png(tmp_path / "b.png")
@@ -228,13 +224,12 @@ def test_bench_sweep_json_and_plot_on_the_tiny_pair(tiny_demo, tmp_path, capsys)
 
 
 def test_bench_match_rate_on_hand_made_outputs():
-    bench = load_tool("bench")
     ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
-    assert bench.match_rate(ref, ref) == {"identical": 1.0, "prefix": 1.0}
-    got = bench.match_rate([[1, 2, 0, 4], [5, 6, 7, 8], [0, 9]], ref)  # prefixes 2/4, 4/4, 0/2
+    assert match_rate(ref, ref) == {"identical": 1.0, "prefix": 1.0}
+    got = match_rate([[1, 2, 0, 4], [5, 6, 7, 8], [0, 9]], ref)  # prefixes 2/4, 4/4, 0/2
     assert got["identical"] == pytest.approx(1 / 3) and got["prefix"] == pytest.approx((0.5 + 1 + 0) / 3)
     with pytest.raises(ValueError):
-        bench.match_rate([[1]], ref)
+        match_rate([[1]], ref)
 
 
 def test_bench_bfloat16_reports_match_rates_against_float32(tiny_demo, tmp_path, capsys):
@@ -359,7 +354,7 @@ def test_report_without_matplotlib_says_the_plot_was_skipped(built, monkeypatch,
 
 def test_profile_plot_with_per_position_acceptance(built, tmp_path):
     pytest.importorskip("matplotlib")
-    from engine.build.report import draw_profile
+    from engine.build.plots import draw_profile
 
     _, prof = built
     s = profile_series(prof)

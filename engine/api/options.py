@@ -19,7 +19,7 @@ from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS, check_buckets
 from engine.serve.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD, LoadWindow
 from engine.spec.adaptive import POLICIES, Costs
 from engine.spec.drafters import DRAFTERS
-from quant.plan import PrecisionPlan
+from quant.plan_schema import PrecisionPlan
 
 STEP_WEIGHTS = ("float16", "bfloat16", "float32")
 

@@ -38,10 +38,12 @@ def apply_precision_plan(
 ) -> None:
     """Quantize target and draft by module swap, as the PrecisionPlan says."""
     from quant.apply import apply_plan, collect_activation_stats
-    from quant.plan import PrecisionPlan
+    from quant.plan_schema import PrecisionPlan
 
     if not isinstance(plan, PrecisionPlan):
-        raise InvalidConfigError(f"plan={type(plan).__name__} is invalid: allowed a quant.plan.PrecisionPlan or None")
+        raise InvalidConfigError(
+            f"plan={type(plan).__name__} is invalid: allowed a quant.plan_schema.PrecisionPlan or None"
+        )
     if plan.device != dev.type:
         raise InvalidConfigError(
             f"plan.device={plan.device!r} but the engine runs on {dev.type!r}: make the plan with device={dev.type!r}"

@@ -1,5 +1,6 @@
 """Calibrating speculation for a profile: acceptance with the planned (FP8) draft and
 with the unquantized draft, cost ratios on the device at hand, and K with its bounds."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ def calib_prompts(tok: Tokenizer, text: str, n: int = 8, prompt_len: int = 48) -
     """n prompts of prompt_len tokens spread evenly over the calibration text."""
     ids = tok.encode(text)
     span = max(1, (len(ids) - prompt_len) // max(1, n))
-    return [ids[i * span: i * span + prompt_len] for i in range(n) if ids[i * span: i * span + prompt_len]]
+    return [ids[i * span : i * span + prompt_len] for i in range(n) if ids[i * span : i * span + prompt_len]]
 
 
 def acceptance(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> float:
@@ -37,31 +38,60 @@ def k_bounds(a: float, costs: Costs, k_search: int = 8, within: float = 0.9) -> 
     return k, min(good), max(good), best
 
 
-def calibrate_ngram(target_dir: Path, plan: Any, calib_text: str, *, device: str = "cpu", k_probe: int = 4,
-                    k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48) -> dict[str, Any]:
+def calibrate_ngram(
+    target_dir: Path,
+    plan: Any,
+    calib_text: str,
+    *,
+    device: str = "cpu",
+    k_probe: int = 4,
+    k_search: int = 8,
+    n_prompts: int = 8,
+    max_new_tokens: int = 48,
+) -> dict[str, Any]:
     """The profile's speculation section for the n-gram (prompt lookup) drafter of a target without a draft."""
     spec = SpeculationConfig(drafter="ngram", k=k_probe, k_policy="constant", k_max=k_search)
-    planned = Engine.from_pretrained(target_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text),
-                                     device=device)
+    planned = Engine.from_pretrained(
+        target_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
+    )
     prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
     a = acceptance(planned, prompts, max_new_tokens)
     costs = planned.costs
     assert costs is not None
     k, k_min, k_max, speedup = k_bounds(a, costs, k_search)
-    return {"drafter": "ngram", "k": k, "k_min": k_min, "k_max": k_max, "policy": "cost-model",
-            "acceptance": a, "c": costs.c, "v": {str(j): x for j, x in sorted(costs.v.items())},
-            "predicted_speedup": speedup,
-            "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True}}
+    return {
+        "drafter": "ngram",
+        "k": k,
+        "k_min": k_min,
+        "k_max": k_max,
+        "policy": "cost-model",
+        "acceptance": a,
+        "c": costs.c,
+        "v": {str(j): x for j, x in sorted(costs.v.items())},
+        "predicted_speedup": speedup,
+        "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True},
+    }
 
 
-def calibrate(target_dir: Path, draft_dir: Path, plan: Any, calib_text: str, *, device: str = "cpu",
-              k_probe: int = 4, k_search: int = 8, n_prompts: int = 8, max_new_tokens: int = 48,
-              drafter: str = "model") -> dict[str, Any]:
+def calibrate(
+    target_dir: Path,
+    draft_dir: Path,
+    plan: Any,
+    calib_text: str,
+    *,
+    device: str = "cpu",
+    k_probe: int = 4,
+    k_search: int = 8,
+    n_prompts: int = 8,
+    max_new_tokens: int = 48,
+    drafter: str = "model",
+) -> dict[str, Any]:
     """The profile's speculation section for a draft model or a trained head (drafter "medusa" / "eagle":
     its K is capped at its heads; the head is not quantized, so both acceptances are the same run's)."""
     spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search)
-    planned = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text),
-                                     device=device)
+    planned = Engine.from_pretrained(
+        target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
+    )
     prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
     a = a16 = acceptance(planned, prompts, max_new_tokens)
     if drafter == "model":
@@ -71,7 +101,16 @@ def calibrate(target_dir: Path, draft_dir: Path, plan: Any, calib_text: str, *, 
     costs = planned.costs
     assert costs is not None and planned.policy is not None
     k, k_min, k_max, speedup = k_bounds(a, costs, min(k_search, planned.policy.k_max))
-    return {"drafter": drafter, "k": k, "k_min": k_min, "k_max": k_max, "policy": "cost-model",
-            "acceptance": a, "acceptance_fp16_draft": a16, "c": costs.c,
-            "v": {str(j): x for j, x in sorted(costs.v.items())}, "predicted_speedup": speedup,
-            "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True}}
+    return {
+        "drafter": drafter,
+        "k": k,
+        "k_min": k_min,
+        "k_max": k_max,
+        "policy": "cost-model",
+        "acceptance": a,
+        "acceptance_fp16_draft": a16,
+        "c": costs.c,
+        "v": {str(j): x for j, x in sorted(costs.v.items())},
+        "predicted_speedup": speedup,
+        "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True},
+    }

@@ -6,6 +6,7 @@ SmoothQuant's statistics come from at load (engine.plan_apply.calib_batches, so 
 alphas and the loaded engine's smoothing factors see the same absmax), and returns the plan
 with the chosen per-layer modules. The eval text never comes here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,17 @@ log = logging.getLogger(__name__)
 KLD_WINDOWS = 8  # of calib_batches' 256-token windows: 2,048 calibration tokens score each candidate plan
 
 
-def search_plan(target_dir: Path, plan: Any, calib_text: str, gpu: dict[str, Any], *, device: str = "cpu",
-                kld_budget: float = 1e-3, min_top1: float = 0.0,
-                draft_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
+def search_plan(
+    target_dir: Path,
+    plan: Any,
+    calib_text: str,
+    gpu: dict[str, Any],
+    *,
+    device: str = "cpu",
+    kld_budget: float = 1e-3,
+    min_top1: float = 0.0,
+    draft_dir: Path | None = None,
+) -> tuple[Any, dict[str, Any]]:
     """(the plan with the searched target FFN, the search record for the profile)."""
     from quant.plan import with_target_choices
     from quant.search import collect_calibration, search_ffn
@@ -36,16 +45,25 @@ def search_plan(target_dir: Path, plan: Any, calib_text: str, gpu: dict[str, Any
     model = load_model(target_dir, dtype, device)
     tok = Tokenizer(target_dir)
     calib = collect_calibration(model, calib_batches(tok, calib_text), kld_windows=KLD_WINDOWS)
-    res = search_ffn(model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1,
-                     dense_storage=plan.target.compute_dtype)
-    note = (f"planner: per-layer FFN choices {res.counts} (calibration KLD {res.kld:.5f} <= {kld_budget}, "
-            f"top-1 {res.top1:.4f}; plan.target.modules says why for each)")
+    res = search_ffn(
+        model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1, dense_storage=plan.target.compute_dtype
+    )
+    note = (
+        f"planner: per-layer FFN choices {res.counts} (calibration KLD {res.kld:.5f} <= {kld_budget}, "
+        f"top-1 {res.top1:.4f}; plan.target.modules says why for each)"
+    )
     tcfg = load_config(target_dir)
     dcfg = load_config(draft_dir) if draft_dir is not None else None
     new = with_target_choices(plan, res.family, res.modules, tcfg, dcfg, note)
-    record = {"kld_budget": kld_budget, "min_top1": min_top1,
-              "calibration_tokens": sum(w.numel() for w in calib.windows),
-              "threshold": res.threshold if math.isfinite(res.threshold) else None,
-              "kld": res.kld, "top1": res.top1, "counts": res.counts, "trials": res.trials}
+    record = {
+        "kld_budget": kld_budget,
+        "min_top1": min_top1,
+        "calibration_tokens": sum(w.numel() for w in calib.windows),
+        "threshold": res.threshold if math.isfinite(res.threshold) else None,
+        "kld": res.kld,
+        "top1": res.top1,
+        "counts": res.counts,
+        "trials": res.trials,
+    }
     log.info("%s", note)
     return new, record

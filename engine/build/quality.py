@@ -20,15 +20,17 @@ Error bars (``QualityReport``):
   enters at second order in D). With a single window the per-token differences are the units
   instead (``method`` says which was used).
 """
+
 from __future__ import annotations
 
 import hashlib
 import logging
 import math
 import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -87,6 +89,7 @@ def eval_windows(n_tokens: int, context: int) -> list[tuple[int, int, int]]:
 @dataclass
 class QualityReport:
     """Figures of a test model against a reference on the same windows (see the module doc)."""
+
     ppl_ref: float
     ppl: float
     drift: float
@@ -123,13 +126,16 @@ def t_quantile_975(dof: int) -> float:
     if dof < 10:
         return _T975[dof - 1]
     z, n = 1.959963984540054, float(dof)
-    return (z + (z ** 3 + z) / (4 * n) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * n ** 2)
-            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * n ** 3))
+    return (
+        z
+        + (z**3 + z) / (4 * n)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * n**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * n**3)
+    )
 
 
 def _check_max_tokens(max_tokens: object) -> None:
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or max_tokens < 2):
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 2):
         raise InvalidRequestError(f"max_tokens={max_tokens!r} is invalid: allowed an int >= 2 or None")
 
 
@@ -151,8 +157,9 @@ def read_eval_text(path: str | os.PathLike[str]) -> str:
         raise EvalTextError(f"eval text {str(p)!r}: cannot be read ({e.strerror or e})") from None
 
 
-def load_eval_ids(tokenizer: _Encoder, path_or_text: str | os.PathLike[str],
-                  max_tokens: int | None = None) -> list[int]:
+def load_eval_ids(
+    tokenizer: _Encoder, path_or_text: str | os.PathLike[str], max_tokens: int | None = None
+) -> list[int]:
     """Token ids of the eval text, the first ``max_tokens`` of them when given.
 
     A ``Path`` (any os.PathLike) or a ``str`` without a newline is a file path (read as UTF-8;
@@ -186,9 +193,9 @@ def _logprobs(fn: LogitsFn, name: str, x: Tensor, vocab: int | None, lo: int, hi
     return F.log_softmax(out[0, lo:hi].detach().float(), dim=-1).cpu()  # on the model's device, then the host
 
 
-def _window_logprobs(fns: Sequence[tuple[str, LogitsFn]], ids: Sequence[int], context: int,
-                     max_tokens: int | None, progress: bool
-                     ) -> Iterator[tuple[Tensor, list[Tensor]]]:
+def _window_logprobs(
+    fns: Sequence[tuple[str, LogitsFn]], ids: Sequence[int], context: int, max_tokens: int | None, progress: bool
+) -> Iterator[tuple[Tensor, list[Tensor]]]:
     """Per window: (targets [S], [log-probs [S, V] per fn]) over the window's scored tokens."""
     _check_max_tokens(max_tokens)
     all_ids = torch.as_tensor(list(ids)[:max_tokens] if max_tokens else list(ids), dtype=torch.long)
@@ -208,8 +215,9 @@ def _window_logprobs(fns: Sequence[tuple[str, LogitsFn]], ids: Sequence[int], co
             if start == 0:  # the vocabulary is known from the first window: check every id once
                 bad = all_ids[(all_ids < 0) | (all_ids >= vocab)]
                 if bad.numel():
-                    raise InvalidRequestError(f"ids contains token {int(bad[0])}: allowed 0..{vocab - 1} "
-                                              "(the logits' vocabulary)")
+                    raise InvalidRequestError(
+                        f"ids contains token {int(bad[0])}: allowed 0..{vocab - 1} (the logits' vocabulary)"
+                    )
             yield all_ids[score_from:end], lps
 
 
@@ -218,7 +226,7 @@ def _ppl_err(nll: np.ndarray) -> tuple[float, float]:
     n = nll.size
     mean = float(nll.mean(dtype=np.float64))
     ppl = math.exp(mean)
-    var = float(np.mean(nll.astype(np.float64) ** 2) - mean ** 2)
+    var = float(np.mean(nll.astype(np.float64) ** 2) - mean**2)
     err = ppl * math.sqrt(var / (n - 1)) if n > 1 and var > 0 else 0.0
     return ppl, err
 
@@ -241,7 +249,7 @@ def drift_interval(ppl_ref: float, diff: np.ndarray, counts: np.ndarray) -> tupl
         sums = np.add.reduceat(diff, np.concatenate([[0], np.cumsum(counts)[:-1]]))
         resid = sums - counts * d_total  # n_w (d_w - D)
         w = counts.size
-        se = math.sqrt(w / (w - 1) * float(np.sum(resid ** 2))) / n
+        se = math.sqrt(w / (w - 1) * float(np.sum(resid**2))) / n
         q, unit = t_quantile_975(w - 1), "windows"
     else:
         se = float(diff.std(ddof=1)) / math.sqrt(n) if n > 1 else math.inf
@@ -250,8 +258,9 @@ def drift_interval(ppl_ref: float, diff: np.ndarray, counts: np.ndarray) -> tupl
     return (ppl_ref * math.expm1(lo), ppl_ref * math.expm1(hi)), unit
 
 
-def perplexity(logits_fn: LogitsFn, ids: Sequence[int], context: int, *, max_tokens: int | None = None,
-               progress: bool = False) -> tuple[float, float]:
+def perplexity(
+    logits_fn: LogitsFn, ids: Sequence[int], context: int, *, max_tokens: int | None = None, progress: bool = False
+) -> tuple[float, float]:
     """(PPL, +- error) of one model on the windows of ``eval_windows(len(ids), context)``."""
     nlls = []
     for tgt, (lp,) in _window_logprobs([("logits_fn", logits_fn)], ids, context, max_tokens, progress):
@@ -259,15 +268,23 @@ def perplexity(logits_fn: LogitsFn, ids: Sequence[int], context: int, *, max_tok
     return _ppl_err(np.concatenate(nlls))
 
 
-def compare_models(ref_logits: LogitsFn, test_logits: LogitsFn, ids: Sequence[int], context: int, *,
-                   max_tokens: int | None = None, progress: bool = False) -> QualityReport:
+def compare_models(
+    ref_logits: LogitsFn,
+    test_logits: LogitsFn,
+    ids: Sequence[int],
+    context: int,
+    *,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> QualityReport:
     """Figures of ``test_logits`` against ``ref_logits`` on the same windows (see the module doc).
 
     Each callable maps token ids [1, T] to logits [1, T, V]; both must share V.
     """
     nll_r, nll_t, kld, agree, counts = [], [], [], [], []
-    for tgt, (lr, lt) in _window_logprobs([("ref_logits", ref_logits), ("test_logits", test_logits)],
-                                          ids, context, max_tokens, progress):
+    for tgt, (lr, lt) in _window_logprobs(
+        [("ref_logits", ref_logits), ("test_logits", test_logits)], ids, context, max_tokens, progress
+    ):
         nll_r.append(-lr.gather(1, tgt[:, None])[:, 0].double().numpy())
         nll_t.append(-lt.gather(1, tgt[:, None])[:, 0].double().numpy())
         kld.append((lr.exp() * (lr - lt)).sum(-1).double().numpy())
@@ -280,10 +297,33 @@ def compare_models(ref_logits: LogitsFn, test_logits: LogitsFn, ids: Sequence[in
     ci, unit = drift_interval(ppl_ref, t - r, cnt)
     kld_mean, kld_err = _mean_err(k)
     top1, top1_err = _mean_err(a)
-    rep = QualityReport(ppl_ref=ppl_ref, ppl=ppl, drift=ppl - ppl_ref, drift_ci95=ci, ppl_ref_err=ppl_ref_err,
-                        ppl_err=ppl_err, kld_mean=kld_mean, kld_err=kld_err,
-                        kld_p99=float(np.percentile(k, 99)), top1=top1, top1_err=top1_err,
-                        tokens=int(r.size), windows=int(cnt.size), context=int(context), method=unit)
-    log.info("PPL ref %.4f, test %.4f, dPPL %+.4f [%+.4f, %+.4f], KLD %.5f (p99 %.5f), top-1 %.4f on %d tokens",
-             ppl_ref, ppl, rep.drift, ci[0], ci[1], kld_mean, rep.kld_p99, top1, rep.tokens)
+    rep = QualityReport(
+        ppl_ref=ppl_ref,
+        ppl=ppl,
+        drift=ppl - ppl_ref,
+        drift_ci95=ci,
+        ppl_ref_err=ppl_ref_err,
+        ppl_err=ppl_err,
+        kld_mean=kld_mean,
+        kld_err=kld_err,
+        kld_p99=float(np.percentile(k, 99)),
+        top1=top1,
+        top1_err=top1_err,
+        tokens=int(r.size),
+        windows=int(cnt.size),
+        context=int(context),
+        method=unit,
+    )
+    log.info(
+        "PPL ref %.4f, test %.4f, dPPL %+.4f [%+.4f, %+.4f], KLD %.5f (p99 %.5f), top-1 %.4f on %d tokens",
+        ppl_ref,
+        ppl,
+        rep.drift,
+        ci[0],
+        ci[1],
+        kld_mean,
+        rep.kld_p99,
+        top1,
+        rep.tokens,
+    )
     return rep

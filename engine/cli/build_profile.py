@@ -45,7 +45,8 @@ from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS
 from engine.serve.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD
 from engine.spec.heads import is_head_dir, read_head_config
 from quant.catalog import gpu_for_device_name, lookup_gpu
-from quant.plan import DEFAULT_PRECISION, make_plan
+from quant.plan import make_plan
+from quant.plan_schema import DEFAULT_PRECISION
 
 log = logging.getLogger("build_profile")
 PROFILES = Path("profiles")  # relative to the working directory (run from the repository root)

@@ -3,7 +3,8 @@
 ``build_pair(recipe, out)``: a byte-level BPE tokenizer on the training split, the target trained on
 next-token cross-entropy, the draft distilled from it (KL over the target's top-k plus one bucket for
 the rest, mixed with hard labels; on training text and, when the recipe asks, on text the target
-generates), both evaluated on the held-out split, and everything saved as Hugging Face checkpoints.
+generates), both evaluated on the held-out split (engine/demo/evaluate.py), and everything saved as
+Hugging Face checkpoints (engine/demo/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.model import KVCache, Transformer
+from engine.demo.checkpoints import save_checkpoint
+from engine.demo.evaluate import evaluate_pair
 from engine.demo.recipe import (
     EOS_TOKEN,
     RECIPE_VERSION,
@@ -374,125 +376,3 @@ def _distill_draft(
         return (1 - w) * kl.mean() + w * hard
 
     return _train(draft, recipe, recipe.draft_steps, recipe.draft_lr, "draft", progress, loss_fn)
-
-
-@torch.no_grad()
-def evaluate_pair(target: Transformer, draft: Transformer, ids: torch.Tensor, ctx: int) -> dict[str, float]:
-    """fp32 held-out perplexity of both and the draft's greedy top-1 agreement with the target.
-
-    Non-overlapping windows of ``ctx`` tokens; the second half of each is scored (llama.cpp style).
-    """
-    n = len(ids) // ctx
-    if n < 1:
-        raise InvalidConfigError(f"eval_ctx={ctx} is invalid: allowed at most {len(ids)} (held-out tokens)")
-    windows = ids[: n * ctx].view(n, ctx)
-    nll = {"target": 0.0, "draft": 0.0}
-    agree, count = 0, 0
-    for w in windows.split(4):
-        y = w[:, ctx // 2 + 1 :]
-        preds = {}
-        for name, m in (("target", target), ("draft", draft)):
-            logits = m(w)[:, ctx // 2 : -1].float()
-            nll[name] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            preds[name] = logits.argmax(-1)
-        agree += (preds["target"] == preds["draft"]).sum().item()
-        count += y.numel()
-    return {
-        "target_ppl": round(math.exp(nll["target"] / count), 4),
-        "draft_ppl": round(math.exp(nll["draft"] / count), 4),
-        "agreement": round(agree / count, 4),
-        "positions": count,
-    }
-
-
-@torch.no_grad()
-def greedy_agreement(
-    target: Transformer,
-    draft: Transformer,
-    ids: torch.Tensor,
-    n_prompts: int = 16,
-    prompt_len: int = 64,
-    new_tokens: int = 128,
-) -> float:
-    """Draft top-1 == target top-1 along the target's own greedy continuations of held-out prompts
-    (the per-token acceptance of greedy speculative decoding)."""
-    starts = torch.linspace(0, len(ids) - prompt_len - 1, n_prompts).long().tolist()
-    seq = torch.stack([ids[s : s + prompt_len] for s in starts])
-    cache = KVCache(target.config, n_prompts, prompt_len + new_tokens, torch.float32, "cpu")
-    logits = target(seq, cache=cache, kv_len=prompt_len)[:, -1]
-    for pos in range(prompt_len, prompt_len + new_tokens - 1):
-        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
-        logits = target(seq[:, -1:], input_pos=torch.full((n_prompts, 1), pos), cache=cache, kv_len=pos + 1)[:, -1]
-    seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
-    t_top = target(seq)[:, prompt_len - 1 : -1].argmax(-1)
-    d_top = draft(seq)[:, prompt_len - 1 : -1].argmax(-1)
-    return round((t_top == d_top).float().mean().item(), 4)
-
-
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' LlamaForCausalLM (and engine.core.config.load_config)."""
-    eos = cfg.eos_token_ids[0]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos,
-        "pad_token_id": None,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-    }
-
-
-def save_checkpoint(model: Transformer, tok: Any, out: Path) -> None:
-    """An HF directory: config.json, model.safetensors ("model."-prefixed), tokenizer files, generation_config."""
-    cfg = model.config
-    out.mkdir(parents=True)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        key = name if name.startswith("lm_head.") else f"model.{name}"
-        tensors[key] = t.detach().to(torch.float32).contiguous().clone()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(out / "config.json", hf_config(cfg))
-    eos = cfg.eos_token_ids[0]
-    _write_json(out / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos})
-    tok.save(str(out / "tokenizer.json"))
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": EOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "unk_token": None,
-            "add_bos_token": False,
-            "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg.max_position_embeddings,
-        },
-    )
-    _write_json(out / "special_tokens_map.json", {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN})
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.core.attention import AttentionFn, math_attention, sdpa_attention
 from engine.core.errors import KernelUnavailableError
-from engine.core.model import AttentionFn, math_attention, sdpa_attention
 
 log = logging.getLogger(__name__)
 

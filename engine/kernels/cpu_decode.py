@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engine.core.attention import sdpa_attention
 from engine.core.errors import KernelUnavailableError
-from engine.core.model import FusedLinear, KVCache, Transformer, sdpa_attention
+from engine.core.model import FusedLinear, KVCache, Transformer
 from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
     amx_status,
