@@ -18,7 +18,7 @@ from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
-from quant.plan_schema import PrecisionPlan
+from quant.plan_io import plan_from_dict
 
 
 def spec(kind: str, k: int = 5) -> SpeculationConfig:
@@ -232,7 +232,7 @@ def test_profile_with_a_head(tiny_heads, tmp_path):
     assert eng.stats()["drafter"] == "eagle"
     plain = Engine.from_pretrained(
         target,
-        precision=PrecisionConfig(PrecisionPlan.from_dict(prof["plan"]), (target.parent / "calib.txt").read_text()),
+        precision=PrecisionConfig(plan_from_dict(prof["plan"]), (target.parent / "calib.txt").read_text()),
     )
     prompts = ["The with statement", "A class definition", "import sys\n"]
     sp = SamplingParams(max_new_tokens=32)

@@ -93,7 +93,7 @@ def test_16_threads_x_8_requests_equal_their_solo_runs(eng):
 )
 def test_bad_engine_options(ckpt_dir, opt, value):
     with pytest.raises(InvalidConfigError, match=opt):
-        Engine.from_pretrained(ckpt_dir, **{opt: value})
+        Engine.from_pretrained(ckpt_dir, limits=Limits(**{opt: value}))
 
 
 BAD = [

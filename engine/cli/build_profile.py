@@ -235,7 +235,7 @@ def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], de
                 device=device,
                 kld_budget=a.plan_kld_budget,
                 min_top1=a.plan_min_top1,
-                draft_dir=inp["draft"],
+                draft_dir=None if dcfg is None else inp["draft"],  # no draft model: no draft part to plan
             )
         ffn = plan.target.families["ffn"]
         precision = PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"])
