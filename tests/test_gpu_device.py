@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from util import GPU_GREEDY_TOKENS
+from util import GPU_PROMPTS as PROMPTS
+from util import reference_attention as math_attention
 
 from engine import Engine, SamplingParams
 from engine.api.assemble import parts_from_models
@@ -25,17 +27,7 @@ from engine.kernels.backends import (
 from engine.kernels.cudagraphs import GraphedForward
 
 REPO = Path(__file__).resolve().parents[1]
-GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
-PROMPTS = [[5, 17, 33, 9], [7, 7, 7, 1, 2, 3, 4, 5, 6], [40, 41], [100, 3, 3, 3, 3, 3, 3, 8, 9, 10, 11]]
-
-
-def math_attention(q, k, v, mask):
-    """Plain softmax(q k^T / sqrt(d)) v with a bool mask [B|1,1,T,S]; k/v heads repeated for GQA."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~mask, float("-inf"))
-    return (s.softmax(-1) @ v.float()).to(q.dtype)
+GREEDY = SamplingParams(max_new_tokens=GPU_GREEDY_TOKENS, temperature=0.0)
 
 
 def _ids(outs):

@@ -5,7 +5,6 @@ pure-PyTorch reference of its kernel); tests/test_gpu_device.py runs it on a CUD
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -13,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from util import GPU_GREEDY_TOKENS
+from util import GPU_PROMPTS as PROMPTS
+from util import reference_attention as math_attention
 
 from engine import Engine, SamplingParams
 from engine.api.options import (
@@ -39,20 +41,10 @@ from engine.serve.telemetry import GpuReading, LoadGovernor, LoadWindow
 from quant.catalog import load_catalog, lookup_gpu
 
 REPO = Path(__file__).resolve().parents[1]
-GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
-PROMPTS = [[5, 17, 33, 9], [7, 7, 7, 1, 2, 3, 4, 5, 6], [40, 41], [100, 3, 3, 3, 3, 3, 3, 8, 9, 10, 11]]
+GREEDY = SamplingParams(max_new_tokens=GPU_GREEDY_TOKENS, temperature=0.0)
 
 
 # ------------------------------------------------------------------ references
-
-
-def math_attention(q, k, v, mask):
-    """Plain softmax(q k^T / sqrt(d)) v with a bool mask [B|1,1,T,S]; k/v heads repeated for GQA."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~mask, float("-inf"))
-    return (s.softmax(-1) @ v.float()).to(q.dtype)
 
 
 def ref_flash_with_kvcache(

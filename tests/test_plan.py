@@ -6,8 +6,8 @@ import copy
 import json
 
 import pytest
+from util import llama_config
 
-from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
 from quant.catalog import (
     compute_capability,
@@ -35,18 +35,7 @@ ALL_GPUS = [
 ]
 
 
-def cfg(**kw) -> ModelConfig:
-    d = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-    }
-    d.update(kw)
-    return ModelConfig.from_hf_dict(d)
+cfg = llama_config
 
 
 LLAMA2_7B = cfg()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from util import llama_config
 
 from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
@@ -19,20 +20,7 @@ from quant.memory import weight_bytes
 from quant.plan import make_plan
 from quant.plan_io import plan_from_dict
 
-
-def cfg(**kw) -> ModelConfig:
-    """A Llama-2-7B config with ``kw`` replaced."""
-    d = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-    }
-    d.update(kw)
-    return ModelConfig.from_hf_dict(d)
+cfg = llama_config
 
 
 LLAMA2_7B = cfg()

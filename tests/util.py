@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,33 @@ def long_prompt(e: Any, n: int) -> list[int]:
         if e.generate([p], SamplingParams(max_new_tokens=n))[0].finish_reason == "length":
             return p
     pytest.skip("no prompt runs to length on this random model")
+
+
+GPU_PROMPTS = [[5, 17, 33, 9], [7, 7, 7, 1, 2, 3, 4, 5, 6], [40, 41], [100, 3, 3, 3, 3, 3, 3, 8, 9, 10, 11]]
+GPU_GREEDY_TOKENS = 24
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Plain softmax(q k^T / sqrt(d)) v in fp32 with a bool mask [B|1,1,T,S]; k/v heads repeated for GQA."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def llama_config(**kw: Any) -> Any:
+    """A Llama-2-7B ModelConfig with the config.json fields of ``kw`` replaced (planning needs no weights)."""
+    from engine.core.config import ModelConfig
+
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    }
+    d.update(kw)
+    return ModelConfig.from_hf_dict(d)
