@@ -195,7 +195,10 @@ def test_refuses_a_cuda_profile_without_cuda(builds, tmp_path):
     [
         (["--gpu", "b300"], "b300.*a100"),
         (["--gpu", "a100", "--demo-size", "tiny", "--eval-text", "/nonexistent/x.txt"], "eval-text"),
-        (["--gpu", "a100", "--target", "/nonexistent/t"], "/nonexistent/t: model directory does not exist"),
+        (
+            ["--gpu", "a100", "--target", "/nonexistent/t", "--eval-text", str(REPO / "README.md")],
+            "/nonexistent/t: model directory does not exist",
+        ),
         (["--gpu", "a100", "--draft", "/nonexistent/d"], "--draft needs --target"),
     ],
 )
