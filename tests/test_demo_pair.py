@@ -67,10 +67,13 @@ def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
 
 
 def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
-    kw = dict(k=4, adaptive_k=False, calib=demo["calib"])
-    fp8 = Engine.from_pretrained(demo["target"], demo["draft"], precision=PrecisionConfig(plan), **kw)
+    spec = SpeculationConfig(k=4, k_policy="constant")
+    fp8 = Engine.from_pretrained(
+        demo["target"], demo["draft"], speculation=spec, precision=PrecisionConfig(plan, demo["calib"])
+    )
+    fp16_plan = dataclasses.replace(plan, draft=None)
     fp16 = Engine.from_pretrained(
-        demo["target"], demo["draft"], precision=PrecisionConfig(dataclasses.replace(plan, draft=None)), **kw
+        demo["target"], demo["draft"], speculation=spec, precision=PrecisionConfig(fp16_plan, demo["calib"])
     )
     assert type(fp8.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
     # 24 prompts (~1000 drafts; the difference's standard error ~1 point): with 8, the v3 pair's
