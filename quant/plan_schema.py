@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.core.errors import InvalidConfigError
+from engine.core.files import write_text_atomic
 
 PLAN_SCHEMA_VERSION = 1
 DEFAULT_PRECISION: dict[str, Any] = {
@@ -110,16 +109,8 @@ class PrecisionPlan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a temp file in the same folder, then os.replace."""
-        p = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_json() + "\n")
-            os.replace(tmp, p)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        """Write atomically (engine/core/files.py: a temp file beside it, then a rename)."""
+        write_text_atomic(Path(path), self.to_json() + "\n")
 
 
 def validate_precision(precision: Any) -> dict[str, Any]:

@@ -38,44 +38,9 @@ def k_bounds(a: float, costs: Costs, k_search: int = 8, within: float = 0.9) -> 
     return k, min(good), max(good), best
 
 
-def calibrate_ngram(
-    target_dir: Path,
-    plan: Any,
-    calib_text: str,
-    *,
-    device: str = "cpu",
-    k_probe: int = 4,
-    k_search: int = 8,
-    n_prompts: int = 8,
-    max_new_tokens: int = 48,
-) -> dict[str, Any]:
-    """The profile's speculation section for the n-gram (prompt lookup) drafter of a target without a draft."""
-    spec = SpeculationConfig(drafter="ngram", k=k_probe, k_policy="constant", k_max=k_search)
-    planned = Engine.from_pretrained(
-        target_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
-    )
-    prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
-    a = acceptance(planned, prompts, max_new_tokens)
-    costs = planned.costs
-    assert costs is not None
-    k, k_min, k_max, speedup = k_bounds(a, costs, k_search)
-    return {
-        "drafter": "ngram",
-        "k": k,
-        "k_min": k_min,
-        "k_max": k_max,
-        "policy": "cost-model",
-        "acceptance": a,
-        "c": costs.c,
-        "v": {str(j): x for j, x in sorted(costs.v.items())},
-        "predicted_speedup": speedup,
-        "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True},
-    }
-
-
 def calibrate(
     target_dir: Path,
-    draft_dir: Path,
+    draft_dir: Path | None,
     plan: Any,
     calib_text: str,
     *,
@@ -86,31 +51,30 @@ def calibrate(
     max_new_tokens: int = 48,
     drafter: str = "model",
 ) -> dict[str, Any]:
-    """The profile's speculation section for a draft model or a trained head (drafter "medusa" / "eagle":
-    its K is capped at its heads; the head is not quantized, so both acceptances are the same run's)."""
+    """The profile's speculation section: a draft model, a trained head (drafter "medusa" / "eagle": its K is
+    capped at its heads) or, with no draft, the n-gram drafter (drafter "ngram", draft_dir None). Only a draft
+    model has an FP8 plan, so only it is also measured with its FP16 weights (``acceptance_fp16_draft``)."""
     spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search)
     planned = Engine.from_pretrained(
         target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
     )
     prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
-    a = a16 = acceptance(planned, prompts, max_new_tokens)
+    a = acceptance(planned, prompts, max_new_tokens)
+    fp16_side: dict[str, float] = {}
     if drafter == "model":
         fp16 = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
         fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device, precision=fp16)
-        a16 = acceptance(fp16_draft, prompts, max_new_tokens)
+        fp16_side["acceptance_fp16_draft"] = acceptance(fp16_draft, prompts, max_new_tokens)
+    elif drafter in ("medusa", "eagle"):
+        fp16_side["acceptance_fp16_draft"] = a  # the head is not quantized: the same run
     costs = planned.costs
     assert costs is not None and planned.policy is not None
     k, k_min, k_max, speedup = k_bounds(a, costs, min(k_search, planned.policy.k_max))
+    chosen = SpeculationConfig(drafter=drafter, k=k, k_min=k_min, k_max=k_max, k_policy="cost-model", costs=costs)
     return {
-        "drafter": drafter,
-        "k": k,
-        "k_min": k_min,
-        "k_max": k_max,
-        "policy": "cost-model",
+        **chosen.to_profile(),  # drafter, k, k_min, k_max, policy, c, v: what Engine.from_profile reads back
         "acceptance": a,
-        "acceptance_fp16_draft": a16,
-        "c": costs.c,
-        "v": {str(j): x for j, x in sorted(costs.v.items())},
+        **fp16_side,
         "predicted_speedup": speedup,
         "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True},
     }

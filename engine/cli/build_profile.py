@@ -32,17 +32,15 @@ import torch
 
 import engine
 from engine import Engine
-from engine.api.options import PrecisionConfig
+from engine.api.options import KernelOptions, Limits, LoadWindowConfig, PrecisionConfig, runtime_to_profile
 from engine.api.profile import PROFILE_SCHEMA_VERSION, model_ref, weight_hashes
-from engine.build.calibrate import calibrate, calibrate_ngram
+from engine.build.calibrate import calibrate
 from engine.build.quality import compare_models, load_eval_ids
 from engine.build.report import build_report_files
 from engine.core.cli import run_tool
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError
 from engine.core.files import write_bytes_atomic, write_json_atomic
-from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS
-from engine.serve.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD
 from engine.spec.heads import is_head_dir, read_head_config
 from quant.catalog import gpu_for_device_name, lookup_gpu
 from quant.plan import make_plan
@@ -282,7 +280,7 @@ def build(a: argparse.Namespace) -> int:
         return 1
     plan, rep, context, n_tokens = passed
     if inp["draft"] is None:
-        spec = calibrate_ngram(inp["target"], plan, inp["calib_text"], device=device)
+        spec = calibrate(inp["target"], None, plan, inp["calib_text"], device=device, drafter="ngram")
     else:
         drafter = read_head_config(inp["draft"]).kind if is_head_dir(inp["draft"]) else "model"
         spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device, drafter=drafter)
@@ -360,10 +358,9 @@ def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens,
         "speculation": spec,
         # how the engine runs the plan: CUDA graphs where the profile's device is a GPU (never on the
         # CPU), and the load-aware window (lower K and the batch above this GPU memory use)
-        "runtime": {
-            "cuda_graphs": {"enabled": device == "cuda", "batch_buckets": list(DEFAULT_BATCH_BUCKETS)},
-            "load_window": {"enabled": True, "memory_threshold": DEFAULT_THRESHOLD, "resume_below": DEFAULT_RESUME},
-        },
+        "runtime": runtime_to_profile(
+            KernelOptions(cuda_graphs=device == "cuda"), Limits(load_window=LoadWindowConfig())
+        ),
         "versions": {"torch": torch.__version__, "specmix": engine.__version__},
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }

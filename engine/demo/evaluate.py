@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.errors import InvalidConfigError
-from engine.core.model import KVCache, Transformer
+from engine.core.model import Transformer
 
 
 @torch.no_grad()
@@ -38,27 +38,3 @@ def evaluate_pair(target: Transformer, draft: Transformer, ids: torch.Tensor, ct
         "agreement": round(agree / count, 4),
         "positions": count,
     }
-
-
-@torch.no_grad()
-def greedy_agreement(
-    target: Transformer,
-    draft: Transformer,
-    ids: torch.Tensor,
-    n_prompts: int = 16,
-    prompt_len: int = 64,
-    new_tokens: int = 128,
-) -> float:
-    """Draft top-1 == target top-1 along the target's own greedy continuations of held-out prompts
-    (the per-token acceptance of greedy speculative decoding)."""
-    starts = torch.linspace(0, len(ids) - prompt_len - 1, n_prompts).long().tolist()
-    seq = torch.stack([ids[s : s + prompt_len] for s in starts])
-    cache = KVCache(target.config, n_prompts, prompt_len + new_tokens, torch.float32, "cpu")
-    logits = target(seq, cache=cache, kv_len=prompt_len)[:, -1]
-    for pos in range(prompt_len, prompt_len + new_tokens - 1):
-        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
-        logits = target(seq[:, -1:], input_pos=torch.full((n_prompts, 1), pos), cache=cache, kv_len=pos + 1)[:, -1]
-    seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
-    t_top = target(seq)[:, prompt_len - 1 : -1].argmax(-1)
-    d_top = draft(seq)[:, prompt_len - 1 : -1].argmax(-1)
-    return round((t_top == d_top).float().mean().item(), 4)

@@ -125,7 +125,8 @@ class ModelDrafter:
             if greedy:
                 d = logits[:, :V].argmax(-1)
             else:
-                prev = torch.stack(drafts, 1) if drafts else None  # penalties count this round's drafts too
+                # penalties count this round's earlier drafts too
+                prev = torch.stack(drafts, 1) if drafts and batch.processing.penalties is not None else None
                 p = batch.processing.probs_at(logits[:, None, :V], prev, i)[:, 0]
                 assert batch.noise is not None
                 d = sample_from_probs(p, batch.noise[:, i])

@@ -36,6 +36,7 @@ from torch import Tensor
 from engine.core.model import KVCache, Transformer
 from engine.core.tokenizer import Tokenizer
 from engine.spec.drafters import DraftBatch, Drafter
+from engine.spec.penalties import needs_history
 from engine.spec.rejection import greedy_accept, rejection_sample
 from engine.spec.sampling import RowProcessing
 from engine.spec.seq import Seq, TokenLogprob
@@ -55,6 +56,7 @@ class DecodeLoop:
     ) -> None:
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.eos = set(eos_ids)
+        self._eos_sorted = sorted(self.eos)
         self.vocab, self.device = vocab, device
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
@@ -98,8 +100,9 @@ class DecodeLoop:
         proc = RowProcessing.of(
             [s.params for s in active],
             dev,
-            history=[(s.prompt, s.generated) for s in active],
-            eos=sorted(self.eos),
+            # (prompt, output so far) only when a row has a penalty or min_tokens: an O(length) copy per row
+            history=[(s.prompt, s.generated) for s in active] if any(needs_history(s.params) for s in active) else None,
+            eos=self._eos_sorted,
             vocab=V,
         )
         ks = [self.k_for(s) for s in active]

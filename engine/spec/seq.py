@@ -69,7 +69,6 @@ class Seq:
     finished: bool = False
     finish_reason: str | None = None
     stop_cut: int | None = None  # where a stop string (or a stop token's text) starts in the generated text
-    checked_chars: int = 0  # generated text already searched for stop strings
     stats: SeqStats = field(default_factory=SeqStats)
     text: str = ""  # the generated text so far, decoded incrementally (only with stop strings)
     decoder: Any = None  # its tokenizers DecodeStream
