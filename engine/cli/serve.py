@@ -39,6 +39,8 @@ def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
         cfg = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f}: expected a JSON object, got {type(cfg).__name__}")
     out = {ours: cfg[theirs] for theirs, ours in GENERATION_KEYS.items() if cfg.get(theirs) is not None}
     if cfg.get("do_sample") is False:
         out["temperature"] = 0.0  # transformers decodes greedily then, whatever the temperature says
@@ -50,12 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="a built profile (tools/build_profile.py)")
     src.add_argument("--target", help="target checkpoint: a directory or a Hugging Face Hub id owner/name")
-    ap.add_argument("--draft", help="draft checkpoint (directory or Hub id), with --target")
+    ap.add_argument(
+        "--draft", help="draft checkpoint (directory or Hub id) or a trained head (specmix-train-draft), with --target"
+    )
     ap.add_argument(
         "--drafter",
         default=None,
-        choices=["model", "ngram", "early-exit"],
-        help="default: model with --draft, else none",
+        choices=["model", "medusa", "eagle", "ngram", "early-exit"],
+        help="default: the head's kind for a head directory, model for another --draft, else none",
     )
     ap.add_argument("--no-spec", action="store_true", help="decode plainly (speculation off)")
     ap.add_argument("--k", type=int, default=5)
@@ -85,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _draft_kind(draft: Path | None) -> str | None:
+    """The drafter a --draft directory implies: a trained head's kind, else a draft model."""
+    from engine.spec.heads import is_head_dir, read_head_config
+
+    if draft is None:
+        return None
+    return read_head_config(draft).kind if is_head_dir(draft) else "model"
+
+
 def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     """The engine, its served name and the target directory (for generation_config.json)."""
     from engine.api.engine import Engine
@@ -98,11 +111,11 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
     target = resolve_model(args.target, **hub)
     draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
-    drafter = None if args.no_spec else (args.drafter or ("model" if draft is not None else None))
+    drafter = None if args.no_spec else (args.drafter or _draft_kind(draft))
     spec = SpeculationConfig(drafter=drafter, k=args.k, k_policy=args.k_policy or "cost-model")
     eng = Engine.from_pretrained(
         target,
-        draft if drafter == "model" else None,
+        draft if drafter in ("model", "medusa", "eagle") else None,
         speculation=spec,
         limits=limits,
         device=args.device,

@@ -1,0 +1,45 @@
+"""specmix-serve's loading: the drafter a --draft implies (a trained head or a draft model) and the
+checkpoint's generation_config.json defaults, each bad file a typed error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_heads import random_head
+
+from engine.cli.serve import build_parser, generation_defaults, load
+from engine.core.errors import CheckpointError
+
+
+def _load(*argv: str):
+    eng, name, _ = load(build_parser().parse_args(list(argv)))
+    return eng, name
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_head_directory_as_draft_serves_with_its_kind(ckpt_dir, tmp_path, kind):
+    head = random_head(ckpt_dir, tmp_path / kind, kind)
+    eng, name = _load("--target", str(ckpt_dir), "--draft", str(head), "--k-policy", "constant", "--k", "3")
+    assert eng.info["drafter"] == kind and name == str(ckpt_dir)
+    out = eng.generate([[5, 6, 7]], None)[0]
+    assert out.stats["draft_trials"] > 0  # the head drafted
+
+
+def test_a_draft_model_and_no_spec(ckpt_dir, draft_dir):
+    eng, _ = _load("--target", str(ckpt_dir), "--draft", str(draft_dir))
+    assert eng.info["drafter"] == "model"
+    eng, _ = _load("--target", str(ckpt_dir), "--draft", str(draft_dir), "--no-spec")
+    assert eng.info.get("drafter") is None
+
+
+def test_generation_defaults(tmp_path):
+    assert generation_defaults(tmp_path) == {}
+    f = tmp_path / "generation_config.json"
+    f.write_text(json.dumps({"do_sample": False, "temperature": 0.7, "top_p": 0.9}), encoding="utf-8")
+    got = generation_defaults(tmp_path)
+    assert got["temperature"] == 0.0 and got["top_p"] == 0.9
+    for bad in ("[1, 2]", "{not json"):
+        f.write_text(bad, encoding="utf-8")
+        with pytest.raises(CheckpointError, match="generation_config.json"):
+            generation_defaults(tmp_path)
