@@ -15,8 +15,8 @@
 3. **Only the modules that do damage step back**: for a threshold t every module takes the
    fastest candidate whose error is <= t (fp16 has none). The largest t whose model still meets
    the KLD budget (mean KL(ref || planned) on the calibration windows, and top-1 agreement >=
-   ``min_top1``) is found by bisection over the sorted errors; the model's KLD decides, the
-   errors only rank.
+   ``min_top1``) is found by bisection over the sorted errors, to within a few modules; the
+   model's KLD decides, the errors only rank.
 
 The gate on the eval text comes after (engine build): this module never sees the eval text.
 """
@@ -276,8 +276,14 @@ def search_ffn(
     min_top1: float = 0.0,
     rows: int = DEFAULT_ROWS,
     dense_storage: str = "fp16",
+    resolution: float = 0.02,
 ) -> SearchResult:
-    """The fastest per-module FFN plan whose calibration KLD <= kld_budget and top-1 >= min_top1."""
+    """The fastest per-module FFN plan whose calibration KLD <= kld_budget and top-1 >= min_top1.
+
+    The bisection stops once the passing and the failing threshold's plans differ in at most a
+    ``resolution`` share of the modules (0: bisect to a single threshold step): each trial is a
+    forward pass over the calibration windows, and the last steps of a full bisection move one
+    module each."""
     if not kld_budget > 0:
         raise InvalidConfigError(f"kld_budget={kld_budget!r} is invalid: allowed > 0")
     linears = _ffn_linears(model)
@@ -316,6 +322,9 @@ def search_ffn(
     if good:
         lo, best = hi, (ts[hi], kld, top1)
     while hi - lo > 1:
+        a_lo, a_hi = _assign(errs, order, ts[lo]), _assign(errs, order, ts[hi])
+        if sum(a_lo[n] != a_hi[n] for n in a_lo) <= resolution * len(a_lo):
+            break  # the passing and the failing plan differ in so few modules that another trial buys little
         mid = (lo + hi) // 2
         good, kld, top1 = ok(ts[mid])
         if good:

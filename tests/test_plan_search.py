@@ -182,6 +182,25 @@ def test_search_steps_back_only_the_damaging_layers():
     assert kld == pytest.approx(res.kld, rel=1e-4) and top1 == pytest.approx(res.top1)
 
 
+def test_bisection_stops_within_its_resolution():
+    _, m = tiny(4, outliers=True)
+    calib = collect_calibration(m, windows(5), sample=96)
+    budget = search_ffn(m, calib, lookup_gpu("a100"), kld_budget=1e9).kld / 3
+    full = search_ffn(m, calib, lookup_gpu("a100"), kld_budget=budget, resolution=0)
+    for r in (1, 3):
+        res = search_ffn(m, calib, lookup_gpu("a100"), kld_budget=budget, resolution=r / len(full.modules))
+        assert res.kld <= budget and len(res.trials) <= len(full.trials)
+        # never bolder than the full bisection, and at most r modules more careful
+        assert res.threshold <= full.threshold
+        assert (
+            sum(
+                res.modules[n].kernel != full.modules[n].kernel or res.modules[n].scaling != full.modules[n].scaling
+                for n in full.modules
+            )
+            <= r
+        )
+
+
 def test_search_refuses_bad_budget_and_empty_calibration():
     _, m = tiny(6)
     with pytest.raises(InvalidConfigError, match="calibration windows are empty"):
