@@ -110,6 +110,31 @@ def test_completions_equal_engine_generate(live, eng):
     assert cut.choices[0].text == ref.text[: ref.text.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
+def test_n_choices_share_one_prefill(live, eng):
+    """n=3 with a seed: the choices are the lone requests of seeds 7, 8, 9, and the prompt is computed once
+    (the other two choices start from a copy of its keys/values)."""
+    prompt = [5, 6, 7, 8, 9, 5, 6]
+    kw = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95}
+    want = [
+        eng.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7 + j))[0].text
+        for j in range(3)
+    ]
+    assert len(set(want)) > 1
+    names = ("prefill_tokens_total", "prefill_shared_tokens_total")
+    before = [_metric(live.url, m) for m in names]
+    out = live.client.completions.create(model="m", prompt=prompt, n=3, seed=7, **kw)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == want
+    after = [_metric(live.url, m) for m in names]
+    assert after[0] - before[0] == len(prompt) and after[1] - before[1] == 2 * len(prompt)
+    streamed = live.client.completions.create(model="m", prompt=prompt, n=3, seed=7, stream=True, **kw)
+    texts = ["", "", ""]
+    for ch in streamed:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == want
+    assert _metric(live.url, names[0]) - after[0] == len(prompt)
+
+
 def test_completion_stream_and_usage(live, eng):
     ref = eng.generate("The quick brown", SamplingParams(max_new_tokens=30, temperature=0.8, seed=3))[0]
     chunks = list(

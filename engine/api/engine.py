@@ -360,6 +360,8 @@ class Engine:
             "tokens_per_s": t.generated / t.seconds if t.seconds else None,
             "target_passes_per_token": t.iterations / t.generated if t.generated else None,
             "target_forwards": t.target_forwards,
+            "prefill_tokens": t.prefill_tokens,
+            "prefill_shared": t.prefill_shared,
             "waiting": snap["waiting"],
             "running": snap["running"],
             "errors": t.nonfinite + t.failed,

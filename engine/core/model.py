@@ -17,6 +17,7 @@ backends and the position mask are in engine/core/attention.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -99,6 +100,15 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def copy_rows(self, src: int, dst: Sequence[int], length: int) -> None:
+        """Copy positions 0..length-1 of row ``src`` (every layer, keys and values) into the rows ``dst``."""
+        assert 0 <= length <= self.max_seq_len, f"length {length} beyond the cache's {self.max_seq_len} positions"
+        if not dst or not length:
+            return
+        idx = torch.tensor(list(dst), dtype=torch.long, device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, idx, :, :length] = t[:, src : src + 1, :, :length]
 
 
 class Attention(nn.Module):

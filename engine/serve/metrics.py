@@ -64,6 +64,13 @@ def metrics_text(
     w.one("drafted_tokens_total", "counter", "Draft tokens proposed and verified.", t.drafted)
     w.one("accepted_tokens_total", "counter", "Draft tokens accepted by the target.", t.accepted)
     w.one("target_forwards_total", "counter", "Batched target verify passes (rounds).", t.target_forwards)
+    w.one("prefill_tokens_total", "counter", "Prompt tokens the target computed (prefill).", t.prefill_tokens)
+    w.one(
+        "prefill_shared_tokens_total",
+        "counter",
+        "Prompt tokens copied from another sequence's prefill of the same prompt instead of computed.",
+        t.prefill_shared,
+    )
     w.one(
         "acceptance_rate",
         "gauge",

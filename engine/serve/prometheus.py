@@ -72,6 +72,12 @@ class _EngineCollector:
             "prompt_rejected_overload", "Requests refused because the wait queue was full.", t.rejected_overload
         )
         yield counter("emitted_tokens", "Tokens emitted (committed to outputs).", t.generated)
+        yield counter("prefill_tokens", "Prompt tokens the target computed (prefill).", t.prefill_tokens)
+        yield counter(
+            "prefill_shared_tokens",
+            "Prompt tokens copied from another sequence's prefill of the same prompt instead of computed.",
+            t.prefill_shared,
+        )
         drafts = t.pos_tried[0] if t.pos_tried else 0
         yield counter("spec_decode_num_drafts", "Speculative rounds of a sequence with >= 1 draft token.", drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", t.drafted)

@@ -48,6 +48,8 @@ class Totals:
     accepted: int = 0
     iterations: int = 0  # sequence-rounds (one per sequence per target pass it took part in)
     target_forwards: int = 0  # batched target passes (rounds)
+    prefill_tokens: int = 0  # prompt tokens the target computed (a prompt shared by sequences admitted together: once)
+    prefill_shared: int = 0  # prompt tokens copied from a sequence of the same prompt instead of computed
     seconds: float = 0.0  # worker time spent in rounds
     pos_tried: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)

@@ -5,7 +5,9 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
 
 1. drops cancelled requests (waiting or running) and frees their cache rows;
 2. admits waiting requests in FIFO order into free rows (at most ``max_batch``
-   run at once);
+   run at once); requests of the same prompt admitted together (the ``n``
+   samples of one prompt, submitted together) share one prefill: the first
+   prefills, the others wait for it and start from a copy (spec/loop.py);
 3. runs ONE ``DecodeLoop.step`` over every running sequence (a request that
    joined this round has its prefill in the same round as the others' decode);
 4. hands each request its new tokens; a finished request leaves and frees its row.
@@ -214,6 +216,7 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         """Pop waiting requests into free rows (under the lock); the cache grows only when idle."""
         admitted: list[Request] = []
+        first: dict[tuple[int, ...], Seq] = {}  # the first admitted sequence of each prompt: it prefills for the rest
         while self._waiting and self._free_rows and self._reserved < self.batch_cap:
             r = self._waiting[0]
             need = self.need(r.prompt, r.params)
@@ -231,7 +234,10 @@ class Scheduler:
                     continue
             self._waiting.popleft()
             row = heapq.heappop(self._free_rows)
-            r.seq = Seq(prompt=r.prompt, params=r.params, generator=torch.Generator(device=self.device), row=row)
+            key = tuple(r.prompt)
+            gen = torch.Generator(device=self.device)
+            r.seq = Seq(prompt=r.prompt, params=r.params, generator=gen, row=row, prefill_from=first.get(key))
+            first.setdefault(key, r.seq)
             self._reserved += 1
             admitted.append(r)
         return admitted
@@ -323,6 +329,8 @@ class Scheduler:
         t, st = self.totals, s.stats
         reason = s.finish_reason or "length"
         t.requests += 1
+        t.prefill_tokens += st.prefill_tokens
+        t.prefill_shared += st.prefill_shared
         t.finished[reason] = t.finished.get(reason, 0) + 1
         if reason == "error":
             t.nonfinite += 1

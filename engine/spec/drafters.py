@@ -56,6 +56,11 @@ class Drafter(Protocol):
         """Called once per sequence after its round: n_before committed tokens, `accepted` drafts kept."""
         ...
 
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        """``src`` has just prefilled its prompt (``length`` tokens) and ``dst`` (same prompt) start from it: give
+        them its state of those positions, or leave them as they are (fresh) to prefill themselves."""
+        ...
+
 
 def catch_up_batch(
     seqs: list[Seq], starts: list[int], scratch_pos: int, device: torch.device
@@ -152,6 +157,15 @@ class ModelDrafter:
         # fed: the committed tokens, then d1..d_{k-1}; the accepted ones stay valid
         seq.dlen = n_before + min(accepted, k - 1)
 
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        """Copy the draft cache's prompt positions but the last (fed again: its logits draft d1)."""
+        n = min(src.dlen, length - 1)
+        if self.cache is None or n <= 0:
+            return
+        self.cache.copy_rows(src.row, [s.row for s in dst], n)
+        for s in dst:
+            s.dlen = n
+
 
 class EarlyExitDrafter(ModelDrafter):
     """Self-speculation: the target's first L layers write the target's own cache."""
@@ -163,10 +177,14 @@ class EarlyExitDrafter(ModelDrafter):
         pass  # uses the target's cache
 
     def _start(self, seq: Seq) -> int:
-        return seq.tlen
+        # a sequence whose prompt's keys/values were copied (tlen == len(tokens)) feeds its last token again
+        return min(seq.tlen, len(seq.tokens) - 1)
 
     def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         pass  # the verify pass rewrote every position the drafter wrote
+
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        pass  # its cache is the target's, which the loop copies
 
 
 class NGramDrafter:
@@ -199,3 +217,6 @@ class NGramDrafter:
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         pass
+
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        pass  # no state: it reads the tokens

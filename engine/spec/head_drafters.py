@@ -47,6 +47,9 @@ class HeadDrafter:
     def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         pass  # the loop stores the new feature
 
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        pass  # no state: the loop hands each sequence the feature of the shared prefill
+
     def scores(self, f: Tensor) -> Tensor:
         """Features [..., H] -> logits over the draft vocabulary [..., V']."""
         return F.linear(f, self.head_weight)

@@ -20,6 +20,13 @@ finish_reason "error" (a logged warning); the check is a [B] flag computed on
 the device and read in the same single host synchronisation. ``inject_nan``
 (a test hook: Seq -> bool) poisons the logits of the rows it picks.
 
+Prefill sharing: a sequence whose ``prefill_from`` names another of the same prompt (the scheduler admits
+the n samples of one prompt together) takes no part in rounds until that one's first round has prefilled
+the prompt; then the prompt's keys/values are copied into its row (``KVCache.copy_rows``; the drafter's
+state through ``Drafter.share_prefill``) and its first round scores position 0 with the target's logits
+(and feature) at the prompt's last position, kept from that prefill. Its randomness is its own generator's,
+drawn as in a round of its own, so its output is the one it would have had prefilling alone.
+
 Without a drafter K is 0 and a round is a plain decode step (or the prefill).
 Padding tokens are written to a scratch slot (the cache's last position),
 which no real position ever reads.
@@ -88,7 +95,8 @@ class DecodeLoop:
     @torch.no_grad()
     def step(self, seqs: list[Seq]) -> list[tuple[Seq, list[int]]]:
         """One round over the unfinished sequences; returns each one's newly committed tokens."""
-        active = [s for s in seqs if not s.finished]
+        waiting = self._waiting_for_prefill(seqs)
+        active = [s for s in seqs if not s.finished and s.prefill_from is None]
         if not active:
             return []
         cache = self.cache
@@ -153,10 +161,15 @@ class DecodeLoop:
             cols = catch_t[:, None] + torch.arange(kmax, device=dev)
             toks.scatter_(1, cols, drafts)
         kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
-        idx = (catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)  # [B, K+1]
+        # [B, K+1]; a row whose prompt was copied (catch 0) has its first scores from the shared prefill
+        idx = ((catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)).clamp_(min=0)
         aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
+        want_feats = getattr(self.drafter, "needs_features", False)
         feats: Tensor | None = None
-        if getattr(self.drafter, "needs_features", False):
+        if T == 0:  # every row starts from a shared prefill and drafts nothing: no target pass
+            logits = torch.stack([s.first_scores[0] for s in active])[:, None]
+            feats = torch.stack([s.first_scores[1] for s in active])[:, None] if want_feats else None
+        elif want_feats:
             logits, feats = self.target(
                 toks,
                 pos,
@@ -171,6 +184,14 @@ class DecodeLoop:
             logits = self.target(
                 toks, pos, cache, kv_len, rows, logits_idx=idx, start=active[0].tlen if aligned else None
             )  # [B, K+1, Vt]
+        for b, s in enumerate(active):
+            if s.first_scores is not None:
+                logits[b, 0] = s.first_scores[0]
+                if feats is not None:
+                    feats[b, 0] = s.first_scores[1]
+                s.first_scores = None
+            s.stats.prefill_tokens += max(0, len(s.prompt) - s.tlen)
+        first_scores = (logits[:, 0], None if feats is None else feats[:, 0])  # for sequences waiting on a prefill
         if self.inject_nan is not None:
             for b, s in enumerate(active):
                 if self.inject_nan(s):
@@ -213,6 +234,9 @@ class DecodeLoop:
                 s.feature = feats[b]
             if proposed and self.drafter is not None:
                 self.drafter.after_verify(s, n_before, a, proposed)
+            if id(s) in waiting:
+                f0 = first_scores[1]
+                self._share_prefill(s, waiting[id(s)], first_scores[0][b], None if f0 is None else f0[b])
             s.stats.record(k, a)
             if s.k_ctl is not None and k > 0:
                 s.k_ctl.update(k, a)
@@ -222,6 +246,46 @@ class DecodeLoop:
             s.tokens.extend(kept)
             events.append((s, kept))
         return events
+
+    @staticmethod
+    def _waiting_for_prefill(seqs: list[Seq]) -> dict[int, list[Seq]]:
+        """The sequences waiting for another's prefill, by that one's id. When a source can no longer share (it
+        ended, it is past its prefill, it is not in this round), the first of its waiting sequences prefills
+        instead, for the others."""
+        running = {id(s): s for s in seqs if not s.finished and s.prefill_from is None}
+        heirs: dict[int, Seq] = {}  # a source that cannot share -> the waiting sequence that prefills instead
+        out: dict[int, list[Seq]] = {}
+        for s in seqs:
+            src = s.prefill_from
+            if src is None or s.finished:
+                continue
+            if src.prompt != s.prompt:
+                s.prefill_from = None
+                continue
+            if running.get(id(src)) is not src or src.tlen:
+                heir = heirs.setdefault(id(src), s)
+                s.prefill_from = None if heir is s else heir
+                if heir is s:
+                    continue
+                src = heir
+            out.setdefault(id(src), []).append(s)
+        return out
+
+    def _share_prefill(self, src: Seq, dst: list[Seq], logits: Tensor, feats: Tensor | None) -> None:
+        """``src`` has prefilled its prompt this round: its keys/values of the prompt go into the rows of ``dst``
+        (the drafter's state too, where it can copy it), whose first round is then scored from ``src``'s logits
+        (and feature) at the prompt's last position. Each samples with its own generator, as if it had
+        prefilled alone."""
+        n = len(src.prompt)
+        dst = [s for s in dst if not s.finished]
+        assert self.cache is not None
+        self.cache.copy_rows(src.row, [s.row for s in dst], n)
+        if self.drafter is not None:
+            self.drafter.share_prefill(src, dst, n)
+        for s in dst:
+            s.tlen, s.prefill_from = n, None
+            s.first_scores = (logits.clone(), None if feats is None else feats.clone())
+            s.stats.prefill_shared += n
 
     @staticmethod
     def _logprobs(logits: Tensor, out: Tensor, rows: dict[int, int]) -> dict[int, list[TokenLogprob]]:

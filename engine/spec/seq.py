@@ -19,6 +19,8 @@ class SeqStats:
     target_passes: int = 0
     pos_tried: list[int] = field(default_factory=list)  # rounds that tested draft position i
     pos_accepted: list[int] = field(default_factory=list)  # rounds that accepted draft position i
+    prefill_tokens: int = 0  # prompt tokens the target computed for this sequence
+    prefill_shared: int = 0  # prompt tokens whose keys/values were copied from a sibling's prefill instead
 
     def record(self, k: int, a: int) -> None:
         self.drafted += k
@@ -38,6 +40,8 @@ class SeqStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "target_passes": self.target_passes,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_shared": self.prefill_shared,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             # draft positions tested (accepted ones + one per round that rejected): accepted / trials is the
             # per-token acceptance a of the cost model (accepted / drafted is biased low for K > 1)
@@ -77,6 +81,11 @@ class Seq:
     # the target's feature (final-norm output) at the position that scored the last committed token, kept
     # for drafters that read it (spec/head_drafters.py: ``needs_features``); None before the first verify
     feature: Any = None
+    # prefill sharing (spec/loop.py): the sequence of the same prompt whose prefill this one waits for (it
+    # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
+    # (logits, feature | None) at the prompt's last position, which score its first round
+    prefill_from: Seq | None = None
+    first_scores: Any = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
