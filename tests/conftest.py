@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/util.py
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "slow: builds or runs the full demo pair")
+    config.addinivalue_line("markers", "slow: runs on the full demo pair (skipped when the specmix cache lacks it)")
     config.addinivalue_line(
         "markers", "ray: starts a local Ray instance and Serve (skipped without ray; deselect with -m 'not ray')"
     )
