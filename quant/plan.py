@@ -37,6 +37,7 @@ from engine.core.errors import InvalidConfigError, KernelUnavailableError
 
 from . import memory as mem
 from .catalog import compute_capability, validate_gpu
+from .head_plan import head_linears, head_model_plan, head_shape, head_weight_bytes
 from .kernels import FP8_KERNELS, INT8_KERNELS, LLM_INT8_THRESHOLD
 from .plan_schema import (
     DEFAULT_PRECISION,
@@ -154,14 +155,20 @@ def make_plan(
     smoothquant_alpha: float | None = DEFAULT_ALPHA,
     device: str = "cuda",
     group_size: int | None = None,
+    draft_head: dict[str, Any] | None = None,
 ) -> PrecisionPlan:
     """The plan for ``gpu`` (a catalog entry, see quant.catalog.lookup_gpu) and the two models.
 
     ``fp8_kernel`` None picks native / weight-only from the GPU; ``smoothquant_alpha``
     None turns SmoothQuant off for w8a8. ``device="cpu"`` is the variant that runs on the CPU.
     ``group_size``: input channels per weight scale of the ``w8a16`` kernel (None: per output channel).
+    ``draft_head``: the draft is a trained head (its config as a dict, ``dataclasses.asdict(HeadConfig)``;
+    draft_cfg None): the draft part is the head's (quant.head_plan).
     """
     validate_gpu(gpu, "gpu")
+    if draft_head is not None and draft_cfg is not None:
+        raise InvalidConfigError("draft_head is given with draft_cfg: the draft is a model or a head, not both")
+    head = None if draft_head is None else head_shape(draft_head)
     name = str(gpu.get("name", "gpu"))
     precision = validate_precision(precision)
     if device not in ("cuda", "cpu"):
@@ -230,6 +237,17 @@ def make_plan(
         else:
             fams = {f: _dense(dt) for f in FAMILIES}
         draft = ModelPlan("draft", dt, fams, _shape(draft_cfg))
+    elif head is not None:
+        fp8 = _fp8_family(fp8_kernel, "head") if precision["draft_model"] == "fp8" else None
+        draft = head_model_plan(*head, fp8, dt)
+        names = [n for n, _, _ in head_linears(*head)]
+        if draft.families["ffn"].quantized:
+            notes.append(
+                f"draft {head[0]} head: {', '.join(names)} in FP8 ({fp8_kernel!r}); its LM head and embedding "
+                "table are the target's (verifier precision)"
+            )
+        else:
+            notes.append(f"draft {head[0]} head: {draft.families['ffn'].reason}")
 
     # target
     if precision["main_model"]["ffn"] == "int8" and tc["int8"]:
@@ -256,6 +274,8 @@ def make_plan(
     cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
     tw = mem.weight_bytes(target_cfg, target, compute_bytes=2)
     dw = mem.weight_bytes(draft_cfg, draft, compute_bytes=2) if draft is not None and draft_cfg is not None else 0
+    if head is not None:  # a head keeps no KV cache; its weights only
+        dw = head_weight_bytes(*head, draft, compute_bytes=2)
     b, L, adj = _fit(gpu["memory_bytes"], cfgs, tw + dw, max_batch, max_seq_len, name)
     kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
     memory = MemoryPlan(
@@ -265,7 +285,9 @@ def make_plan(
         target_weight_bytes=tw,
         target_fp16_bytes=mem.fp16_weight_bytes(target_cfg),
         draft_weight_bytes=dw,
-        draft_fp16_bytes=mem.fp16_weight_bytes(draft_cfg) if draft_cfg is not None else 0,
+        draft_fp16_bytes=mem.fp16_weight_bytes(draft_cfg)
+        if draft_cfg is not None
+        else (head_weight_bytes(*head, None, compute_bytes=2) if head is not None else 0),
         kv_bytes_per_token=kv_tok,
         kv_cache_bytes=b * L * kv_tok,
         workspace_bytes=mem.workspace_bytes(cfgs, b, L),

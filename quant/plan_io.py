@@ -14,6 +14,7 @@ from .plan_schema import (
     DENSE_STORAGE,
     FAMILIES,
     FAMILY_MODULES,
+    HEAD_KINDS,
     PLAN_SCHEMA_VERSION,
     STORAGE,
     FamilyPlan,
@@ -117,7 +118,16 @@ def _model(d: Any, where: str, role: str) -> ModelPlan:
     if d.get("role") != role:
         raise ProfileError(f"{where}.role={d.get('role')!r} is invalid: allowed {role!r}")
     modules = _modules(d.get("modules"), f"{where}.modules", role, shape.get("num_hidden_layers"))
-    return ModelPlan(role, dt, families, dict(shape), modules)
+    head = d.get("head")
+    if head is not None and (role != "draft" or head not in HEAD_KINDS):
+        allowed = f"{', '.join(HEAD_KINDS)} or null" if role == "draft" else "null (the target is no head)"
+        raise ProfileError(f"{where}.head={head!r} is invalid: allowed {allowed}")
+    if head is not None and (modules or families["lm_head"].quantized or families["embeddings"].quantized):
+        raise ProfileError(
+            f"{where}: a plan for a {head} head quantizes only its own Linears (families.ffn): the LM head and "
+            "embeddings are the target's, and it has no per-layer modules"
+        )
+    return ModelPlan(role, dt, families, dict(shape), modules, head)
 
 
 def plan_from_dict(d: Any) -> PrecisionPlan:

@@ -22,6 +22,7 @@ DEFAULT_PRECISION: dict[str, Any] = {
     "verifier": "fp16",
 }
 FAMILIES = ("attention", "ffn", "embeddings", "lm_head", "norms")
+HEAD_KINDS = ("medusa", "eagle")  # a draft part planned for a trained head (ModelPlan.head)
 FAMILY_MODULES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "ffn": ("gate_proj", "up_proj", "down_proj")}
 DENSE_STORAGE = ("fp32", "fp16", "bf16")
 STORAGE = DENSE_STORAGE + ("fp8_e4m3", "int8")
@@ -52,6 +53,9 @@ class ModelPlan:
     families: dict[str, FamilyPlan]
     model: dict[str, Any]  # shape of the model the plan was made for (checked at apply)
     modules: dict[str, FamilyPlan] = field(default_factory=dict)  # per-layer overrides by module name
+    # the draft is a trained head of this kind (one of HEAD_KINDS, quant.head_plan), not a model: ``model`` holds
+    # the head's shape and the ``ffn`` family its Linears; None for a model
+    head: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

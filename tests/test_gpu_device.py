@@ -182,3 +182,94 @@ def test_gpu_native_fp8_draft_agrees_with_weight_only():
     rel = ((native - weight_only).norm() / weight_only.norm()).item()
     assert torch.isfinite(native).all() and rel <= 2 * FP8_REL_ERROR  # only the per-token activation rounding
     assert F.cosine_similarity(native.flatten(), weight_only.flatten(), dim=0).item() >= 0.99
+
+
+def _gpu_head_drafter(kind: str, target, seed: int = 0):
+    """A random head (3 heads / 1 block) on the target's device and dtype, as its drafter."""
+    from engine.spec.head_drafters import HEAD_DRAFTERS
+    from engine.spec.heads import HeadConfig, init_head
+
+    H = target.config.hidden_size
+    cfg = HeadConfig(kind=kind, hidden_size=H, vocab_size=target.config.vocab_size, num_heads=3)
+    head = init_head(cfg, target, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3 / p.shape[-1] ** 0.5)
+    head = head.to(device=target.norm.weight.device, dtype=target.dtype).eval().requires_grad_(False)
+    return HEAD_DRAFTERS[kind](head, cfg, None, target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_gpu_head_step_graphs_equal_eager(kind):
+    """The head drafter's step captured per batch bucket (and the verify returning features): greedy output
+    token for token the eager engine's, ragged batches included."""
+    from engine.cli import gpu_bench
+    from engine.core.config import ModelConfig
+    from engine.kernels.head_graphs import GraphedStep
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+    )
+    dev = torch.device("cuda")
+    t = gpu_bench.random_model(cfg, torch.float32, dev, 0, std=0.08)
+    drafter = _gpu_head_drafter(kind, t)
+    sc = SpeculationConfig(drafter=kind, k=3, k_policy="constant", k_max=3)
+
+    def engine(graphs: bool) -> Engine:
+        parts = parts_from_models(
+            t, _IdTokenizer(), None, kind, sc, KernelOptions(cuda_graphs=graphs), dev, 300, None, drafter
+        )
+        return Engine(parts, Limits(max_batch=8))
+
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] * (i % 3) for i in range(5)]
+    params = SamplingParams(max_new_tokens=48, temperature=0.0)
+    graphed = engine(True)
+    assert _ids(graphed.generate(prompts, params)) == _ids(engine(False).generate(prompts, params))
+    runner = graphed.cuda_graphs[-1]
+    assert isinstance(runner, GraphedStep) and graphed.drafter.runner is runner
+    assert runner.stats.captures > 0 and runner.stats.capture_seconds > 0 and runner.stats.replays > 0
+    assert not runner.emulate and graphed.stats()["drafted"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_eagle_step_graph_matches_eager_fp16():
+    """An FP8 eagle head (the plan's draft part; native FP8 from sm_89, weight-only below) replayed from a
+    captured graph at a padded batch equals its eager step."""
+    from engine.cli import gpu_bench
+    from engine.kernels.head_graphs import GraphedStep
+    from quant.catalog import lookup_gpu
+    from quant.head_plan import apply_head_plan
+    from quant.linear import FP8Linear
+    from quant.plan import make_plan
+
+    cfg = gpu_bench.shape("llama-68m")
+    t = gpu_bench.random_model(cfg, torch.float16, torch.device("cuda"), 0)
+    drafter = _gpu_head_drafter("eagle", t)
+    kernel = "native" if _cc() >= (8, 9) else "weight-only"
+    hc = {k: getattr(drafter.cfg, k) for k in ("kind", "hidden_size", "vocab_size", "layers", "intermediate_size")}
+    hc |= {"num_heads": drafter.cfg.num_heads, "draft_vocab": None}
+    plan = make_plan(lookup_gpu("h100"), cfg, None, draft_head=hc, fp8_kernel=kernel)
+    assert apply_head_plan(drafter.head, plan.draft) == ["fc", "gate_up.0", "down.0"]
+    assert isinstance(drafter.head.fc, FP8Linear) and drafter.head.fc.kernel == kernel
+    runner = GraphedStep(drafter.step, torch.device("cuda"), (1, 2, 4))
+    f = torch.randn(3, cfg.hidden_size, device="cuda", dtype=torch.float16)
+    tok = torch.randint(0, cfg.vocab_size, (3,), device="cuda")
+    with torch.no_grad():
+        ef, el = drafter.step(f, tok)
+        gf, gl = runner(f, tok)
+        gf2, gl2 = runner(f, tok)  # a replay of the captured graph
+    assert runner.stats.captures == 1 and runner.stats.replays == 2
+    assert torch.equal(gl, gl2) and torch.isfinite(gl).all()
+    assert ((gl.float() - el.float()).norm() / el.float().norm()).item() <= 1e-2
+    assert ((gf.float() - ef.float()).norm() / ef.float().norm()).item() <= 1e-2

@@ -18,6 +18,7 @@ from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
+from quant.linear import FP8Linear
 from quant.plan_io import plan_from_dict
 
 
@@ -228,8 +229,18 @@ def test_profile_with_a_head(tiny_heads, tmp_path):
     assert rc == 0
     prof = json.loads(out.read_text())
     assert prof["speculation"]["drafter"] == "eagle" and prof["models"]["draft"]["config"]["kind"] == "eagle"
+    # the head is the draft: its Linears planned FP8 (a100: weight-only), the shared LM head left to the verifier
+    dplan = prof["plan"]["draft"]
+    assert dplan["head"] == "eagle" and dplan["families"]["ffn"]["storage"] == "fp8_e4m3"
+    assert dplan["families"]["ffn"]["scaling"]["modules"] == ["fc", "gate_up.0", "down.0"]
+    assert dplan["families"]["lm_head"]["storage"] == "fp32" and dplan["families"]["embeddings"]["storage"] == "fp32"
+    assert 0 < prof["memory"]["draft"]["bytes"] < prof["memory"]["draft"]["fp16_bytes"]
+    assert "acceptance_fp16_draft" in prof["speculation"]  # the unquantized head measured beside it
     eng = Engine.from_profile(out)
     assert eng.stats()["drafter"] == "eagle"
+    assert eng.info["draft_head_fp8"] == ["fc", "gate_up.0", "down.0"]
+    fc = eng.drafter.head.fc
+    assert isinstance(fc, FP8Linear) and fc.kernel == "weight-only" and fc.weight.dtype == torch.float8_e4m3fn
     plain = Engine.from_pretrained(
         target,
         precision=PrecisionConfig(plan_from_dict(prof["plan"]), (target.parent / "calib.txt").read_text()),

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
-from engine.api.plan_apply import apply_precision_plan
+from engine.api.plan_apply import apply_head_precision, apply_precision_plan
 from engine.core.checkpoint import load_model, resolve_dtype
 from engine.core.config import checkpoint_dtype
 from engine.core.errors import InvalidConfigError, VocabMismatchError
@@ -24,6 +24,7 @@ from engine.kernels.backends import select_attention
 from engine.kernels.cpu_decode import install_decode_step, step_info
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
+from engine.kernels.head_graphs import GraphedStep
 from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from engine.spec.head_drafters import HEAD_DRAFTERS, HeadDrafter
@@ -44,7 +45,7 @@ class Parts:
     vocab: int
     device: torch.device
     target_forward: Any  # the target, or its graphed forward
-    graphs: list[GraphedForward] = field(default_factory=list)
+    graphs: list[GraphedForward | GraphedStep] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,11 +92,6 @@ def check_options(
         raise InvalidConfigError(
             f"speculation.drafter={drafter!r} needs a head directory (draft=None): allowed a "
             f"directory written by specmix-train-draft --kind {drafter}"
-        )
-    if drafter in HEAD_DRAFTERS and kernels.cuda_graphs:
-        raise InvalidConfigError(
-            f"kernels.cuda_graphs=True is not available with speculation.drafter={drafter!r} "
-            "(the graphed target returns no features): allowed cuda_graphs=False"
         )
     if drafter not in ("model", *HEAD_DRAFTERS) and draft_dir is not None:
         raise InvalidConfigError(
@@ -189,7 +185,12 @@ def assemble(
     head = None
     if drafter_name in HEAD_DRAFTERS:  # checked against the target (DraftMismatchError), in its dtype
         assert draft_dir is not None
-        head = HEAD_DRAFTERS[drafter_name](*load_head(draft_dir, target, tok.vocab(), kind=drafter_name), target)
+        module, hcfg, vocab_ids = load_head(draft_dir, target, tok.vocab(), kind=drafter_name)
+        # the plan's draft part is the head's (its Linears FP8); the shared LM head stays the target's
+        fp8 = [] if precision is None else apply_head_precision(precision.plan, module, drafter_name)
+        info["draft_head_fp8"] = fp8
+        info["draft_dtype"] = str(next(module.parameters()).dtype).replace("torch.", "")
+        head = HEAD_DRAFTERS[drafter_name](module, hcfg, vocab_ids, target)
     return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info, head)
 
 
@@ -213,13 +214,24 @@ def parts_from_models(
         k = min(k, k_max)
     target_fwd: Any = target
     draft_fwd: Any = draft_model
-    graphs: list[GraphedForward] = []
+    graphs: list[GraphedForward | GraphedStep] = []
     if kernels.cuda_graphs:
         tg, dg = graph_forwards(
             target, draft_model, k_max if drafter else 0, kernels.batch_buckets, emulate=kernels.emulate_graphs
         )
         target_fwd, draft_fwd = tg, (dg if dg is not None else draft_model)
         graphs = [tg] + ([dg] if dg is not None else [])
+        if head is not None:  # the head's step (its forward and the shared LM head's scores) per batch bucket
+            runner = GraphedStep(
+                head.step,
+                head.head_weight.device,
+                kernels.batch_buckets,
+                emulate=kernels.emulate_graphs,
+                pool=tg.pool,
+                name=f"{drafter} head step",
+            )
+            head = head.with_runner(runner)
+            graphs.append(runner)
     d = (
         head
         if head is not None

@@ -55,7 +55,7 @@ class Engine:
         self.profile = profile
         self.chat_template = ChatTemplate.from_dir(Path(parts.tokenizer.path).parent)  # None: the checkpoint has none
         self.limits = limits
-        self.cuda_graphs = parts.graphs or None  # GraphedForward wrappers (engine/kernels/cudagraphs.py)
+        self.cuda_graphs = parts.graphs or None  # GraphedForward / GraphedStep wrappers (engine/kernels/)
         self._costs = costs
         ctx = self.config.max_position_embeddings
         if limits.max_seq_len is not None and limits.max_seq_len > ctx:

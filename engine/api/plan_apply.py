@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.core.errors import InvalidConfigError
 from engine.core.model import Transformer
@@ -60,6 +61,26 @@ def apply_precision_plan(
                 "calibration text or token lists (never the eval text)"
             )
         stats = collect_activation_stats(target, calib_batches(tok, calib))
+    if draft is not None and plan.draft is not None and plan.draft.head is not None:
+        raise InvalidConfigError(
+            f"plan.draft was made for a {plan.draft.head} head, but the draft is a model: "
+            "make the plan with the draft model's config"
+        )
     apply_plan(target, plan.target, stats)
     if draft is not None and plan.draft is not None:
         apply_plan(draft, plan.draft)
+
+
+def apply_head_precision(plan: Any, head: nn.Module, kind: str) -> list[str]:
+    """The plan's draft part applied to a trained head (``kind``: medusa | eagle): the Linears it turned FP8.
+    A plan without a draft part leaves the head as loaded."""
+    from quant.head_plan import apply_head_plan
+
+    if plan.draft is None:
+        return []
+    if plan.draft.head is None:
+        raise InvalidConfigError(
+            f"plan.draft was made for a draft model, but the draft is a {kind} head: make the plan with "
+            "the head's config (make_plan(..., draft_head=...))"
+        )
+    return apply_head_plan(head, plan.draft)

@@ -52,8 +52,8 @@ def calibrate(
     drafter: str = "model",
 ) -> dict[str, Any]:
     """The profile's speculation section: a draft model, a trained head (drafter "medusa" / "eagle": its K is
-    capped at its heads) or, with no draft, the n-gram drafter (drafter "ngram", draft_dir None). Only a draft
-    model has an FP8 plan, so only it is also measured with its FP16 weights (``acceptance_fp16_draft``)."""
+    capped at its heads) or, with no draft, the n-gram drafter (drafter "ngram", draft_dir None). A draft model, and a
+    head the plan quantizes (eagle's FP8 Linears), are also measured unquantized (``acceptance_fp16_draft``)."""
     spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search)
     planned = Engine.from_pretrained(
         target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
@@ -61,12 +61,13 @@ def calibrate(
     prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
     a = acceptance(planned, prompts, max_new_tokens)
     fp16_side: dict[str, float] = {}
-    if drafter == "model":
+    quantized_head = plan.draft is not None and any(f.quantized for f in plan.draft.all_plans())
+    if drafter == "model" or (drafter in ("medusa", "eagle") and quantized_head):
         fp16 = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
         fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device, precision=fp16)
         fp16_side["acceptance_fp16_draft"] = acceptance(fp16_draft, prompts, max_new_tokens)
     elif drafter in ("medusa", "eagle"):
-        fp16_side["acceptance_fp16_draft"] = a  # the head is not quantized: the same run
+        fp16_side["acceptance_fp16_draft"] = a  # the head is not quantized (medusa): the same run
     costs = planned.costs
     assert costs is not None and planned.policy is not None
     k, k_min, k_max, speedup = k_bounds(a, costs, min(k_search, planned.policy.k_max))

@@ -79,7 +79,7 @@ def _plan_section(p: Mapping[str, Any]) -> list[str]:
         ]
         for role in ("target", "draft")
         if mem.get(role) and mem[role]["fp16_bytes"]
-    ]  # no draft, or a draft head: no planned weights
+    ]  # no draft: no planned weights
     out += _table(["weights", "planned", "FP16", "ratio"], rows)
     out += [
         f"KV cache {_mib(mem['kv_cache_bytes'])} for max_batch {mem['max_batch']} x max_seq_len "
@@ -200,7 +200,7 @@ def _speculation_section(p: Mapping[str, Any], series: Mapping[str, Any] | None)
     if series is None:
         return out + ["No cost model in this profile (no c / v(K)): nothing to predict.", ""]
     a, a16 = s.get("acceptance"), s.get("acceptance_fp16_draft")
-    if s["drafter"] == "model":
+    if s["drafter"] == "model" or (a16 is not None and a16 != a):  # an FP8 draft model or head: both runs
         head = ["acceptance, FP8 draft (planned)", "acceptance, FP16 draft", "difference", "c (draft / target step)"]
         out += _table(head, [[fmt(a), fmt(a16), fmt(a - a16) if a16 is not None else "-", fmt(s["c"])]])
     else:

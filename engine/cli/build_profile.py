@@ -209,10 +209,11 @@ def ladder(a: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], device: str) -> tuple[Any, list]:
     """Try the plans in order; return (the first passing plan or None, every attempt's record)."""
-    # no draft, or a trained head (specmix-train-draft --kind medusa|eagle), which is no draft model: the plan
-    # has no draft part
+    # a trained head (specmix-train-draft --kind medusa|eagle) is the draft: the plan's draft part is the head's
     tcfg = load_config(inp["target"])
-    dcfg = None if inp["draft"] is None or is_head_dir(inp["draft"]) else load_config(inp["draft"])
+    head = inp["draft"] is not None and is_head_dir(inp["draft"])
+    dcfg = None if inp["draft"] is None or head else load_config(inp["draft"])
+    draft_head = dataclasses.asdict(read_head_config(inp["draft"])) if head else None
     ref = Engine.from_pretrained(inp["target"], device=device)
     ids = load_eval_ids(ref.tokenizer, inp["eval_text"], max_tokens=a.max_eval_tokens)
     context = min(512, tcfg.max_position_embeddings)
@@ -220,7 +221,7 @@ def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], de
     for label, kw in ladder(a):
         kw = dict(kw)
         search = kw.pop("search", False)
-        plan = make_plan(gpu, tcfg, dcfg, device=device, **kw)
+        plan = make_plan(gpu, tcfg, dcfg, device=device, draft_head=draft_head, **kw)
         record = None
         if search and plan.target.families["ffn"].quantized:
             from engine.build.planner import search_plan

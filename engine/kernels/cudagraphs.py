@@ -24,6 +24,9 @@ n_layers) and captured lazily on first use:
   loop would need one graph per (bucket, K, sampling set-up) and the top-k/top-p
   branches are chosen on the host per batch; the step graph serves every K.
 
+A verify that returns the target's features too (``return_hidden``, for a head drafter) has graphs of
+its own (``hidden`` in the key); the head's step is graphed by engine/kernels/head_graphs.py.
+
 A call that fits no graph (no cache, prefill wider than ``max_tokens``, a batch
 above the largest bucket or the cache's rows) runs eagerly and is counted. A new
 cache (the scheduler grows it between rounds) drops the graphs. ``emulate=True``
@@ -86,6 +89,7 @@ class GraphKey:
     kv: int
     prefix: bool  # rows 0..B-1 (no rows tensor: no gather of the cache)
     n_layers: int | None
+    hidden: bool = False  # return_hidden: (logits, features), for the drafters of trained heads
 
 
 @dataclass
@@ -111,7 +115,7 @@ class _Static:
         self.pos = torch.zeros(B, T, dtype=torch.long, device=device)
         self.rows = None if key.prefix else torch.zeros(B, dtype=torch.long, device=device)
         self.idx = None if key.idx is None else torch.zeros(B, *key.idx, dtype=torch.long, device=device)
-        self.out: Tensor | None = None
+        self.out: Tensor | tuple[Tensor, Tensor] | None = None
         self.graph: Any = None  # torch.cuda.CUDAGraph
 
 
@@ -161,6 +165,7 @@ class GraphedForward:
         rows: Tensor | None,
         logits_idx: Tensor | None,
         n_layers: int | None,
+        return_hidden: bool = False,
     ) -> GraphKey | None:
         """The graph a call would replay, or None (eager)."""
         if cache is None or input_pos is None or kv_len is None:
@@ -170,7 +175,7 @@ class GraphedForward:
         if bb is None or bb > cache.max_batch or T > self.max_tokens:
             return None
         idx = None if logits_idx is None else tuple(logits_idx.shape[1:])
-        return GraphKey(bb, T, idx, kv_bucket(kv_len, cache.max_seq_len), rows is None, n_layers)
+        return GraphKey(bb, T, idx, kv_bucket(kv_len, cache.max_seq_len), rows is None, n_layers, return_hidden)
 
     def __call__(
         self,
@@ -182,12 +187,21 @@ class GraphedForward:
         logits_idx: Tensor | None = None,
         n_layers: int | None = None,
         start: int | None = None,
-    ) -> Tensor:
-        key = self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers)
+        return_hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        key = self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers, return_hidden)
         if key is None:
             self.stats.eager_calls += 1
             return self._model(
-                tokens, input_pos, cache, kv_len, rows, logits_idx=logits_idx, n_layers=n_layers, start=start
+                tokens,
+                input_pos,
+                cache,
+                kv_len,
+                rows,
+                logits_idx=logits_idx,
+                n_layers=n_layers,
+                start=start,
+                return_hidden=return_hidden,
             )
         assert cache is not None and input_pos is not None
         self._check_cache(cache)
@@ -209,7 +223,7 @@ class GraphedForward:
             out = g.out
         self.stats.replays += 1  # emulated: the same static forward, run eagerly
         assert out is not None
-        return out[: tokens.shape[0]].clone()
+        return cut_rows(out, tokens.shape[0])
 
     # ------------------------------------------------------------ internals
     def _check_cache(self, cache: KVCache) -> None:
@@ -243,8 +257,10 @@ class GraphedForward:
             g.idx[B:].zero_()
 
     @torch.no_grad()
-    def _forward(self, g: _Static, cache: KVCache, key: GraphKey) -> Tensor:
-        return self._model(g.tokens, g.pos, cache, key.kv, g.rows, logits_idx=g.idx, n_layers=key.n_layers)
+    def _forward(self, g: _Static, cache: KVCache, key: GraphKey) -> Tensor | tuple[Tensor, Tensor]:
+        return self._model(
+            g.tokens, g.pos, cache, key.kv, g.rows, logits_idx=g.idx, n_layers=key.n_layers, return_hidden=key.hidden
+        )
 
     def _count_capture(self, seconds: float) -> None:
         self.stats.captures += 1
@@ -255,21 +271,35 @@ class GraphedForward:
         self.stats.graphs = len(self._graphs)
 
     def _capture(self, g: _Static, cache: KVCache, key: GraphKey) -> None:  # pragma: no cover - needs CUDA
-        t0 = time.perf_counter()
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS handles, rotary table) happen here
-                self._forward(g, cache, key)  # idempotent: rewrites the same cache slots with the same keys
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                g.out = self._forward(g, cache, key)
-            g.graph = graph
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        # the warm-up is idempotent: it rewrites the same cache slots with the same keys
+        g.graph, g.out, dt = capture(lambda: self._forward(g, cache, key), self.device, self.pool)
         log.debug("captured CUDA graph %s in %.3f s", key, dt)
         self._count_capture(dt)
+
+
+def cut_rows(out: Any, n: int) -> Any:
+    """The first n rows of a graph's output (a tensor or a tuple of them), cloned: a later replay reuses
+    the graph's output memory."""
+    if isinstance(out, tuple):
+        return tuple(o[:n].clone() for o in out)
+    return out[:n].clone()
+
+
+def capture(run: Any, device: torch.device, pool: Any) -> tuple[Any, Any, float]:  # pragma: no cover - needs CUDA
+    """(graph, its static output, seconds) of ``run()`` captured on ``device`` after a warm-up on a side stream
+    (lazy inits: cuBLAS handles, rotary tables)."""
+    t0 = time.perf_counter()
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = run()
+        torch.cuda.synchronize()
+    return graph, out, time.perf_counter() - t0
 
 
 def graph_forwards(
@@ -289,7 +319,7 @@ def graph_forwards(
     return tg, dg
 
 
-def graph_stats(runners: Sequence[GraphedForward] | None) -> dict[str, Any] | None:
+def graph_stats(runners: Sequence[Any] | None) -> dict[str, Any] | None:
     """Totals over the wrappers for Engine.stats() (None: graphs off)."""
     if not runners:
         return None

@@ -9,12 +9,16 @@ The draft distribution p of a draft is the head's logits processed like the targ
 top-k, top-p: ``RowProcessing``), over the reduced draft vocabulary when the head has one and zero
 elsewhere; the acceptance rule is the same exact rule as for a draft model (the residual covers the
 tokens outside the draft vocabulary). Greedy batches return no distributions.
+
+A drafter's per-step computation is ``step`` (eagle: the head's forward and the shared LM head's scores,
+medusa: every head's scores at once); ``runner`` (engine/kernels/head_graphs.py ``GraphedStep``, built
+where the engine is assembled) replays it from CUDA graphs, called as ``runner(*tensors, static=(...))``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +39,30 @@ class HeadDrafter:
     probabilistic = True
     needs_features = True  # the loop asks the target for its hidden states and fills Seq.feature
 
-    def __init__(self, head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, target: Transformer) -> None:
-        self.head, self.cfg, self.target, self.vocab_ids = head, cfg, target, vocab_ids
+    def __init__(
+        self,
+        head: nn.Module,
+        cfg: HeadConfig,
+        vocab_ids: Tensor | None,
+        target: Transformer,
+        runner: Callable[..., Any] | None = None,
+    ) -> None:
+        self.head, self.cfg, self.target, self.vocab_ids, self.runner = head, cfg, target, vocab_ids, runner
         w = target.lm_head.weight
         # the target's LM head (shared: the verifier's precision), or its rows of the draft vocabulary
         self.head_weight = w if vocab_ids is None else w.detach()[vocab_ids].contiguous()
+
+    def with_runner(self, runner: Callable[..., Any]) -> HeadDrafter:
+        """The same drafter (the same head) whose steps run through ``runner`` (CUDA graphs of ``step``)."""
+        return type(self)(self.head, self.cfg, self.vocab_ids, self.target, runner)
+
+    def step(self, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _step(self, *tensors: Tensor, static: tuple[Any, ...] = ()) -> Any:
+        if self.runner is None:
+            return self.step(*tensors, *static)
+        return self.runner(*tensors, static=static)
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         pass  # a head keeps no cache
@@ -96,7 +119,7 @@ class MedusaDrafter(HeadDrafter):
         dev = batch.target_cache.k.device
         f, have = self._features(batch.seqs, dev)
         k = min(batch.k, self.cfg.num_heads)
-        logits = self.scores(self.head(f, k))  # [B, k, V']
+        logits = self._step(f, static=(k,))  # [B, k, V']
         drafts, probs = [], []
         for i in range(k):
             d, p = self._draw(logits[:, i], batch, drafts)
@@ -105,10 +128,14 @@ class MedusaDrafter(HeadDrafter):
                 probs.append(p)
         return self._result(drafts, probs, have, k, batch.k)
 
+    def step(self, f: Tensor, n: int) -> Tensor:  # type: ignore[override]
+        """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
+        return self.scores(self.head(f, n))
+
     def step_fn(self, batch: int = 1) -> Callable[[], object]:
         w = self.head_weight
         f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
-        return lambda: self.scores(self.head(f, 1)).argmax(-1)
+        return lambda: self._step(f, static=(1,)).argmax(-1)
 
 
 class EagleDrafter(HeadDrafter):
@@ -123,8 +150,8 @@ class EagleDrafter(HeadDrafter):
         tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=dev)
         drafts, probs = [], []
         for _ in range(batch.k):
-            f = self.head(f, self.target.embed_tokens(tok))
-            tok, p = self._draw(self.scores(f), batch, drafts)
+            f, logits = self._step(f, tok)
+            tok, p = self._draw(logits, batch, drafts)
             drafts.append(tok)
             if p is not None:
                 probs.append(p)
@@ -134,7 +161,12 @@ class EagleDrafter(HeadDrafter):
         w = self.head_weight
         f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
         tok = torch.zeros(batch, dtype=torch.long, device=w.device)
-        return lambda: self.scores(self.head(f, self.target.embed_tokens(tok))).argmax(-1)
+        return lambda: self._step(f, tok)[1].argmax(-1)
+
+    def step(self, f: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        """(features [B, H], the tokens they precede [B]) -> (the next features, their logits [B, V'])."""
+        f = self.head(f, self.target.embed_tokens(tok))
+        return f, self.scores(f)
 
 
 HEAD_DRAFTERS: dict[str, type[HeadDrafter]] = {"medusa": MedusaDrafter, "eagle": EagleDrafter}
