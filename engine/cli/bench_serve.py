@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.url and not args.target:
         ap.error("give --url or --target")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the table
     rows = []
     servers = [("url", None, args.url)] if args.url else []
     for cfg in [] if args.url else args.configs:
