@@ -7,6 +7,7 @@ import torch
 
 from engine.core.errors import InvalidConfigError
 from engine.spec.adaptive import (
+    BatchCosts,
     Costs,
     KController,
     KPolicy,
@@ -123,3 +124,50 @@ def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
     v = [costs.v[k] for k in range(1, 7)]
     assert all(b >= a for a, b in zip(v, v[1:])), v
     assert costs.c > 0 and v[0] > 0
+
+
+def test_batch_window_caps_k_by_the_costs_at_the_running_batch():
+    # batch 1: a verify of K + 1 tokens costs about one step; batch 16: compute-bound, each token costs
+    dear = Costs(c=0.05, v={k: 1.0 + 0.9 * k for k in range(1, 9)})
+    bc = BatchCosts({1: COSTS, 16: dear})
+    assert bc.at(1) is COSTS and bc.at(15) is COSTS and bc.at(16) is dear and bc.at(64) is dear
+    for a in (0.3, 0.6, 0.9):
+        for batch in (1, 8, 16, 40):
+            costs = bc.at(batch)
+            cap = bc.k_cap(batch, a, 8)
+            gains = [1.0] + [expected_speedup(a, k, costs) for k in range(1, 9)]
+            assert gains[cap] == max(gains)  # the best expected throughput, plain (0) included
+    assert bc.k_cap(1, 0.9, 8) > 0 and bc.k_cap(16, 0.6, 8) == 0
+    assert BatchCosts({1: COSTS}).at(32) is COSTS
+
+
+def test_plain_rounds_of_the_window_keep_greedy_output(ckpt_dir, draft_dir):
+    """A window that runs plain rounds while two or more sequences run (its costs at batch >= 2 say nothing
+    pays) and speculates once one is left: the draft catches up after the plain rounds, output unchanged."""
+    from engine import Engine, SamplingParams
+    from engine.api.options import SpeculationConfig
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = [SamplingParams(max_new_tokens=n) for n in (8, 12, 40)]
+    ref = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, params)]
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS))
+    dear = Costs(c=0.05, v={k: 1.0 + 5.0 * k for k in range(1, 9)})
+    eng._batch_costs = BatchCosts({1: COSTS, 2: dear})  # measured costs would depend on this machine
+    out = eng.generate(prompts, params)
+    assert [o.token_ids for o in out] == ref
+    st = eng.stats()
+    assert st["window_plain_rounds"] >= 8  # every round with two or more sequences
+    assert out[2].stats["drafted"] > 0  # alone, the last one speculated again
+    off = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS, batch_window=False))
+    assert [o.token_ids for o in off.generate(prompts, params)] == ref
+    assert off.stats()["window_plain_rounds"] == 0 and off.batch_costs() is None
+
+
+def test_batch_costs_are_measured_up_to_the_max_batch(ckpt_dir, draft_dir):
+    from engine import Engine
+    from engine.api.options import Limits
+
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, limits=Limits(max_batch=6))
+    bc = eng.batch_costs()
+    assert sorted(bc.by_batch) == [1, 2, 4] and bc.by_batch[1] is eng.costs
+    assert all(c.c > 0 and c.v[1] > 0 for c in bc.by_batch.values())

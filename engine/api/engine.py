@@ -20,9 +20,8 @@ from engine.serve.metrics import metrics_text
 from engine.serve.request import Completion, Request
 from engine.serve.scheduler import Scheduler
 from engine.serve.telemetry import gpu_stats
-from engine.spec.adaptive import Costs
-from engine.spec.costs import measure_costs
-from engine.spec.drafters import EarlyExitDrafter
+from engine.spec.adaptive import BatchCosts, Costs
+from engine.spec.costs import drafter_costs, measure_batch_costs
 from engine.spec.loop import DecodeLoop
 from engine.spec.sampling import SamplingParams
 
@@ -40,9 +39,15 @@ class Engine:
     """
 
     def __init__(
-        self, parts: Parts, limits: Limits = Limits(), costs: Costs | None = None, profile: dict[str, Any] | None = None
+        self,
+        parts: Parts,
+        limits: Limits = Limits(),
+        costs: Costs | None = None,
+        profile: dict[str, Any] | None = None,
+        batch_window: bool = True,
     ) -> None:
-        """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``."""
+        """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``.
+        ``batch_window``: SpeculationConfig.batch_window."""
         self.target, self.tokenizer, self.drafter = parts.target, parts.tokenizer, parts.drafter
         self.draft_model, self.policy, self.vocab, self.device = (
             parts.draft_model,
@@ -57,6 +62,8 @@ class Engine:
         self.limits = limits
         self.cuda_graphs = parts.graphs or None  # GraphedForward / GraphedStep wrappers (engine/kernels/)
         self._costs = costs
+        self._batch_window = batch_window and parts.policy is not None and parts.policy.name == "cost-model"
+        self._batch_costs: BatchCosts | None = None
         ctx = self.config.max_position_embeddings
         if limits.max_seq_len is not None and limits.max_seq_len > ctx:
             raise InvalidConfigError(
@@ -76,6 +83,7 @@ class Engine:
             self.loop,
             policy=self.policy,
             costs=lambda: self.costs,
+            batch_costs=self.batch_costs if self._batch_window else None,
             device=self.device,
             max_batch=limits.max_batch,
             max_waiting=limits.max_waiting,
@@ -117,7 +125,7 @@ class Engine:
             raise InvalidConfigError(f"precision={precision!r:.60} is invalid: allowed a PrecisionConfig or None")
         dev = resolve_device(device)
         parts = assemble(target, draft, speculation, precision, kernels, dev, dtype)
-        return cls(parts, limits, costs=speculation.costs)
+        return cls(parts, limits, costs=speculation.costs, batch_window=speculation.batch_window)
 
     @classmethod
     def from_profile(
@@ -151,17 +159,19 @@ class Engine:
         """The cost ratios of the K controller (measured on first use when not given)."""
         if self._costs is None and self.drafter is not None:
             assert self.policy is not None
-            layers = self.drafter.n_layers if isinstance(self.drafter, EarlyExitDrafter) else None
-            step_fn = getattr(self.drafter, "step_fn", None)  # a head's step (spec/head_drafters.py)
-            self._costs = measure_costs(
-                self.target,
-                self.draft_model,
-                k_max=self.policy.k_max,
-                draft_layers=layers,
-                draft_fn=step_fn() if step_fn is not None else None,
-            )
+            self._costs = drafter_costs(self.target, self.drafter, self.draft_model, self.policy.k_max)
             log.info("measured costs: c=%.3f v=%s", self._costs.c, self._costs.v)
         return self._costs
+
+    def batch_costs(self) -> BatchCosts | None:
+        """The costs at several batch sizes for the batch window (measured on first use; None without one)."""
+        if self._batch_costs is None and self._batch_window and self.costs is not None:
+            assert self.policy is not None
+            self._batch_costs = measure_batch_costs(
+                self.target, self.drafter, self.draft_model, self.policy.k_max, self.scheduler.max_batch, self.costs
+            )
+            log.info("batch window: costs measured at batch sizes %s", sorted(self._batch_costs.by_batch))
+        return self._batch_costs
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompts: Prompts) -> list[list[int]]:
@@ -362,6 +372,7 @@ class Engine:
             "target_forwards": t.target_forwards,
             "prefill_tokens": t.prefill_tokens,
             "prefill_shared": t.prefill_shared,
+            "window_plain_rounds": t.window_plain_rounds,
             "waiting": snap["waiting"],
             "running": snap["running"],
             "errors": t.nonfinite + t.failed,

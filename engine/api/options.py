@@ -54,6 +54,11 @@ class SpeculationConfig:
     costs: Costs | None = None
     """Cost ratios of the draft step and the verify pass to a target step (``Costs``); None: measured
     on first use (the "cost-model" policy needs them)."""
+    batch_window: bool = True
+    """With the "cost-model" policy: cap the K of each round's greedy rows at what pays at the running batch
+    size, down to plain rounds (costs measured at batch sizes 1..64 on first use with more than one sequence
+    running: engine/spec/adaptive.py BatchCosts). Sampled rows keep their own K: it decides their random
+    draws, and a seed's output must not depend on the batch. False: K is each sequence's own."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -86,6 +91,8 @@ class SpeculationConfig:
                     f"speculation.drafter='early-exit' (it is {self.drafter!r})"
                 )
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
+        if not isinstance(self.batch_window, bool):
+            raise InvalidConfigError(f"speculation.batch_window={self.batch_window!r} is invalid: allowed True, False")
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:

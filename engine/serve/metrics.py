@@ -72,6 +72,12 @@ def metrics_text(
         t.prefill_shared,
     )
     w.one(
+        "window_plain_rounds_total",
+        "counter",
+        "Rounds run plainly because no K paid at the running batch (the batch window).",
+        t.window_plain_rounds,
+    )
+    w.one(
         "acceptance_rate",
         "gauge",
         "Accepted / drafted tokens since start (0 when nothing drafted).",

@@ -19,11 +19,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from engine.core.model import KVCache, Transformer
-from engine.spec.adaptive import Costs
+from engine.spec.adaptive import BatchCosts, Costs
 
 
 def cached_forward(
@@ -92,3 +93,38 @@ def measure_costs(
         # lure the controller to a long K (a running max keeps the measured curve monotone)
         v[k] = max(statistics.median(vs[k]) + extra, v.get(k - 1, 0.0))
     return Costs(c=statistics.median(cs) if cs else 0.0, v=v)
+
+
+def drafter_costs(
+    target: Transformer, drafter: Any, draft_model: Transformer | None, k_max: int, batch: int = 1, reps: int = 7
+) -> Costs:
+    """``measure_costs`` for the engine's drafter at ``batch`` sequences: a draft model's step, the early-exit
+    layers, a trained head's step (its ``step_fn``) or the n-gram drafter's nothing."""
+    from engine.spec.drafters import EarlyExitDrafter
+
+    layers = drafter.n_layers if isinstance(drafter, EarlyExitDrafter) else None
+    step_fn = getattr(drafter, "step_fn", None)  # a head's step (spec/head_drafters.py)
+    return measure_costs(
+        target,
+        draft_model,
+        k_max=k_max,
+        draft_layers=layers,
+        batch=batch,
+        reps=reps,
+        draft_fn=step_fn(batch) if step_fn is not None else None,
+    )
+
+
+WINDOW_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes the batch window measures (up to the engine's max batch)
+
+
+def measure_batch_costs(
+    target: Transformer, drafter: Any, draft_model: Transformer | None, k_max: int, max_batch: int, base: Costs
+) -> BatchCosts:
+    """Costs at each of WINDOW_BATCHES up to ``max_batch`` (``base`` is batch 1's), 3 repeats each."""
+    by_batch = {1: base}
+    for b in WINDOW_BATCHES[1:]:
+        if b > max_batch:
+            break
+        by_batch[b] = drafter_costs(target, drafter, draft_model, k_max, batch=b, reps=3)
+    return BatchCosts(by_batch)

@@ -68,6 +68,9 @@ class DecodeLoop:
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
         self.k_cap = 1 << 30  # the load window (engine/serve/telemetry.py) lowers it under GPU memory pressure
+        # the batch window (spec/adaptive.py BatchCosts) caps greedy rows only: a sampled row's K decides which
+        # random draws it makes, so capping it would make a seed's output depend on the rest of the batch
+        self.greedy_k_cap = 1 << 30
 
     def ensure_cache(self, rows: int, positions: int, k_max: int) -> KVCache:
         """A cache with >= rows rows and room for `positions` + K headroom + the scratch slot."""
@@ -90,7 +93,8 @@ class DecodeLoop:
         if self.drafter is None or s.k_ctl is None:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)
-        return max(0, min(s.k_ctl.k, remaining - 1, self.k_cap))
+        cap = min(self.k_cap, self.greedy_k_cap) if s.params.greedy else self.k_cap
+        return max(0, min(s.k_ctl.k, remaining - 1, cap))
 
     @torch.no_grad()
     def step(self, seqs: list[Seq]) -> list[tuple[Seq, list[int]]]:
