@@ -360,19 +360,7 @@ class Engine:
             mem["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             mem["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         return {
-            "requests": t.requests,
-            "generated_tokens": t.generated,
-            "drafted": t.drafted,
-            "accepted": t.accepted,
-            "acceptance_rate": t.accepted / t.drafted if t.drafted else None,
-            "token_acceptance": sum(t.pos_accepted) / sum(t.pos_tried) if sum(t.pos_tried) else None,
-            "mean_accepted_length": 1 + t.accepted / t.iterations if t.iterations else None,
-            "tokens_per_s": t.generated / t.seconds if t.seconds else None,
-            "target_passes_per_token": t.iterations / t.generated if t.generated else None,
-            "target_forwards": t.target_forwards,
-            "prefill_tokens": t.prefill_tokens,
-            "prefill_shared": t.prefill_shared,
-            "window_plain_rounds": t.window_plain_rounds,
+            **t.summary(),
             "waiting": snap["waiting"],
             "running": snap["running"],
             "errors": t.nonfinite + t.failed,

@@ -60,6 +60,25 @@ class Totals:
     failed: int = 0  # requests ended by a failed round (RequestFailedError)
     rejected_overload: int = 0  # submissions refused with OverloadedError
 
+    def summary(self) -> dict[str, Any]:
+        """The rates and counts of Engine.stats()."""
+        tried = sum(self.pos_tried)
+        return {
+            "requests": self.requests,
+            "generated_tokens": self.generated,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "token_acceptance": sum(self.pos_accepted) / tried if tried else None,
+            "mean_accepted_length": 1 + self.accepted / self.iterations if self.iterations else None,
+            "tokens_per_s": self.generated / self.seconds if self.seconds else None,
+            "target_passes_per_token": self.iterations / self.generated if self.generated else None,
+            "target_forwards": self.target_forwards,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_shared": self.prefill_shared,
+            "window_plain_rounds": self.window_plain_rounds,
+        }
+
 
 class Request:
     """One submitted prompt. Iterate it for text pieces as tokens are accepted (never a partial
