@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.core.errors import InvalidConfigError
+from engine.serve.window import BatchWindow, bucket
 from engine.spec.adaptive import (
-    BatchCosts,
     Costs,
     KController,
     KPolicy,
@@ -126,24 +126,28 @@ def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
     assert costs.c > 0 and v[0] > 0
 
 
-def test_batch_window_caps_k_by_the_costs_at_the_running_batch():
-    # batch 1: a verify of K + 1 tokens costs about one step; batch 16: compute-bound, each token costs
-    dear = Costs(c=0.05, v={k: 1.0 + 0.9 * k for k in range(1, 9)})
-    bc = BatchCosts({1: COSTS, 16: dear})
-    assert bc.at(1) is COSTS and bc.at(15) is COSTS and bc.at(16) is dear and bc.at(64) is dear
-    for a in (0.3, 0.6, 0.9):
-        for batch in (1, 8, 16, 40):
-            costs = bc.at(batch)
-            cap = bc.k_cap(batch, a, 8)
-            gains = [1.0] + [expected_speedup(a, k, costs) for k in range(1, 9)]
-            assert gains[cap] == max(gains)  # the best expected throughput, plain (0) included
-    assert bc.k_cap(1, 0.9, 8) > 0 and bc.k_cap(16, 0.6, 8) == 0
-    assert BatchCosts({1: COSTS}).at(32) is COSTS
+def test_batch_window_runs_the_faster_way_and_explores():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+    w = BatchWindow(warmup=2, explore=5)
+    rates = {True: 40.0, False: 100.0}  # tokens/s of each way at batch 12 (bucket 16); batch 3: the reverse
+    ways = []
+    for _ in range(30):
+        way = w.choose(12)
+        ways.append(way)
+        w.record(12, way, int(rates[way]), 1.0)
+        w.record(3, True, 80, 1.0)
+    assert ways[:4] == [True, True, False, False]  # warm-up: each way twice
+    after = ways[4:]
+    assert after.count(True) == sum(1 for i in range(4, 30) if i % 5 == 4)  # only the exploring rounds
+    assert w.rate(12, False) == pytest.approx(100.0) and w.rate(9, True) == pytest.approx(40.0)
+    assert w.rate(3, False) is None and w.choose(3) is False  # bucket 4 has measured only speculation
+    assert w.snapshot()["16"] == {"speculative": pytest.approx(40.0), "plain": pytest.approx(100.0)}
 
 
 def test_plain_rounds_of_the_window_keep_greedy_output(ckpt_dir, draft_dir):
-    """A window that runs plain rounds while two or more sequences run (its costs at batch >= 2 say nothing
-    pays) and speculates once one is left: the draft catches up after the plain rounds, output unchanged."""
+    """Plain rounds while two or more greedy sequences run (the window's warm-up runs some; a window that
+    measured plain as faster runs them all but the exploring ones): the draft catches up after them when
+    it speculates again, and the output is the plain target's."""
     from engine import Engine, SamplingParams
     from engine.api.options import SpeculationConfig
 
@@ -151,23 +155,15 @@ def test_plain_rounds_of_the_window_keep_greedy_output(ckpt_dir, draft_dir):
     params = [SamplingParams(max_new_tokens=n) for n in (8, 12, 40)]
     ref = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, params)]
     eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS))
-    dear = Costs(c=0.05, v={k: 1.0 + 5.0 * k for k in range(1, 9)})
-    eng._batch_costs = BatchCosts({1: COSTS, 2: dear})  # measured costs would depend on this machine
+    for b in (2, 3):  # as if plain rounds had measured faster at both buckets
+        for way, rate in ((True, 1), (False, 100)):
+            for _ in range(3):
+                eng.scheduler.window.record(b, way, rate, 1.0)
     out = eng.generate(prompts, params)
     assert [o.token_ids for o in out] == ref
     st = eng.stats()
-    assert st["window_plain_rounds"] >= 8  # every round with two or more sequences
+    assert st["window_plain_rounds"] >= 8 and st["batch_window"]["4"]["plain"] > 0
     assert out[2].stats["drafted"] > 0  # alone, the last one speculated again
     off = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS, batch_window=False))
     assert [o.token_ids for o in off.generate(prompts, params)] == ref
-    assert off.stats()["window_plain_rounds"] == 0 and off.batch_costs() is None
-
-
-def test_batch_costs_are_measured_up_to_the_max_batch(ckpt_dir, draft_dir):
-    from engine import Engine
-    from engine.api.options import Limits
-
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, limits=Limits(max_batch=6))
-    bc = eng.batch_costs()
-    assert sorted(bc.by_batch) == [1, 2, 4] and bc.by_batch[1] is eng.costs
-    assert all(c.c > 0 and c.v[1] > 0 for c in bc.by_batch.values())
+    assert off.stats()["window_plain_rounds"] == 0 and off.stats()["batch_window"] is None

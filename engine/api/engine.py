@@ -20,8 +20,9 @@ from engine.serve.metrics import metrics_text
 from engine.serve.request import Completion, Request
 from engine.serve.scheduler import Scheduler
 from engine.serve.telemetry import gpu_stats
-from engine.spec.adaptive import BatchCosts, Costs
-from engine.spec.costs import drafter_costs, measure_batch_costs
+from engine.serve.window import BatchWindow
+from engine.spec.adaptive import Costs
+from engine.spec.costs import drafter_costs
 from engine.spec.loop import DecodeLoop
 from engine.spec.sampling import SamplingParams
 
@@ -62,8 +63,6 @@ class Engine:
         self.limits = limits
         self.cuda_graphs = parts.graphs or None  # GraphedForward / GraphedStep wrappers (engine/kernels/)
         self._costs = costs
-        self._batch_window = batch_window and parts.policy is not None and parts.policy.name == "cost-model"
-        self._batch_costs: BatchCosts | None = None
         ctx = self.config.max_position_embeddings
         if limits.max_seq_len is not None and limits.max_seq_len > ctx:
             raise InvalidConfigError(
@@ -83,7 +82,9 @@ class Engine:
             self.loop,
             policy=self.policy,
             costs=lambda: self.costs,
-            batch_costs=self.batch_costs if self._batch_window else None,
+            window=BatchWindow()
+            if batch_window and self.policy is not None and self.policy.name == "cost-model"
+            else None,
             device=self.device,
             max_batch=limits.max_batch,
             max_waiting=limits.max_waiting,
@@ -162,16 +163,6 @@ class Engine:
             self._costs = drafter_costs(self.target, self.drafter, self.draft_model, self.policy.k_max)
             log.info("measured costs: c=%.3f v=%s", self._costs.c, self._costs.v)
         return self._costs
-
-    def batch_costs(self) -> BatchCosts | None:
-        """The costs at several batch sizes for the batch window (measured on first use; None without one)."""
-        if self._batch_costs is None and self._batch_window and self.costs is not None:
-            assert self.policy is not None
-            self._batch_costs = measure_batch_costs(
-                self.target, self.drafter, self.draft_model, self.policy.k_max, self.scheduler.max_batch, self.costs
-            )
-            log.info("batch window: costs measured at batch sizes %s", sorted(self._batch_costs.by_batch))
-        return self._batch_costs
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompts: Prompts) -> list[list[int]]:
@@ -378,6 +369,7 @@ def _runtime_stats(engine: Engine) -> dict[str, Any]:
         "cuda_graphs": graph_stats(engine.cuda_graphs),
         "gpu": gpu_stats(engine.device, engine.gpu_reader),
         "load_window": None if gov is None else gov.snapshot(),
+        "batch_window": None if engine.scheduler.window is None else engine.scheduler.window.snapshot(),
     }
 
 

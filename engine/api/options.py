@@ -55,10 +55,9 @@ class SpeculationConfig:
     """Cost ratios of the draft step and the verify pass to a target step (``Costs``); None: measured
     on first use (the "cost-model" policy needs them)."""
     batch_window: bool = True
-    """With the "cost-model" policy: cap the K of each round's greedy rows at what pays at the running batch
-    size, down to plain rounds (costs measured at batch sizes 1..64 on first use with more than one sequence
-    running: engine/spec/adaptive.py BatchCosts). Sampled rows keep their own K: it decides their random
-    draws, and a seed's output must not depend on the batch. False: K is each sequence's own."""
+    """With the "cost-model" policy: while two or more greedy sequences run, each round speculates or runs
+    plainly, whichever the rounds measured at that batch size made faster (engine/serve/window.py; sampled
+    rows keep their K: it decides their random draws). False: K is each sequence's own, whatever the batch."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""

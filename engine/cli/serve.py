@@ -158,7 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("chat template: %s; generation defaults: %s", "yes" if eng.chat_template else "none", defaults or "none")
     if eng.policy is not None and eng.policy.name == "cost-model":
         log.info("K controller costs: c=%.3f", eng.costs.c)  # measured now, not in the first request
-        eng.batch_costs()  # the batch window's costs too (None when the window is off)
     app = create_app(OpenAIServer(eng, name, defaults))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     return 0

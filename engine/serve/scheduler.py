@@ -41,7 +41,8 @@ import torch
 from engine.core.errors import EngineError, OverloadedError
 from engine.serve.request import Completion, Request, RequestFailedError, Totals
 from engine.serve.telemetry import LoadGovernor
-from engine.spec.adaptive import BatchCosts, Costs, KController, KPolicy
+from engine.serve.window import BatchWindow
+from engine.spec.adaptive import Costs, KController, KPolicy
 from engine.spec.loop import DecodeLoop
 from engine.spec.sampling import SamplingParams
 from engine.spec.seq import Seq
@@ -65,7 +66,7 @@ class Scheduler:
         max_waiting: int,
         max_seq_len: int,
         governor: LoadGovernor | None = None,
-        batch_costs: Callable[[], BatchCosts | None] | None = None,
+        window: BatchWindow | None = None,
         idle_exit_s: float = 0.5,
     ) -> None:
         """``loop`` runs the rounds; ``policy`` (None: plain decoding) and ``costs`` (called once, when the
@@ -85,7 +86,7 @@ class Scheduler:
         self._driver = threading.Lock()  # held by whichever thread runs a round (the worker or a caller)
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor = governor
-        self._batch_costs = batch_costs  # the batch window: a K cap per round from costs at the running batch
+        self.window = window  # the batch window: a greedy batch speculates or not, as measured rounds say
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
         self._round_started: float | None = None  # monotonic start of the round in progress
@@ -265,9 +266,11 @@ class Scheduler:
         k_cap = NO_CAP
         if self.governor is not None:  # GPU memory pressure lowers K and the admitted batch, never fails
             k_cap, self.batch_cap = self.governor.poll()
-        self.loop.k_cap, self.loop.greedy_k_cap = k_cap, self._window_cap()
         self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
         seqs = [r.seq for r in self._running if r.seq is not None]
+        windowed = self.window is not None and len(seqs) > 1 and all(s.params.greedy for s in seqs)
+        speculate = self.window.choose(len(seqs)) if windowed and self.window is not None else True
+        self.loop.k_cap, self.loop.greedy_k_cap = k_cap, NO_CAP if speculate else 0
         t0 = time.perf_counter()
         self._round_started = time.monotonic()
         try:
@@ -285,10 +288,14 @@ class Scheduler:
             return
         finally:
             self._round_started = None
+        dt = time.perf_counter() - t0
+        if windowed and self.window is not None:
+            self.window.record(len(seqs), speculate, sum(len(toks) for _, toks in events), dt)
         with self._lock:
             self._failed_streak = 0
-            self.totals.seconds += time.perf_counter() - t0
+            self.totals.seconds += dt
             self.totals.target_forwards += 1
+            self.totals.window_plain_rounds += not speculate
         by_seq = {id(s): toks for s, toks in events}
         for r in list(self._running):
             assert r.seq is not None
@@ -297,23 +304,6 @@ class Scheduler:
                 self._retire(r, new=new)
             elif new:
                 r._deliver(new, r.seq.logprobs[-len(new) :] if r.seq.logprobs is not None else ())
-
-    def _window_cap(self) -> int:
-        """The batch window's K cap for this round's greedy rows (NO_CAP for one sequence or without the window)."""
-        ctls = [
-            r.seq.k_ctl for r in self._running if r.seq is not None and r.seq.k_ctl is not None and r.seq.params.greedy
-        ]
-        if self._batch_costs is None or len(self._running) < 2 or not ctls or self.policy is None:
-            return NO_CAP
-        costs = self._batch_costs()
-        if costs is None:
-            return NO_CAP
-        a = sum(c.acceptance for c in ctls) / len(ctls)
-        cap = costs.k_cap(len(self._running), a, self.policy.k_max)
-        if cap == 0:
-            with self._lock:
-                self.totals.window_plain_rounds += 1
-        return cap
 
     def _retire(self, r: Request, error: EngineError | None = None, new: Sequence[int] = ()) -> None:
         """Leave the batch: free the row, account, hand the caller its completion (or error)."""

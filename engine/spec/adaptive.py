@@ -8,10 +8,8 @@ Policies:
   from the running acceptance rate a and the measured cost ratios c (draft step /
   target step) and v(K) (verify pass of K+1 tokens / target step).
 
-The batch window (``BatchCosts.k_cap``): the costs above are measured at one sequence; at a batch of
-B sequences a verify pass of B (K+1) tokens may cost far more than B plain steps' one pass (compute-bound
-hardware: a CPU, or a GPU at a large batch). Costs measured at several batch sizes give each round a cap:
-the K in 0..k_max of the best expected throughput at the running batch, 0 (a plain round) when no K pays.
+The costs are measured at one sequence; at a larger batch the serving layer's batch window
+(engine/serve/window.py) decides from measured rounds whether speculation pays.
 
 The acceptance rate is estimated per sequence from censored geometric
 observations: a round that drafted K_b and accepted n saw n successes and, if
@@ -75,27 +73,6 @@ def expected_speedup(a: float, k: int, costs: Costs) -> float:
     if k == 0:
         return 1.0 / costs.verify(0) if 0 in costs.v else 1.0
     return expected_tokens(a, k) / (k * costs.c + costs.verify(k))
-
-
-@dataclass(frozen=True)
-class BatchCosts:
-    """Costs measured at several batch sizes, each relative to a plain step of that many sequences."""
-
-    by_batch: dict[int, Costs]  # batch size -> its costs (batch 1 included)
-
-    def at(self, batch: int) -> Costs:
-        """The costs of the largest measured batch <= ``batch`` (the smallest measured one below it)."""
-        sizes = sorted(self.by_batch)
-        below = [b for b in sizes if b <= batch]
-        return self.by_batch[below[-1] if below else sizes[0]]
-
-    def k_cap(self, batch: int, a: float, k_max: int) -> int:
-        """The round's K cap at ``batch`` sequences with mean acceptance ``a``: the K in 0..k_max of the best
-        expected throughput (0: a plain round; the smallest K on ties)."""
-        costs = self.at(batch)
-        a = min(a, 0.999)
-        gain = {0: 1.0, **{k: expected_speedup(a, k, costs) for k in range(1, k_max + 1)}}
-        return max(gain, key=lambda k: (round(gain[k], 12), -k))
 
 
 def best_k(a: float, costs: Costs, k_min: int, k_max: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.core.model import KVCache, Transformer
-from engine.spec.adaptive import BatchCosts, Costs
+from engine.spec.adaptive import Costs
 
 
 def cached_forward(
@@ -113,18 +113,3 @@ def drafter_costs(
         reps=reps,
         draft_fn=step_fn(batch) if step_fn is not None else None,
     )
-
-
-WINDOW_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes the batch window measures (up to the engine's max batch)
-
-
-def measure_batch_costs(
-    target: Transformer, drafter: Any, draft_model: Transformer | None, k_max: int, max_batch: int, base: Costs
-) -> BatchCosts:
-    """Costs at each of WINDOW_BATCHES up to ``max_batch`` (``base`` is batch 1's), 3 repeats each."""
-    by_batch = {1: base}
-    for b in WINDOW_BATCHES[1:]:
-        if b > max_batch:
-            break
-        by_batch[b] = drafter_costs(target, drafter, draft_model, k_max, batch=b, reps=3)
-    return BatchCosts(by_batch)

@@ -68,7 +68,7 @@ class DecodeLoop:
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
         self.k_cap = 1 << 30  # the load window (engine/serve/telemetry.py) lowers it under GPU memory pressure
-        # the batch window (spec/adaptive.py BatchCosts) caps greedy rows only: a sampled row's K decides which
+        # the batch window (serve/window.py) caps greedy rows only: a sampled row's K decides which
         # random draws it makes, so capping it would make a seed's output depend on the rest of the batch
         self.greedy_k_cap = 1 << 30
 
