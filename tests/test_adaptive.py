@@ -140,7 +140,7 @@ def test_batch_window_runs_the_faster_way_and_explores():
     after = ways[4:]
     assert after.count(True) == sum(1 for i in range(4, 30) if i % 5 == 4)  # only the exploring rounds
     assert w.rate(12, False) == pytest.approx(100.0) and w.rate(9, True) == pytest.approx(40.0)
-    assert w.rate(3, False) is None and w.choose(3) is False  # bucket 4 has measured only speculation
+    assert w.rate(3, False) is None and w.choose(3) is True  # bucket 4 has run no round yet: warm-up
     assert w.snapshot()["16"] == {"speculative": pytest.approx(40.0), "plain": pytest.approx(100.0)}
 
 
@@ -155,10 +155,11 @@ def test_plain_rounds_of_the_window_keep_greedy_output(ckpt_dir, draft_dir):
     params = [SamplingParams(max_new_tokens=n) for n in (8, 12, 40)]
     ref = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, params)]
     eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS))
-    for b in (2, 3):  # as if plain rounds had measured faster at both buckets
-        for way, rate in ((True, 1), (False, 100)):
-            for _ in range(3):
-                eng.scheduler.window.record(b, way, rate, 1.0)
+    w = eng.scheduler.window
+    for b in (2, 3):  # as if plain rounds had measured faster at both buckets, after the warm-up
+        for _ in range(6):
+            way = w.choose(b)
+            w.record(b, way, 1 if way else 100, 1.0)
     out = eng.generate(prompts, params)
     assert [o.token_ids for o in out] == ref
     st = eng.stats()

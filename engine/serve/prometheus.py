@@ -78,6 +78,12 @@ class _EngineCollector:
             "Prompt tokens copied from another sequence's prefill of the same prompt instead of computed.",
             t.prefill_shared,
         )
+        yield counter("rounds", "Batched target passes (rounds).", t.target_forwards)
+        yield counter(
+            "window_plain_rounds",
+            "Rounds run plainly because plain rounds measured faster at the running batch (the batch window).",
+            t.window_plain_rounds,
+        )
         drafts = t.pos_tried[0] if t.pos_tried else 0
         yield counter("spec_decode_num_drafts", "Speculative rounds of a sequence with >= 1 draft token.", drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", t.drafted)

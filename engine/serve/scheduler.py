@@ -269,6 +269,7 @@ class Scheduler:
         self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
         seqs = [r.seq for r in self._running if r.seq is not None]
         windowed = self.window is not None and len(seqs) > 1 and all(s.params.greedy for s in seqs)
+        prefill = any(s.tlen < len(s.prompt) for s in seqs)  # its time is the same either way: not measured
         speculate = self.window.choose(len(seqs)) if windowed and self.window is not None else True
         self.loop.k_cap, self.loop.greedy_k_cap = k_cap, NO_CAP if speculate else 0
         t0 = time.perf_counter()
@@ -289,7 +290,7 @@ class Scheduler:
         finally:
             self._round_started = None
         dt = time.perf_counter() - t0
-        if windowed and self.window is not None:
+        if windowed and not prefill and self.window is not None:
             self.window.record(len(seqs), speculate, sum(len(toks) for _, toks in events), dt)
         with self._lock:
             self._failed_streak = 0

@@ -5,7 +5,8 @@ B (K+1) tokens can cost far more than a plain step of B tokens (compute-bound ha
 GPU at a large batch), and ragged rows, masks and per-row work add to it, so no cost table measured
 apart from the real rounds predicts it well. The window measures the rounds themselves: per batch
 bucket (the running batch rounded up to a power of two), the committed tokens per second of round
-time for rounds that speculated and for rounds that ran plainly (exponentially decayed sums). After
+time for rounds that speculated and for rounds that ran plainly (exponentially decayed sums; a round
+that prefills a new sequence is not measured: its prefill costs the same either way). After
 ``warmup`` rounds each way it runs the faster way and tries the other every ``explore``-th round, so
 a change of load or acceptance is seen again.
 
@@ -32,6 +33,7 @@ class BatchWindow:
     # (bucket, speculated) -> [decayed tokens, decayed seconds, rounds]
     _seen: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     _rounds: dict[int, int] = field(default_factory=dict)
+    _chosen: dict[tuple[int, bool], int] = field(default_factory=dict)  # rounds run each way per bucket
 
     def rate(self, batch: int, speculate: bool) -> float | None:
         """Measured committed tokens per second at this batch's bucket, one way (None: not measured yet)."""
@@ -43,15 +45,16 @@ class BatchWindow:
         b = bucket(batch)
         n = self._rounds.get(b, 0)
         self._rounds[b] = n + 1
-        counts = [int(self._seen.get((b, way), [0, 0, 0])[2]) for way in (True, False)]
-        if counts[0] < self.warmup:
-            return True
-        if counts[1] < self.warmup:
-            return False
-        on, off = self.rate(batch, True), self.rate(batch, False)
-        assert on is not None and off is not None
-        best = on >= off
-        return (not best) if n % self.explore == self.explore - 1 else best
+        if self._chosen.get((b, True), 0) < self.warmup:
+            way = True
+        elif self._chosen.get((b, False), 0) < self.warmup:
+            way = False
+        else:
+            on, off = self.rate(batch, True), self.rate(batch, False)
+            best = on is None or off is None or on >= off  # unmeasured (every round prefilled): speculate
+            way = (not best) if n % self.explore == self.explore - 1 else best
+        self._chosen[(b, way)] = self._chosen.get((b, way), 0) + 1
+        return way
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One round's committed tokens and its time."""

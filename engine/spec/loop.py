@@ -164,7 +164,6 @@ class DecodeLoop:
         if kmax:
             cols = catch_t[:, None] + torch.arange(kmax, device=dev)
             toks.scatter_(1, cols, drafts)
-        kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
         # [B, K+1]; a row whose prompt was copied (catch 0) has its first scores from the shared prefill
         idx = ((catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)).clamp_(min=0)
         aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
@@ -173,21 +172,8 @@ class DecodeLoop:
         if T == 0:  # every row starts from a shared prefill and drafts nothing: no target pass
             logits = torch.stack([s.first_scores[0] for s in active])[:, None]
             feats = torch.stack([s.first_scores[1] for s in active])[:, None] if want_feats else None
-        elif want_feats:
-            logits, feats = self.target(
-                toks,
-                pos,
-                cache,
-                kv_len,
-                rows,
-                logits_idx=idx,
-                start=active[0].tlen if aligned else None,
-                return_hidden=True,
-            )
         else:
-            logits = self.target(
-                toks, pos, cache, kv_len, rows, logits_idx=idx, start=active[0].tlen if aligned else None
-            )  # [B, K+1, Vt]
+            logits, feats = self._verify(active, toks, pos, idx, catch, ks, kmax, rows, aligned, want_feats)
         for b, s in enumerate(active):
             if s.first_scores is not None:
                 logits[b, 0] = s.first_scores[0]
@@ -250,6 +236,57 @@ class DecodeLoop:
             s.tokens.extend(kept)
             events.append((s, kept))
         return events
+
+    def _verify(
+        self,
+        active: list[Seq],
+        toks: Tensor,  # [B, T] catch-up tokens then drafts, padded
+        pos: Tensor,  # [B, T] their positions (padding: the scratch slot)
+        idx: Tensor,  # [B, K+1] the scored columns
+        catch: list[int],
+        ks: list[int],
+        kmax: int,
+        rows: Tensor | None,  # [B] cache rows (None: 0..B-1)
+        aligned: bool,
+        want_feats: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The target's scores [B, K+1, V] (and features [B, K+1, H] for a head). A round where some rows
+        prefill (a prompt of tens of tokens) beside rows that decode (K+1 tokens) runs them as two passes:
+        one padded pass would compute every decoding row at the prompt's width."""
+        T, B = toks.shape[1], len(active)
+        wide = [b for b in range(B) if catch[b] > 1]
+        narrow = [b for b in range(B) if catch[b] <= 1]
+        t_narrow = max((catch[b] for b in narrow), default=0) + kmax
+        groups = [list(range(B))]
+        if wide and narrow and len(narrow) * (T - t_narrow) > B:
+            groups = [wide, narrow]
+        logits: Tensor | None = None
+        feats: Tensor | None = None
+        for g in groups:
+            whole = len(g) == B
+            sel = torch.tensor(g, device=toks.device)
+            t_g = T if whole else max(catch[b] for b in g) + kmax
+            res = self.target(
+                toks if whole else toks[sel, :t_g],
+                pos if whole else pos[sel, :t_g],
+                self.cache,
+                max(active[b].tlen + catch[b] + ks[b] for b in g),
+                rows if whole else torch.tensor([active[b].row for b in g], device=toks.device),
+                logits_idx=idx if whole else idx[sel],
+                start=active[0].tlen if aligned and whole else None,
+                **({"return_hidden": True} if want_feats else {}),
+            )
+            lg, ft = res if want_feats else (res, None)
+            if whole:
+                return lg, ft
+            if logits is None:
+                logits = lg.new_empty(B, *lg.shape[1:])
+                feats = None if ft is None else ft.new_empty(B, *ft.shape[1:])
+            logits[sel] = lg
+            if feats is not None:
+                feats[sel] = ft
+        assert logits is not None
+        return logits, feats
 
     @staticmethod
     def _waiting_for_prefill(seqs: list[Seq]) -> dict[int, list[Seq]]:

@@ -1,0 +1,44 @@
+"""A round where a new sequence prefills beside sequences that decode runs them as two target passes
+(one padded pass would compute every decoding row at the prompt's width): outputs equal the solo runs,
+for every drafter, and the split happens."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, SamplingParams
+from engine.api.options import SpeculationConfig
+
+SHORT = [[5, 6, 7], [9, 10, 11, 12]]
+LONG = list(range(20, 60))  # a 40-token prompt that arrives while the short ones decode
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", None])
+def test_a_prefill_beside_decoding_rows_splits_and_keeps_outputs(ckpt_dir, draft_dir, drafter):
+    spec = SpeculationConfig(drafter=drafter, k=3, k_policy="heuristic")
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=spec)
+    params = SamplingParams(max_new_tokens=24)
+    solo = [eng.generate([p], params)[0].token_ids for p in [*SHORT, LONG]]
+    widths: list[tuple[int, int]] = []
+    forward = eng.loop.target
+
+    def counted(toks, *args, **kwargs):  # the target passes of each round: (rows, width)
+        widths.append(tuple(toks.shape))
+        return forward(toks, *args, **kwargs)
+
+    eng.loop.target = counted
+    reqs = [eng.submit(p, params) for p in SHORT]
+    rounds = {"n": 0}
+
+    def late() -> None:  # the long prompt joins on the third round, the short ones decoding
+        rounds["n"] += 1
+        if rounds["n"] == 3:
+            reqs.append(eng.submit(LONG, params))
+
+    eng.scheduler.on_round = late
+    first = [r.result().token_ids for r in reqs[:2]]  # the long one joined before these finished
+    assert len(reqs) == 3
+    assert first == solo[:2] and reqs[2].result().token_ids == solo[2]
+    # one pass of the prefilling row at its width and one of the decoding rows at theirs, never 3 rows at 40+
+    assert any(w[0] == 1 and w[1] >= len(LONG) for w in widths)
+    assert not any(w[0] == 3 and w[1] >= len(LONG) for w in widths)
