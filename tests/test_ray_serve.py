@@ -240,8 +240,9 @@ def _live(app: str) -> set[str]:
 
 
 def test_scale_down_drains_running_requests(cluster, two, solo, profile):
-    """2 -> 1 replicas while both decode: the stopped replica finishes what it runs (graceful shutdown)."""
-    long = 160
+    """2 -> 1 replicas while both decode: the stopped replica finishes what it runs (graceful shutdown).
+    16 requests on 2 replicas of max_batch 4 run in two waves; the scale-down comes in the first."""
+    long = 200  # the tiny pair's context is 256
     prompts = PROMPTS[:16]
     for p in prompts:
         solo(p, long)
@@ -249,12 +250,15 @@ def test_scale_down_drains_running_requests(cluster, two, solo, profile):
         futs = [ex.submit(_try, two, p, long) for p in prompts]
         live = _live(APP)
         _wait(
-            lambda: all(_metric(cluster, "specmix_running").get(r, 0) > 0 for r in live) or any(f.done() for f in futs),
+            lambda: (
+                all(_metric(cluster, "specmix_running").get(r, 0) > 0 for r in live)
+                or sum(f.done() for f in futs) >= len(futs) // 2
+            ),
             "both replicas decode",
             60,
             0.2,
         )
-        assert not any(f.done() for f in futs), "requests ended before the scale-down: make them longer"
+        assert sum(f.done() for f in futs) < len(futs) // 2, "the first wave ended before the scale-down"
         serve.run(build_app(_args(profile, min_replicas=1, max_replicas=1)), name=APP, route_prefix="/")
         results = [f.result() for f in futs]
     errors = [r for r in results if isinstance(r, openai.APIError)]
