@@ -42,3 +42,34 @@ def test_a_prefill_beside_decoding_rows_splits_and_keeps_outputs(ckpt_dir, draft
     # one pass of the prefilling row at its width and one of the decoding rows at theirs, never 3 rows at 40+
     assert any(w[0] == 1 and w[1] >= len(LONG) for w in widths)
     assert not any(w[0] == 3 and w[1] >= len(LONG) for w in widths)
+
+
+def test_a_row_starting_from_a_shared_prefill_beside_a_new_prompt(ckpt_dir):
+    """Round 2: one sample of a shared prefill starts (nothing to compute: its scores were kept) while a new
+    prompt prefills; no drafter, so it has no token to run and the round stays one pass."""
+    eng = Engine.from_pretrained(ckpt_dir)
+    params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=6)]
+    solo = [eng.generate([SHORT[1]], p)[0].token_ids for p in params] + [
+        eng.generate([LONG], SamplingParams(max_new_tokens=6))[0].token_ids
+    ]
+    widths: list[tuple[int, int]] = []
+    forward = eng.loop.target
+
+    def counted(toks, *args, **kwargs):
+        widths.append(tuple(toks.shape))
+        return forward(toks, *args, **kwargs)
+
+    eng.loop.target = counted
+    reqs = eng.submit_many([SHORT[1], SHORT[1]], params)  # admitted together: the first prefills for both
+    rounds = {"n": 0}
+
+    def late() -> None:
+        rounds["n"] += 1
+        if rounds["n"] == 1:  # admitted for round 2, as the second sample starts
+            reqs.append(eng.submit(LONG, SamplingParams(max_new_tokens=6)))
+
+    eng.scheduler.on_round = late
+    first = [r.result().token_ids for r in reqs[:2]]
+    assert first == solo[:2] and reqs[2].result().token_ids == solo[2]
+    assert eng.stats()["prefill_shared"] == len(SHORT[1])
+    assert all(w[1] > 0 for w in widths)  # one padded pass (the starting sample has nothing to run), none empty

@@ -258,7 +258,7 @@ class DecodeLoop:
         narrow = [b for b in range(B) if catch[b] <= 1]
         t_narrow = max((catch[b] for b in narrow), default=0) + kmax
         groups = [list(range(B))]
-        if wide and narrow and len(narrow) * (T - t_narrow) > B:
+        if wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B:  # (0: rows with nothing to run)
             groups = [wide, narrow]
         logits: Tensor | None = None
         feats: Tensor | None = None
