@@ -12,11 +12,13 @@
 2. **Damage per module and candidate**: the relative output error ||X W_q^T - X W^T|| / ||X W^T||
    of the module on its own calibration inputs X; for ``w8a8`` SmoothQuant's alpha is searched
    per module on the same inputs (the alpha of least error).
-3. **Only the modules that do damage step back**: for a threshold t every module takes the
-   fastest candidate whose error is <= t (fp16 has none). The largest t whose model still meets
-   the KLD budget (mean KL(ref || planned) on the calibration windows, and top-1 agreement >=
-   ``min_top1``) is found by bisection over the sorted errors, to within a few modules; the
-   model's KLD decides, the errors only rank.
+3. **Only the modules that do damage step back**, INT8 first: for a threshold t every module
+   takes the fastest INT8 candidate whose error is <= t, or its least-error INT8 candidate (its
+   floor) when none is. Only when every module at its floor still misses the budget do modules
+   go to fp16, those of largest floor error first. These plans form one ladder from all-fp16 to
+   all-fastest; the fastest one whose model meets the budget (mean KL(ref || planned) on the
+   calibration windows, and top-1 agreement >= ``min_top1``) is found by bisection, to within a
+   few modules. The model's KLD and top-1 decide; the errors only rank.
 
 The gate on the eval text comes after (engine build): this module never sees the eval text.
 """
@@ -218,12 +220,44 @@ class SearchResult:
     top1: float
     trials: list[dict[str, Any]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    fp16_modules: int = 0  # modules sent to fp16 past their least-error INT8 candidate
+
+
+def _floor(errs: dict[str, tuple[float, float | None]], order: list[Choice]) -> Choice:
+    """A module's INT8 candidate of least calibration error (its most careful INT8 choice)."""
+    return min((c for c in order if c.kernel != "dense"), key=lambda c: errs[c.label][0])
 
 
 def _assign(
     errs: dict[str, dict[str, tuple[float, float | None]]], order: dict[str, list[Choice]], t: float
 ) -> dict[str, Choice]:
-    return {n: next(c for c in order[n] if errs[n][c.label][0] <= t) for n in errs}
+    """Every module at its fastest INT8 candidate with error <= t, else at its floor."""
+    return {
+        n: next((c for c in order[n] if c.kernel != "dense" and errs[n][c.label][0] <= t), _floor(errs[n], order[n]))
+        for n in errs
+    }
+
+
+def _ladder(
+    errs: dict[str, dict[str, tuple[float, float | None]]], order: dict[str, list[Choice]]
+) -> list[tuple[float, int]]:
+    """The plans the search bisects, most careful first, as (threshold, modules in fp16).
+
+    First every module in fp16, then the n - 1, n - 2, ..., 1 modules of largest floor error in
+    fp16 (the rest at their floor), then INT8 only, one threshold per distinct INT8 error up to
+    inf (every module at its fastest candidate). Speed on paper grows along the list."""
+    int8_errs = {e for n, d in errs.items() for c in order[n] if c.kernel != "dense" for e in (d[c.label][0],)}
+    ts = sorted(int8_errs | {math.inf})
+    return [(-math.inf, m) for m in range(len(errs), 0, -1)] + [(t, 0) for t in ts]
+
+
+def _plan_at(
+    errs: dict[str, dict[str, tuple[float, float | None]]], order: dict[str, list[Choice]], t: float, m: int
+) -> dict[str, Choice]:
+    assign = _assign(errs, order, t)
+    worst = sorted(errs, key=lambda n: errs[n][_floor(errs[n], order[n]).label][0], reverse=True)
+    dense = {n: next(c for c in order[n] if c.kernel == "dense") for n in worst[:m]}
+    return {**assign, **dense}
 
 
 def _family_plan(c: Choice, alpha: float | None, reason: str) -> FamilyPlan:
@@ -267,6 +301,17 @@ def _with_plan(
             setattr(model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], lin)
 
 
+def search_plan_at(
+    model: nn.Module, calib: Calibration, gpu: dict[str, Any], t: float, fp16_modules: int, rows: int = DEFAULT_ROWS
+) -> tuple[float, float]:
+    """(calibration KLD, top-1) of one plan of the search's ladder: threshold ``t``, the
+    ``fp16_modules`` modules of largest floor error in fp16 (``t`` = -inf: the rest at their floor)."""
+    linears = _ffn_linears(model)
+    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in linears.items()}
+    errs = module_errors(model, calib, list({c.label: c for cs in order.values() for c in cs}.values()))
+    return _with_plan(model, calib, _plan_at(errs, order, t, fp16_modules), errs)
+
+
 def search_ffn(
     model: nn.Module,
     calib: Calibration,
@@ -290,16 +335,18 @@ def search_ffn(
     order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in linears.items()}
     choices = list({c.label: c for cs in order.values() for c in cs}.values())
     errs = module_errors(model, calib, choices)
-    ts = sorted({e for d in errs.values() for e, _ in d.values()} | {math.inf})
+    ladder = _ladder(errs, order)
     trials: list[dict[str, Any]] = []
 
-    def ok(t: float) -> tuple[bool, float, float]:
-        assign = _assign(errs, order, t)
+    def ok(i: int) -> tuple[bool, float, float]:
+        t, m = ladder[i]
+        assign = _plan_at(errs, order, t, m)
         kld, top1 = _with_plan(model, calib, assign, errs)
         good = kld <= kld_budget and top1 >= min_top1
         trials.append(
             {
                 "threshold": t if math.isfinite(t) else None,
+                "fp16_modules": m,
                 "kld": kld,
                 "top1": top1,
                 "passed": good,
@@ -307,8 +354,9 @@ def search_ffn(
             }
         )
         log.info(
-            "plan search: threshold %s -> calibration KLD %.5f, top-1 %.4f (%s) %s",
+            "plan search: threshold %s, %d forced to fp16 -> calibration KLD %.5f, top-1 %.4f (%s) %s",
             f"{t:.4g}",
+            m,
             kld,
             top1,
             "pass" if good else "fail",
@@ -316,34 +364,40 @@ def search_ffn(
         )
         return good, kld, top1
 
-    lo, hi = 0, len(ts) - 1  # ts[0] == 0.0: every module at an error-free choice (fp16) passes
-    best = (0.0, 0.0, 1.0)
-    good, kld, top1 = ok(ts[hi])
+    lo, hi = 0, len(ladder) - 1  # ladder[0]: every module in fp16, the unquantized model, passes
+    best = (0, 0.0, 1.0)
+    good, kld, top1 = ok(hi)
     if good:
-        lo, best = hi, (ts[hi], kld, top1)
+        lo, best = hi, (hi, kld, top1)
     while hi - lo > 1:
-        a_lo, a_hi = _assign(errs, order, ts[lo]), _assign(errs, order, ts[hi])
+        a_lo, a_hi = _plan_at(errs, order, *ladder[lo]), _plan_at(errs, order, *ladder[hi])
         if sum(a_lo[n] != a_hi[n] for n in a_lo) <= resolution * len(a_lo):
             break  # the passing and the failing plan differ in so few modules that another trial buys little
         mid = (lo + hi) // 2
-        good, kld, top1 = ok(ts[mid])
+        good, kld, top1 = ok(mid)
         if good:
-            lo, best = mid, (ts[mid], kld, top1)
+            lo, best = mid, (mid, kld, top1)
         else:
             hi = mid
-    t = best[0]
-    assign = _assign(errs, order, t)
+    t, m = ladder[best[0]]
+    assign = _plan_at(errs, order, t, m)
     modules = {}
     for name, c in assign.items():
         e, alpha = errs[name][c.label]
+        floor = _floor(errs[name], order[name])
+        if c.kernel == "dense":
+            fe = errs[name][floor.label][0]
+            why = f"fp16: among the {m} modules of largest INT8 error (its least, {floor.label}, {fe:.4f})"
+        elif t == math.inf:
+            why = f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget"
+        elif e <= t:
+            why = f"calibration output error {e:.4f} <= threshold {t:.4f}"
+        else:
+            why = f"calibration output error {e:.4f}: its least-error INT8 candidate"
+            why += f" (none <= threshold {t:.4f})" if math.isfinite(t) else ""
         faster = [f"{f.label} {errs[name][f.label][0]:.4f}" for f in order[name][: order[name].index(c)]]
-        why = (
-            f"calibration output error {e:.4f} <= threshold {t:.4f}"
-            if math.isfinite(t)
-            else f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget"
-        )
-        if faster:
-            why = f"stepped back past {', '.join(faster)} (errors above the threshold); " + why
+        if faster and c.kernel != "dense":
+            why = f"stepped back past {', '.join(faster)}; " + why
         if alpha is not None:
             why += f"; SmoothQuant alpha {alpha} (least error of {ALPHA_GRID[0]}..{ALPHA_GRID[-1]})"
         fam = _family_plan(c, alpha, why)
@@ -359,9 +413,9 @@ def search_ffn(
         top_c,
         None,
         f"planner: {dict(counts)} of {len(assign)} FFN Linears (per layer in "
-        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}",
+        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}, top-1 {best[2]:.4f}",
     )
     if top_c.kernel == "dense":
         summary.storage = dense_storage
     summary.scaling.pop("smoothquant_alpha", None)
-    return SearchResult(modules, summary, t, best[1], best[2], trials, dict(counts))
+    return SearchResult(modules, summary, t, best[1], best[2], trials, dict(counts), m)

@@ -161,21 +161,29 @@ def _counts(c: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in c.items())
 
 
+def _ladder_step(threshold: Any, fp16_modules: int) -> str:
+    if fp16_modules:
+        return f"INT8 floor, {fp16_modules} in fp16"
+    return "none (fastest)" if threshold is None else fmt(threshold)
+
+
 def _search_section(n: int, r: Mapping[str, Any]) -> list[str]:
-    """The planner's search behind attempt ``n``: every candidate threshold it scored on the calibration text."""
+    """The planner's search behind attempt ``n``: every plan of its ladder it scored on the calibration text."""
     out = [
         f"### Planner search (attempt {n})",
         "",
         f"Scored on {r['calibration_tokens']} calibration tokens (never the eval text): mean KLD <= "
-        f"{fmt(r['kld_budget'])} and top-1 >= {fmt(r['min_top1'])}. Chosen threshold {fmt(r['threshold'])} "
-        f"(none: every module at its fastest candidate): KLD {fmt(r['kld'])}, top-1 {fmt(r['top1'])}; "
+        f"{fmt(r['kld_budget'])} and top-1 >= {fmt(r['min_top1'])}. Chosen: error threshold "
+        f"{_ladder_step(r['threshold'], r.get('fp16_modules', 0))} (a threshold: each module at its fastest "
+        f"INT8 candidate within it, else its least-error INT8 candidate; INT8 floor: every module at the "
+        f"latter, the modules of largest error in fp16): KLD {fmt(r['kld'])}, top-1 {fmt(r['top1'])}; "
         f"{_counts(r['counts'])}.",
         "",
     ]
     rows = [
         [
             j + 1,
-            fmt(t["threshold"]),
+            _ladder_step(t["threshold"], t.get("fp16_modules", 0)),
             fmt(t["kld"]),
             fmt(t["top1"]),
             "pass" if t["passed"] else "FAIL",

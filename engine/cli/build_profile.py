@@ -35,6 +35,7 @@ from engine import Engine
 from engine.api.options import KernelOptions, Limits, LoadWindowConfig, PrecisionConfig, runtime_to_profile
 from engine.api.profile import PROFILE_SCHEMA_VERSION, model_ref, weight_hashes
 from engine.build.calibrate import calibrate
+from engine.build.planner import DEFAULT_KLD_BUDGET, DEFAULT_MIN_TOP1
 from engine.build.quality import compare_models, load_eval_ids
 from engine.build.report import build_report_files
 from engine.core.cli import run_tool
@@ -95,14 +96,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--plan-kld-budget",
         type=float,
-        default=1e-3,
-        help="the search's bound on mean KLD on the calibration text (default 0.001)",
+        default=DEFAULT_KLD_BUDGET,
+        help=f"the search's bound on mean KLD on the calibration text (default {DEFAULT_KLD_BUDGET})",
     )
     p.add_argument(
         "--plan-min-top1",
         type=float,
-        default=0.0,
-        help="the search's bound on top-1 agreement on the calibration text (default 0: none)",
+        default=DEFAULT_MIN_TOP1,
+        help=f"the search's bound on top-1 agreement on the calibration text (default {DEFAULT_MIN_TOP1})",
     )
     p.add_argument("--out", type=Path, help="output file (default profiles/<gpu>-<model>.json)")
     p.add_argument(
