@@ -291,3 +291,25 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path):
     assert run(tmp_path / "b.pt", stop_at=15)[0] is None and (tmp_path / "b.pt").is_file()
     resumed, n = run(tmp_path / "b.pt")
     assert n == 10 and torch.equal(resumed, ref)
+
+
+def test_bench_modes_of_trained_heads(tiny_heads, tmp_path, capsys):
+    """tools/bench.py --medusa/--eagle: a mode per head (with its measured draft cost) and, with --sweep-k,
+    each head at fixed K; every mode's greedy output equals plain decoding."""
+    from engine.cli.bench import main
+
+    target, d = tiny_heads
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fibonacci(n):\nThe with statement\n", encoding="utf-8")
+    argv = ["--target", str(target), "--medusa", str(d / "medusa"), "--eagle", str(d / "eagle")]
+    argv += ["--prompts", str(prompts), "--repeats", "1", "--max-new-tokens", "8", "--no-hf", "--threads", "1"]
+    argv += ["--modes", "specmix-medusa,specmix-eagle", "--sweep-k", "2", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    modes = {m["name"]: m for m in json.loads((tmp_path / "r.json").read_text())["modes"]}
+    assert set(modes) == {"plain", "specmix-medusa", "specmix-eagle", "specmix-medusa-k2", "specmix-eagle-k2"}
+    for name in ("specmix-medusa", "specmix-eagle"):
+        assert modes[name]["costs"]["c"] > 0 and modes[name]["mean_accepted_length"] >= 1
+    for name in ("specmix-medusa-k2", "specmix-eagle-k2"):
+        assert modes[name]["fixed_k"] == 2 and 1 <= modes[name]["mean_accepted_length"] <= 3
+    assert all(m["match_vs_plain"]["identical"] == 1.0 for m in modes.values())

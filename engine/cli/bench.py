@@ -8,8 +8,9 @@
 specmix-eagle; their rows report the head's measured draft cost c beside the draft model's.
 
 --sweep-k 1,2,4 adds the draft-model drafter at each fixed K (adaptive K off) as modes
-specmix-model-k1, ...; --plot draws speedup vs K (measured and predicted by the cost model),
-acceptance per draft position and tokens/s per mode (needs matplotlib: the `plot` extra).
+specmix-model-k1, ... (and each trained head given: specmix-medusa-k1, specmix-eagle-k1, ...);
+--plot draws speedup vs K (measured and predicted by the cost model), acceptance per draft
+position and tokens/s per mode (needs matplotlib: the `plot` extra).
 
 Same prompts and max_new_tokens for every mode, greedy, batch 1 (the prompts run one
 after another). Modes are interleaved within each repeat; one warm-up round, then
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-k",
         default=None,
-        help=f"comma-separated fixed K values for the draft-model drafter, adaptive K off "
+        help=f"comma-separated fixed K values for the draft-model drafter and each trained head, adaptive K off "
         f"(default {DEFAULT_SWEEP} with --plot, none without; '' for none)",
     )
     return p.parse_args(argv)
@@ -153,7 +154,7 @@ def bench(a: argparse.Namespace) -> int:
     engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, **opts)}
     heads = {"medusa": a.medusa, "eagle": a.eagle}
     for mode, drafter in SPEC_MODES.items():
-        if drafter in heads and heads[drafter] is None:
+        if (drafter in heads and heads[drafter] is None) or (drafter == "model" and draft is None):
             continue
         engines[mode] = Engine.from_pretrained(
             target,
@@ -161,12 +162,19 @@ def bench(a: argparse.Namespace) -> int:
             speculation=SpeculationConfig(drafter=drafter, k=a.k),
             **opts,
         )
-    costs = engines["specmix-model"].costs if sweep else None  # measured once, shared by the sweep
-    sweep_modes = {f"specmix-model-k{k}": k for k in sweep}
+    model_sweep = sweep if "specmix-model" in engines else []  # no draft model: the heads' sweeps only
+    costs = engines["specmix-model"].costs if model_sweep else None  # measured once, shared by the sweep
+    sweep_modes = {f"specmix-model-k{k}": k for k in model_sweep}
     for mode, k in sweep_modes.items():
         engines[mode] = Engine.from_pretrained(
             target, draft, speculation=SpeculationConfig(k=k, k_policy="constant", costs=costs), **opts
         )
+    head_sweep: dict[str, int] = {}  # fixed K for the heads: kept out of the draft model's sweep summary
+    for kind, head_dir in heads.items():
+        for k in sweep if head_dir is not None else []:
+            head_sweep[f"specmix-{kind}-k{k}"] = k
+            spec = SpeculationConfig(drafter=kind, k=k, k_policy="constant", costs=engines[f"specmix-{kind}"].costs)
+            engines[f"specmix-{kind}-k{k}"] = Engine.from_pretrained(target, head_dir, speculation=spec, **opts)
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
     runners: dict[str, Callable[[], tuple[int, float]]] = {
@@ -180,10 +188,10 @@ def bench(a: argparse.Namespace) -> int:
         except ImportError:
             have_hf = False
     if have_hf:
-        for mode in HF_MODES:
+        for mode in HF_MODES if draft is not None else ["hf-plain"]:  # assisted generation needs a draft
             runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k, getattr(torch, dt))
     if a.modes:
-        keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes)
+        keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes) | set(head_sweep)
         runners = {m: r for m, r in runners.items() if m in keep}
     for r in runners.values():  # warm-up
         r()
@@ -214,7 +222,7 @@ def bench(a: argparse.Namespace) -> int:
             "mean_accepted_length": None,
             "predicted_speedup": None,
             "repeats": rates[m],
-            "fixed_k": sweep_modes.get(m),
+            "fixed_k": sweep_modes.get(m, head_sweep.get(m)),
         }
         if m in outputs:  # spec vs the target alone in this dtype (1.0 in float32), and vs the float32 target
             row["match_vs_plain"] = match_rate(outputs[m], outputs["plain"])
@@ -222,7 +230,7 @@ def bench(a: argparse.Namespace) -> int:
         if m in sinks:
             pos = aggregate_positions(sinks[m])
             row["per_position_acceptance"], row["per_position_requests"] = pos["acceptance"], pos["requests"]
-        if m in sweep_modes:
+        if m in sweep_modes or m in head_sweep:
             st = engines[m].stats()
             row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
         if m in SPEC_MODES and m in engines:
@@ -239,10 +247,11 @@ def bench(a: argparse.Namespace) -> int:
             row["draft_forwards_per_target_forward"] = c["draft"] / max(1, c["target"])
         modes.append(row)
     sweep_result = sweep_summary(modes, sweep_modes, sinks, costs)
+    spec_info = engines["specmix-model"].info if "specmix-model" in engines else {}  # the draft model's settings
     print_table(modes)
     result = {
         "modes": modes,
-        "pair": {"target": str(target), "draft": str(draft)},
+        "pair": {"target": str(target), "draft": None if draft is None else str(draft)},
         "settings": {
             "max_new_tokens": n,
             "repeats": a.repeats,
@@ -251,12 +260,12 @@ def bench(a: argparse.Namespace) -> int:
             "threads": torch.get_num_threads(),
             "greedy": True,
             "dtype": dt,
-            "draft_dtype": engines["specmix-model"].info["draft_dtype"],
+            "draft_dtype": spec_info.get("draft_dtype"),
             "attention": engines["plain"].info["attention"],
             "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
-            "cpu_decode_step": engines["specmix-model"].info.get("cpu_decode_step"),
+            "cpu_decode_step": spec_info.get("cpu_decode_step"),
             **{
-                k: engines["specmix-model"].info.get(k)
+                k: spec_info.get(k)
                 for k in ("target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")
             },
             "batch": 1,
