@@ -246,8 +246,7 @@ def _ladder(
     First every module in fp16, then the n - 1, n - 2, ..., 1 modules of largest floor error in
     fp16 (the rest at their floor), then INT8 only, one threshold per distinct INT8 error up to
     inf (every module at its fastest candidate). Speed on paper grows along the list."""
-    int8_errs = {e for n, d in errs.items() for c in order[n] if c.kernel != "dense" for e in (d[c.label][0],)}
-    ts = sorted(int8_errs | {math.inf})
+    ts = sorted({errs[n][c.label][0] for n in errs for c in order[n] if c.kernel != "dense"} | {math.inf})
     return [(-math.inf, m) for m in range(len(errs), 0, -1)] + [(t, 0) for t in ts]
 
 
@@ -301,14 +300,20 @@ def _with_plan(
             setattr(model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], lin)
 
 
+def _candidates(
+    model: nn.Module, calib: Calibration, gpu: dict[str, Any], rows: int
+) -> tuple[dict[str, list[Choice]], dict[str, dict[str, tuple[float, float | None]]]]:
+    """Per FFN Linear: its candidates fastest first on ``gpu``, and each candidate's calibration error."""
+    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in _ffn_linears(model).items()}
+    return order, module_errors(model, calib, list({c.label: c for cs in order.values() for c in cs}.values()))
+
+
 def search_plan_at(
     model: nn.Module, calib: Calibration, gpu: dict[str, Any], t: float, fp16_modules: int, rows: int = DEFAULT_ROWS
 ) -> tuple[float, float]:
     """(calibration KLD, top-1) of one plan of the search's ladder: threshold ``t``, the
     ``fp16_modules`` modules of largest floor error in fp16 (``t`` = -inf: the rest at their floor)."""
-    linears = _ffn_linears(model)
-    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in linears.items()}
-    errs = module_errors(model, calib, list({c.label: c for cs in order.values() for c in cs}.values()))
+    order, errs = _candidates(model, calib, gpu, rows)
     return _with_plan(model, calib, _plan_at(errs, order, t, fp16_modules), errs)
 
 
@@ -331,10 +336,7 @@ def search_ffn(
     module each."""
     if not kld_budget > 0:
         raise InvalidConfigError(f"kld_budget={kld_budget!r} is invalid: allowed > 0")
-    linears = _ffn_linears(model)
-    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in linears.items()}
-    choices = list({c.label: c for cs in order.values() for c in cs}.values())
-    errs = module_errors(model, calib, choices)
+    order, errs = _candidates(model, calib, gpu, rows)
     ladder = _ladder(errs, order)
     trials: list[dict[str, Any]] = []
 

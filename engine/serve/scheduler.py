@@ -269,7 +269,7 @@ class Scheduler:
         self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
         seqs = [r.seq for r in self._running if r.seq is not None]
         windowed = self.window is not None and len(seqs) > 1 and all(s.params.greedy for s in seqs)
-        prefill = any(s.tlen < len(s.prompt) for s in seqs)  # its time is the same either way: not measured
+        prefill = windowed and any(s.tlen < len(s.prompt) for s in seqs)  # costs the same either way: not measured
         speculate = self.window.choose(len(seqs)) if windowed and self.window is not None else True
         self.loop.k_cap, self.loop.greedy_k_cap = k_cap, NO_CAP if speculate else 0
         t0 = time.perf_counter()

@@ -30,9 +30,8 @@ class BatchWindow:
     warmup: int = 3  # rounds measured each way before choosing
     explore: int = 16  # every explore-th round at a bucket runs the way not chosen
     decay: float = 0.9  # weight of the past in the decayed token and time sums
-    # (bucket, speculated) -> [decayed tokens, decayed seconds, rounds]
+    # (bucket, speculated) -> [decayed tokens, decayed seconds] of the measured rounds
     _seen: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
-    _rounds: dict[int, int] = field(default_factory=dict)
     _chosen: dict[tuple[int, bool], int] = field(default_factory=dict)  # rounds run each way per bucket
 
     def rate(self, batch: int, speculate: bool) -> float | None:
@@ -43,29 +42,27 @@ class BatchWindow:
     def choose(self, batch: int) -> bool:
         """Whether this round's greedy rows speculate."""
         b = bucket(batch)
-        n = self._rounds.get(b, 0)
-        self._rounds[b] = n + 1
-        if self._chosen.get((b, True), 0) < self.warmup:
+        on_n, off_n = self._chosen.get((b, True), 0), self._chosen.get((b, False), 0)
+        if on_n < self.warmup:
             way = True
-        elif self._chosen.get((b, False), 0) < self.warmup:
+        elif off_n < self.warmup:
             way = False
         else:
             on, off = self.rate(batch, True), self.rate(batch, False)
             best = on is None or off is None or on >= off  # unmeasured (every round prefilled): speculate
-            way = (not best) if n % self.explore == self.explore - 1 else best
+            way = (not best) if (on_n + off_n) % self.explore == self.explore - 1 else best
         self._chosen[(b, way)] = self._chosen.get((b, way), 0) + 1
         return way
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One round's committed tokens and its time."""
-        s = self._seen.setdefault((bucket(batch), speculated), [0.0, 0.0, 0])
+        s = self._seen.setdefault((bucket(batch), speculated), [0.0, 0.0])
         s[0] = self.decay * s[0] + tokens
         s[1] = self.decay * s[1] + seconds
-        s[2] += 1
 
     def snapshot(self) -> dict[str, dict[str, float | None]]:
         """Per bucket: the measured tokens/s with and without speculation."""
         out: dict[str, dict[str, float | None]] = {}
-        for (b, way), (tokens, seconds, _) in sorted(dict(self._seen).items()):  # a copy: the worker records
+        for (b, way), (tokens, seconds) in sorted(dict(self._seen).items()):  # a copy: the worker records
             out.setdefault(str(b), {})["speculative" if way else "plain"] = tokens / seconds if seconds > 0 else None
         return out

@@ -257,28 +257,30 @@ class DecodeLoop:
         wide = [b for b in range(B) if catch[b] > 1]
         narrow = [b for b in range(B) if catch[b] <= 1]
         t_narrow = max((catch[b] for b in narrow), default=0) + kmax
-        groups = [list(range(B))]
-        if wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B:  # (0: rows with nothing to run)
-            groups = [wide, narrow]
+        if not (wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B):  # (0: nothing to run)
+            kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
+            start = active[0].tlen if aligned else None
+            res = self.target(
+                toks, pos, self.cache, kv_len, rows, logits_idx=idx, start=start, return_hidden=want_feats
+            )
+            return res if want_feats else (res, None)
         logits: Tensor | None = None
         feats: Tensor | None = None
-        for g in groups:
-            whole = len(g) == B
+        for g in (wide, narrow):
             sel = torch.tensor(g, device=toks.device)
-            t_g = T if whole else max(catch[b] for b in g) + kmax
+            t_g = max(catch[b] for b in g) + kmax
+            kv_len = max(active[b].tlen + catch[b] + ks[b] for b in g)
+            g_rows = torch.tensor([active[b].row for b in g], device=toks.device)
             res = self.target(
-                toks if whole else toks[sel, :t_g],
-                pos if whole else pos[sel, :t_g],
+                toks[sel, :t_g],
+                pos[sel, :t_g],
                 self.cache,
-                max(active[b].tlen + catch[b] + ks[b] for b in g),
-                rows if whole else torch.tensor([active[b].row for b in g], device=toks.device),
-                logits_idx=idx if whole else idx[sel],
-                start=active[0].tlen if aligned and whole else None,
-                **({"return_hidden": True} if want_feats else {}),
+                kv_len,
+                g_rows,
+                logits_idx=idx[sel],
+                return_hidden=want_feats,
             )
             lg, ft = res if want_feats else (res, None)
-            if whole:
-                return lg, ft
             if logits is None:
                 logits = lg.new_empty(B, *lg.shape[1:])
                 feats = None if ft is None else ft.new_empty(B, *ft.shape[1:])
