@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,10 @@ def test_pair_layout_and_report(tiny_pair: tuple[Path, Path]) -> None:
         assert m["params"] == sum(p.numel() for p in load_model(d).parameters())
         assert 1.0 < m["heldout_ppl"] < rep["vocab_size"] and m["train_s"] > 0
     assert rep["draft"]["params"] * 10 <= rep["target"]["params"]
+    # the draft is the train-draft tool's, trained with the recipe's options on the target's generations
+    tool = json.loads((draft / "train_report.json").read_text(encoding="utf-8"))
+    assert tool["kind"] == "model" and tool["options"] == asdict(recipe.get_recipe("tiny").draft)
+    assert rep["draft"]["steps"] == tool["steps"] and rep["draft"]["generated_tokens"] == tool["generated_tokens"] > 0
     assert rep["target"]["heldout_ppl"] < rep["draft"]["heldout_ppl"]
     # the tokenizer (and so the models) saw the training split only
     assert rep["train_tokens"] == len(Tokenizer(target).encode(t["train"]))

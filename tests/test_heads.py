@@ -252,14 +252,41 @@ def test_profile_with_a_head(tiny_heads, tmp_path):
 
 
 def test_train_a_draft_model(ckpt_dir, plain, tmp_path):
-    """--kind model: a Hugging Face draft checkpoint with the target's tokenizer, usable as the model drafter."""
-    opts = TrainOptions(kind="model", steps=20, samples=16, prompt_len=8, gen_len=32, layers=1, hidden=64)
+    """--kind model: a Hugging Face draft checkpoint with the target's tokenizer, usable as the model drafter;
+    weight_values="bfloat16" writes fp32 tensors that hold bf16 values (as the demo pair's draft)."""
+    from safetensors.torch import load_file
+
+    opts = TrainOptions(
+        kind="model", steps=20, samples=16, prompt_len=8, gen_len=32, layers=1, hidden=64, weight_values="bfloat16"
+    )
     out = tmp_path / "draft"
     rep = train_draft(ckpt_dir, out, opts, TEXT * 4, progress=False)
     assert rep["steps"] == 20 and not (out / "train_state.pt").exists() and not (out / "distill_data.pt").exists()
+    tensors = load_file(str(out / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert all(torch.equal(t, t.bfloat16().float()) for t in tensors.values())
     eng = Engine.from_pretrained(ckpt_dir, out, speculation=spec("model", 3))
     assert [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))] == plain
     assert eng.stats()["drafted"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--greedy-share", "2"], "greedy_share=2.0 is invalid: allowed 0.0 .. 1.0"),
+        (["--samples", "0"], "samples=0 is invalid: allowed an int >= 1"),
+        (["--weight-values", "int4"], "--weight-values: invalid choice: 'int4' (choose from 'float32', 'bfloat16'"),
+    ],
+)
+def test_train_draft_tool_refuses_bad_options(ckpt_dir, tmp_path, capsys, args, needle):
+    """One line naming the option and what is allowed, exit 2, nothing written."""
+    from engine.cli.train_draft import main
+
+    out = tmp_path / "out"
+    assert main(["--target", str(ckpt_dir), "--kind", "model", "--out", str(out), "--quiet", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specmix-train-draft: ") and needle in err[0]
+    assert not out.exists()
 
 
 def test_interrupted_training_resumes_where_it_stopped(tmp_path):

@@ -13,6 +13,7 @@ from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.model import Transformer
 from quant.apply import apply_plan, model_weight_bytes
+from quant.candidates import CHOICES, ordered_choices, paper_cost
 from quant.catalog import lookup_gpu
 from quant.linear import Int8Linear
 from quant.memory import weight_bytes
@@ -21,12 +22,9 @@ from quant.plan_io import load_plan, plan_from_dict
 from quant.plan_schema import FamilyPlan
 from quant.search import (
     ALPHA_GRID,
-    CHOICES,
     calib_kld,
     collect_calibration,
     module_errors,
-    ordered_choices,
-    paper_cost,
     search_ffn,
     search_plan_at,
 )

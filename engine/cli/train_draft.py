@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.core.cli import OneLineParser, run_tool
 from engine.core.errors import InvalidConfigError
-from engine.demo.distill import KINDS, TrainOptions, train_draft
+from engine.demo.distill import KINDS, VALUE_DTYPES, TrainOptions, train_draft
 
 
 def parse_args(argv: list[str] | None) -> object:
@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--temperature", type=float, default=0.8, help="of the sampled sequences (0.8)")
     p.add_argument("--greedy-share", type=float, default=0.5, help="share of the sequences continued greedily (0.5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--weight-values",
+        default="float32",
+        choices=tuple(VALUE_DTYPES),
+        help="round the trained weights to this dtype's values (saved as fp32; float32: unrounded)",
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             temperature=a.temperature,
             greedy_share=a.greedy_share,
             seed=a.seed,
+            weight_values=a.weight_values,
         )
         report = train_draft(a.target, a.out, opts, _text(a.text), device=a.device, progress=not a.quiet)
         print(json.dumps(report, indent=2))

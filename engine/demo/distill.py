@@ -61,10 +61,14 @@ class TrainOptions:
     warmup: int = 20
     save_every: int = 100
     seed: int = 0
+    # the trained weights rounded to this dtype's values when written (the tensors stay fp32), as a draft
+    # published in bf16 and loaded in fp32 is; "float32": unrounded
+    weight_values: str = "float32"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidConfigError(f"kind={self.kind!r} is invalid: allowed {', '.join(KINDS)}")
+        value_dtype(self.weight_values)
         for name in ("steps", "layers", "hidden", "draft_vocab"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -77,6 +81,23 @@ class TrainOptions:
             raise InvalidConfigError(f"temperature={self.temperature!r} is invalid: allowed a float >= 0")
         if not 0.0 <= self.greedy_share <= 1.0:
             raise InvalidConfigError(f"greedy_share={self.greedy_share!r} is invalid: allowed 0.0 .. 1.0")
+
+
+VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def value_dtype(values: str) -> torch.dtype:
+    if values not in VALUE_DTYPES:
+        raise InvalidConfigError(f"weight_values={values!r} is invalid: allowed {', '.join(VALUE_DTYPES)}")
+    return VALUE_DTYPES[values]
+
+
+@torch.no_grad()
+def round_weights(module: nn.Module, values: str) -> None:
+    """Round every parameter to the nearest value of dtype ``values`` (the tensors keep their dtype)."""
+    dtype = value_dtype(values)
+    for p in module.parameters():
+        p.copy_(p.to(dtype).to(p.dtype))
 
 
 def default_steps(kind: str) -> int:
@@ -319,6 +340,7 @@ def train_draft(
         for p in draft.parameters():
             (nn.init.ones_ if p.dim() == 1 else lambda t: nn.init.normal_(t, std=0.02))(p)
         loss = train_loop(draft, lambda g: model_loss(draft, data, opts, g), opts, steps, state, progress)
+        round_weights(draft, opts.weight_values)
         save_draft_model(draft, target_dir, out)
     else:
         vocab_ids = None if opts.draft_vocab is None else frequent_tokens(data, opts.draft_vocab, cfg.vocab_size)
@@ -348,6 +370,7 @@ def train_draft(
             state,
             progress,
         )
+        round_weights(head, opts.weight_values)
         save_head(head, hcfg, vocab_ids, out)
     report.update(kind=opts.kind, steps=steps, train_s=round(time.perf_counter() - t0, 1), final_loss=round(loss, 4))
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -76,12 +76,16 @@ def generate(
     temperature: float,
     seed: int,
     progress: bool = True,
-    chunk: int = 256,
+    chunk: int | None = None,
     greedy_share: float = 0.0,
 ) -> tuple[list[list[int]], float]:
-    """Each prompt + the target's continuation (the engine's batched generation), and the seconds taken."""
+    """Each prompt + the target's continuation (the engine's batched generation), and the seconds taken.
+
+    Prompts go to the engine ``chunk`` at a time (default: its batch limit, so each chunk runs as one
+    batch and the progress bar moves once per batch)."""
     from engine.api.engine import SamplingParams
 
+    chunk = chunk or engine.limits.max_batch
     out: list[list[int]] = []
     t0 = time.perf_counter()
     bar = tqdm(total=len(prompts) * gen_len, desc="generating", unit="tok", disable=not progress, leave=False)

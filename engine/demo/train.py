@@ -1,10 +1,9 @@
 """Training the demo pair (engine/demo/pair.py names, caches and builds it; this trains it).
 
 ``build_pair(recipe, out)``: a byte-level BPE tokenizer on the training split, the target trained on
-next-token cross-entropy, the draft distilled from it (KL over the target's top-k plus one bucket for
-the rest, mixed with hard labels; on training text and, when the recipe asks, on text the target
-generates), both evaluated on the held-out split (engine/demo/evaluate.py), and everything saved as
-Hugging Face checkpoints (engine/demo/checkpoints.py).
+next-token cross-entropy and saved as a Hugging Face checkpoint (engine/demo/checkpoints.py), the
+draft trained for it by the train-draft tool (engine/demo/distill.py: on text the target generates,
+with its soft labels), both evaluated on the held-out split (engine/demo/evaluate.py).
 """
 
 from __future__ import annotations
@@ -24,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from engine.core.checkpoint import load_model
 from engine.core.config import ModelConfig
-from engine.core.errors import InvalidConfigError
-from engine.core.model import KVCache, Transformer
+from engine.core.model import Transformer
 from engine.demo.checkpoints import save_checkpoint
+from engine.demo.distill import round_weights, train_draft, value_dtype
 from engine.demo.evaluate import evaluate_pair
 from engine.demo.recipe import (
     EOS_TOKEN,
@@ -61,7 +61,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
     t_all = time.perf_counter()
     texts = demo_texts()
     report: dict[str, Any] = {"size": size, "recipe_version": RECIPE_VERSION, "recipe": asdict(recipe)}
-    _value_dtype(recipe.weight_values)  # refused before any training
+    value_dtype(recipe.weight_values)  # refused before any training
     with _torch_settings(recipe):
         bf16 = _use_bf16(recipe)
         t0 = time.perf_counter()
@@ -70,26 +70,28 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         train_ids = torch.tensor(tok.encode(texts["train"]).ids, dtype=torch.long)
         held_ids = torch.tensor(tok.encode(texts["heldout"]).ids, dtype=torch.long)
         eos = tok.token_to_id(EOS_TOKEN)
-        tcfg, dcfg = (_model_config(recipe, s, eos) for s in (recipe.target, recipe.draft))
-        target = _init_model(tcfg)
+        target = _init_model(_model_config(recipe, recipe.target, eos))
         t0 = time.perf_counter()
         tloss = _train_target(target, train_ids, recipe, bf16, progress)
-        _round_weights(target, recipe.weight_values)
+        round_weights(target, recipe.weight_values)
         report["target"] = {
             "params": _params(target),
             "train_s": round(time.perf_counter() - t0, 1),
             "steps": recipe.target_steps,
             "final_train_loss": round(tloss, 4),
         }
-        draft = _init_model(dcfg)
+        save_checkpoint(target, tok, out / "target")
         t0 = time.perf_counter()
-        dloss = _distill_draft(draft, target, train_ids, recipe, bf16, progress)
-        _round_weights(draft, recipe.weight_values)
+        drep = train_draft(out / "target", out / "draft", recipe.draft, texts["train"], progress=progress)
+        draft = load_model(out / "draft")
         report["draft"] = {
             "params": _params(draft),
             "train_s": round(time.perf_counter() - t0, 1),
-            "steps": recipe.draft_steps,
-            "final_distill_loss": round(dloss, 4),
+            "steps": drep["steps"],
+            "final_distill_loss": drep["final_loss"],
+            "generated_tokens": drep["generated_tokens"],
+            "gen_s": drep["gen_s"],
+            "label_s": drep["label_s"],
         }
         ev = evaluate_pair(target, draft, held_ids, recipe.eval_ctx)
         report["target"]["heldout_ppl"] = ev["target_ppl"]
@@ -103,8 +105,6 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         bf16_training=bf16,
         threads=recipe.threads,
     )
-    for name, model in (("target", target), ("draft", draft)):
-        save_checkpoint(model, tok, out / name)
     (out / "heldout.txt").write_text(texts["heldout"], encoding="utf-8")
     (out / "calib.txt").write_text(texts["calib"], encoding="utf-8")
     report["total_s"] = round(time.perf_counter() - t_all, 1)
@@ -184,23 +184,6 @@ def _init_model(cfg: ModelConfig) -> Transformer:
     return model
 
 
-_VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _value_dtype(values: str) -> torch.dtype:
-    if values not in _VALUE_DTYPES:
-        raise InvalidConfigError(f"weight_values={values!r} is invalid: allowed {', '.join(_VALUE_DTYPES)}")
-    return _VALUE_DTYPES[values]
-
-
-def _round_weights(model: Transformer, values: str) -> None:
-    """Round every parameter to the nearest value of dtype ``values`` (the tensors stay fp32)."""
-    dtype = _value_dtype(values)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(dtype).float())
-
-
 def _schedule(step: int, total: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -274,105 +257,3 @@ def _train_target(model: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf1
     finally:
         for h in hooks:
             h.remove()
-
-
-@torch.no_grad()
-def _soft_labels(
-    target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunks [N, C] of the training ids and the target's top-k log-probs / indices [N, C, k] on them.
-
-    Chunks of C = 2 * seq_len tokens at ``distill_offsets`` offsets; only as many (chosen at random)
-    as the distillation steps will use are scored.
-    """
-    C = 2 * recipe.seq_len
-    starts = [
-        s
-        for off in range(recipe.distill_offsets)
-        for s in range(off * C // recipe.distill_offsets, len(ids) - C + 1, C)
-    ]
-    bs = max(1, recipe.batch // 2)
-    keep = torch.randperm(len(starts), generator=gen)[: recipe.draft_steps * bs].sort().values
-    x = torch.stack([ids[starts[i] : starts[i] + C] for i in keep.tolist()])
-    vals = torch.empty(len(x), C, recipe.distill_topk, dtype=torch.float16)
-    idx = torch.empty(len(x), C, recipe.distill_topk, dtype=torch.int16 if recipe.vocab_size < 2**15 else torch.int32)
-    step = 2 * recipe.batch
-    for i in tqdm(range(0, len(x), step), desc="soft labels", disable=not progress, leave=False):
-        with _autocast(bf16):
-            logits = target(x[i : i + step])
-        top = logits.float().log_softmax(-1).topk(recipe.distill_topk, dim=-1)
-        vals[i : i + step], idx[i : i + step] = top.values.half(), top.indices.to(idx.dtype)
-    return x, vals, idx
-
-
-@torch.no_grad()
-def _sampled_labels(
-    target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``distill_sampled`` chunks of C = 2 * seq_len tokens: a 32-token training prompt continued by
-    the target (sampled at ``distill_temperature``, greedy at 0), with the target's top-k log-probs
-    [N, C, k] on the way."""
-    n, C, P, k = recipe.distill_sampled, 2 * recipe.seq_len, 32, recipe.distill_topk
-    x = torch.empty(n, C, dtype=torch.long)
-    vals, idx = torch.empty(n, C, k, dtype=torch.float16), torch.empty(n, C, k, dtype=torch.int32)
-    G = 32
-    bar = tqdm(total=n * C, desc="sampled text", disable=not progress, leave=False, unit="tok")
-    for b in range(0, n, G):
-        g = min(G, n - b)
-        starts = torch.randint(0, len(ids) - P, (g,), generator=gen).tolist()
-        x[b : b + g, :P] = torch.stack([ids[s : s + P] for s in starts])
-        cache = KVCache(target.config, g, C, torch.float32, "cpu")
-        with _autocast(bf16):
-            logits = target(x[b : b + g, :P], cache=cache, kv_len=P).float()
-        for pos in range(P, C + 1):
-            lp = logits.log_softmax(-1)
-            top = lp.topk(k, dim=-1)
-            vals[b : b + g, pos - logits.shape[1] : pos], idx[b : b + g, pos - logits.shape[1] : pos] = (
-                top.values.half(),
-                top.indices.int(),
-            )
-            if pos == C:
-                break
-            t = recipe.distill_temperature
-            x[b : b + g, pos] = (
-                lp[:, -1].argmax(-1)
-                if t == 0
-                else torch.multinomial((lp[:, -1] / t).softmax(-1), 1, generator=gen)[:, 0]
-            )
-            with _autocast(bf16):
-                logits = target(
-                    x[b : b + g, pos : pos + 1], input_pos=torch.full((g, 1), pos), cache=cache, kv_len=pos + 1
-                ).float()
-            bar.update(g)
-    bar.close()
-    return x, vals, idx
-
-
-def _distill_draft(
-    draft: Transformer, target: Transformer, ids: torch.Tensor, recipe: DemoRecipe, bf16: bool, progress: bool
-) -> float:
-    """KL(target || draft) over the target's top-k tokens plus one bucket for the rest of the
-    vocabulary, mixed with the hard next-token labels: (1 - w) * KL + w * CE."""
-    gen = torch.Generator().manual_seed(recipe.seed + 2)
-    x, vals, idx = _soft_labels(target, ids, recipe, bf16, progress, gen)
-    if recipe.distill_sampled:
-        sx, sv, si = _sampled_labels(target, ids, recipe, bf16, progress, gen)
-        x, vals, idx = torch.cat([x, sx]), torch.cat([vals, sv]), torch.cat([idx.int(), si])
-    w, bs = recipe.hard_weight, max(1, recipe.batch // 2)
-
-    def loss_fn(step: int) -> torch.Tensor:
-        pick = torch.randint(0, len(x), (bs,), generator=gen)
-        xb, t_lp = x[pick], vals[pick].float()  # target log-probs of its top-k [bs, C, k]
-        with _autocast(bf16):
-            logits = draft(xb)
-        logq = logits.float().log_softmax(-1)
-        d_lp = logq.gather(-1, idx[pick].long())
-        t_rest = (1 - t_lp.exp().sum(-1)).clamp_min(0)
-        d_rest = torch.log1p(-d_lp.exp().sum(-1).clamp_max(1 - 1e-6))
-        kl = (t_lp.exp() * (t_lp - d_lp)).sum(-1) + torch.xlogy(t_rest, t_rest) - t_rest * d_rest
-        if not recipe.distill_tail:
-            kl = -(t_lp.softmax(-1) * d_lp).sum(-1)
-        hard = F.nll_loss(logq[:, :-1].flatten(0, 1), xb[:, 1:].flatten())
-        return (1 - w) * kl.mean() + w * hard
-
-    return _train(draft, recipe, recipe.draft_steps, recipe.draft_lr, "draft", progress, loss_fn)
