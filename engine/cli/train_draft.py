@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument(
         "--weight-values",
         default="float32",
-        choices=tuple(VALUE_DTYPES),
+        choices=VALUE_DTYPES,
         help="round the trained weights to this dtype's values (saved as fp32; float32: unrounded)",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from engine.core.checkpoint import DTYPES
 from engine.core.errors import InvalidConfigError
 from engine.demo.distill_data import DistillData, cut_prompts, generate, label
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
@@ -83,13 +84,13 @@ class TrainOptions:
             raise InvalidConfigError(f"greedy_share={self.greedy_share!r} is invalid: allowed 0.0 .. 1.0")
 
 
-VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VALUE_DTYPES = ("float32", "bfloat16", "float16")  # weight_values: names of engine.core.checkpoint.DTYPES
 
 
 def value_dtype(values: str) -> torch.dtype:
     if values not in VALUE_DTYPES:
         raise InvalidConfigError(f"weight_values={values!r} is invalid: allowed {', '.join(VALUE_DTYPES)}")
-    return VALUE_DTYPES[values]
+    return DTYPES[values]
 
 
 @torch.no_grad()
