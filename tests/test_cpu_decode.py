@@ -263,7 +263,7 @@ def test_16_bit_weights_widen_exactly(tmp_path, dtype):
 
 def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
     with pytest.raises(
-        InvalidConfigError, match="draft_step_weights='int8' is invalid: allowed 'float16', 'bfloat16', 'float32'"
+        InvalidConfigError, match="kernels.draft_step_weights='int8' is invalid: allowed float16, bfloat16, float32"
     ):
         Engine.from_pretrained(ckpt_dir, draft_dir, kernels=KernelOptions(draft_step_weights="int8"))
     for name in ("float32", "bfloat16"):

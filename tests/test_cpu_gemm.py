@@ -136,9 +136,11 @@ def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
 
     def fake_load(name, cflags):
         built.append((name, cflags))
-        return (None, "error: no such instruction: tdpbf16ps") if not cflags else (object(), None)
+        ok = "-DSPECMIX_NO_AMX" in cflags
+        return (object(), None) if ok else (None, "error: no such instruction: tdpbf16ps")
 
     monkeypatch.setattr(cg, "_unsupported_reason", lambda: None)
+    monkeypatch.setattr(cg, "cpu_isa", lambda: "AVX512")
     monkeypatch.setattr(cg, "_load", fake_load)
     with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_gemm"):
         mod, reason, amx = cg._build.__wrapped__()
@@ -147,8 +149,28 @@ def test_an_amx_build_failure_leaves_the_avx512_kernels(monkeypatch, caplog):
         and reason is None
         and amx == "the AMX code did not build: error: no such instruction: tdpbf16ps"
     )
-    assert built == [("specmix_small_gemm", []), ("specmix_small_gemm_noamx", ["-DSPECMIX_NO_AMX"])]
+    assert built == [
+        ("specmix_small_gemm", ["-mavx512f"]),
+        ("specmix_small_gemm_noamx", ["-mavx512f", "-DSPECMIX_NO_AMX"]),
+    ]
     assert "the AMX kernel did not build" in caplog.text
+
+
+def test_each_instruction_set_gets_its_own_build(monkeypatch):
+    """An AVX2 CPU builds the AVX2 binary (no AMX: it says why); a CPU with neither is refused by name."""
+    import engine.kernels.cpu_gemm as cg
+
+    built = []
+    monkeypatch.setattr(cg, "_load", lambda name, cflags: (built.append((name, cflags)), (object(), None))[1])
+    monkeypatch.setattr(cg, "cpu_isa", lambda: "AVX2")
+    monkeypatch.setattr(cg, "_unsupported_reason", lambda: None)
+    mod, reason, amx = cg._build.__wrapped__()
+    assert mod is not None and reason is None and "AVX2" in amx
+    assert built == [("specmix_small_gemm_avx2", ["-mavx2", "-mfma", "-mf16c", "-DSPECMIX_NO_AMX"])]
+    monkeypatch.undo()
+    monkeypatch.setattr(cg, "cpu_isa", lambda: "DEFAULT")
+    monkeypatch.setattr(cg.platform, "machine", lambda: "x86_64")
+    assert cg._unsupported_reason() == "needs AVX-512 or AVX2 (PyTorch reports CPU capability DEFAULT)"
 
 
 def test_a_missing_kernel_is_said_and_refused_when_required(ckpt_dir, monkeypatch, caplog):

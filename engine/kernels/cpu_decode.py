@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.attention import sdpa_attention
+from engine.core.checkpoint import DTYPES
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import FusedLinear, KVCache, Transformer
 from engine.kernels.cpu_gemm import (
@@ -260,6 +261,8 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
     if weight_dtype is None or weight_dtype == "auto":
         exact = exact_weight_dtype(model)
         weight_dtype = torch.float16 if weight_dtype == "auto" and exact == torch.float32 else exact
+    elif isinstance(weight_dtype, str):  # a name, as KernelOptions.draft_step_weights gives it
+        weight_dtype = DTYPES.get(weight_dtype, weight_dtype)  # type: ignore[arg-type]
     model.use_kernels(step=DecodeStep(model, weight_dtype))  # type: ignore[arg-type]
     return None
 

@@ -3,7 +3,7 @@
 Why: PyTorch's fp32 linear (MKL) streams the weights at memory speed for one row,
 but from 4 rows on it switches to a GEMM kernel that can cost about twice a row. A
 speculative verify pass is such a GEMM, so the verify of K+1 tokens would cost about
-two decode steps and only a small K would pay. The small AVX-512 kernel here streams
+two decode steps and only a small K would pay. The small kernel here (AVX-512 or AVX2) streams
 each block of weight rows once and reuses it from L1 for every input row, so a verify
 pass of a few tokens costs little more than a step (docs/performance.md has the figures).
 
@@ -51,13 +51,22 @@ MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (do
 KERNEL_NAME = "small-gemm-fp32"
 
 
+# the compiler flags of each instruction set the kernels are built for (engine/kernels/csrc/simd.h), by
+# PyTorch's name for the CPU's capability; AMX tiles come only with AVX-512 (an AVX2 build leaves them out)
+ISA_FLAGS = {"AVX512": ["-mavx512f"], "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DSPECMIX_NO_AMX"]}
+
+
+def cpu_isa() -> str:
+    """PyTorch's name for this CPU's vector capability (``AVX512``, ``AVX2``, ``DEFAULT``, ...)."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 def _unsupported_reason() -> str | None:
     """Why this machine cannot build or run the kernel, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"needs an x86-64 CPU (this is {platform.machine()})"
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX512",):
-        return f"needs AVX-512 (PyTorch reports CPU capability {cap})"
+    if cpu_isa() not in ISA_FLAGS:
+        return f"needs AVX-512 or AVX2 (PyTorch reports CPU capability {cpu_isa()})"
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"needs a C++ compiler ({cxx!r} not found)"
@@ -74,7 +83,7 @@ def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
         return load(
             name=name,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-mavx512f", "-fopenmp", *cflags],
+            extra_cflags=["-O3", "-fopenmp", *cflags],
             extra_ldflags=["-fopenmp"],
         ), None
     except (RuntimeError, OSError, ImportError) as e:  # a compiler or linker failure: say so, never hide it
@@ -87,16 +96,23 @@ def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
 
 @functools.cache
 def _build() -> tuple[Any, str | None, str | None]:
-    """(the compiled module, None, why AMX is off or None) or (None, why not, why not). Built once per process;
-    torch caches the binary. When only the AMX code fails to build (an old assembler), the rest is rebuilt
-    without it, so the AVX-512 kernels still run."""
+    """(the compiled module, None, why AMX is off or None) or (None, why not, why not). Built once per process
+    for this CPU's instruction set; torch caches the binary. When only the AMX code fails to build (an old
+    assembler), the rest is rebuilt without it, so the AVX-512 kernels still run."""
     reason = _unsupported_reason()
     if reason is not None:
         return None, reason, reason
-    mod, error = _load("specmix_small_gemm", [])
+    isa = cpu_isa()
+    if isa == "AVX2":
+        mod, error = _load("specmix_small_gemm_avx2", ISA_FLAGS[isa])
+        if mod is None:
+            log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error)
+            return None, f"the build failed: {error}", f"the build failed: {error}"
+        return mod, None, "AMX tiles need an AVX-512 CPU with AMX-BF16 (this one has AVX2)"
+    mod, error = _load("specmix_small_gemm", ISA_FLAGS[isa])
     if mod is not None:
         return mod, None, mod.amx_status() or None
-    mod, error2 = _load("specmix_small_gemm_noamx", ["-DSPECMIX_NO_AMX"])
+    mod, error2 = _load("specmix_small_gemm_noamx", [*ISA_FLAGS[isa], "-DSPECMIX_NO_AMX"])
     if mod is None:
         log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error2)
         return None, f"the build failed: {error2}", f"the build failed: {error2}"

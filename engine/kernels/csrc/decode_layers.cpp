@@ -9,7 +9,6 @@
 // verify pass equals the one-token steps bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +17,7 @@
 
 #include "amx_gemm.h"
 #include "decode.h"
+#include "simd.h"
 #include "small_gemm.h"
 
 namespace {
@@ -41,12 +41,12 @@ void rope(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
   for (int64_t d = 0; d < D; ++d) x[d] = tmp[d];
 }
 
-// q . k over D floats: 16-lane FMA chains when D is a multiple of 16, a scalar loop otherwise
+// q . k over D floats: FMA chains of simd::LANES lanes when D is a multiple of LANES, a scalar loop otherwise
 inline float dot(const float* q, const float* k, int64_t D) {
-  if (D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t e = 0; e < D; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), _mm512_loadu_ps(k + e), acc);
-    return _mm512_reduce_add_ps(acc);
+  if (D % simd::LANES == 0) {
+    simd::Vec acc = simd::zero();
+    for (int64_t e = 0; e < D; e += simd::LANES) acc = simd::fmadd(simd::load(q + e), simd::load(k + e), acc);
+    return simd::reduce_add(acc);
   }
   float acc = 0.f;
   for (int64_t e = 0; e < D; ++e) acc += q[e] * k[e];
@@ -57,34 +57,19 @@ struct Dims {
   int64_t M, H, nh, nkv, D, S, max_batch, window;  // window <= 0: none
 };
 
-// e^x for 16 lanes (Cephes' expf polynomial on x - n ln2, scaled by 2^n; ~1 ulp): one vector op chain
-// instead of 16 libm calls. x below -88 gives 0 (as e^x does in fp32 but for denormals), NaN stays NaN.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512 y = _mm512_scalef_ps(p, n);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.f), _CMP_NLT_UQ), y);
-}
-
-// out[0, 16 C) = inv * sum_{lo <= j < hi} w[j] v[j * 16 C ...] (v rows of 16 C floats), in C registers
-template <int C>
-inline void weighted_sum(const float* w, const float* v, int64_t lo, int64_t hi, float inv, float* out) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+// out[0, 64) = inv * sum_{lo <= j < hi} w[j] v[j * stride ...]: 64 floats of a head in registers (each output
+// its own FMA chain over j, so a head split in such chunks gives the same bits as a whole one)
+constexpr int CHUNK = 64;
+inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t lo, int64_t hi, float inv,
+                         float* out) {
+  constexpr int C = CHUNK / simd::LANES;
+  simd::Vec acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = simd::zero();
   for (int64_t j = lo; j < hi; ++j) {
-    const __m512 wj = _mm512_set1_ps(w[j]);
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + j * 16 * C + 16 * c), acc[c]);
+    const simd::Vec wj = simd::set1(w[j]);
+    for (int c = 0; c < C; ++c) acc[c] = simd::fmadd(wj, simd::load(v + j * stride + simd::LANES * c), acc[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+  for (int c = 0; c < C; ++c) simd::store(out + simd::LANES * c, simd::mul(acc[c], simd::set1(inv)));
 }
 
 // o[m, head, :] = softmax(q . k_j / sqrt(D)) v over the visible cache slots j of row m's sequence
@@ -95,7 +80,7 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
   const int64_t items = d.M * d.nh;
   const int64_t work = items * kv_len * d.D;
   at::parallel_for(0, items, work < (1 << 18) ? items : 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(static_cast<size_t>(kv_len) + 16);
+    std::vector<float> s(static_cast<size_t>(kv_len) + simd::LANES);
     for (int64_t it = i0; it < i1; ++it) {
       // head-major: the rows of a call that share a head run one after another, on one thread, while
       // that head's keys and values are still in L2 (row-major order re-read them from L3 per row)
@@ -112,20 +97,18 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
         s[j] = dot(q, kc + base + j * d.D, d.D) * scale;
         mx = std::max(mx, s[j]);
       }
-      // weights e^(s - max), 16 at a time (the tail masked), summed lane-wise then across lanes
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = lo; j < hi; j += 16) {
-        const __mmask16 mask = static_cast<__mmask16>(hi - j >= 16 ? 0xFFFF : (1u << (hi - j)) - 1);
-        const __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s.data() + j), _mm512_set1_ps(mx)));
-        _mm512_mask_storeu_ps(s.data() + j, mask, w);
-        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, w));
+      // weights e^(s - max), LANES at a time (the tail masked), summed lane-wise then across lanes
+      simd::Vec acc = simd::zero();
+      for (int64_t j = lo; j < hi; j += simd::LANES) {
+        const int64_t n = std::min<int64_t>(simd::LANES, hi - j);
+        const simd::Vec w = simd::exp(simd::sub(simd::load_first(s.data() + j, n), simd::set1(mx)));
+        simd::store_first(s.data() + j, w, n);
+        acc = simd::add(acc, simd::keep_first(w, n));
       }
-      const float inv = 1.f / _mm512_reduce_add_ps(acc);
-      // out = sum_j w_j v_j: with the head in registers for the usual head sizes (V read once)
-      if (d.D == 64) {
-        weighted_sum<4>(s.data(), vc + base, lo, hi, inv, out);
-      } else if (d.D == 128) {
-        weighted_sum<8>(s.data(), vc + base, lo, hi, inv, out);
+      const float inv = 1.f / simd::reduce_add(acc);
+      // out = sum_j w_j v_j: with the head in registers, 64 floats at a time, for the usual head sizes
+      if (d.D % CHUNK == 0) {
+        for (int64_t e = 0; e < d.D; e += CHUNK) weighted_sum(s.data(), vc + base + e, d.D, lo, hi, inv, out + e);
       } else {
         for (int64_t j = lo; j < hi; ++j) {
           const float* v = vc + base + j * d.D;

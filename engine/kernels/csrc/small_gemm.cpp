@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] @ w[N, K]^T in fp32 for the few rows of a decode step or a speculative verify pass.
 //
-// Every output element is one dot product accumulated in the same order whatever M is (16-lane FMA
-// chains over k, then a fixed horizontal sum), so row m of a verify pass is bit for bit the value a
+// Every output element is one dot product accumulated in the same order whatever M is (FMA chains of
+// simd::LANES lanes over k, then a fixed horizontal sum), so row m of a verify pass is bit for bit the value a
 // one-row decode step computes for the same input: speculation does not change the rounding.
 // Weight rows stream from memory once per call (blocks of NB rows, software-prefetched), and each
 // block is reused from L1 for every group of up to MB input rows, so a pass of a few rows costs little
@@ -13,67 +13,50 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "simd.h"
 #include "small_gemm.h"
 
 namespace {
 
-constexpr int NB = 8;            // weight rows per block
-constexpr int MB = 4;            // input rows per pass over a block
+using simd::BF16;
+using simd::F16;
+using simd::LANES;
+using simd::Vec;
+
+// weight rows per block and input rows per pass over it: NB * MB accumulators, MB inputs and a weight in
+// registers (32 of them on AVX-512, 16 on AVX2)
+constexpr int NB = LANES == 16 ? 8 : 4;
+constexpr int MB = LANES == 16 ? 4 : 3;
 constexpr int PREFETCH = 1024;   // bytes ahead on each weight row stream
-
-// 16-bit weight formats (their bits): fp16 and bf16
-struct F16 { uint16_t bits; };
-struct BF16 { uint16_t bits; };
-
-// 16 weights widened to fp32, exactly (fp16: vcvtph2ps; bf16: the 16 bits moved to the top of a float);
-// the tail loads n < 16 of them, zeros after
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const F16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const BF16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load_tail(const float* p, int64_t n) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-}
-template <typename W>
-inline __m512 load_tail(const W* p, int64_t n) {
-  W buf[16] = {};
-  std::copy_n(p, n, buf);
-  return load16(buf);
-}
 
 template <int M, int R, typename W>
 inline void block(const float* __restrict x, const W* __restrict w, float* __restrict y,
                   int64_t K, int64_t N, int64_t n0) {
-  __m512 acc[R][M];
+  Vec acc[R][M];
   for (int i = 0; i < R; ++i)
-    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
-  const int64_t full = K / 16 * 16;
-  for (int64_t k = 0; k < full; k += 16) {
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int m = 0; m < M; ++m) acc[i][m] = simd::zero();
+  const int64_t full = K / LANES * LANES;
+  for (int64_t k = 0; k < full; k += LANES) {
+    Vec xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
     for (int i = 0; i < R; ++i) {
       const W* wr = w + (n0 + i) * K + k;
       // a hint only (never faults); the address is formed as an integer, as it may lie past the weight
       _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wr) + PREFETCH), _MM_HINT_T0);
-      const __m512 wv = load16(wr);
-      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xv[m], acc[i][m]);
+      const Vec wv = simd::load(wr);
+      for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
     }
   }
-  if (full < K) {  // the K tail: masked lanes load as 0 and add 0
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - full)) - 1);
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + full);
+  if (full < K) {  // the K tail: lanes past it load as 0 and add 0
+    Vec xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = simd::load_first(x + m * K + full, K - full);
     for (int i = 0; i < R; ++i) {
-      const __m512 wv = load_tail(w + (n0 + i) * K + full, K - full);
-      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xv[m], acc[i][m]);
+      const Vec wv = simd::load_first(w + (n0 + i) * K + full, K - full);
+      for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int m = 0; m < M; ++m) y[m * N + n0 + i] = _mm512_reduce_add_ps(acc[i][m]);
+    for (int m = 0; m < M; ++m) y[m * N + n0 + i] = simd::reduce_add(acc[i][m]);
 }
 
 template <int R, typename W>
@@ -85,7 +68,7 @@ inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int
       case 1: block<1, R>(xs, w, ys, K, N, n0); break;
       case 2: block<2, R>(xs, w, ys, K, N, n0); break;
       case 3: block<3, R>(xs, w, ys, K, N, n0); break;
-      default: block<4, R>(xs, w, ys, K, N, n0); break;
+      default: block<MB, R>(xs, w, ys, K, N, n0); break;
     }
   }
 }
