@@ -11,7 +11,7 @@ independent of what else is in the batch (the PyTorch forward rounds a large bat
 PyTorch forward is its fallback with the same inputs and outputs (tests run both and compare).
 ``DecodeStep.greedy`` drafts k greedy tokens in one call (no Python between the draft steps).
 
-The GEMM weights: fp32 (the model's own tensors) on the AVX-512 small-GEMM kernel, or 16-bit
+The GEMM weights: fp32 (the model's own tensors) on the small-GEMM kernel (AVX-512 or AVX2), or 16-bit
 copies widened in registers. A model whose weights are all bf16 values (a bf16 checkpoint loaded
 in fp32, as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a
 CPU with AMX its GEMMs run on tiles (engine/kernels/csrc/amx_gemm.cpp: fp32 inputs split exactly into
@@ -67,7 +67,7 @@ def _gemm_weights(model: Transformer) -> list[Tensor]:
 def exact_weight_dtype(model: Transformer) -> torch.dtype:
     """The narrowest of ``WEIGHT_DTYPES`` holding every GEMM weight of ``model`` (a model
     ``decode_step_reason`` accepts) exactly: bfloat16 or float16 when all their values are of
-    that dtype, else float32. The AVX-512 kernel computes the very same fp32 numbers on such a
+    that dtype, else float32. The small-GEMM kernel computes the very same fp32 numbers on such a
     copy; AMX tiles (bf16) compute the same products and add them in another order."""
     weights = _gemm_weights(model)
     for dtype in (torch.bfloat16, torch.float16):
