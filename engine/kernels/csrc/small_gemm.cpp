@@ -3,7 +3,7 @@
 // Every output element is one dot product accumulated in the same order whatever M is (FMA chains of
 // simd::LANES lanes over k, then a fixed horizontal sum), so row m of a verify pass is bit for bit the value a
 // one-row decode step computes for the same input: speculation does not change the rounding.
-// Weight rows stream from memory once per call (blocks of NB rows, software-prefetched), and each
+// Weight rows stream from memory once per call (blocks of NB rows, prefetched one block ahead), and each
 // block is reused from L1 for every group of up to MB input rows, so a pass of a few rows costs little
 // more than one row (PyTorch's default fp32 GEMM switches to a kernel that does not from 4 rows on).
 #include <torch/extension.h>
@@ -27,11 +27,19 @@ using simd::Vec;
 // registers (32 of them on AVX-512, 16 on AVX2)
 constexpr int NB = LANES == 16 ? 8 : 4;
 constexpr int MB = LANES == 16 ? 4 : 3;
-constexpr int PREFETCH = 1024;   // bytes ahead on each weight row stream
+
+// Prefetch: at k, the weight rows pf[i * K + (start + k * rate / 65536)] (rate in 1/65536 elements per element)
+struct Prefetch {
+  const void* pf;
+  int64_t start, rate;
+};
 
 template <int M, int R, typename W>
 inline void block(const float* __restrict x, const W* __restrict w, float* __restrict y,
-                  int64_t K, int64_t N, int64_t n0) {
+                  int64_t K, int64_t N, int64_t n0, Prefetch ahead) {
+  const W* pf = static_cast<const W*>(ahead.pf);
+  int64_t at = ahead.start << 16;  // fixed point, 16 fraction bits
+  const int64_t step = ahead.rate * LANES;
   Vec acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = simd::zero();
@@ -40,12 +48,12 @@ inline void block(const float* __restrict x, const W* __restrict w, float* __res
     Vec xv[M];
     for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
     for (int i = 0; i < R; ++i) {
-      const W* wr = w + (n0 + i) * K + k;
       // a hint only (never faults); the address is formed as an integer, as it may lie past the weight
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wr) + PREFETCH), _MM_HINT_T0);
-      const Vec wv = simd::load(wr);
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(pf + i * K + (at >> 16))), _MM_HINT_T0);
+      const Vec wv = simd::load(w + (n0 + i) * K + k);
       for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
     }
+    at += step;
   }
   if (full < K) {  // the K tail: lanes past it load as 0 and add 0
     Vec xv[M];
@@ -59,17 +67,26 @@ inline void block(const float* __restrict x, const W* __restrict w, float* __res
     for (int m = 0; m < M; ++m) y[m * N + n0 + i] = simd::reduce_add(acc[i][m]);
 }
 
+// block<m, R> for a run-time m <= Mc
+template <int Mc, int R, typename W>
+inline void pass(int64_t m, const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, Prefetch ahead) {
+  if constexpr (Mc > 1) {
+    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, n0, ahead);
+  }
+  block<Mc, R>(x, w, y, K, N, n0, ahead);
+}
+
+// The weight rows stream from memory one block ahead: the P passes over a block (MB input rows each) prefetch
+// the next block's rows, pass p its p-th P-th, so the memory streams while the FMAs run (prefetching a fixed
+// distance ahead on the rows being read left the memory idle during the passes after the first).
 template <int R, typename W>
 inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const float* xs = x + m0 * K;
-    float* ys = y + m0 * N;
-    switch (std::min<int64_t>(MB, M - m0)) {
-      case 1: block<1, R>(xs, w, ys, K, N, n0); break;
-      case 2: block<2, R>(xs, w, ys, K, N, n0); break;
-      case 3: block<3, R>(xs, w, ys, K, N, n0); break;
-      default: block<MB, R>(xs, w, ys, K, N, n0); break;
-    }
+  const int64_t P = (M + MB - 1) / MB;
+  for (int64_t p = 0; p < P; ++p) {
+    const float* xs = x + p * MB * K;
+    float* ys = y + p * MB * N;
+    const Prefetch ahead{w + (n0 + R) * K, p * K / P, 65536 / P};
+    pass<MB, R>(std::min<int64_t>(MB, M - p * MB), xs, w, ys, K, N, n0, ahead);
   }
 }
 
