@@ -19,7 +19,7 @@ whose weights are bf16 values (a bf16 checkpoint) runs on Intel AMX tiles where 
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
 and ninja; once, then cached by torch under ~/.cache/torch_extensions).
 A build killed half way leaves torch's lock file in that directory and the next
-build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm``.
+build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm*``.
 ``small_gemm_status()`` says whether this machine can run it and, if not, why;
 ``SmallGemmLinear`` has the same API and parameters as the ``nn.Linear`` it replaces,
 and ``F.linear`` is its fallback with the same API (tests compare the two).
