@@ -269,7 +269,9 @@ def test_scale_down_drains_running_requests(cluster, two, solo, profile):
         results = [f.result() for f in futs]
     errors = [r for r in results if isinstance(r, openai.APIError)]
     assert not errors, errors
-    assert {rep for rep, _ in results} == live  # the replica that was stopped answered its requests
+    # both replicas that were decoding answered: the stopped one drained what it ran (the queued rest may go to
+    # a replica Serve starts for the new config)
+    assert live <= {rep for rep, _ in results}
     assert all(text == solo(p, long) for p, (_, text) in zip(prompts, results))
     _wait(lambda: _replicas(APP) == {"RUNNING": 1}, "one replica left")
 
