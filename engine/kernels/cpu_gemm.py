@@ -103,21 +103,19 @@ def _build() -> tuple[Any, str | None, str | None]:
     if reason is not None:
         return None, reason, reason
     isa = cpu_isa()
-    if isa == "AVX2":
-        mod, error = _load("specmix_small_gemm_avx2", ISA_FLAGS[isa])
-        if mod is None:
-            log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error)
-            return None, f"the build failed: {error}", f"the build failed: {error}"
-        return mod, None, "AMX tiles need an AVX-512 CPU with AMX-BF16 (this one has AVX2)"
-    mod, error = _load("specmix_small_gemm", ISA_FLAGS[isa])
+    no_amx = "-DSPECMIX_NO_AMX" in ISA_FLAGS[isa]
+    mod, error = _load("specmix_small_gemm" + ("_avx2" if isa == "AVX2" else ""), ISA_FLAGS[isa])
     if mod is not None:
-        return mod, None, mod.amx_status() or None
-    mod, error2 = _load("specmix_small_gemm_noamx", [*ISA_FLAGS[isa], "-DSPECMIX_NO_AMX"])
+        amx = f"AMX tiles need an AVX-512 CPU with AMX-BF16 (this one has {isa})" if no_amx else mod.amx_status()
+        return mod, None, amx or None
+    amx_error = error
+    if not no_amx:  # only the AMX code may have failed (an old assembler): rebuild without it
+        mod, error = _load("specmix_small_gemm_noamx", [*ISA_FLAGS[isa], "-DSPECMIX_NO_AMX"])
     if mod is None:
-        log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error2)
-        return None, f"the build failed: {error2}", f"the build failed: {error2}"
-    log.warning("the AMX kernel did not build (the AVX-512 kernels run without it): %s", error)
-    return mod, None, f"the AMX code did not build: {error}"
+        log.warning("the fp32 small-GEMM CPU kernel did not build (PyTorch's linear runs instead): %s", error)
+        return None, f"the build failed: {error}", f"the build failed: {error}"
+    log.warning("the AMX kernel did not build (the AVX-512 kernels run without it): %s", amx_error)
+    return mod, None, f"the AMX code did not build: {amx_error}"
 
 
 def small_gemm_status() -> str | None:
