@@ -3,6 +3,7 @@ better than untrained ones, and a head for another target or of another shape is
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -13,11 +14,15 @@ from test_speculative import PROMPTS, _exact_joint
 from util import TEXT, make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.api.options import PrecisionConfig, SpeculationConfig
+from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
+from engine.core.checkpoint import load_model
 from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
-from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
+from engine.kernels.cpu_gemm import small_gemm_status
+from engine.kernels.cpu_head import head_linears_on_kernel, head_store_dtype, scorer_on_kernel
+from engine.spec.head_drafters import HEAD_DRAFTERS
+from engine.spec.heads import HeadConfig, draft_lm_head, init_head, load_head, save_head, target_fingerprint
 from quant.linear import FP8Linear
 from quant.plan_io import plan_from_dict
 
@@ -99,6 +104,53 @@ def test_ragged_batch_with_mixed_requests(ckpt_dir, trained_heads, plain):
     reqs = [eng.submit(PROMPTS[i], SamplingParams(max_new_tokens=n)) for i, n in enumerate(lens)]
     outs = [r.result() for r in reqs]
     assert [o.token_ids for o in outs] == [plain[i][:n] for i, n in enumerate(lens)]
+
+
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"small-GEMM kernel unavailable: {small_gemm_status()}")
+@pytest.mark.parametrize("kind,draft_vocab", [("eagle", None), ("eagle", 128), ("medusa", None)])
+def test_head_step_on_the_cpu_kernel(ckpt_dir, trained_heads, kind, draft_vocab):
+    """The head's Linears on the few-row kernel with 16-bit copies (a draft's rounding), the shared LM head's
+    scorer on the same kernel with the target's fp32 weight: the step of PyTorch's head on those weights."""
+    target = load_model(ckpt_dir)
+    vocab = Tokenizer(ckpt_dir).vocab()
+    module, cfg, ids = load_head(trained_heads[(kind, draft_vocab)], target, vocab, kind=kind)
+    ref_module = copy.deepcopy(module)
+    store = head_store_dtype(module, None)
+    assert store == torch.float16  # trained fp32 weights: not exact in bf16, the draft rounds to fp16
+    swapped = head_linears_on_kernel(module, store)
+    assert swapped == (3 if kind == "eagle" else 0)  # fc, gate/up, down; Medusa's heads are one einsum
+    with torch.no_grad():
+        for m in ref_module.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.copy_(m.weight.to(store).float())
+    fast = HEAD_DRAFTERS[kind](module, cfg, ids, target, lm_head=scorer_on_kernel(draft_lm_head(target, ids)))
+    ref = HEAD_DRAFTERS[kind](ref_module, cfg, ids, target)
+    if ids is None:  # the scorer reads the target's own fp32 weight: the verifier's precision, no copy
+        assert fast.head_weight.data_ptr() == target.lm_head.weight.data_ptr()
+    else:
+        assert torch.equal(fast.head_weight, target.lm_head.weight[ids])
+    f = torch.randn(3, cfg.hidden_size)
+    args = (torch.tensor([5, 17, 2]),) if kind == "eagle" else (3,)
+    with torch.no_grad():
+        got, want = fast.step(f, *args), ref.step(f, *args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert head_store_dtype(module, "float32") == torch.float32
+    with pytest.raises(ValueError, match="store='int8' is invalid"):
+        head_store_dtype(module, "int8")
+
+
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"small-GEMM kernel unavailable: {small_gemm_status()}")
+def test_engine_puts_the_head_step_on_the_kernel(ckpt_dir, trained_heads, plain):
+    head = trained_heads[("eagle", None)]
+    for opts, want in (
+        (KernelOptions(), "float16"),
+        (KernelOptions(draft_step_weights="bfloat16"), "bfloat16"),
+        (KernelOptions(cpu_pack=False), None),  # PyTorch's ops throughout
+    ):
+        eng = Engine.from_pretrained(ckpt_dir, head, speculation=spec("eagle", 4), kernels=opts)
+        assert eng.info["draft_head_step_weights"] == want
+        outs = [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+        assert outs == plain and eng.stats()["acceptance_rate"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.api.plan_apply import apply_head_precision, apply_precision_plan
@@ -22,13 +23,15 @@ from engine.core.model import Transformer, fuse_projections
 from engine.core.tokenizer import Tokenizer
 from engine.kernels.backends import select_attention
 from engine.kernels.cpu_decode import install_decode_step, step_info
+from engine.kernels.cpu_gemm import KERNEL_NAME
+from engine.kernels.cpu_head import head_linears_on_kernel, head_store_dtype, scorer_on_kernel
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
 from engine.kernels.head_graphs import GraphedStep
 from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from engine.spec.head_drafters import HEAD_DRAFTERS, HeadDrafter
-from engine.spec.heads import load_head
+from engine.spec.heads import draft_lm_head, load_head
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +193,14 @@ def assemble(
         fp8 = [] if precision is None else apply_head_precision(precision.plan, module, drafter_name)
         info["draft_head_fp8"] = fp8
         info["draft_dtype"] = str(next(module.parameters()).dtype).replace("torch.", "")
-        head = HEAD_DRAFTERS[drafter_name](module, hcfg, vocab_ids, target)
+        scorer: nn.Module = draft_lm_head(target, vocab_ids)
+        info["draft_head_step_weights"] = None
+        if cpu_kernel == KERNEL_NAME:  # the fp32 target's linears run on the few-row kernel: so do the head's
+            store = head_store_dtype(module, kernels.draft_step_weights)
+            if head_linears_on_kernel(module, store):
+                info["draft_head_step_weights"] = str(store).replace("torch.", "")
+            scorer = scorer_on_kernel(scorer)
+        head = HEAD_DRAFTERS[drafter_name](module, hcfg, vocab_ids, target, lm_head=scorer)
     return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info, head)
 
 

@@ -35,6 +35,7 @@ from engine.core.checkpoint import DTYPES
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import FusedLinear, KVCache, Transformer
 from engine.kernels.cpu_gemm import (
+    STORE_DTYPES,
     SmallGemmLinear,
     amx_status,
     cpu_kernels,
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 # already has a value of that dtype (a bf16 or fp16 checkpoint loaded in fp32: see exact_weight_dtype);
 # otherwise it rounds, which only a draft may do (the target verifies its proposals: the output is
 # unchanged and only the acceptance can move)
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_DTYPES = STORE_DTYPES
 
 
 def _gemm_weights(model: Transformer) -> list[Tensor]:
@@ -69,7 +70,11 @@ def exact_weight_dtype(model: Transformer) -> torch.dtype:
     ``decode_step_reason`` accepts) exactly: bfloat16 or float16 when all their values are of
     that dtype, else float32. The small-GEMM kernel computes the very same fp32 numbers on such a
     copy; AMX tiles (bf16) compute the same products and add them in another order."""
-    weights = _gemm_weights(model)
+    return exact_dtype(_gemm_weights(model))
+
+
+def exact_dtype(weights: list[Tensor]) -> torch.dtype:
+    """bfloat16 or float16 when every value of ``weights`` is of that dtype, else float32."""
     for dtype in (torch.bfloat16, torch.float16):
         if all(torch.equal(w.detach().to(dtype).float(), w.detach()) for w in weights):
             return dtype

@@ -21,12 +21,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.core.model import Transformer
 from engine.spec.drafters import DraftBatch
-from engine.spec.heads import EagleHead, HeadConfig, MedusaHeads
+from engine.spec.heads import EagleHead, HeadConfig, MedusaHeads, draft_lm_head
 from engine.spec.sampling import sample_from_probs
 
 if TYPE_CHECKING:
@@ -46,15 +45,17 @@ class HeadDrafter:
         vocab_ids: Tensor | None,
         target: Transformer,
         runner: Callable[..., Any] | None = None,
+        lm_head: nn.Module | None = None,
     ) -> None:
         self.head, self.cfg, self.target, self.vocab_ids, self.runner = head, cfg, target, vocab_ids, runner
-        w = target.lm_head.weight
-        # the target's LM head (shared: the verifier's precision), or its rows of the draft vocabulary
-        self.head_weight = w if vocab_ids is None else w.detach()[vocab_ids].contiguous()
+        # the scorer: the target's LM head (shared: the verifier's precision) or its rows of the draft
+        # vocabulary (heads.draft_lm_head); the engine may pass it on a faster kernel of the same weight
+        self.lm_head = lm_head if lm_head is not None else draft_lm_head(target, vocab_ids)
+        self.head_weight: Tensor = self.lm_head.weight  # type: ignore[assignment]
 
     def with_runner(self, runner: Callable[..., Any]) -> HeadDrafter:
         """The same drafter (the same head) whose steps run through ``runner`` (CUDA graphs of ``step``)."""
-        return type(self)(self.head, self.cfg, self.vocab_ids, self.target, runner)
+        return type(self)(self.head, self.cfg, self.vocab_ids, self.target, runner, self.lm_head)
 
     def step(self, *args: Any) -> Any:
         raise NotImplementedError
@@ -75,7 +76,7 @@ class HeadDrafter:
 
     def scores(self, f: Tensor) -> Tensor:
         """Features [..., H] -> logits over the draft vocabulary [..., V']."""
-        return F.linear(f, self.head_weight)
+        return self.lm_head(f)
 
     def _features(self, seqs: list[Seq], dev: torch.device) -> tuple[Tensor, list[bool]]:
         have = [s.feature is not None for s in seqs]

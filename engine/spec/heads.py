@@ -167,6 +167,17 @@ def init_head(cfg: HeadConfig, target: Transformer, seed: int = 0) -> nn.Module:
     return head
 
 
+def draft_lm_head(target: Transformer, vocab_ids: Tensor | None) -> nn.Linear:
+    """The heads' scorer: a bias-free Linear on the target's LM head weight (shared, not copied) or, with a
+    reduced draft vocabulary, on its rows ``vocab_ids`` (a copy of V' rows)."""
+    w = target.lm_head.weight
+    rows = w if vocab_ids is None else nn.Parameter(w.detach()[vocab_ids].contiguous(), requires_grad=False)
+    with torch.device("meta"):
+        lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    lin.weight = rows if isinstance(rows, nn.Parameter) else nn.Parameter(rows.detach(), requires_grad=False)
+    return lin.requires_grad_(False)
+
+
 def save_head(head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, out: str | Path) -> None:
     """``out``/model.safetensors and ``out``/head_config.json (written last: a directory without it is no head)."""
     d = Path(out)
