@@ -20,7 +20,7 @@ from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
 from engine.kernels.cpu_gemm import small_gemm_status
-from engine.kernels.cpu_head import head_linears_on_kernel, head_store_dtype, scorer_on_kernel
+from engine.kernels.cpu_head import EagleKernel, eagle_kernel_reason, head_store_dtype, scorer_on_kernel
 from engine.spec.head_drafters import HEAD_DRAFTERS
 from engine.spec.heads import HeadConfig, draft_lm_head, init_head, load_head, save_head, target_fingerprint
 from quant.linear import FP8Linear
@@ -106,40 +106,59 @@ def test_ragged_batch_with_mixed_requests(ckpt_dir, trained_heads, plain):
     assert [o.token_ids for o in outs] == [plain[i][:n] for i, n in enumerate(lens)]
 
 
-@pytest.mark.skipif(small_gemm_status() is not None, reason=f"small-GEMM kernel unavailable: {small_gemm_status()}")
-@pytest.mark.parametrize("kind,draft_vocab", [("eagle", None), ("eagle", 128), ("medusa", None)])
-def test_head_step_on_the_cpu_kernel(ckpt_dir, trained_heads, kind, draft_vocab):
-    """The head's Linears on the few-row kernel with 16-bit copies (a draft's rounding), the shared LM head's
-    scorer on the same kernel with the target's fp32 weight: the step of PyTorch's head on those weights."""
+needs_kernel = pytest.mark.skipif(small_gemm_status() is not None, reason=f"no CPU kernels: {small_gemm_status()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("draft_vocab", [None, 128])
+def test_eagle_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
+    """The head's C++ step (16-bit GEMM weights: the draft's rounding; the LM head's fp32 rows) computes
+    PyTorch's step on those weights, and its greedy call drafts what the step and argmax do in a loop."""
     target = load_model(ckpt_dir)
-    vocab = Tokenizer(ckpt_dir).vocab()
-    module, cfg, ids = load_head(trained_heads[(kind, draft_vocab)], target, vocab, kind=kind)
-    ref_module = copy.deepcopy(module)
-    store = head_store_dtype(module, None)
+    module, cfg, ids = load_head(trained_heads[("eagle", draft_vocab)], target, Tokenizer(ckpt_dir).vocab(), "eagle")
+    weights = module.kernel_weights()
+    store = head_store_dtype([w for w in weights if w.dim() == 2], None)
     assert store == torch.float16  # trained fp32 weights: not exact in bf16, the draft rounds to fp16
-    swapped = head_linears_on_kernel(module, store)
-    assert swapped == (3 if kind == "eagle" else 0)  # fc, gate/up, down; Medusa's heads are one einsum
+    lm = draft_lm_head(target, ids).weight
+    kernel = EagleKernel(weights, target.embed_tokens.weight, lm, ids, cfg.rms_norm_eps, store)
+    ref_module = copy.deepcopy(module)
     with torch.no_grad():
         for m in ref_module.modules():
             if type(m) is torch.nn.Linear:
                 m.weight.copy_(m.weight.to(store).float())
-    fast = HEAD_DRAFTERS[kind](module, cfg, ids, target, lm_head=scorer_on_kernel(draft_lm_head(target, ids)))
-    ref = HEAD_DRAFTERS[kind](ref_module, cfg, ids, target)
-    if ids is None:  # the scorer reads the target's own fp32 weight: the verifier's precision, no copy
-        assert fast.head_weight.data_ptr() == target.lm_head.weight.data_ptr()
-    else:
-        assert torch.equal(fast.head_weight, target.lm_head.weight[ids])
-    f = torch.randn(3, cfg.hidden_size)
-    args = (torch.tensor([5, 17, 2]),) if kind == "eagle" else (3,)
+    ref = HEAD_DRAFTERS["eagle"](ref_module, cfg, ids, target)
+    f, tok = torch.randn(3, cfg.hidden_size), torch.tensor([5, 17, 2])
     with torch.no_grad():
-        got, want = fast.step(f, *args), ref.step(f, *args)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert head_store_dtype(module, "float32") == torch.float32
+        for got, want in zip(kernel(f, tok), ref.step(f, tok)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        drafts, g, t = [], f, tok
+        for _ in range(4):
+            g, logits = kernel(g, t)
+            t = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
+            drafts.append(t)
+        assert torch.equal(kernel.greedy(f, tok, 4), torch.stack(drafts, 1))
+    assert eagle_kernel_reason(weights, target.embed_tokens.weight, lm) is None
+    quantized = [None if w.dim() == 2 else w for w in weights]  # what kernel_weights gives for FP8 Linears
+    assert "quantized" in eagle_kernel_reason(quantized, target.embed_tokens.weight, lm)
+    assert head_store_dtype(weights, "float32") == torch.float32
     with pytest.raises(ValueError, match="store='int8' is invalid"):
-        head_store_dtype(module, "int8")
+        head_store_dtype(weights, "int8")
 
 
-@pytest.mark.skipif(small_gemm_status() is not None, reason=f"small-GEMM kernel unavailable: {small_gemm_status()}")
+@needs_kernel
+def test_medusa_scorer_on_the_cpu_kernel(ckpt_dir, trained_heads):
+    target = load_model(ckpt_dir)
+    module, cfg, ids = load_head(trained_heads[("medusa", None)], target, Tokenizer(ckpt_dir).vocab(), "medusa")
+    scorer = scorer_on_kernel(draft_lm_head(target, ids))
+    assert scorer.weight.data_ptr() == target.lm_head.weight.data_ptr()  # the verifier's fp32 weight, not a copy
+    fast = HEAD_DRAFTERS["medusa"](module, cfg, ids, target, lm_head=scorer)
+    ref = HEAD_DRAFTERS["medusa"](module, cfg, ids, target)
+    f = torch.randn(2, cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(fast.step(f, 3), ref.step(f, 3), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_engine_puts_the_head_step_on_the_kernel(ckpt_dir, trained_heads, plain):
     head = trained_heads[("eagle", None)]
     for opts, want in (

@@ -24,14 +24,14 @@ from engine.core.tokenizer import Tokenizer
 from engine.kernels.backends import select_attention
 from engine.kernels.cpu_decode import install_decode_step, step_info
 from engine.kernels.cpu_gemm import KERNEL_NAME
-from engine.kernels.cpu_head import head_linears_on_kernel, head_store_dtype, scorer_on_kernel
+from engine.kernels.cpu_head import EagleKernel, eagle_kernel_reason, head_store_dtype, scorer_on_kernel
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
 from engine.kernels.head_graphs import GraphedStep
 from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
-from engine.spec.head_drafters import HEAD_DRAFTERS, HeadDrafter
-from engine.spec.heads import draft_lm_head, load_head
+from engine.spec.head_drafters import HEAD_DRAFTERS, EagleDrafter, HeadDrafter
+from engine.spec.heads import EagleHead, HeadConfig, draft_lm_head, load_head
 
 log = logging.getLogger(__name__)
 
@@ -193,15 +193,40 @@ def assemble(
         fp8 = [] if precision is None else apply_head_precision(precision.plan, module, drafter_name)
         info["draft_head_fp8"] = fp8
         info["draft_dtype"] = str(next(module.parameters()).dtype).replace("torch.", "")
-        scorer: nn.Module = draft_lm_head(target, vocab_ids)
-        info["draft_head_step_weights"] = None
-        if cpu_kernel == KERNEL_NAME:  # the fp32 target's linears run on the few-row kernel: so do the head's
-            store = head_store_dtype(module, kernels.draft_step_weights)
-            if head_linears_on_kernel(module, store):
-                info["draft_head_step_weights"] = str(store).replace("torch.", "")
-            scorer = scorer_on_kernel(scorer)
-        head = HEAD_DRAFTERS[drafter_name](module, hcfg, vocab_ids, target, lm_head=scorer)
+        head = head_drafter(drafter_name, module, hcfg, vocab_ids, target, kernels, cpu_kernel == KERNEL_NAME, info)
     return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info, head)
+
+
+def head_drafter(
+    kind: str,
+    module: nn.Module,
+    cfg: HeadConfig,
+    vocab_ids: torch.Tensor | None,
+    target: Transformer,
+    kernels: KernelOptions,
+    cpu_kernels: bool,
+    info: dict[str, Any],
+) -> HeadDrafter:
+    """The drafter of a loaded head; ``cpu_kernels`` (the fp32 target runs on the few-row CPU kernel): eagle's
+    step as one C++ call (its GEMM weights stored per ``kernels.draft_step_weights``), the scorer on the
+    few-row GEMM. ``info["draft_head_step_weights"]``: the head's step weights' dtype on the C++ step, else None."""
+    scorer: nn.Module = draft_lm_head(target, vocab_ids)
+    info["draft_head_step_weights"] = None
+    if not cpu_kernels:
+        return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
+    scorer = scorer_on_kernel(scorer)
+    if not isinstance(module, EagleHead) or kernels.cuda_graphs:  # (graphs capture the PyTorch step)
+        return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
+    weights, embed = module.kernel_weights(), target.embed_tokens.weight
+    why = eagle_kernel_reason(weights, embed, scorer.weight)  # type: ignore[arg-type]
+    if why is not None:
+        log.info("the eagle head's step stays on PyTorch: %s", why)
+        return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
+    gemms = [w for w in weights if w is not None and w.dim() == 2]
+    store = head_store_dtype(gemms, kernels.draft_step_weights)
+    step = EagleKernel(weights, embed, scorer.weight, vocab_ids, cfg.rms_norm_eps, store)  # type: ignore[arg-type]
+    info["draft_head_step_weights"] = str(store).replace("torch.", "")
+    return EagleDrafter(module, cfg, vocab_ids, target, runner=step, lm_head=scorer, greedy=step.greedy)
 
 
 def parts_from_models(

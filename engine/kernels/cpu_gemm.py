@@ -46,7 +46,9 @@ from engine.core.model import FusedLinear
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "small_gemm.cpp", CSRC / "amx_gemm.cpp", CSRC / "decode_layers.cpp", CSRC / "bindings.cpp"]
+SOURCES = [
+    CSRC / name for name in ("small_gemm.cpp", "amx_gemm.cpp", "decode_layers.cpp", "head_step.cpp", "bindings.cpp")
+]
 MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (docs/performance.md)
 KERNEL_NAME = "small-gemm-fp32"
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the weight storage the kernel reads

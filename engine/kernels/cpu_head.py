@@ -1,15 +1,16 @@
-"""A trained draft head's step (engine/spec/heads.py) on the few-row CPU kernel (engine/kernels/cpu_gemm.py).
+"""A trained draft head's step on the CPU's few-row kernels (engine/kernels/csrc/head_step.cpp, cpu_gemm.py).
 
-Why: a head's step is a few GEMMs on one row per sequence (EAGLE: the fc over [feature; embedding],
-each MLP block's gate/up and down; every kind: the shared LM head's scores). PyTorch's fp32 linear
-(MKL) streams such weights at about half the kernel's rate, so the step, not the head's size, set
-its cost (docs/performance.md has the figures).
+Why: a head's step is a few GEMMs on one row per sequence around ~20 small ops. On PyTorch each small
+op costs tens of microseconds on this kind of CPU and the fp32 linear streams the weights at about half
+the kernel's rate, so the dispatch, not the head's size, set its cost (docs/performance.md has the figures).
 
-``head_linears_on_kernel`` swaps the head's own fp32 Linears for ``SmallGemmLinear`` reading 16-bit
-copies: the head is the draft, so rounding its weights moves only the acceptance, as for a draft
-model's C++ step. ``scorer_on_kernel`` puts the shared LM head's scorer on the kernel reading the
-target's fp32 weight itself: it stays at the verifier's precision. Medusa's heads (one einsum over
-their stacked weights, engine/spec/heads.py) stay on PyTorch; their scorer moves.
+- eagle: ``EagleKernel`` runs the whole step (the embedding's norm, fc, the MLP blocks, the output norm
+  and the scores) as one C++ call, and ``greedy`` drafts k tokens in one call with no Python between the
+  steps. The head's GEMM weights are 16-bit copies (the head is the draft: rounding its weights moves only
+  the acceptance, as for a draft model's C++ step); the LM head's rows stay the target's fp32 weight (the
+  verifier's precision, shared when the head scores the full vocabulary).
+- medusa: its stacked heads stay on PyTorch (one einsum); ``scorer_on_kernel`` puts its scorer, the LM
+  head's rows, on the few-row GEMM with the same fp32 weight.
 """
 
 from __future__ import annotations
@@ -17,25 +18,23 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from engine.core.checkpoint import DTYPES
 from engine.kernels.cpu_decode import exact_dtype
-from engine.kernels.cpu_gemm import STORE_DTYPES, SmallGemmLinear
+from engine.kernels.cpu_gemm import STORE_DTYPES, SmallGemmLinear, cpu_kernels, small_gemm_status
 
 log = logging.getLogger(__name__)
 
 
-def _plain(mod: nn.Module) -> bool:
-    w = getattr(mod, "weight", None)
-    return type(mod) is nn.Linear and w is not None and w.dtype == torch.float32 and w.device.type == "cpu"
+def _fp32_cpu(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
-def head_store_dtype(head: nn.Module, store: str | torch.dtype | None) -> torch.dtype:
-    """The dtype of the head's kernel weight copies: ``store`` by name or dtype; None or "auto": bfloat16 or
-    float16 where every weight of the head's Linears has that value (lossless), else float16."""
+def head_store_dtype(weights: list[Tensor], store: str | torch.dtype | None) -> torch.dtype:
+    """The dtype of a head's kernel weight copies: ``store`` by name or dtype; None or "auto": bfloat16 or
+    float16 where every value of ``weights`` has that dtype (lossless), else float16."""
     if store is None or store == "auto":
-        weights = [m.weight for m in head.modules() if _plain(m)]
         exact = exact_dtype(weights) if weights else torch.float32
         return torch.float16 if exact == torch.float32 else exact
     dtype = DTYPES.get(store, store) if isinstance(store, str) else store
@@ -44,19 +43,57 @@ def head_store_dtype(head: nn.Module, store: str | torch.dtype | None) -> torch.
     return dtype  # type: ignore[return-value]
 
 
-def head_linears_on_kernel(head: nn.Module, store: torch.dtype) -> int:
-    """Swap every plain fp32 CPU ``nn.Linear`` inside ``head`` for a ``SmallGemmLinear`` reading a ``store``
-    copy; returns how many. Quantized Linears (the precision plan's FP8) stay as they are."""
-    n = 0
-    for mod in list(head.modules()):
-        for name, child in list(mod.named_children()):
-            if _plain(child):
-                setattr(mod, name, SmallGemmLinear(child, store=store))  # type: ignore[arg-type]
-                n += 1
-    log.debug("%d head Linears on the small-GEMM kernel (%s copies)", n, store)
-    return n
+def eagle_kernel_reason(weights: list[Tensor | None], embed: Tensor, lm_weight: Tensor) -> str | None:
+    """None when ``EagleKernel`` can run a head with these tensors here, else why not."""
+    why = small_gemm_status()
+    if why is not None:
+        return why
+    if any(w is None for w in weights):
+        return "the head's Linears are quantized (the precision plan's FP8): they run on PyTorch"
+    if not all(_fp32_cpu(t) for t in [*weights, embed, lm_weight] if t is not None):
+        return "needs the head, the target's embedding and LM head in float32 on the CPU"
+    return None
+
+
+class EagleKernel:
+    """An EAGLE-style head's step in one C++ call; ``__call__`` has the signature of the drafter's ``step``
+    (and of a step runner: ``static`` is empty for eagle), ``greedy`` drafts k tokens in one call."""
+
+    def __init__(
+        self,
+        weights: list[Tensor],
+        embed: Tensor,
+        lm_weight: Tensor,
+        vocab_ids: Tensor | None,
+        eps: float,
+        store: torch.dtype,
+    ) -> None:
+        """``weights``: the head's own tensors in the kernel's order (engine/spec/heads.py
+        ``EagleHead.kernel_weights``: embed_norm, fc, per block norm, gate_up, down, then out_norm; 2-D ones are
+        GEMM weights, copied to ``store``); ``embed`` the target's embedding [V, H], ``lm_weight`` the LM head's
+        rows [V', H] (fp32, shared), ``vocab_ids`` [V'] or None."""
+        self.store = store
+
+        def own(t: Tensor) -> Tensor:  # a GEMM weight: a copy in ``store``; a norm weight: itself
+            return t.detach().to(store).contiguous() if t.dim() == 2 else t.detach().contiguous()
+
+        ws = [embed.detach().contiguous(), *map(own, weights[:-1])]
+        ws += [weights[-1].detach().contiguous(), lm_weight.detach().contiguous()]
+        ws.append(torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().contiguous())
+        self.impl = cpu_kernels().EagleStep(ws, eps)
+
+    def __call__(self, f: Tensor, tok: Tensor, static: tuple[object, ...] = ()) -> tuple[Tensor, Tensor]:
+        """(features [B, H], the tokens they precede [B]) -> (the next features, their logits [B, V'])."""
+        return self.impl.step(f.float().contiguous(), tok.long().contiguous())
+
+    def greedy(self, f: Tensor, tok: Tensor, k: int) -> Tensor:
+        """k greedy drafts from (features [B, H], tokens [B]) -> [B, k] ids of the full vocabulary."""
+        return self.impl.greedy(f.float().contiguous(), tok.long().contiguous(), k)
 
 
 def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:
-    """The LM head's scorer (engine/spec/heads.py ``draft_lm_head``) on the kernel, on the same fp32 weight."""
-    return SmallGemmLinear(scorer) if _plain(scorer) else scorer
+    """The LM head's scorer (engine/spec/heads.py ``draft_lm_head``) on the few-row GEMM, same fp32 weight."""
+    w = scorer.weight
+    if type(scorer) is nn.Linear and _fp32_cpu(w) and small_gemm_status() is None:
+        return SmallGemmLinear(scorer)
+    return scorer

@@ -46,8 +46,12 @@ class HeadDrafter:
         target: Transformer,
         runner: Callable[..., Any] | None = None,
         lm_head: nn.Module | None = None,
+        greedy: Callable[[Tensor, Tensor, int], Tensor] | None = None,
     ) -> None:
         self.head, self.cfg, self.target, self.vocab_ids, self.runner = head, cfg, target, vocab_ids, runner
+        # eagle: k greedy drafts from (features [B, H], tokens [B]) in one call -> [B, k] full-vocabulary ids
+        # (engine/kernels/cpu_head.py), the same drafts as ``step`` and argmax in a loop
+        self.greedy = greedy
         # the scorer: the target's LM head (shared: the verifier's precision) or its rows of the draft
         # vocabulary (heads.draft_lm_head); the engine may pass it on a faster kernel of the same weight
         self.lm_head = lm_head if lm_head is not None else draft_lm_head(target, vocab_ids)
@@ -55,7 +59,7 @@ class HeadDrafter:
 
     def with_runner(self, runner: Callable[..., Any]) -> HeadDrafter:
         """The same drafter (the same head) whose steps run through ``runner`` (CUDA graphs of ``step``)."""
-        return type(self)(self.head, self.cfg, self.vocab_ids, self.target, runner, self.lm_head)
+        return type(self)(self.head, self.cfg, self.vocab_ids, self.target, runner, self.lm_head, self.greedy)
 
     def step(self, *args: Any) -> Any:
         raise NotImplementedError
@@ -149,6 +153,8 @@ class EagleDrafter(HeadDrafter):
         dev = batch.target_cache.k.device
         f, have = self._features(batch.seqs, dev)
         tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=dev)
+        if batch.processing.mode == "greedy" and self.greedy is not None:  # all k drafts in one call
+            return self._result(list(self.greedy(f, tok, batch.k).unbind(1)), [], have, batch.k, batch.k)
         drafts, probs = [], []
         for _ in range(batch.k):
             f, logits = self._step(f, tok)
@@ -162,6 +168,8 @@ class EagleDrafter(HeadDrafter):
         w = self.head_weight
         f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
         tok = torch.zeros(batch, dtype=torch.long, device=w.device)
+        if self.greedy is not None:  # a draft step as greedy rounds run it
+            return lambda: self.greedy(f, tok, 1)  # type: ignore[misc]
         return lambda: self._step(f, tok)[1].argmax(-1)
 
     def step(self, f: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]

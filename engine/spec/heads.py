@@ -139,6 +139,16 @@ class EagleHead(nn.Module):
         self.down = nn.ModuleList(nn.Linear(inter, H, bias=False) for _ in range(cfg.layers))
         self.out_norm = RMSNorm(H, cfg.rms_norm_eps)
 
+    def kernel_weights(self) -> list[Tensor | None]:
+        """The tensors of the head's C++ step (engine/kernels/cpu_head.py) in its order: embed_norm, fc, per
+        block norm, gate_up, down, then out_norm; None for a Linear without a plain weight (a quantized one)."""
+
+        def w(mod: nn.Module) -> Tensor | None:
+            return mod.weight if type(mod) is nn.Linear else None
+
+        blocks = [t for n, gu, d in zip(self.norms, self.gate_up, self.down) for t in (n.weight, w(gu), w(d))]
+        return [self.embed_norm.weight, w(self.fc), *blocks, self.out_norm.weight]
+
     def forward(self, f: Tensor, e: Tensor) -> Tensor:
         """f, e [..., H] -> the next feature [..., H]."""
         x = self.fc(torch.cat([f, self.embed_norm(e)], -1))

@@ -1,12 +1,14 @@
-// Python bindings of the fp32 CPU kernels (engine/kernels/cpu_gemm.py builds them, engine/kernels/cpu_decode.py uses
-// DecodeModel). Neither body touches a Python object: the GIL is released like PyTorch's own ops, so
-// other threads (callers streaming or detokenizing while the scheduler's worker decodes) keep running.
+// Python bindings of the fp32 CPU kernels (engine/kernels/cpu_gemm.py builds them; engine/kernels/cpu_decode.py
+// uses DecodeModel, engine/kernels/cpu_head.py EagleStep). No body touches a Python object: the GIL is released
+// like PyTorch's own ops, so other threads (callers streaming or detokenizing while the scheduler's worker
+// decodes) keep running.
 #include <torch/extension.h>
 
 #include <vector>
 
 #include "amx_gemm.h"
 #include "decode.h"
+#include "head.h"
 #include "small_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,5 +23,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeModel::forward, "fp32 Llama forward for few rows: embedding, layers, norm, head",
            py::call_guard<py::gil_scoped_release>())
       .def("greedy", &DecodeModel::greedy, "greedy drafting: a forward, then steps - 1 steps on its argmax",
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<EagleStep>(m, "EagleStep")
+      .def(py::init<std::vector<torch::Tensor>, double>())
+      .def("step", &EagleStep::step, "an EAGLE-style head's step: (features, tokens) -> (next features, logits)",
+           py::call_guard<py::gil_scoped_release>())
+      .def("greedy", &EagleStep::greedy, "steps greedy drafts of the head in one call",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,26 @@
+// An EAGLE-style head's step (head_step.cpp), its weights held once: a call passes only the step's tensors.
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+class EagleStep {
+ public:
+  // weights: embed [V, H] (the target's, float32), embed_norm [H], fc [H, 2H]; per block norm [H],
+  // gate_up [2I, H], down [H, I]; out_norm [H], lm [V', H] (the LM head's rows), vocab_ids [V'] int64 or
+  // empty (the full vocabulary). GEMM weights float32, float16 or bfloat16; norms float32
+  EagleStep(std::vector<torch::Tensor> weights, double eps);
+  // (f [B, H], tok [B]) -> (the next features [B, H], their logits [B, V'])
+  std::tuple<torch::Tensor, torch::Tensor> step(const torch::Tensor& f, const torch::Tensor& tok) const;
+  // steps greedy drafts in one call -> [B, steps] int64 ids of the full vocabulary
+  torch::Tensor greedy(const torch::Tensor& f, const torch::Tensor& tok, int64_t steps) const;
+
+ private:
+  void run(const float* f, const int64_t* tok, int64_t B, float* f_out, float* logits) const;
+  void check_inputs(const torch::Tensor& f, const torch::Tensor& tok) const;
+  std::vector<torch::Tensor> w_;
+  double eps_;
+  int64_t layers_ = 0, vocab_ = 0, hidden_ = 0, inter_ = 0, draft_vocab_ = 0;
+};
