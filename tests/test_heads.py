@@ -20,7 +20,13 @@ from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.demo.distill import TrainOptions, train_draft
 from engine.kernels.cpu_gemm import small_gemm_status
-from engine.kernels.cpu_head import EagleKernel, eagle_kernel_reason, head_store_dtype, scorer_on_kernel
+from engine.kernels.cpu_head import (
+    EagleKernel,
+    MedusaKernel,
+    head_kernel_reason,
+    head_store_dtype,
+    scorer_on_kernel,
+)
 from engine.spec.head_drafters import HEAD_DRAFTERS
 from engine.spec.heads import HeadConfig, draft_lm_head, init_head, load_head, save_head, target_fingerprint
 from quant.linear import FP8Linear
@@ -137,37 +143,57 @@ def test_eagle_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
             t = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
             drafts.append(t)
         assert torch.equal(kernel.greedy(f, tok, 4), torch.stack(drafts, 1))
-    assert eagle_kernel_reason(weights, target.embed_tokens.weight, lm) is None
+    assert head_kernel_reason([*weights, target.embed_tokens.weight, lm]) is None
     quantized = [None if w.dim() == 2 else w for w in weights]  # what kernel_weights gives for FP8 Linears
-    assert "quantized" in eagle_kernel_reason(quantized, target.embed_tokens.weight, lm)
+    assert "quantized" in head_kernel_reason([*quantized, target.embed_tokens.weight, lm])
+    assert "float32" in head_kernel_reason([*weights, lm.half()])
     assert head_store_dtype(weights, "float32") == torch.float32
     with pytest.raises(ValueError, match="store='int8' is invalid"):
         head_store_dtype(weights, "int8")
 
 
 @needs_kernel
-def test_medusa_scorer_on_the_cpu_kernel(ckpt_dir, trained_heads):
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_medusa_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
+    """Medusa's C++ step (16-bit head weights, the LM head's fp32 rows) computes PyTorch's step on those
+    weights, its greedy call their argmaxes; the PyTorch step's scorer on the few-row GEMM reads the target's
+    fp32 weight itself."""
     target = load_model(ckpt_dir)
-    module, cfg, ids = load_head(trained_heads[("medusa", None)], target, Tokenizer(ckpt_dir).vocab(), "medusa")
-    scorer = scorer_on_kernel(draft_lm_head(target, ids))
-    assert scorer.weight.data_ptr() == target.lm_head.weight.data_ptr()  # the verifier's fp32 weight, not a copy
-    fast = HEAD_DRAFTERS["medusa"](module, cfg, ids, target, lm_head=scorer)
-    ref = HEAD_DRAFTERS["medusa"](module, cfg, ids, target)
+    module, cfg, _ = load_head(trained_heads[("medusa", None)], target, Tokenizer(ckpt_dir).vocab(), "medusa")
+    ids = None if draft_vocab is None else torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
+    lm = draft_lm_head(target, ids).weight
+    weight, bias = module.kernel_weights()
+    kernel = MedusaKernel(weight, bias, lm, ids, cfg.vocab_size, torch.bfloat16)
+    ref_module = copy.deepcopy(module)
+    with torch.no_grad():
+        ref_module.weight.copy_(ref_module.weight.bfloat16().float())
+    ref = HEAD_DRAFTERS["medusa"](ref_module, cfg, ids, target)
     f = torch.randn(2, cfg.hidden_size)
     with torch.no_grad():
-        torch.testing.assert_close(fast.step(f, 3), ref.step(f, 3), rtol=1e-5, atol=1e-5)
+        logits = kernel(f, (3,))
+        torch.testing.assert_close(logits, ref.step(f, 3), rtol=1e-4, atol=1e-4)
+        best = logits.argmax(-1)
+        assert torch.equal(kernel.greedy(f, 3), best if ids is None else ids[best])
+    assert head_kernel_reason([weight, bias, lm]) is None
+    scorer = scorer_on_kernel(draft_lm_head(target, None))
+    assert scorer.weight.data_ptr() == target.lm_head.weight.data_ptr()  # the verifier's fp32 weight, not a copy
+    x = torch.randn(3, cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(scorer(x), x @ target.lm_head.weight.T, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
-def test_engine_puts_the_head_step_on_the_kernel(ckpt_dir, trained_heads, plain):
-    head = trained_heads[("eagle", None)]
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_engine_puts_the_head_step_on_the_kernel(ckpt_dir, trained_heads, plain, kind):
+    head = trained_heads[(kind, None)]
     for opts, want in (
         (KernelOptions(), "float16"),
         (KernelOptions(draft_step_weights="bfloat16"), "bfloat16"),
         (KernelOptions(cpu_pack=False), None),  # PyTorch's ops throughout
     ):
-        eng = Engine.from_pretrained(ckpt_dir, head, speculation=spec("eagle", 4), kernels=opts)
+        eng = Engine.from_pretrained(ckpt_dir, head, speculation=spec(kind, 4), kernels=opts)
         assert eng.info["draft_head_step_weights"] == want
+        assert (eng.drafter.greedy is not None) == (want is not None)
         outs = [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
         assert outs == plain and eng.stats()["acceptance_rate"] > 0
 

@@ -24,14 +24,14 @@ from engine.core.tokenizer import Tokenizer
 from engine.kernels.backends import select_attention
 from engine.kernels.cpu_decode import install_decode_step, step_info
 from engine.kernels.cpu_gemm import KERNEL_NAME
-from engine.kernels.cpu_head import EagleKernel, eagle_kernel_reason, head_store_dtype, scorer_on_kernel
+from engine.kernels.cpu_head import EagleKernel, MedusaKernel, head_kernel_reason, head_store_dtype, scorer_on_kernel
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
 from engine.kernels.head_graphs import GraphedStep
 from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
-from engine.spec.head_drafters import HEAD_DRAFTERS, EagleDrafter, HeadDrafter
-from engine.spec.heads import EagleHead, HeadConfig, draft_lm_head, load_head
+from engine.spec.head_drafters import HEAD_DRAFTERS, HeadDrafter
+from engine.spec.heads import HeadConfig, draft_lm_head, load_head
 
 log = logging.getLogger(__name__)
 
@@ -207,26 +207,28 @@ def head_drafter(
     cpu_kernels: bool,
     info: dict[str, Any],
 ) -> HeadDrafter:
-    """The drafter of a loaded head; ``cpu_kernels`` (the fp32 target runs on the few-row CPU kernel): eagle's
-    step as one C++ call (its GEMM weights stored per ``kernels.draft_step_weights``), the scorer on the
-    few-row GEMM. ``info["draft_head_step_weights"]``: the head's step weights' dtype on the C++ step, else None."""
+    """The drafter of a loaded head; ``cpu_kernels`` (the fp32 target runs on the few-row CPU kernel): the
+    head's step as one C++ call (its GEMM weights stored per ``kernels.draft_step_weights``) and the PyTorch
+    step's scorer on the few-row GEMM. ``info["draft_head_step_weights"]``: the C++ step's GEMM weight dtype,
+    or None (PyTorch's step)."""
     scorer: nn.Module = draft_lm_head(target, vocab_ids)
     info["draft_head_step_weights"] = None
-    if not cpu_kernels:
+    if not cpu_kernels or kernels.cuda_graphs:  # (graphs capture the PyTorch step)
         return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
     scorer = scorer_on_kernel(scorer)
-    if not isinstance(module, EagleHead) or kernels.cuda_graphs:  # (graphs capture the PyTorch step)
-        return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
-    weights, embed = module.kernel_weights(), target.embed_tokens.weight
-    why = eagle_kernel_reason(weights, embed, scorer.weight)  # type: ignore[arg-type]
+    weights, lm, embed = module.kernel_weights(), scorer.weight, target.embed_tokens.weight  # type: ignore[operator]
+    why = head_kernel_reason([*weights, lm, embed] if kind == "eagle" else [*weights, lm])
     if why is not None:
-        log.info("the eagle head's step stays on PyTorch: %s", why)
+        log.info("the %s head's step stays on PyTorch: %s", kind, why)
         return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
-    gemms = [w for w in weights if w is not None and w.dim() == 2]
-    store = head_store_dtype(gemms, kernels.draft_step_weights)
-    step = EagleKernel(weights, embed, scorer.weight, vocab_ids, cfg.rms_norm_eps, store)  # type: ignore[arg-type]
+    store = head_store_dtype([w for w in weights if w.dim() >= 2], kernels.draft_step_weights)
+    step: EagleKernel | MedusaKernel
+    if kind == "eagle":
+        step = EagleKernel(weights, embed, lm, vocab_ids, cfg.rms_norm_eps, store)
+    else:
+        step = MedusaKernel(weights[0], weights[1], lm, vocab_ids, cfg.vocab_size, store)
     info["draft_head_step_weights"] = str(store).replace("torch.", "")
-    return EagleDrafter(module, cfg, vocab_ids, target, runner=step, lm_head=scorer, greedy=step.greedy)
+    return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, runner=step, lm_head=scorer, greedy=step.greedy)
 
 
 def parts_from_models(

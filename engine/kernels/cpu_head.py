@@ -9,8 +9,9 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
   steps. The head's GEMM weights are 16-bit copies (the head is the draft: rounding its weights moves only
   the acceptance, as for a draft model's C++ step); the LM head's rows stay the target's fp32 weight (the
   verifier's precision, shared when the head scores the full vocabulary).
-- medusa: its stacked heads stay on PyTorch (one einsum); ``scorer_on_kernel`` puts its scorer, the LM
-  head's rows, on the few-row GEMM with the same fp32 weight.
+- medusa: ``MedusaKernel`` runs the first n heads' blocks and scores in one call, and ``greedy`` returns
+  their argmaxes (16-bit copies of the stacked head weights, the LM head's fp32 rows).
+``scorer_on_kernel`` puts the PyTorch steps' scorer (the LM head's rows) on the few-row GEMM, same fp32 weight.
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ def head_store_dtype(weights: list[Tensor], store: str | torch.dtype | None) -> 
     return dtype  # type: ignore[return-value]
 
 
-def eagle_kernel_reason(weights: list[Tensor | None], embed: Tensor, lm_weight: Tensor) -> str | None:
-    """None when ``EagleKernel`` can run a head with these tensors here, else why not."""
+def head_kernel_reason(tensors: list[Tensor | None]) -> str | None:
+    """None when a head's C++ step can run on these tensors here (the head's own, as its ``kernel_weights``
+    gives them, and the target's it reads: the LM head's rows, eagle's embedding), else why not."""
     why = small_gemm_status()
     if why is not None:
         return why
-    if any(w is None for w in weights):
+    if any(t is None for t in tensors):
         return "the head's Linears are quantized (the precision plan's FP8): they run on PyTorch"
-    if not all(_fp32_cpu(t) for t in [*weights, embed, lm_weight] if t is not None):
-        return "needs the head, the target's embedding and LM head in float32 on the CPU"
+    if not all(_fp32_cpu(t) for t in tensors if t is not None):
+        return "needs the head and the target's tensors it reads in float32 on the CPU"
     return None
 
 
@@ -89,6 +91,29 @@ class EagleKernel:
     def greedy(self, f: Tensor, tok: Tensor, k: int) -> Tensor:
         """k greedy drafts from (features [B, H], tokens [B]) -> [B, k] ids of the full vocabulary."""
         return self.impl.greedy(f.float().contiguous(), tok.long().contiguous(), k)
+
+
+class MedusaKernel:
+    """Medusa heads' step in one C++ call; ``__call__`` is the drafter's ``step`` as a runner (``static`` = (n,)),
+    ``greedy`` the first n heads' argmaxes in one call."""
+
+    def __init__(
+        self, weight: Tensor, bias: Tensor, lm_weight: Tensor, vocab_ids: Tensor | None, vocab: int, store: torch.dtype
+    ) -> None:
+        """``weight`` [L, M, H, H] (copied to ``store``), ``bias`` [L, M, H], ``lm_weight`` the LM head's rows
+        [V', H] (fp32, shared), ``vocab_ids`` [V'] or None, ``vocab`` the target's vocabulary size."""
+        self.store = store
+        ids = torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().contiguous()
+        w = weight.detach().to(store).contiguous()
+        self.impl = cpu_kernels().MedusaStep(w, bias.detach().contiguous(), lm_weight.detach().contiguous(), ids, vocab)
+
+    def __call__(self, f: Tensor, static: tuple[int, ...]) -> Tensor:
+        """Features [B, H] -> the first n = static[0] heads' logits [B, n, V']."""
+        return self.impl.step(f.float().contiguous(), static[0])
+
+    def greedy(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' greedy drafts [B, n], ids of the full vocabulary."""
+        return self.impl.greedy(f.float().contiguous(), n)
 
 
 def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:

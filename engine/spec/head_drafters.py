@@ -46,11 +46,11 @@ class HeadDrafter:
         target: Transformer,
         runner: Callable[..., Any] | None = None,
         lm_head: nn.Module | None = None,
-        greedy: Callable[[Tensor, Tensor, int], Tensor] | None = None,
+        greedy: Callable[..., Tensor] | None = None,
     ) -> None:
         self.head, self.cfg, self.target, self.vocab_ids, self.runner = head, cfg, target, vocab_ids, runner
-        # eagle: k greedy drafts from (features [B, H], tokens [B]) in one call -> [B, k] full-vocabulary ids
-        # (engine/kernels/cpu_head.py), the same drafts as ``step`` and argmax in a loop
+        # greedy drafts in one call (engine/kernels/cpu_head.py), the drafts of ``step`` and argmax: eagle
+        # (features [B, H], tokens [B], k) -> [B, k]; medusa (features [B, H], k) -> [B, k]; full-vocabulary ids
         self.greedy = greedy
         # the scorer: the target's LM head (shared: the verifier's precision) or its rows of the draft
         # vocabulary (heads.draft_lm_head); the engine may pass it on a faster kernel of the same weight
@@ -124,6 +124,8 @@ class MedusaDrafter(HeadDrafter):
         dev = batch.target_cache.k.device
         f, have = self._features(batch.seqs, dev)
         k = min(batch.k, self.cfg.num_heads)
+        if batch.processing.mode == "greedy" and self.greedy is not None:  # all k drafts in one call
+            return self._result(list(self.greedy(f, k).unbind(1)), [], have, k, batch.k)
         logits = self._step(f, static=(k,))  # [B, k, V']
         drafts, probs = [], []
         for i in range(k):
@@ -140,6 +142,8 @@ class MedusaDrafter(HeadDrafter):
     def step_fn(self, batch: int = 1) -> Callable[[], object]:
         w = self.head_weight
         f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        if self.greedy is not None:  # a draft step as greedy rounds run it
+            return lambda: self.greedy(f, 1)  # type: ignore[misc]
         return lambda: self._step(f, static=(1,)).argmax(-1)
 
 

@@ -116,6 +116,10 @@ class MedusaHeads(nn.Module):
         self.weight = nn.Parameter(torch.zeros(L, M, H, H))  # [layer, head, out, in]: 0 -> the identity
         self.bias = nn.Parameter(torch.zeros(L, M, H))
 
+    def kernel_weights(self) -> list[Tensor | None]:
+        """The tensors of the heads' C++ step (engine/kernels/cpu_head.py): the stacked weight and bias."""
+        return [self.weight, self.bias]
+
     def forward(self, h: Tensor, n: int | None = None) -> Tensor:
         """h [..., H] -> features [..., n, H] of the first n heads (default all)."""
         n = self.cfg.num_heads if n is None else n

@@ -1,7 +1,7 @@
 // Python bindings of the fp32 CPU kernels (engine/kernels/cpu_gemm.py builds them; engine/kernels/cpu_decode.py
-// uses DecodeModel, engine/kernels/cpu_head.py EagleStep). No body touches a Python object: the GIL is released
-// like PyTorch's own ops, so other threads (callers streaming or detokenizing while the scheduler's worker
-// decodes) keep running.
+// uses DecodeModel, engine/kernels/cpu_head.py EagleStep and MedusaStep). No body touches a Python object: the
+// GIL is released like PyTorch's own ops, so other threads (callers streaming or detokenizing while the
+// scheduler's worker decodes) keep running.
 #include <torch/extension.h>
 
 #include <vector>
@@ -29,5 +29,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step", &EagleStep::step, "an EAGLE-style head's step: (features, tokens) -> (next features, logits)",
            py::call_guard<py::gil_scoped_release>())
       .def("greedy", &EagleStep::greedy, "steps greedy drafts of the head in one call",
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<MedusaStep>(m, "MedusaStep")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>())
+      .def("step", &MedusaStep::step, "Medusa heads' step: h -> the first n heads' logits",
+           py::call_guard<py::gil_scoped_release>())
+      .def("greedy", &MedusaStep::greedy, "the first n heads' greedy drafts in one call",
            py::call_guard<py::gil_scoped_release>());
 }

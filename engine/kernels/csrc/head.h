@@ -1,4 +1,4 @@
-// An EAGLE-style head's step (head_step.cpp), its weights held once: a call passes only the step's tensors.
+// The draft heads' steps (head_step.cpp), their weights held once: a call passes only the step's tensors.
 #pragma once
 #include <torch/extension.h>
 
@@ -23,4 +23,19 @@ class EagleStep {
   std::vector<torch::Tensor> w_;
   double eps_;
   int64_t layers_ = 0, vocab_ = 0, hidden_ = 0, inter_ = 0, draft_vocab_ = 0;
+};
+
+class MedusaStep {
+ public:
+  // weight [L, M, H, H] (float32, float16 or bfloat16), bias [L, M, H] float32, lm [V', H] (the LM head's rows),
+  // vocab_ids [V'] int64 ids below vocab (the target's vocabulary size) or empty (the full vocabulary)
+  MedusaStep(torch::Tensor weight, torch::Tensor bias, torch::Tensor lm, torch::Tensor ids, int64_t vocab);
+  // h [B, H] -> the first n heads' logits [B, n, V']
+  torch::Tensor step(const torch::Tensor& h, int64_t n) const;
+  // their argmaxes -> [B, n] int64 ids of the full vocabulary
+  torch::Tensor greedy(const torch::Tensor& h, int64_t n) const;
+
+ private:
+  torch::Tensor weight_, bias_, lm_, ids_;
+  int64_t layers_ = 0, heads_ = 0, hidden_ = 0, draft_vocab_ = 0;
 };

@@ -1,10 +1,14 @@
-// An EAGLE-style draft head's step (engine/spec/heads.py EagleHead, scored by the target's LM head) for the few
-// rows of a draft round, in fp32 on the CPU, as one C++ call instead of ~20 PyTorch ops.
+// The draft heads' steps (engine/spec/heads.py, scored by the target's LM head) for the few rows of a draft
+// round, in fp32 on the CPU, as one C++ call instead of ~20 PyTorch ops.
 //
+// EagleStep:
 // (feature f [B, H], token t [B]) -> f' = out_norm(x_L), x_0 = fc([f; embed_norm(embed[t])]),
 // x_{l+1} = x_l + down_l(silu(g) * u) with [g; u] = gate_up_l(norm_l(x_l)); logits = lm(f') over the draft
-// vocabulary. The GEMMs run on the small-GEMM kernel (16-bit weights widened in registers); ``greedy`` feeds
-// each step's argmax (mapped to the full vocabulary) into the next, with no Python between the steps.
+// vocabulary. ``greedy`` feeds each step's argmax (mapped to the full vocabulary) into the next, with no
+// Python between the steps.
+// MedusaStep: head m of the first n maps h [B, H] through blocks x += silu(W[l, m] x + b[l, m]) and scores it:
+// logits [B, n, V'] in one call, ``greedy`` their argmaxes.
+// The GEMMs run on the small-GEMM kernel (16-bit weights widened in registers).
 #include <torch/extension.h>
 
 #include <cmath>
@@ -24,7 +28,23 @@ void rms_norm_row(const float* x, const float* w, float* y, int64_t H, float eps
   for (int64_t i = 0; i < H; ++i) y[i] = x[i] * r * w[i];
 }
 
-void check(bool ok, const char* what) { TORCH_CHECK(ok, "EagleStep: ", what); }
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "head step: ", what); }
+
+// the first maximum of r[0, V) (NaN counted as the maximum, like torch.argmax)
+int64_t argmax(const float* r, int64_t V) {
+  int64_t best = 0;
+  for (int64_t j = 1; j < V; ++j)
+    if (!std::isnan(r[best]) && (r[j] > r[best] || std::isnan(r[j]))) best = j;
+  return best;
+}
+
+void check_ids(const torch::Tensor& ids, int64_t draft_vocab, int64_t vocab) {
+  check(ids.numel() == 0 || (ids.dim() == 1 && ids.numel() == draft_vocab && ids.scalar_type() == at::kLong &&
+                             ids.is_contiguous()),
+        "vocab_ids empty or [V'] int64");
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    check(ids.data_ptr<int64_t>()[i] >= 0 && ids.data_ptr<int64_t>()[i] < vocab, "vocab_ids in 0..V-1");
+}
 
 bool gemm_weight(const torch::Tensor& w, int64_t rows, int64_t cols) {
   return w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() && w.device().is_cpu() &&
@@ -57,11 +77,7 @@ EagleStep::EagleStep(std::vector<torch::Tensor> weights, double eps) : w_(std::m
   const torch::Tensor &lm = w_[4 + 3 * layers_], &ids = w_[5 + 3 * layers_];
   check(lm.dim() == 2 && gemm_weight(lm, lm.size(0), H), "lm [V', H] float32/float16/bfloat16");
   draft_vocab_ = lm.size(0);
-  check(ids.numel() == 0 || (ids.dim() == 1 && ids.numel() == draft_vocab_ && ids.scalar_type() == at::kLong &&
-                             ids.is_contiguous()),
-        "vocab_ids empty or [V'] int64");
-  for (int64_t i = 0; i < ids.numel(); ++i)
-    check(ids.data_ptr<int64_t>()[i] >= 0 && ids.data_ptr<int64_t>()[i] < vocab_, "vocab_ids in 0..V-1");
+  check_ids(ids, draft_vocab_, vocab_);
 }
 
 // f [B, H] fp32, tok [B] int64 -> f_out [B, H] written, logits [B, V'] written
@@ -107,8 +123,7 @@ std::tuple<torch::Tensor, torch::Tensor> EagleStep::step(const torch::Tensor& f,
   return {f_out, logits};
 }
 
-// steps greedy drafts: each the first maximum of its logits (NaN counted as the maximum, like torch.argmax),
-// mapped through vocab_ids, fed to the next step -> [B, steps] int64 ids of the full vocabulary
+// steps greedy drafts: each the argmax of its logits mapped through vocab_ids, fed to the next step -> [B, steps] int64 ids of the full vocabulary
 torch::Tensor EagleStep::greedy(const torch::Tensor& f, const torch::Tensor& tok, int64_t steps) const {
   check_inputs(f, tok);
   TORCH_CHECK(steps >= 1, "EagleStep.greedy: steps >= 1");
@@ -121,14 +136,66 @@ torch::Tensor EagleStep::greedy(const torch::Tensor& f, const torch::Tensor& tok
   for (int64_t i = 0; i < steps; ++i) {
     run(fa.data(), t.data(), B, fb.data(), logits.data());
     for (int64_t b = 0; b < B; ++b) {
-      const float* r = logits.data() + b * V;
-      int64_t best = 0;
-      for (int64_t j = 1; j < V; ++j)
-        if (!std::isnan(r[best]) && (r[j] > r[best] || std::isnan(r[j]))) best = j;
+      const int64_t best = argmax(logits.data() + b * V, V);
       t[b] = ids.numel() ? ids.data_ptr<int64_t>()[best] : best;
       op[b * steps + i] = t[b];
     }
     fa.swap(fb);
+  }
+  return out;
+}
+
+MedusaStep::MedusaStep(torch::Tensor weight, torch::Tensor bias, torch::Tensor lm, torch::Tensor ids, int64_t vocab)
+    : weight_(std::move(weight)), bias_(std::move(bias)), lm_(std::move(lm)), ids_(std::move(ids)) {
+  check(weight_.dim() == 4 && weight_.size(2) == weight_.size(3) && weight_.is_contiguous() &&
+            gemm_weight(weight_.view({-1, weight_.size(3)}), weight_.numel() / weight_.size(3), weight_.size(3)),
+        "weight [L, M, H, H] contiguous float32/float16/bfloat16");
+  layers_ = weight_.size(0);
+  heads_ = weight_.size(1);
+  hidden_ = weight_.size(3);
+  check(bias_.dim() == 3 && bias_.size(0) == layers_ && bias_.size(1) == heads_ && bias_.size(2) == hidden_ &&
+            bias_.scalar_type() == at::kFloat && bias_.is_contiguous(),
+        "bias [L, M, H] contiguous float32");
+  check(lm_.dim() == 2 && gemm_weight(lm_, lm_.size(0), hidden_), "lm [V', H] float32/float16/bfloat16");
+  draft_vocab_ = lm_.size(0);
+  check_ids(ids_, draft_vocab_, vocab);
+}
+
+// h [B, H] -> logits [B, n, V'] of the first n heads
+torch::Tensor MedusaStep::step(const torch::Tensor& h, int64_t n) const {
+  TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.scalar_type() == at::kFloat && h.is_contiguous() &&
+              h.device().is_cpu(), "MedusaStep: h [B, ", hidden_, "] contiguous float32");
+  TORCH_CHECK(n >= 1 && n <= heads_, "MedusaStep: n in 1..", heads_);
+  const int64_t B = h.size(0), H = hidden_, V = draft_vocab_;
+  // x [B, n, H]: every head starts from h; head m's rows are strided by n * H, so each head's block runs on
+  // a contiguous copy of its B rows
+  std::vector<float> x(B * n * H), xm(B * H), y(B * H);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t m = 0; m < n; ++m) std::copy_n(h.data_ptr<float>() + b * H, H, x.data() + (b * n + m) * H);
+  for (int64_t l = 0; l < layers_; ++l)
+    for (int64_t m = 0; m < n; ++m) {
+      for (int64_t b = 0; b < B; ++b) std::copy_n(x.data() + (b * n + m) * H, H, xm.data() + b * H);
+      small_gemm_into(xm.data(), weight_.select(0, l).select(0, m), y.data(), B, H, H);
+      const float* bp = bias_.data_ptr<float>() + (l * heads_ + m) * H;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < H; ++i) {
+          const float z = y[b * H + i] + bp[i];
+          x[(b * n + m) * H + i] += z / (1.f + std::exp(-z));
+        }
+    }
+  torch::Tensor logits = torch::empty({B, n, V}, h.options());
+  small_gemm_into(x.data(), lm_, logits.data_ptr<float>(), B * n, H, V);
+  return logits;
+}
+
+// the argmax of each head's logits, mapped through vocab_ids -> [B, n] int64 ids of the full vocabulary
+torch::Tensor MedusaStep::greedy(const torch::Tensor& h, int64_t n) const {
+  const torch::Tensor logits = step(h, n);
+  const int64_t B = h.size(0), V = draft_vocab_;
+  torch::Tensor out = torch::empty({B, n}, h.options().dtype(at::kLong));
+  for (int64_t r = 0; r < B * n; ++r) {
+    const int64_t best = argmax(logits.data_ptr<float>() + r * V, V);
+    out.data_ptr<int64_t>()[r] = ids_.numel() ? ids_.data_ptr<int64_t>()[best] : best;
   }
   return out;
 }
