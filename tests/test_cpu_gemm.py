@@ -96,27 +96,6 @@ def test_small_gemm_linear_has_the_api_of_nn_linear(bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("store", [torch.bfloat16, torch.float16])
-def test_small_gemm_linear_reads_a_16_bit_copy(store):
-    """A draft's Linear on a 16-bit copy: exactly the kernel on the rounded weight, the fp32 weight kept."""
-    torch.manual_seed(2)
-    lin = nn.Linear(40, 24)
-    mod = SmallGemmLinear(lin, store=store)
-    assert mod.weight is lin.weight and set(mod.state_dict()) == set(lin.state_dict())
-    rounded = lin.weight.detach().to(store)
-    with torch.no_grad():
-        for rows in (1, 3, MAX_ROWS):
-            x = torch.randn(rows, 40)
-            assert torch.equal(mod(x), small_gemm_kernel()(x, rounded).add_(lin.bias))
-            ref = x.double() @ rounded.double().T + lin.bias.double()
-            torch.testing.assert_close(mod(x).double(), ref, rtol=1e-5, atol=1e-5)
-        big = torch.randn(MAX_ROWS + 1, 40)  # above the kernel's rows: F.linear on the fp32 weight
-        assert torch.equal(mod(big), lin(big))
-    with pytest.raises(ValueError, match="store=torch.float64 is invalid"):
-        SmallGemmLinear(lin, store=torch.float64)
-
-
-@needs_kernel
 def test_swap_covers_every_fp32_gemm_and_keeps_the_model(ckpt_dir):
     tokens = torch.tensor([[1, 5, 9, 33, 2, 7, 120, 44]])
     model = load_model(ckpt_dir, torch.float32)

@@ -202,8 +202,8 @@ class KernelOptions:
     """The CPU's C++ kernels (few-row GEMM, the one-call decode step, oneDNN-packed bf16): None uses
     them where they run, True requires them, False keeps PyTorch's. Only on the CPU."""
     draft_step_weights: str | None = None
-    """How the draft's C++ step, or a trained head's Linears on the few-row kernel, store their GEMM
-    weights ("float16", "bfloat16", "float32"); None: bfloat16 where lossless, else float16. Only on the CPU."""
+    """How the draft's C++ step, or a trained head's, stores its GEMM weights ("float16", "bfloat16",
+    "float32"); None: bfloat16 where lossless, else float16. Only on the CPU."""
     cuda_graphs: bool = False
     """Capture the draft and verify steps as CUDA graphs (CUDA only)."""
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS

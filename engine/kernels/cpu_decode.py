@@ -35,7 +35,6 @@ from engine.core.checkpoint import DTYPES
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import FusedLinear, KVCache, Transformer
 from engine.kernels.cpu_gemm import (
-    STORE_DTYPES,
     SmallGemmLinear,
     amx_status,
     cpu_kernels,
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 # already has a value of that dtype (a bf16 or fp16 checkpoint loaded in fp32: see exact_weight_dtype);
 # otherwise it rounds, which only a draft may do (the target verifies its proposals: the output is
 # unchanged and only the acceptance can move)
-WEIGHT_DTYPES = STORE_DTYPES
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _gemm_weights(model: Transformer) -> list[Tensor]:

@@ -51,7 +51,6 @@ SOURCES = [
 ]
 MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (docs/performance.md)
 KERNEL_NAME = "small-gemm-fp32"
-STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the weight storage the kernel reads
 
 
 # the compiler flags of each instruction set the kernels are built for (engine/kernels/csrc/simd.h), by
@@ -145,19 +144,13 @@ def small_gemm_kernel() -> Callable[[Tensor, Tensor], Tensor]:
 
 
 def _small_gemm_linear(
-    kernel: Callable[[Tensor, Tensor], Tensor],
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    stored: Tensor | None = None,
+    kernel: Callable[[Tensor, Tensor], Tensor], x: Tensor, weight: Tensor, bias: Tensor | None
 ) -> Tensor:
-    """``F.linear(x, weight, bias)`` through the kernel when x has at most MAX_ROWS rows; ``stored``: the
-    kernel's copy of ``weight`` (16-bit, a draft's), else ``weight`` itself."""
+    """``F.linear(x, weight, bias)`` through the kernel when x has at most MAX_ROWS rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or _needs_torch(x, weight, bias):
         return F.linear(x, weight, bias)
-    w = weight if stored is None else stored
-    y = kernel(x.reshape(rows, x.shape[-1]).contiguous(), w).view(*x.shape[:-1], weight.shape[0])
+    y = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y.add_(bias)
 
 
@@ -179,30 +172,21 @@ def _check_weight(weight: Tensor) -> None:
 
 
 class SmallGemmLinear(nn.Module):
-    """Same API and parameters as the fp32 ``nn.Linear`` it replaces (the weight is shared, not copied).
+    """Same API and parameters as the fp32 ``nn.Linear`` it replaces (the weight is shared, not copied)."""
 
-    ``store``: the kernel reads a copy of the weight in this dtype (float16 / bfloat16: half the bytes;
-    rounding, so only for a draft, whose proposals the target verifies); None or float32: the weight itself.
-    Above MAX_ROWS rows and under autograd ``F.linear`` runs on the fp32 weight."""
-
-    def __init__(self, linear: nn.Linear, store: torch.dtype | None = None) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         _check_weight(linear.weight)
-        if store not in (None, *STORE_DTYPES):
-            raise ValueError(f"store={store} is invalid: allowed None, {', '.join(map(str, STORE_DTYPES))}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared (a tied LM head stays tied to the embedding)
         self.bias = linear.bias
-        # a plain attribute, not a buffer: the state dict keeps the fp32 weight only
-        self.stored = None if store in (None, torch.float32) else linear.weight.detach().to(store).contiguous()
         self.kernel = small_gemm_kernel()
 
     def forward(self, x: Tensor) -> Tensor:
-        return _small_gemm_linear(self.kernel, x, self.weight, self.bias, self.stored)
+        return _small_gemm_linear(self.kernel, x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        dt = "float32" if self.stored is None else str(self.stored.dtype).replace("torch.", "")
-        return f"in={self.in_features}, out={self.out_features}, {dt} weights, small-GEMM kernel up to {MAX_ROWS} rows"
+        return f"in={self.in_features}, out={self.out_features}, fp32 small-GEMM kernel up to {MAX_ROWS} rows"
 
 
 class SmallGemmFused(FusedLinear):

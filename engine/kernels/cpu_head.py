@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.checkpoint import DTYPES
-from engine.kernels.cpu_decode import exact_dtype
-from engine.kernels.cpu_gemm import STORE_DTYPES, SmallGemmLinear, cpu_kernels, small_gemm_status
+from engine.kernels.cpu_decode import WEIGHT_DTYPES, exact_dtype
+from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ def head_store_dtype(weights: list[Tensor], store: str | torch.dtype | None) -> 
         exact = exact_dtype(weights) if weights else torch.float32
         return torch.float16 if exact == torch.float32 else exact
     dtype = DTYPES.get(store, store) if isinstance(store, str) else store
-    if dtype not in STORE_DTYPES:
-        raise ValueError(f"store={store!r} is invalid: allowed auto, {', '.join(map(str, STORE_DTYPES))}")
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"store={store!r} is invalid: allowed auto, {', '.join(map(str, WEIGHT_DTYPES))}")
     return dtype  # type: ignore[return-value]
 
 

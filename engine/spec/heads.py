@@ -185,11 +185,14 @@ def draft_lm_head(target: Transformer, vocab_ids: Tensor | None) -> nn.Linear:
     """The heads' scorer: a bias-free Linear on the target's LM head weight (shared, not copied) or, with a
     reduced draft vocabulary, on its rows ``vocab_ids`` (a copy of V' rows)."""
     w = target.lm_head.weight
-    rows = w if vocab_ids is None else nn.Parameter(w.detach()[vocab_ids].contiguous(), requires_grad=False)
+    if vocab_ids is not None:
+        w = nn.Parameter(w.detach()[vocab_ids].contiguous(), requires_grad=False)
+    elif not isinstance(w, nn.Parameter):
+        w = nn.Parameter(w.detach(), requires_grad=False)
     with torch.device("meta"):
-        lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-    lin.weight = rows if isinstance(rows, nn.Parameter) else nn.Parameter(rows.detach(), requires_grad=False)
-    return lin.requires_grad_(False)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight = w
+    return lin
 
 
 def save_head(head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, out: str | Path) -> None:
