@@ -72,6 +72,16 @@ def exact_weight_dtype(model: Transformer) -> torch.dtype:
     return exact_dtype(_gemm_weights(model))
 
 
+def step_weight_dtype(weights: list[Tensor], choice: torch.dtype | str | None) -> torch.dtype | str:
+    """How a C++ step stores these GEMM weights: None -> ``exact_dtype(weights)`` (lossless); "auto" -> that
+    when it is 16-bit, else float16 (a draft's rounding: only the acceptance can move); a dtype or its name
+    (as ``KernelOptions.draft_step_weights`` gives it) -> that dtype (the step checks it)."""
+    if choice is None or choice == "auto":
+        exact = exact_dtype(weights)
+        return torch.float16 if choice == "auto" and exact == torch.float32 else exact
+    return DTYPES.get(choice, choice) if isinstance(choice, str) else choice
+
+
 def exact_dtype(weights: list[Tensor]) -> torch.dtype:
     """bfloat16 or float16 when every value of ``weights`` is of that dtype, else float32."""
     for dtype in (torch.bfloat16, torch.float16):
@@ -262,12 +272,7 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
         log.info("the model's steps stay on PyTorch: %s", reason)
         model.use_kernels(step=None)
         return reason
-    if weight_dtype is None or weight_dtype == "auto":
-        exact = exact_weight_dtype(model)
-        weight_dtype = torch.float16 if weight_dtype == "auto" and exact == torch.float32 else exact
-    elif isinstance(weight_dtype, str):  # a name, as KernelOptions.draft_step_weights gives it
-        weight_dtype = DTYPES.get(weight_dtype, weight_dtype)  # type: ignore[arg-type]
-    model.use_kernels(step=DecodeStep(model, weight_dtype))  # type: ignore[arg-type]
+    model.use_kernels(step=DecodeStep(model, step_weight_dtype(_gemm_weights(model), weight_dtype)))
     return None
 
 

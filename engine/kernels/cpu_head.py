@@ -21,8 +21,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from engine.core.checkpoint import DTYPES
-from engine.kernels.cpu_decode import WEIGHT_DTYPES, exact_dtype
+from engine.kernels.cpu_decode import WEIGHT_DTYPES, step_weight_dtype
 from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
 
 log = logging.getLogger(__name__)
@@ -34,11 +33,9 @@ def _fp32_cpu(t: Tensor) -> bool:
 
 def head_store_dtype(weights: list[Tensor], store: str | torch.dtype | None) -> torch.dtype:
     """The dtype of a head's kernel weight copies: ``store`` by name or dtype; None or "auto": bfloat16 or
-    float16 where every value of ``weights`` has that dtype (lossless), else float16."""
-    if store is None or store == "auto":
-        exact = exact_dtype(weights) if weights else torch.float32
-        return torch.float16 if exact == torch.float32 else exact
-    dtype = DTYPES.get(store, store) if isinstance(store, str) else store
+    float16 where every value of ``weights`` has that dtype (lossless), else float16 (the draft model's rule,
+    ``step_weight_dtype``)."""
+    dtype = step_weight_dtype(weights, "auto" if store is None else store)
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"store={store!r} is invalid: allowed auto, {', '.join(map(str, WEIGHT_DTYPES))}")
     return dtype  # type: ignore[return-value]
@@ -74,7 +71,6 @@ class EagleKernel:
         ``EagleHead.kernel_weights``: embed_norm, fc, per block norm, gate_up, down, then out_norm; 2-D ones are
         GEMM weights, copied to ``store``); ``embed`` the target's embedding [V, H], ``lm_weight`` the LM head's
         rows [V', H] (fp32, shared), ``vocab_ids`` [V'] or None."""
-        self.store = store
 
         def own(t: Tensor) -> Tensor:  # a GEMM weight: a copy in ``store``; a norm weight: itself
             return t.detach().to(store).contiguous() if t.dim() == 2 else t.detach().contiguous()
@@ -102,7 +98,6 @@ class MedusaKernel:
     ) -> None:
         """``weight`` [L, M, H, H] (copied to ``store``), ``bias`` [L, M, H], ``lm_weight`` the LM head's rows
         [V', H] (fp32, shared), ``vocab_ids`` [V'] or None, ``vocab`` the target's vocabulary size."""
-        self.store = store
         ids = torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().contiguous()
         w = weight.detach().to(store).contiguous()
         self.impl = cpu_kernels().MedusaStep(w, bias.detach().contiguous(), lm_weight.detach().contiguous(), ids, vocab)

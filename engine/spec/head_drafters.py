@@ -104,10 +104,11 @@ class HeadDrafter:
         return sample_from_probs(p, batch.noise[:, i]), p
 
     def _result(
-        self, drafts: list[Tensor], probs: list[Tensor], have: list[bool], k: int, asked: int
+        self, drafts: Tensor, probs: list[Tensor], have: list[bool], k: int, asked: int
     ) -> tuple[Tensor, Tensor | None, list[int] | None]:
+        """(drafts [B, k], their distributions [B, k, V] or None, each row's number of drafts or None: all k)."""
         num = None if all(have) and k == asked else [k if h else 0 for h in have]
-        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None), num
+        return drafts, (torch.stack(probs, 1) if probs else None), num
 
     def step_fn(self, batch: int = 1) -> Callable[[], object]:
         """One draft step on random features (for measuring the cost ratio c)."""
@@ -125,7 +126,7 @@ class MedusaDrafter(HeadDrafter):
         f, have = self._features(batch.seqs, dev)
         k = min(batch.k, self.cfg.num_heads)
         if batch.processing.mode == "greedy" and self.greedy is not None:  # all k drafts in one call
-            return self._result(list(self.greedy(f, k).unbind(1)), [], have, k, batch.k)
+            return self._result(self.greedy(f, k), [], have, k, batch.k)
         logits = self._step(f, static=(k,))  # [B, k, V']
         drafts, probs = [], []
         for i in range(k):
@@ -133,7 +134,7 @@ class MedusaDrafter(HeadDrafter):
             drafts.append(d)
             if p is not None:
                 probs.append(p)
-        return self._result(drafts, probs, have, k, batch.k)
+        return self._result(torch.stack(drafts, 1), probs, have, k, batch.k)
 
     def step(self, f: Tensor, n: int) -> Tensor:  # type: ignore[override]
         """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
@@ -158,7 +159,7 @@ class EagleDrafter(HeadDrafter):
         f, have = self._features(batch.seqs, dev)
         tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=dev)
         if batch.processing.mode == "greedy" and self.greedy is not None:  # all k drafts in one call
-            return self._result(list(self.greedy(f, tok, batch.k).unbind(1)), [], have, batch.k, batch.k)
+            return self._result(self.greedy(f, tok, batch.k), [], have, batch.k, batch.k)
         drafts, probs = [], []
         for _ in range(batch.k):
             f, logits = self._step(f, tok)
@@ -166,7 +167,7 @@ class EagleDrafter(HeadDrafter):
             drafts.append(tok)
             if p is not None:
                 probs.append(p)
-        return self._result(drafts, probs, have, batch.k, batch.k)
+        return self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
 
     def step_fn(self, batch: int = 1) -> Callable[[], object]:
         w = self.head_weight

@@ -17,22 +17,13 @@
 
 #include "amx_gemm.h"
 #include "decode.h"
+#include "row_ops.h"
 #include "simd.h"
 #include "small_gemm.h"
 
 namespace {
 
-// y[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * w, per row
-void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * H;
-    float ss = 0.f;
-    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-    float* yr = y + m * H;
-    for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] * r * w[i];
-  }
-}
+using row_ops::rms_norm;
 
 // one head vector rotated in place: x * cos + roll(x, D/2) * sin_folded (engine/core/model.py apply_rope)
 void rope(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
@@ -173,11 +164,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, con
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
     rms_norm(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
     gemm(amx, h.data(), w[6], gu.data(), d.M, d.H, 2 * inter);
-    for (int64_t m = 0; m < d.M; ++m)
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = gu[m * 2 * inter + i];
-        act[m * inter + i] = g / (1.f + std::exp(-g)) * gu[m * 2 * inter + inter + i];
-      }
+    row_ops::swiglu(gu.data(), act.data(), d.M, inter);
     gemm(amx, act.data(), w[7], y.data(), d.M, inter, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
@@ -333,10 +320,7 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
   for (int64_t i = 0; i < steps; ++i) {
     const float* lp = logits.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
-      const float* r = lp + b * vocab_;
-      int64_t best = 0;
-      for (int64_t j = 1; j < vocab; ++j)
-        if (!std::isnan(r[best]) && (r[j] > r[best] || std::isnan(r[j]))) best = j;
+      const int64_t best = row_ops::argmax(lp + b * vocab_, vocab);
       op[b * steps + i] = best;
       tok.data_ptr<int64_t>()[b] = best;
       next.data_ptr<int64_t>()[b] = pc.data_ptr<int64_t>()[b * T + lc.data_ptr<int64_t>()[b]] + 1 + i;

@@ -18,7 +18,8 @@ class EagleStep {
   torch::Tensor greedy(const torch::Tensor& f, const torch::Tensor& tok, int64_t steps) const;
 
  private:
-  void run(const float* f, const int64_t* tok, int64_t B, float* f_out, float* logits) const;
+  int64_t scratch_size(int64_t B) const;
+  void run(const float* f, const int64_t* tok, int64_t B, float* f_out, float* logits, float* scratch) const;
   void check_inputs(const torch::Tensor& f, const torch::Tensor& tok) const;
   std::vector<torch::Tensor> w_;
   double eps_;

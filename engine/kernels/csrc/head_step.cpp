@@ -17,26 +17,12 @@
 #include <vector>
 
 #include "head.h"
+#include "row_ops.h"
 #include "small_gemm.h"
 
 namespace {
 
-void rms_norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) y[i] = x[i] * r * w[i];
-}
-
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "head step: ", what); }
-
-// the first maximum of r[0, V) (NaN counted as the maximum, like torch.argmax)
-int64_t argmax(const float* r, int64_t V) {
-  int64_t best = 0;
-  for (int64_t j = 1; j < V; ++j)
-    if (!std::isnan(r[best]) && (r[j] > r[best] || std::isnan(r[j]))) best = j;
-  return best;
-}
 
 void check_ids(const torch::Tensor& ids, int64_t draft_vocab, int64_t vocab) {
   check(ids.numel() == 0 || (ids.dim() == 1 && ids.numel() == draft_vocab && ids.scalar_type() == at::kLong &&
@@ -80,30 +66,29 @@ EagleStep::EagleStep(std::vector<torch::Tensor> weights, double eps) : w_(std::m
   check_ids(ids, draft_vocab_, vocab_);
 }
 
-// f [B, H] fp32, tok [B] int64 -> f_out [B, H] written, logits [B, V'] written
-void EagleStep::run(const float* f, const int64_t* tok, int64_t B, float* f_out, float* logits) const {
+// the floats run() works in for B rows: in [B, 2H], x, h, y [B, H], gu [B, 2I], act [B, I]
+int64_t EagleStep::scratch_size(int64_t B) const { return B * (5 * hidden_ + 3 * inter_); }
+
+// f [B, H] fp32, tok [B] int64 -> f_out [B, H] written, logits [B, V'] written; scratch: scratch_size(B) floats
+void EagleStep::run(const float* f, const int64_t* tok, int64_t B, float* f_out, float* logits, float* scratch) const {
   const int64_t H = hidden_, I = inter_;
   const float eps = static_cast<float>(eps_);
   const float* embed = w_[0].data_ptr<float>();
-  std::vector<float> in(B * 2 * H), x(B * H), h(B * H), gu(B * 2 * I), act(B * I), y(B * H);
+  float *in = scratch, *x = in + B * 2 * H, *h = x + B * H, *y = h + B * H, *gu = y + B * H, *act = gu + B * 2 * I;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(tok[b] >= 0 && tok[b] < vocab_, "EagleStep: a token id is out of range");
-    std::copy_n(f + b * H, H, in.data() + b * 2 * H);
-    rms_norm_row(embed + tok[b] * H, w_[1].data_ptr<float>(), in.data() + b * 2 * H + H, H, eps);
+    std::copy_n(f + b * H, H, in + b * 2 * H);
+    row_ops::rms_norm(embed + tok[b] * H, w_[1].data_ptr<float>(), in + b * 2 * H + H, 1, H, eps);
   }
-  small_gemm_into(in.data(), w_[2], x.data(), B, 2 * H, H);
+  small_gemm_into(in, w_[2], x, B, 2 * H, H);
   for (int64_t l = 0; l < layers_; ++l) {
-    for (int64_t b = 0; b < B; ++b) rms_norm_row(x.data() + b * H, w_[3 + 3 * l].data_ptr<float>(), h.data() + b * H, H, eps);
-    small_gemm_into(h.data(), w_[4 + 3 * l], gu.data(), B, H, 2 * I);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gu[b * 2 * I + i];
-        act[b * I + i] = g / (1.f + std::exp(-g)) * gu[b * 2 * I + I + i];
-      }
-    small_gemm_into(act.data(), w_[5 + 3 * l], y.data(), B, I, H);
+    row_ops::rms_norm(x, w_[3 + 3 * l].data_ptr<float>(), h, B, H, eps);
+    small_gemm_into(h, w_[4 + 3 * l], gu, B, H, 2 * I);
+    row_ops::swiglu(gu, act, B, I);
+    small_gemm_into(act, w_[5 + 3 * l], y, B, I, H);
     for (int64_t i = 0; i < B * H; ++i) x[i] += y[i];
   }
-  for (int64_t b = 0; b < B; ++b) rms_norm_row(x.data() + b * H, w_[3 + 3 * layers_].data_ptr<float>(), f_out + b * H, H, eps);
+  row_ops::rms_norm(x, w_[3 + 3 * layers_].data_ptr<float>(), f_out, B, H, eps);
   small_gemm_into(f_out, w_[4 + 3 * layers_], logits, B, H, draft_vocab_);
 }
 
@@ -119,24 +104,27 @@ std::tuple<torch::Tensor, torch::Tensor> EagleStep::step(const torch::Tensor& f,
   const int64_t B = f.size(0);
   torch::Tensor f_out = torch::empty({B, hidden_}, f.options());
   torch::Tensor logits = torch::empty({B, draft_vocab_}, f.options());
-  run(f.data_ptr<float>(), tok.data_ptr<int64_t>(), B, f_out.data_ptr<float>(), logits.data_ptr<float>());
+  std::vector<float> scratch(scratch_size(B));
+  run(f.data_ptr<float>(), tok.data_ptr<int64_t>(), B, f_out.data_ptr<float>(), logits.data_ptr<float>(), scratch.data());
   return {f_out, logits};
 }
 
-// steps greedy drafts: each the argmax of its logits mapped through vocab_ids, fed to the next step -> [B, steps] int64 ids of the full vocabulary
+// steps greedy drafts: each the argmax of its logits mapped through vocab_ids, fed to the next step
+// -> [B, steps] int64 ids of the full vocabulary
 torch::Tensor EagleStep::greedy(const torch::Tensor& f, const torch::Tensor& tok, int64_t steps) const {
   check_inputs(f, tok);
   TORCH_CHECK(steps >= 1, "EagleStep.greedy: steps >= 1");
   const int64_t B = f.size(0), H = hidden_, V = draft_vocab_;
   const torch::Tensor& ids = w_[5 + 3 * layers_];
   std::vector<float> fa(f.data_ptr<float>(), f.data_ptr<float>() + B * H), fb(B * H), logits(B * V);
+  std::vector<float> scratch(scratch_size(B));  // once for every step
   std::vector<int64_t> t(tok.data_ptr<int64_t>(), tok.data_ptr<int64_t>() + B);
   torch::Tensor out = torch::empty({B, steps}, tok.options());
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t i = 0; i < steps; ++i) {
-    run(fa.data(), t.data(), B, fb.data(), logits.data());
+    run(fa.data(), t.data(), B, fb.data(), logits.data(), scratch.data());
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t best = argmax(logits.data() + b * V, V);
+      const int64_t best = row_ops::argmax(logits.data() + b * V, V);
       t[b] = ids.numel() ? ids.data_ptr<int64_t>()[best] : best;
       op[b * steps + i] = t[b];
     }
@@ -194,7 +182,7 @@ torch::Tensor MedusaStep::greedy(const torch::Tensor& h, int64_t n) const {
   const int64_t B = h.size(0), V = draft_vocab_;
   torch::Tensor out = torch::empty({B, n}, h.options().dtype(at::kLong));
   for (int64_t r = 0; r < B * n; ++r) {
-    const int64_t best = argmax(logits.data_ptr<float>() + r * V, V);
+    const int64_t best = row_ops::argmax(logits.data_ptr<float>() + r * V, V);
     out.data_ptr<int64_t>()[r] = ids_.numel() ? ids_.data_ptr<int64_t>()[best] : best;
   }
   return out;
