@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -29,12 +30,14 @@ from engine.core.model import Transformer
 from engine.demo.checkpoints import save_checkpoint
 from engine.demo.distill import round_weights, train_draft, value_dtype
 from engine.demo.evaluate import evaluate_pair
+from engine.demo.grow import grow_width
 from engine.demo.recipe import (
     EOS_TOKEN,
     RECIPE_VERSION,
     DemoRecipe,
     ModelShape,
     demo_texts,
+    trained_shape,
 )
 
 log = logging.getLogger(__name__)
@@ -70,19 +73,27 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         train_ids = torch.tensor(tok.encode(texts["train"]).ids, dtype=torch.long)
         held_ids = torch.tensor(tok.encode(texts["heldout"]).ids, dtype=torch.long)
         eos = tok.token_to_id(EOS_TOKEN)
-        target = _init_model(_model_config(recipe, recipe.target, eos))
+        target = _init_model(_model_config(recipe, trained_shape(recipe), eos))
         t0 = time.perf_counter()
         tloss = _train_target(target, train_ids, recipe, bf16, progress)
         round_weights(target, recipe.weight_values)
         report["target"] = {
-            "params": _params(target),
+            "trained_params": _params(target),
             "train_s": round(time.perf_counter() - t0, 1),
             "steps": recipe.target_steps,
             "final_train_loss": round(tloss, 4),
         }
-        save_checkpoint(target, tok, out / "target")
+        # the draft learns from the trained target: with grow > 1 the narrow one, the same function as
+        # the grown target at a fraction of the cost to generate and label with
+        teacher = out / ("target" if recipe.grow == 1 else "trained-target")
+        save_checkpoint(target, tok, teacher)
         t0 = time.perf_counter()
-        drep = train_draft(out / "target", out / "draft", recipe.draft, texts["train"], progress=progress)
+        drep = train_draft(teacher, out / "draft", recipe.draft, texts["train"], progress=progress)
+        if recipe.grow > 1:
+            target = grow_width(target, recipe.grow)
+            save_checkpoint(target, tok, out / "target")
+            shutil.rmtree(teacher)
+        report["target"]["params"] = _params(target)
         draft = load_model(out / "draft")
         report["draft"] = {
             "params": _params(draft),
