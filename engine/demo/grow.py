@@ -59,4 +59,4 @@ def grow_width(model: Transformer, factor: int) -> Transformer:
         n.down_proj.weight.copy_(m.down_proj.weight.repeat(f, f) / f)
     wide.norm.weight.copy_(model.norm.weight.repeat(f) / f)  # the tied LM head reads [x, x, ...]
     wide.lm_head.weight = wide.embed_tokens.weight
-    return wide
+    return wide.train(model.training)

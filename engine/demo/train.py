@@ -64,7 +64,8 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
     t_all = time.perf_counter()
     texts = demo_texts()
     report: dict[str, Any] = {"size": size, "recipe_version": RECIPE_VERSION, "recipe": asdict(recipe)}
-    value_dtype(recipe.weight_values)  # refused before any training
+    value_dtype(recipe.weight_values)  # refused before any training, as is a bad grow
+    shape = trained_shape(recipe)
     with _torch_settings(recipe):
         bf16 = _use_bf16(recipe)
         t0 = time.perf_counter()
@@ -73,7 +74,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         train_ids = torch.tensor(tok.encode(texts["train"]).ids, dtype=torch.long)
         held_ids = torch.tensor(tok.encode(texts["heldout"]).ids, dtype=torch.long)
         eos = tok.token_to_id(EOS_TOKEN)
-        target = _init_model(_model_config(recipe, trained_shape(recipe), eos))
+        target = _init_model(_model_config(recipe, shape, eos))
         t0 = time.perf_counter()
         tloss = _train_target(target, train_ids, recipe, bf16, progress)
         round_weights(target, recipe.weight_values)
