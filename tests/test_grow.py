@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from util import llama_config
 
 from engine.core.checkpoint import load_model
-from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.model import Transformer
 from engine.demo import recipe, train
@@ -19,15 +19,13 @@ from engine.demo.grow import grow_width, grown_config
 
 
 def _model(heads: int, kv_heads: int, seed: int = 0) -> Transformer:
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
+    cfg = llama_config(
         vocab_size=300,
         hidden_size=32 * heads,
         intermediate_size=80,
         num_hidden_layers=3,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=32,
         max_position_embeddings=128,
         tie_word_embeddings=True,
     )

@@ -90,6 +90,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         save_checkpoint(target, tok, teacher)
         t0 = time.perf_counter()
         drep = train_draft(teacher, out / "draft", recipe.draft, texts["train"], progress=progress)
+        draft_s = round(time.perf_counter() - t0, 1)
         if recipe.grow > 1:
             target = grow_width(target, recipe.grow)
             save_checkpoint(target, tok, out / "target")
@@ -98,7 +99,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         draft = load_model(out / "draft")
         report["draft"] = {
             "params": _params(draft),
-            "train_s": round(time.perf_counter() - t0, 1),
+            "train_s": draft_s,
             "steps": drep["steps"],
             "final_distill_loss": drep["final_loss"],
             "generated_tokens": drep["generated_tokens"],
