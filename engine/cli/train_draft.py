@@ -2,9 +2,13 @@
 
     specmix-train-draft --target DIR --kind model|medusa|eagle --out DIR [--text FILE] [--steps N]
                         [--layers N] [--hidden N] [--heads N] [--draft-vocab N] [--samples N] [--device cpu|cuda]
+                        [--heldout N] [--eval-k K]
 
 The target generates the training text itself (prompts cut from --text, default the demo corpus's
 training split; never give it the evaluation text). Interrupted runs resume from ``--out``.
+The report (printed and OUT/train_report.json) gives, under ``heldout``, the draft's greedy rounds at
+K = --eval-k simulated on --heldout greedy continuations that training never saw: the mean accepted
+length and acceptance rate tools/bench.py would measure at that K.
 Load the result with ``Engine.from_pretrained(target, OUT, drafter=KIND)``.
 """
 
@@ -34,6 +38,10 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--gen-len", type=int, default=224, help="tokens generated per sequence (224)")
     p.add_argument("--temperature", type=float, default=0.8, help="of the sampled sequences (0.8)")
     p.add_argument("--greedy-share", type=float, default=0.5, help="share of the sequences continued greedily (0.5)")
+    p.add_argument(
+        "--heldout", type=int, default=8, help="greedy sequences held out to evaluate the draft on (8; 0: none)"
+    )
+    p.add_argument("--eval-k", type=int, default=5, help="drafts per round of the held-out evaluation (5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--weight-values",
@@ -75,7 +83,16 @@ def main(argv: list[str] | None = None) -> int:
             seed=a.seed,
             weight_values=a.weight_values,
         )
-        report = train_draft(a.target, a.out, opts, _text(a.text), device=a.device, progress=not a.quiet)
+        report = train_draft(
+            a.target,
+            a.out,
+            opts,
+            _text(a.text),
+            device=a.device,
+            progress=not a.quiet,
+            heldout=a.heldout,
+            eval_k=a.eval_k,
+        )
         print(json.dumps(report, indent=2))
         return 0
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import InvalidConfigError
 from engine.demo.distill_data import DistillData, cut_prompts, generate, label
+from engine.demo.distill_eval import heldout_acceptance, heldout_data
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -300,8 +301,18 @@ def train_draft(
     device: str = "cpu",
     progress: bool = True,
     engine: Any = None,
+    heldout: int = 8,
+    eval_k: int = 5,
 ) -> dict[str, Any]:
-    """Generate, label, train and write the draft into ``out``; returns a report (also out/train_report.json)."""
+    """Generate, label, train and write the draft into ``out``; returns a report (also out/train_report.json).
+
+    ``heldout`` more prompts (another seed) are continued greedily and never trained on; the report's
+    ``heldout`` gives the trained draft's greedy rounds at K = ``eval_k`` simulated on them
+    (engine/demo/distill_eval.py; medusa: at most its heads). 0: no held-out evaluation."""
+    if not isinstance(heldout, int) or heldout < 0:
+        raise InvalidConfigError(f"heldout={heldout!r} is invalid: allowed an int >= 0")
+    if not isinstance(eval_k, int) or eval_k < 1:
+        raise InvalidConfigError(f"eval_k={eval_k!r} is invalid: allowed an int >= 1")
     from engine.api.engine import Engine
 
     target_dir, out = Path(target_dir), Path(out)
@@ -322,6 +333,9 @@ def train_draft(
         data = label(target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, progress)
         data.gen_seconds = gen_s
         data.save(data_path)
+    held = None
+    if heldout:
+        held = heldout_data(eng, text, heldout, opts, out / "distill_heldout.pt", progress)
     report.update(
         generated_tokens=data.generated_tokens,
         gen_s=round(data.gen_seconds, 1),
@@ -342,6 +356,8 @@ def train_draft(
             (nn.init.ones_ if p.dim() == 1 else lambda t: nn.init.normal_(t, std=0.02))(p)
         loss = train_loop(draft, lambda g: model_loss(draft, data, opts, g), opts, steps, state, progress)
         round_weights(draft, opts.weight_values)
+        if held is not None:
+            report["heldout"] = heldout_acceptance("model", draft, target, held, eval_k, None, None)
         save_draft_model(draft, target_dir, out)
     else:
         vocab_ids = None if opts.draft_vocab is None else frequent_tokens(data, opts.draft_vocab, cfg.vocab_size)
@@ -372,9 +388,12 @@ def train_draft(
             progress,
         )
         round_weights(head, opts.weight_values)
+        if held is not None:
+            k = min(eval_k, hcfg.max_drafts or eval_k)
+            report["heldout"] = heldout_acceptance(opts.kind, head, target, held, k, lm_w, vocab_ids)
         save_head(head, hcfg, vocab_ids, out)
     report.update(kind=opts.kind, steps=steps, train_s=round(time.perf_counter() - t0, 1), final_loss=round(loss, 4))
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    for p in (data_path, state):
+    for p in (data_path, out / "distill_heldout.pt", state):
         p.unlink(missing_ok=True)
     return report
