@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import InvalidConfigError
+from engine.core.files import write_text_atomic
 from engine.demo.distill_data import DistillData, cut_prompts, generate, label
 from engine.demo.distill_eval import heldout_acceptance, heldout_data
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
@@ -306,9 +307,10 @@ def train_draft(
 ) -> dict[str, Any]:
     """Generate, label, train and write the draft into ``out``; returns a report (also out/train_report.json).
 
-    ``heldout`` more prompts (another seed) are continued greedily and never trained on; the report's
-    ``heldout`` gives the trained draft's greedy rounds at K = ``eval_k`` simulated on them
-    (engine/demo/distill_eval.py; medusa: at most its heads). 0: no held-out evaluation."""
+    ``heldout`` more prompts, apart from the training prompts, are continued greedily and never trained on;
+    the report's ``heldout`` gives the trained draft's greedy rounds at K = ``eval_k`` simulated on them
+    (engine/demo/distill_eval.py; medusa: at most its heads). 0 (or a text too short to leave such
+    prompts, logged): no held-out evaluation, ``heldout`` None."""
     if not isinstance(heldout, int) or heldout < 0:
         raise InvalidConfigError(f"heldout={heldout!r} is invalid: allowed an int >= 0")
     if not isinstance(eval_k, int) or eval_k < 1:
@@ -319,7 +321,7 @@ def train_draft(
     out.mkdir(parents=True, exist_ok=True)
     eng = engine or Engine.from_pretrained(target_dir, device=device)
     target = eng.target
-    report: dict[str, Any] = {"options": asdict(opts)}
+    report: dict[str, Any] = {"options": asdict(opts), "heldout": None}
     data_path = out / "distill_data.pt"
     if data_path.is_file():
         data = DistillData.load(data_path)
@@ -356,6 +358,7 @@ def train_draft(
             (nn.init.ones_ if p.dim() == 1 else lambda t: nn.init.normal_(t, std=0.02))(p)
         loss = train_loop(draft, lambda g: model_loss(draft, data, opts, g), opts, steps, state, progress)
         round_weights(draft, opts.weight_values)
+        train_s = time.perf_counter() - t0
         if held is not None:
             report["heldout"] = heldout_acceptance("model", draft, target, held, eval_k, None, None)
         save_draft_model(draft, target_dir, out)
@@ -388,12 +391,13 @@ def train_draft(
             progress,
         )
         round_weights(head, opts.weight_values)
+        train_s = time.perf_counter() - t0
         if held is not None:
             k = min(eval_k, hcfg.max_drafts or eval_k)
             report["heldout"] = heldout_acceptance(opts.kind, head, target, held, k, lm_w, vocab_ids)
         save_head(head, hcfg, vocab_ids, out)
-    report.update(kind=opts.kind, steps=steps, train_s=round(time.perf_counter() - t0, 1), final_loss=round(loss, 4))
-    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    report.update(kind=opts.kind, steps=steps, train_s=round(train_s, 1), final_loss=round(loss, 4))
+    write_text_atomic(out / "train_report.json", json.dumps(report, indent=2) + "\n")
     for p in (data_path, out / "distill_heldout.pt", state):
         p.unlink(missing_ok=True)
     return report

@@ -60,13 +60,17 @@ class DistillData:
         return cls(**torch.load(path, weights_only=True))
 
 
+def prompt_starts(n_ids: int, n: int, prompt_len: int, seed: int) -> list[int]:
+    """The offsets of ``cut_prompts``'s windows in a text of ``n_ids`` tokens."""
+    if n_ids <= prompt_len:
+        raise ValueError(f"the training text has {n_ids} tokens: allowed more than prompt_len={prompt_len}")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n_ids - prompt_len, (n,), generator=g).tolist()
+
+
 def cut_prompts(ids: list[int], n: int, prompt_len: int, seed: int) -> list[list[int]]:
     """``n`` windows of ``prompt_len`` tokens of ``ids`` at seeded random offsets."""
-    if len(ids) <= prompt_len:
-        raise ValueError(f"the training text has {len(ids)} tokens: allowed more than prompt_len={prompt_len}")
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - prompt_len, (n,), generator=g).tolist()
-    return [ids[s : s + prompt_len] for s in starts]
+    return [ids[s : s + prompt_len] for s in prompt_starts(len(ids), n, prompt_len, seed)]
 
 
 def generate(

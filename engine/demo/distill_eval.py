@@ -1,24 +1,39 @@
 """How well a trained draft drafts: the engine's greedy rounds, simulated on held-out text.
 
-The held-out sequences are continuations the target generated greedily from prompts that training
-never saw. At every position L where a round could start (its first draft proposes the token at L),
-the draft proposes K tokens along the target's own greedy text: while its drafts match, they are the
-tokens the round commits, so teacher forcing gives exactly the engine's drafts. ``leading_matches``
-counts the leading drafts equal to the target's argmax; a greedy round at fixed K starting at L
-commits that many + 1 tokens. Hopping through each sequence from its first generated token, as the
-engine's rounds do, gives the mean accepted length and the acceptance rate that ``tools/bench.py``
-reports for greedy decoding at that K (up to the positions the bench's own prompts lead to).
+The held-out sequences are continuations the target generated greedily from prompts that lie apart
+from every training prompt and its continuation. From a position L where a round could start (its
+first draft proposes the token at L), the draft proposes K tokens along the target's own greedy text:
+while its drafts match, they are the tokens the round commits, so teacher forcing gives exactly the
+engine's drafts. ``leading_matches`` counts the leading drafts equal to the generated tokens; a greedy
+round at fixed K starting at L commits that many + 1. The first round starts where the engine's does
+(a draft model drafts from the prompt's end, a head from the token after it: before the prefill
+there is no feature), and each round moves L on by what it commits. The mean accepted length and
+acceptance rate are those ``tools/bench.py`` reports for greedy decoding at that K, on this text.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from engine.demo.distill_data import DistillData, cut_prompts, generate, label
+from engine.core.errors import InvalidConfigError
+from engine.demo.distill_data import DistillData, generate, label, prompt_starts
+
+if TYPE_CHECKING:
+    from engine.demo.distill import TrainOptions
+
+log = logging.getLogger(__name__)
+
+EVAL_KINDS = ("model", "medusa", "eagle")
+
+
+def first_start(kind: str, prompt_len: int) -> int:
+    """The position of the first round's first draft: the prompt's end for a draft model, one later for a head."""
+    return prompt_len if kind == "model" else prompt_len + 1
 
 
 @torch.no_grad()
@@ -32,27 +47,28 @@ def leading_matches(
     lm_w: Tensor | None,
     vocab_ids: Tensor | None,
 ) -> Tensor:
-    """[S] int: for each start L in 2 .. S + 1 (S = length - k - 1), how many of the k drafts of a round
-    whose first draft is the token at L equal the target's argmax before the first one that does not.
+    """[S] int: for each start L = first .. length - k (``first_start``), how many of the k drafts of a round
+    whose first draft is the token at L equal the generated tokens L, L + 1, ... before the first that does not.
 
     kind "model": ``draft`` is a draft model (teacher-forced on the row); "eagle" / "medusa": a head on
     the target's features ``data.features``, scored by ``lm_w`` [V', H] (rows ``vocab_ids`` [V'] of the
     target's LM head, or all of it when None)."""
+    if kind not in EVAL_KINDS:
+        raise InvalidConfigError(f"kind={kind!r} is invalid: allowed {', '.join(EVAL_KINDS)}")
     n = int(data.lengths[row])
     tokens = data.tokens[row, :n]  # [n]
-    best = data.idx[row, :n, 0].long()  # [n]: the target's argmax for the token after each position
-    starts = torch.arange(2, n - k + 1)  # [S]: first draft at L, its k-th at L + k - 1 <= n - 1
-    want = best[starts[:, None] - 1 + torch.arange(k)]  # [S, k]: the target's token at L + j
+    starts = torch.arange(first_start(kind, data.prompt_len), n - k + 1)  # [S]
+    at = starts[:, None] + torch.arange(k)  # [S, k]: the positions of each round's drafts
     if kind == "model":
-        pred = draft(tokens[None])[0].argmax(-1)  # [n]: the draft's token after each position
-        got = pred[starts[:, None] - 1 + torch.arange(k)]
+        got = draft(tokens[None])[0].argmax(-1)[at - 1]  # the draft's next token after each position
     else:
-        assert data.features is not None and lm_w is not None
+        if data.features is None or lm_w is None:
+            raise InvalidConfigError(f"kind={kind!r}: a head needs the target's features and LM head rows")
         f = data.features[row, starts - 2].float()  # [S, H]: the feature that scored the token at L - 1
         if kind == "medusa":
             feats = draft(f, k)  # [S, k, H]
         else:
-            emb = target.embed_tokens(tokens[starts[:, None] - 1 + torch.arange(k)]).float()  # [S, k, H]
+            emb = target.embed_tokens(tokens[at - 1]).float()  # [S, k, H]: the token before each draft
             steps = []
             for j in range(k):
                 f = draft(f, emb[:, j])
@@ -61,25 +77,32 @@ def leading_matches(
         got = (feats @ lm_w.T).argmax(-1)  # [S, k]
         if vocab_ids is not None:
             got = vocab_ids[got]
-    return (got == want).long().cumprod(1).sum(1)
+    return (got == tokens[at]).long().cumprod(1).sum(1)
 
 
-def simulate_rounds(lead: Tensor, prompt_len: int) -> list[int]:
-    """The accepted drafts of each round of one sequence: rounds start after the prefill's token
-    (L = prompt_len + 1) and each moves L on by its accepted drafts + 1. ``lead[i]``: start L = i + 2."""
-    out, L = [], prompt_len + 1
-    while 0 <= L - 2 < len(lead):
-        a = int(lead[L - 2])
+def simulate_rounds(lead: Tensor) -> list[int]:
+    """The accepted drafts of each round of one sequence: the first round starts at ``lead[0]``'s position
+    and each moves on by its accepted drafts + 1."""
+    out, i = [], 0
+    while i < len(lead):
+        a = int(lead[i])
         out.append(a)
-        L += a + 1
+        i += a + 1
     return out
 
 
 @torch.no_grad()
 def heldout_acceptance(
-    kind: str, draft: nn.Module, target: Any, data: DistillData, k: int, lm_w: Tensor | None, vocab_ids: Tensor | None
+    kind: str,
+    draft: nn.Module,
+    target: Any,
+    data: DistillData,
+    k: int,
+    lm_w: Tensor | None,
+    vocab_ids: Tensor | None,
 ) -> dict[str, Any]:
-    """The held-out figures of the report: greedy rounds at fixed K (see the module docstring)."""
+    """The held-out figures of the report: greedy rounds at fixed K (see the module docstring);
+    ``first_draft_acceptance`` over every position a round could start at."""
     draft.eval()
     accepted: list[int] = []
     first, positions = 0, 0
@@ -87,7 +110,7 @@ def heldout_acceptance(
         lead = leading_matches(kind, draft, target, r, data, k, lm_w, vocab_ids)
         first += int((lead > 0).sum())
         positions += len(lead)
-        accepted += simulate_rounds(lead, data.prompt_len)
+        accepted += simulate_rounds(lead)
     rounds = max(1, len(accepted))
     return {
         "sequences": len(data.tokens),
@@ -99,14 +122,44 @@ def heldout_acceptance(
     }
 
 
-def heldout_data(eng: Any, text: str, n: int, opts: Any, path: Path, progress: bool) -> DistillData:
-    """``n`` greedy continuations (``opts.gen_len`` tokens) of prompts cut from ``text`` with another seed
-    than the training prompts' (``opts``: the TrainOptions), labelled with the target's argmax (and
-    features for a head); cached at ``path``."""
+def heldout_starts(n_ids: int, n: int, opts: TrainOptions) -> list[int]:
+    """Up to ``n`` prompt offsets (fewer when the text leaves fewer), seeded apart from training's, each at
+    least a prompt and its continuation (``prompt_len + gen_len`` tokens) away from every training prompt's."""
+    span = opts.prompt_len + opts.gen_len
+    far = n_ids + span  # sentinels below and above every offset
+    train = torch.tensor([-far, *sorted(prompt_starts(n_ids, opts.samples, opts.prompt_len, opts.seed)), n_ids + far])
+    cand = torch.arange(n_ids - opts.prompt_len)
+    i = torch.searchsorted(train, cand)  # train[i - 1] < cand <= train[i]
+    free = cand[torch.minimum(cand - train[i - 1], train[i] - cand) >= span]
+    g = torch.Generator().manual_seed(opts.seed + 1_000_003)
+    return free[torch.randperm(len(free), generator=g)[:n]].sort().values.tolist()
+
+
+def heldout_data(eng: Any, text: str, n: int, opts: TrainOptions, path: Path, progress: bool) -> DistillData | None:
+    """Greedy continuations (``opts.gen_len`` tokens) of ``n`` prompts from ``heldout_starts``, with the
+    target's features for a head; cached at ``path`` (regenerated when its shape differs). None (logged)
+    when the text leaves no prompt apart from the training prompts; fewer (logged) when it leaves fewer."""
     if path.is_file():
-        return DistillData.load(path)
-    prompts = cut_prompts(eng.tokenizer.encode(text), n, opts.prompt_len, opts.seed + 1_000_003)
-    seqs, _ = generate(eng, prompts, opts.gen_len, 0.0, opts.seed, progress, greedy_share=1.0)
+        data = DistillData.load(path)
+        if (
+            len(data.tokens) == n
+            and data.prompt_len == opts.prompt_len
+            and (data.features is not None) == (opts.kind != "model")
+        ):
+            return data
+    ids = eng.tokenizer.encode(text)
+    starts = heldout_starts(len(ids), n, opts)
+    if len(starts) < n:
+        log.warning(
+            "held-out evaluation: the text (%d tokens) leaves %d of heldout=%d prompts apart from the training "
+            "prompts and their continuations",
+            len(ids),
+            len(starts),
+            n,
+        )
+    if not starts:
+        return None
+    seqs, _ = generate(eng, [ids[s : s + opts.prompt_len] for s in starts], opts.gen_len, 0.0, opts.seed, progress)
     data = label(eng.target, seqs, 1, opts.kind != "model", opts.prompt_len, progress)
     data.save(path)
     return data
