@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -23,12 +23,19 @@ from torch import Tensor, nn
 from engine.core.errors import InvalidConfigError
 from engine.demo.distill_data import DistillData, generate, label, prompt_starts
 
-if TYPE_CHECKING:
-    from engine.demo.distill import TrainOptions
-
 log = logging.getLogger(__name__)
 
 EVAL_KINDS = ("model", "medusa", "eagle")
+
+
+class DistillOptions(Protocol):
+    """What the held-out prompts depend on (engine/demo/distill.py's TrainOptions has it)."""
+
+    kind: str
+    samples: int
+    prompt_len: int
+    gen_len: int
+    seed: int
 
 
 def first_start(kind: str, prompt_len: int) -> int:
@@ -122,7 +129,7 @@ def heldout_acceptance(
     }
 
 
-def heldout_starts(n_ids: int, n: int, opts: TrainOptions) -> list[int]:
+def heldout_starts(n_ids: int, n: int, opts: DistillOptions) -> list[int]:
     """Up to ``n`` prompt offsets (fewer when the text leaves fewer), seeded apart from training's, each at
     least a prompt and its continuation (``prompt_len + gen_len`` tokens) away from every training prompt's."""
     span = opts.prompt_len + opts.gen_len
@@ -135,7 +142,7 @@ def heldout_starts(n_ids: int, n: int, opts: TrainOptions) -> list[int]:
     return free[torch.randperm(len(free), generator=g)[:n]].sort().values.tolist()
 
 
-def heldout_data(eng: Any, text: str, n: int, opts: TrainOptions, path: Path, progress: bool) -> DistillData | None:
+def heldout_data(eng: Any, text: str, n: int, opts: DistillOptions, path: Path, progress: bool) -> DistillData | None:
     """Greedy continuations (``opts.gen_len`` tokens) of ``n`` prompts from ``heldout_starts``, with the
     target's features for a head; cached at ``path`` (regenerated when its shape differs). None (logged)
     when the text leaves no prompt apart from the training prompts; fewer (logged) when it leaves fewer."""
