@@ -102,12 +102,11 @@ def test_pair_layout_and_report(tiny_pair: tuple[Path, Path]) -> None:
     assert tool["kind"] == "model" and tool["options"] == asdict(recipe.get_recipe("tiny").draft)
     assert rep["draft"]["steps"] == tool["steps"] and rep["draft"]["generated_tokens"] == tool["generated_tokens"] > 0
     assert rep["target"]["heldout_ppl"] < rep["draft"]["heldout_ppl"]
-    # its greedy rounds at K = 5 simulated on held-out continuations: the tool's figures, a draft that drafts
+    # its greedy rounds at K = 5 simulated on held-out continuations (the tool's; tests/test_distill_eval.py
+    # checks them against the engine's rounds)
     rounds = rep["draft"]["greedy_rounds_k5"]
     assert rounds == tool["heldout"] and rounds["k"] == 5 and rounds["sequences"] == 8
-    assert 0.2 < rounds["acceptance"] <= 1 and rounds["mean_accepted_length"] == pytest.approx(
-        1 + 5 * rounds["acceptance"], abs=1e-2
-    )
+    assert 0.2 < rounds["acceptance"] <= 1 and rounds["rounds"] > 8
     # the tokenizer (and so the models) saw the training split only
     assert rep["train_tokens"] == len(Tokenizer(target).encode(t["train"]))
 

@@ -56,9 +56,9 @@ def evaluated(tiny_demo: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
         out["dirs"][kind] = d / kind
     eng = Engine.from_pretrained(target)
     opts = TrainOptions(kind="model", samples=48, prompt_len=16, gen_len=64)
-    out["held_model"] = heldout_data(eng, train, N_HELD, opts, d / "held-model.pt", progress=False)
+    out["held_model"] = heldout_data(eng, train, N_HELD, opts, progress=False)
     opts = TrainOptions(kind="eagle", samples=48, prompt_len=16, gen_len=64, heads=K)
-    out["held_head"] = heldout_data(eng, train, N_HELD, opts, d / "held-head.pt", progress=False)
+    out["held_head"] = heldout_data(eng, train, N_HELD, opts, progress=False)
     out["reports"]["model"] = {
         "heldout": heldout_acceptance("model", load_model(draft), eng.target, out["held_model"], K, None, None)
     }

@@ -7,8 +7,8 @@
 The target generates the training text itself (prompts cut from --text, default the demo corpus's
 training split; never give it the evaluation text). Interrupted runs resume from ``--out``.
 The report (printed and OUT/train_report.json) gives, under ``heldout``, the draft's greedy rounds at
-K = --eval-k simulated on --heldout greedy continuations that training never saw: the mean accepted
-length and acceptance rate tools/bench.py would measure at that K.
+K = --eval-k simulated on --heldout greedy continuations of prompts apart from the training prompts:
+about the mean accepted length and acceptance rate tools/bench.py measures at that K.
 Load the result with ``Engine.from_pretrained(target, OUT, drafter=KIND)``.
 """
 

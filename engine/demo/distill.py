@@ -337,7 +337,7 @@ def train_draft(
         data.save(data_path)
     held = None
     if heldout:
-        held = heldout_data(eng, text, heldout, opts, out / "distill_heldout.pt", progress)
+        held = heldout_data(eng, text, heldout, opts, progress)
     report.update(
         generated_tokens=data.generated_tokens,
         gen_s=round(data.gen_seconds, 1),
@@ -398,6 +398,6 @@ def train_draft(
         save_head(head, hcfg, vocab_ids, out)
     report.update(kind=opts.kind, steps=steps, train_s=round(train_s, 1), final_loss=round(loss, 4))
     write_text_atomic(out / "train_report.json", json.dumps(report, indent=2) + "\n")
-    for p in (data_path, out / "distill_heldout.pt", state):
+    for p in (data_path, state):
         p.unlink(missing_ok=True)
     return report

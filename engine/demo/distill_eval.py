@@ -7,14 +7,15 @@ while its drafts match, they are the tokens the round commits, so teacher forcin
 engine's drafts. ``leading_matches`` counts the leading drafts equal to the generated tokens; a greedy
 round at fixed K starting at L commits that many + 1. The first round starts where the engine's does
 (a draft model drafts from the prompt's end, a head from the token after it: before the prefill
-there is no feature), and each round moves L on by what it commits. The mean accepted length and
-acceptance rate are those ``tools/bench.py`` reports for greedy decoding at that K, on this text.
+there is no feature), and each round moves L on by what it commits, until fewer than K tokens remain.
+The mean accepted length and acceptance rate are those of the engine's greedy rounds at that K on this
+text, but for each sequence's prefill and last, shorter rounds, which ``tools/bench.py``'s figures count
+(its mean accepted length reads a little lower for them).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -142,18 +143,10 @@ def heldout_starts(n_ids: int, n: int, opts: DistillOptions) -> list[int]:
     return free[torch.randperm(len(free), generator=g)[:n]].sort().values.tolist()
 
 
-def heldout_data(eng: Any, text: str, n: int, opts: DistillOptions, path: Path, progress: bool) -> DistillData | None:
+def heldout_data(eng: Any, text: str, n: int, opts: DistillOptions, progress: bool) -> DistillData | None:
     """Greedy continuations (``opts.gen_len`` tokens) of ``n`` prompts from ``heldout_starts``, with the
-    target's features for a head; cached at ``path`` (regenerated when its shape differs). None (logged)
-    when the text leaves no prompt apart from the training prompts; fewer (logged) when it leaves fewer."""
-    if path.is_file():
-        data = DistillData.load(path)
-        if (
-            len(data.tokens) == n
-            and data.prompt_len == opts.prompt_len
-            and (data.features is not None) == (opts.kind != "model")
-        ):
-            return data
+    target's features for a head. None (logged) when the text leaves no prompt apart from the training
+    prompts; fewer (logged) when it leaves fewer."""
     ids = eng.tokenizer.encode(text)
     starts = heldout_starts(len(ids), n, opts)
     if len(starts) < n:
@@ -167,6 +160,4 @@ def heldout_data(eng: Any, text: str, n: int, opts: DistillOptions, path: Path, 
     if not starts:
         return None
     seqs, _ = generate(eng, [ids[s : s + opts.prompt_len] for s in starts], opts.gen_len, 0.0, opts.seed, progress)
-    data = label(eng.target, seqs, 1, opts.kind != "model", opts.prompt_len, progress)
-    data.save(path)
-    return data
+    return label(eng.target, seqs, 1, opts.kind != "model", opts.prompt_len, progress)

@@ -89,7 +89,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         teacher = out / ("target" if recipe.grow == 1 else "trained-target")
         save_checkpoint(target, tok, teacher)
         t0 = time.perf_counter()
-        drep = train_draft(teacher, out / "draft", recipe.draft, texts["train"], progress=progress)
+        drep = train_draft(teacher, out / "draft", recipe.draft, texts["train"], progress=progress, heldout=8, eval_k=5)
         draft_s = round(time.perf_counter() - t0, 1)
         if recipe.grow > 1:
             target = grow_width(target, recipe.grow)
