@@ -55,10 +55,11 @@ def evaluated(tiny_demo: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
         out["reports"][kind] = train_draft(target, d / kind, opts, train, progress=False, heldout=N_HELD, eval_k=K)
         out["dirs"][kind] = d / kind
     eng = Engine.from_pretrained(target)
+    ids = eng.tokenizer.encode(train)
     opts = TrainOptions(kind="model", samples=48, prompt_len=16, gen_len=64)
-    out["held_model"] = heldout_data(eng, train, N_HELD, opts, progress=False)
+    out["held_model"] = heldout_data(eng, ids, N_HELD, opts, progress=False)
     opts = TrainOptions(kind="eagle", samples=48, prompt_len=16, gen_len=64, heads=K)
-    out["held_head"] = heldout_data(eng, train, N_HELD, opts, progress=False)
+    out["held_head"] = heldout_data(eng, ids, N_HELD, opts, progress=False)
     out["reports"]["model"] = {
         "heldout": heldout_acceptance("model", load_model(draft), eng.target, out["held_model"], K, None, None)
     }

@@ -36,7 +36,7 @@ from engine.core.errors import InvalidConfigError
 from engine.core.files import write_text_atomic
 from engine.demo.distill_data import DistillData, cut_prompts, generate, label
 from engine.demo.distill_eval import heldout_acceptance, heldout_data
-from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
+from engine.spec.heads import HeadConfig, draft_features, init_head, save_head, target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -161,15 +161,11 @@ def head_loss(
     assert data.features is not None
     h = data.features[rows[:, None], steps].float()  # [R, depth + 1, H]
     total = torch.zeros(())
-    if kind == "medusa":
-        f = head(h[:, 0], depth)  # [R, depth, H]
-    else:
-        f_prev, outs = h[:, 0], []
+    emb = None
+    if kind == "eagle":
         emb = target.embed_tokens(data.tokens[rows[:, None], steps[:, 1:]]).float()  # tokens t+1 .. t+depth
-        for j in range(depth):
-            f_prev = head(f_prev, emb[:, j])
-            outs.append(f_prev)
-        f = torch.stack(outs, 1)
+    f = draft_features(head, h[:, 0], emb, depth)  # [R, depth, H]
+    if kind == "eagle":
         total = total + opts.reg_weight * F.smooth_l1_loss(f, h[:, 1:])
     for j in range(depth):
         q_pos = steps[:, j + 1]  # the position whose target distribution draft j + 1 is scored against
@@ -323,6 +319,7 @@ def train_draft(
     target = eng.target
     report: dict[str, Any] = {"options": asdict(opts), "heldout": None}
     data_path = out / "distill_data.pt"
+    ids: list[int] | None = None  # the text's tokens, encoded once
     if data_path.is_file():
         data = DistillData.load(data_path)
         log.info("using the cached distillation data in %s", data_path)
@@ -337,7 +334,7 @@ def train_draft(
         data.save(data_path)
     held = None
     if heldout:
-        held = heldout_data(eng, text, heldout, opts, progress)
+        held = heldout_data(eng, eng.tokenizer.encode(text) if ids is None else ids, heldout, opts, progress)
     report.update(
         generated_tokens=data.generated_tokens,
         gen_s=round(data.gen_seconds, 1),

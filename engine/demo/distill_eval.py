@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 from engine.demo.distill_data import DistillData, generate, label, prompt_starts
+from engine.spec.heads import draft_features
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,8 @@ def leading_matches(
         if data.features is None or lm_w is None:
             raise InvalidConfigError(f"kind={kind!r}: a head needs the target's features and LM head rows")
         f = data.features[row, starts - 2].float()  # [S, H]: the feature that scored the token at L - 1
-        if kind == "medusa":
-            feats = draft(f, k)  # [S, k, H]
-        else:
-            emb = target.embed_tokens(tokens[at - 1]).float()  # [S, k, H]: the token before each draft
-            steps = []
-            for j in range(k):
-                f = draft(f, emb[:, j])
-                steps.append(f)
-            feats = torch.stack(steps, 1)
-        got = (feats @ lm_w.T).argmax(-1)  # [S, k]
+        emb = target.embed_tokens(tokens[at - 1]).float() if kind == "eagle" else None  # the token before each
+        got = (draft_features(draft, f, emb, k) @ lm_w.T).argmax(-1)  # [S, k]
         if vocab_ids is not None:
             got = vocab_ids[got]
     return (got == tokens[at]).long().cumprod(1).sum(1)
@@ -143,11 +136,10 @@ def heldout_starts(n_ids: int, n: int, opts: DistillOptions) -> list[int]:
     return free[torch.randperm(len(free), generator=g)[:n]].sort().values.tolist()
 
 
-def heldout_data(eng: Any, text: str, n: int, opts: DistillOptions, progress: bool) -> DistillData | None:
-    """Greedy continuations (``opts.gen_len`` tokens) of ``n`` prompts from ``heldout_starts``, with the
-    target's features for a head. None (logged) when the text leaves no prompt apart from the training
-    prompts; fewer (logged) when it leaves fewer."""
-    ids = eng.tokenizer.encode(text)
+def heldout_data(eng: Any, ids: list[int], n: int, opts: DistillOptions, progress: bool) -> DistillData | None:
+    """Greedy continuations (``opts.gen_len`` tokens) of ``n`` prompts of the text ``ids`` from ``heldout_starts``,
+    with the target's features for a head. None (logged) when the text leaves no prompt apart from the
+    training prompts; fewer (logged) when it leaves fewer."""
     starts = heldout_starts(len(ids), n, opts)
     if len(starts) < n:
         log.warning(

@@ -162,6 +162,20 @@ class EagleHead(nn.Module):
         return self.out_norm(x)
 
 
+def draft_features(head: nn.Module, f: Tensor, emb: Tensor | None, k: int) -> Tensor:
+    """The features of a round's k drafts from the target's feature f [S, H] -> [S, k, H], teacher forced:
+    Medusa's first k heads at once; EAGLE chained, step j reading emb[:, j] [S, k, H], the embedding of the
+    token before draft j (None for Medusa)."""
+    if isinstance(head, MedusaHeads):
+        return head(f, k)
+    assert emb is not None
+    steps = []
+    for j in range(k):
+        f = head(f, emb[:, j])
+        steps.append(f)
+    return torch.stack(steps, 1)
+
+
 def init_head(cfg: HeadConfig, target: Transformer, seed: int = 0) -> nn.Module:
     """A fresh head for ``target``: medusa at the identity, eagle with the fc near [I, 0] (f_{t+1} ~ f_t),
     small random MLPs and the output norm from the target's final norm."""
