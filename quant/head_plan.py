@@ -4,8 +4,9 @@ A head is the draft, so the draft plan applies to it; what it shares with the ta
 verifier's: the LM head it scores with and the embedding table it reads are the target's, never
 quantized here (the plan's ``lm_head`` and ``embeddings`` families say so).
 
-- eagle: its Linears (``fc``, ``gate_up.<i>``, ``down.<i>``) become ``FP8Linear`` (per-output-channel
-  e4m3, the draft's FP8 kernel), as a draft model's Linears do; its RMSNorms stay in the compute dtype.
+- eagle: its Linears (``fc``, ``gate_up.<i>``, ``down.<i>``; with attention ``fc`` and each decoder layer's
+  projections) become ``FP8Linear`` (per-output-channel e4m3, the draft's FP8 kernel), as a draft model's
+  Linears do; its RMSNorms stay in the compute dtype.
 - medusa: kept in the compute dtype (the ``ffn`` family says why): its weights are one stacked
   [layers, heads, H, H] tensor applied by one batched matmul, while the FP8 GEMM (``torch._scaled_mm``)
   is one 2-D matrix per call; an FP8 form would split it into per-head GEMMs and change the head's
@@ -32,6 +33,7 @@ from .plan_schema import HEAD_KINDS, FamilyPlan, ModelPlan
 log = logging.getLogger(__name__)
 
 HEAD_SHAPE_KEYS = ("hidden_size", "vocab_size", "layers", "intermediate_size", "num_heads", "draft_vocab")
+ATTENTION_KEYS = ("attention", "attention_heads", "kv_heads", "head_dim")  # the EAGLE head with attention
 MEDUSA_KEPT = (
     "kept in the compute dtype: one stacked [layers, heads, H, H] weight in a batched matmul "
     "(the FP8 GEMM takes one 2-D matrix per call; per-head GEMMs would change the head's checkpoint layout)"
@@ -50,7 +52,10 @@ def head_shape(head_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         raise InvalidConfigError(
             f"draft_head.{missing[0]} is missing (a head's config has {', '.join(HEAD_SHAPE_KEYS)})"
         )
-    return str(kind), {k: head_config[k] for k in HEAD_SHAPE_KEYS}
+    shape = {k: head_config[k] for k in HEAD_SHAPE_KEYS}
+    if head_config.get("attention"):
+        shape.update({k: head_config[k] for k in ATTENTION_KEYS})
+    return str(kind), shape
 
 
 def head_linears(kind: str, shape: Mapping[str, Any]) -> list[tuple[str, int, int]]:
@@ -60,6 +65,13 @@ def head_linears(kind: str, shape: Mapping[str, Any]) -> list[tuple[str, int, in
     H = shape["hidden_size"]
     inter = shape["intermediate_size"] or H
     out = [("fc", H, 2 * H)]
+    if shape.get("attention"):  # decoder layers (engine/spec/eagle_attn.py)
+        q, kv = shape["attention_heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+        for i in range(shape["layers"]):
+            a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+            out += [(f"{a}.q_proj", q, H), (f"{a}.k_proj", kv, H), (f"{a}.v_proj", kv, H), (f"{a}.o_proj", H, q)]
+            out += [(f"{m}.gate_proj", inter, H), (f"{m}.up_proj", inter, H), (f"{m}.down_proj", H, inter)]
+        return out
     for i in range(shape["layers"]):
         out += [(f"gate_up.{i}", 2 * inter, H), (f"down.{i}", H, inter)]
     return out
@@ -77,7 +89,7 @@ def head_model_plan(kind: str, shape: dict[str, Any], fp8: FamilyPlan | None, dt
     else:
         ffn = FamilyPlan(fp8.storage, fp8.kernel, {**fp8.scaling, "modules": linears}, "draft head Linears in FP8")
     fams = {
-        "attention": FamilyPlan(dt, "dense", {}, "a draft head has no attention"),
+        "attention": FamilyPlan(dt, "dense", {}, "" if shape.get("attention") else "a draft head has no attention"),
         "ffn": ffn,
         "embeddings": FamilyPlan(dt, "dense", {}, f"embedding table {shared}"),
         "lm_head": FamilyPlan(dt, "dense", {}, f"LM head {shared}"),
@@ -94,7 +106,8 @@ def head_weight_bytes(kind: str, shape: Mapping[str, Any], plan: ModelPlan | Non
     fp8 = plan is not None and plan.families["ffn"].storage == "fp8_e4m3"
     linears = sum(n * k + 4 * n if fp8 else n * k * b for _, n, k in head_linears(kind, shape))
     vocab_ids = 8 * (shape["draft_vocab"] or 0)  # the draft vocabulary's ids (int64)
-    return linears + (L + 2) * H * b + vocab_ids  # norms: embed_norm, one per block, out_norm
+    norms = (2 * L + 2 if shape.get("attention") else L + 2) * H * b  # embed_norm, per block / layer, out_norm
+    return linears + norms + vocab_ids
 
 
 def apply_head_plan(head: nn.Module, plan: ModelPlan) -> list[str]:

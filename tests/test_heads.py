@@ -37,7 +37,9 @@ def spec(kind: str, k: int = 5) -> SpeculationConfig:
     return SpeculationConfig(drafter=kind, k=k, k_policy="constant")
 
 
-def random_head(target_dir, out, kind: str, draft_vocab: int | None = None, seed: int = 0, scale: float = 0.3):
+def random_head(
+    target_dir, out, kind: str, draft_vocab: int | None = None, seed: int = 0, scale: float = 0.3, attention=False
+):
     """A head with random weights (drafts that are sometimes right, sometimes wrong) for the target at target_dir."""
     eng = Engine.from_pretrained(target_dir)
     cfg = eng.target.config
@@ -50,6 +52,10 @@ def random_head(target_dir, out, kind: str, draft_vocab: int | None = None, seed
         vocab_size=cfg.vocab_size,
         num_heads=4,
         draft_vocab=draft_vocab,
+        attention=attention,
+        attention_heads=cfg.num_attention_heads if attention else 0,
+        kv_heads=cfg.num_key_value_heads if attention else 0,
+        head_dim=cfg.head_dim if attention else 0,
         target=target_fingerprint(eng.target, eng.tokenizer.vocab()),
     )
     head = init_head(hcfg, eng.target, seed)
@@ -206,9 +212,11 @@ def small_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind,draft_vocab", [("medusa", None), ("eagle", None), ("eagle", 8)])
-def test_sampled_heads_match_the_target_distribution(small_pair, kind, draft_vocab):
+def test_sampled_heads_match_the_target_distribution(small_pair, kind, draft_vocab, attention=False):
     target, d = small_pair
-    head = random_head(target, d / f"{kind}-{draft_vocab}", kind, draft_vocab, scale=1.0)
+    head = random_head(
+        target, d / f"{kind}-{draft_vocab}-{attention}", kind, draft_vocab, scale=1.0, attention=attention
+    )
     eng = Engine.from_pretrained(target, head, speculation=spec(kind, 2))
     sp = SamplingParams(max_new_tokens=3, temperature=1.0)
     prompt = [1, 2, 3]

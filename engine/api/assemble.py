@@ -24,13 +24,20 @@ from engine.core.tokenizer import Tokenizer
 from engine.kernels.backends import select_attention
 from engine.kernels.cpu_decode import install_decode_step, step_info
 from engine.kernels.cpu_gemm import KERNEL_NAME
-from engine.kernels.cpu_head import EagleKernel, MedusaKernel, head_kernel_reason, head_store_dtype, scorer_on_kernel
+from engine.kernels.cpu_head import (
+    AttnHeadKernel,
+    EagleKernel,
+    MedusaKernel,
+    head_kernel_reason,
+    head_store_dtype,
+    scorer_on_kernel,
+)
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
 from engine.kernels.head_graphs import GraphedStep
 from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
-from engine.spec.head_drafters import HEAD_DRAFTERS, HeadDrafter
+from engine.spec.head_drafters import HEAD_DRAFTERS, EagleAttnDrafter, HeadDrafter
 from engine.spec.heads import HeadConfig, draft_lm_head, load_head
 
 log = logging.getLogger(__name__)
@@ -213,6 +220,21 @@ def head_drafter(
     or None (PyTorch's step)."""
     scorer: nn.Module = draft_lm_head(target, vocab_ids)
     info["draft_head_step_weights"] = None
+    if cfg.attention:  # decoder layers with a KV cache: the decode step's kernel or PyTorch's layers
+        if kernels.cuda_graphs:
+            raise InvalidConfigError(
+                "CUDA graphs of the EAGLE head with attention are not built: set cuda_graphs=False for this head"
+            )
+        why = "the target is not on the CPU kernels" if not cpu_kernels else None
+        ws = module.kernel_weights()  # type: ignore[operator]
+        why = why or head_kernel_reason([*ws, scorer.weight])
+        if why is not None:
+            log.info("the eagle head's layers stay on PyTorch: %s", why)
+            return EagleAttnDrafter(module, cfg, vocab_ids, target, lm_head=scorer_on_kernel(scorer))
+        store = head_store_dtype([w for w in ws if w is not None], kernels.draft_step_weights)
+        info["draft_head_step_weights"] = str(store).replace("torch.", "")
+        runner = AttnHeadKernel(module, scorer.weight, store)
+        return EagleAttnDrafter(module, cfg, vocab_ids, target, runner=runner, lm_head=scorer)
     if not cpu_kernels or kernels.cuda_graphs:  # (graphs capture the PyTorch step)
         return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
     scorer = scorer_on_kernel(scorer)

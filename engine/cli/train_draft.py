@@ -1,7 +1,8 @@
 """``specmix-train-draft`` / tools/train_draft.py: train a draft model, Medusa heads or an EAGLE-style head.
 
     specmix-train-draft --target DIR --kind model|medusa|eagle --out DIR [--text FILE] [--steps N]
-                        [--layers N] [--hidden N] [--heads N] [--draft-vocab N] [--samples N] [--device cpu|cuda]
+                        [--layers N] [--hidden N] [--heads N] [--attention] [--draft-vocab N] [--samples N]
+                        [--device cpu|cuda]
                         [--heldout N] [--eval-k K]
 
 The target generates the training text itself (prompts cut from --text, default the demo corpus's
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--layers", type=int, help="model: layers (2); medusa: blocks per head (1); eagle: MLP blocks (1)")
     p.add_argument("--hidden", type=int, help="model: hidden size (target's / 3); eagle: MLP width (target's)")
     p.add_argument("--heads", type=int, default=4, help="medusa: heads (drafts per round); eagle: unrolled depth")
+    p.add_argument(
+        "--attention", action="store_true", help="eagle: decoder layers with attention over the sequence's features"
+    )
     p.add_argument("--draft-vocab", type=int, help="heads: a reduced draft vocabulary of this many tokens")
     p.add_argument("--samples", type=int, default=256, help="sequences the target generates (256)")
     p.add_argument("--gen-len", type=int, default=224, help="tokens generated per sequence (224)")
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             layers=a.layers,
             hidden=a.hidden,
             heads=a.heads,
+            attention=a.attention,
             draft_vocab=a.draft_vocab,
             samples=a.samples,
             gen_len=a.gen_len,

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -36,7 +35,8 @@ from engine.core.errors import InvalidConfigError
 from engine.core.files import write_text_atomic
 from engine.demo.distill_data import DistillData, cut_prompts, generate, label
 from engine.demo.distill_eval import heldout_acceptance, heldout_data
-from engine.spec.heads import HeadConfig, draft_features, init_head, save_head, target_fingerprint
+from engine.demo.distill_loss import attn_head_loss, frequent_tokens, head_loss, model_loss
+from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class TrainOptions:
     layers: int | None = None  # model: layers (2); medusa: blocks per head (1); eagle: MLP blocks (1)
     hidden: int | None = None  # model: hidden size (target's / 3, a multiple of 64); eagle: MLP width (target's)
     heads: int = 4  # medusa: heads (draft positions); eagle: the unrolled depth trained
+    attention: bool = False  # eagle: decoder layers with attention over the sequence (engine/spec/eagle_attn.py)
     draft_vocab: int | None = None  # heads: the most frequent tokens of the generated text (None: all)
     samples: int = 256  # generated sequences
     prompt_len: int = 32
@@ -72,6 +73,8 @@ class TrainOptions:
         if self.kind not in KINDS:
             raise InvalidConfigError(f"kind={self.kind!r} is invalid: allowed {', '.join(KINDS)}")
         value_dtype(self.weight_values)
+        if self.attention and self.kind != "eagle":
+            raise InvalidConfigError(f"attention=True is invalid with kind={self.kind!r}: allowed with kind='eagle'")
         for name in ("steps", "layers", "hidden", "draft_vocab"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -105,87 +108,6 @@ def round_weights(module: nn.Module, values: str) -> None:
 
 def default_steps(kind: str) -> int:
     return {"model": 1500, "medusa": 600, "eagle": 600}[kind]
-
-
-def kl_loss(logq: Tensor, vals: Tensor, idx: Tensor, pos_of: Tensor | None) -> Tensor:
-    """KL(target || draft) per row over the target's top-k + one bucket for the rest.
-
-    logq [R, V'] draft log-probs over its vocabulary; vals, idx [R, k] the target's top-k log-probs and
-    full-vocabulary ids; pos_of [V] the draft-vocabulary index of each id (-1: not in it; None: identity)."""
-    t_lp = vals.float()
-    pos = idx.long() if pos_of is None else pos_of[idx.long()]
-    inside = pos >= 0
-    d_lp = logq.gather(-1, pos.clamp_min(0))
-    t_p = t_lp.exp() * inside
-    t_rest = (1 - t_p.sum(-1)).clamp_min(0)
-    d_rest = torch.log1p(-(d_lp.exp() * inside).sum(-1).clamp_max(1 - 1e-6))
-    return (t_p * (t_lp - d_lp)).sum(-1) + torch.xlogy(t_rest, t_rest) - t_rest * d_rest
-
-
-def _hard(logq: Tensor, nxt: Tensor, pos_of: Tensor | None) -> Tensor:
-    pos = nxt if pos_of is None else pos_of[nxt]
-    keep = pos >= 0
-    return -(logq.gather(-1, pos.clamp_min(0)[:, None])[:, 0] * keep).sum() / keep.sum().clamp_min(1)
-
-
-def frequent_tokens(data: DistillData, n: int, vocab_size: int) -> Tensor:
-    """The ``n`` most frequent ids of the data's text (sorted ascending)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    mask = torch.arange(data.tokens.shape[1])[None] < data.lengths[:, None]
-    counts.index_add_(0, data.tokens[mask], torch.ones(int(mask.sum()), dtype=torch.long))
-    return counts.topk(min(n, vocab_size)).indices.sort().values
-
-
-def _windows(data: DistillData, n: int, depth: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
-    """n random (row, t) with t + depth < length - 1 (every step of the window has a next token)."""
-    ok = torch.arange(data.tokens.shape[1])[None] + depth < data.lengths[:, None] - 1
-    flat = ok.flatten().nonzero()[:, 0]
-    pick = flat[torch.randint(0, len(flat), (n,), generator=g)]
-    return pick // data.tokens.shape[1], pick % data.tokens.shape[1]
-
-
-def head_loss(
-    kind: str,
-    head: nn.Module,
-    target: Any,
-    lm_w: Tensor,
-    pos_of: Tensor | None,
-    data: DistillData,
-    opts: TrainOptions,
-    g: torch.Generator,
-) -> Tensor:
-    """One batch's loss for medusa (head i on h_t vs q_{t+1+i}) or eagle (unrolled depth steps)."""
-    depth = opts.heads
-    rows, t = _windows(data, opts.positions, depth, g)
-    steps = t[:, None] + torch.arange(depth + 1)  # [R, depth + 1]
-    assert data.features is not None
-    h = data.features[rows[:, None], steps].float()  # [R, depth + 1, H]
-    total = torch.zeros(())
-    emb = None
-    if kind == "eagle":
-        emb = target.embed_tokens(data.tokens[rows[:, None], steps[:, 1:]]).float()  # tokens t+1 .. t+depth
-    f = draft_features(head, h[:, 0], emb, depth)  # [R, depth, H]
-    if kind == "eagle":
-        total = total + opts.reg_weight * F.smooth_l1_loss(f, h[:, 1:])
-    for j in range(depth):
-        q_pos = steps[:, j + 1]  # the position whose target distribution draft j + 1 is scored against
-        logq = F.linear(f[:, j], lm_w).float().log_softmax(-1)
-        kl = kl_loss(logq, data.vals[rows, q_pos], data.idx[rows, q_pos], pos_of).mean()
-        hard = _hard(logq, data.tokens[rows, q_pos + 1], pos_of)
-        total = total + 0.8**j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard)
-    return total
-
-
-def model_loss(draft: nn.Module, data: DistillData, opts: TrainOptions, g: torch.Generator) -> Tensor:
-    """KL on whole sequences: positions // T rows per step."""
-    T = data.tokens.shape[1]
-    rows = torch.randint(0, len(data.tokens), (max(1, opts.positions // T),), generator=g)
-    x = data.tokens[rows]
-    logq = draft(x).float().log_softmax(-1)
-    valid = data.valid()[rows]
-    kl = kl_loss(logq[valid], data.vals[rows][valid], data.idx[rows][valid], None).mean()
-    hard = F.nll_loss(logq[valid], x[:, 1:][valid[:, :-1]]) if T > 1 else kl * 0
-    return (1 - opts.hard_weight) * kl + opts.hard_weight * hard
 
 
 def _lr(step: int, total: int, warmup: int, lr: float) -> float:
@@ -369,6 +291,10 @@ def train_draft(
             intermediate_size=opts.hidden or 0,
             num_heads=opts.heads,
             draft_vocab=None if vocab_ids is None else len(vocab_ids),
+            attention=opts.attention,
+            attention_heads=cfg.num_attention_heads if opts.attention else 0,
+            kv_heads=cfg.num_key_value_heads if opts.attention else 0,
+            head_dim=cfg.head_dim if opts.attention else 0,
             rms_norm_eps=cfg.rms_norm_eps,
             target=target_fingerprint(target, eng.tokenizer.vocab()),
         )
@@ -381,7 +307,9 @@ def train_draft(
             pos_of[vocab_ids] = torch.arange(len(vocab_ids))
         loss = train_loop(
             head,
-            lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
+            (lambda g: attn_head_loss(head, target, lm_w, pos_of, data, opts, g))
+            if opts.attention
+            else (lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g)),
             opts,
             steps,
             state,

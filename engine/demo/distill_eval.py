@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 from engine.demo.distill_data import DistillData, generate, label, prompt_starts
+from engine.spec.eagle_attn import EagleAttnHead
 from engine.spec.heads import draft_features
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,14 @@ def leading_matches(
     else:
         if data.features is None or lm_w is None:
             raise InvalidConfigError(f"kind={kind!r}: a head needs the target's features and LM head rows")
-        f = data.features[row, starts - 2].float()  # [S, H]: the feature that scored the token at L - 1
-        emb = target.embed_tokens(tokens[at - 1]).float() if kind == "eagle" else None  # the token before each
-        got = (draft_features(draft, f, emb, k) @ lm_w.T).argmax(-1)  # [S, k]
+        if isinstance(draft, EagleAttnHead):  # every round at once: draft j of the round rooted at L - 2
+            out = draft.unrolled(data.features[row, : n - 1].float()[None], target.embed_tokens(tokens[1:])[None], k)
+            feats = out[0, torch.arange(k)[None], at - 2]  # [S, k, H]
+        else:
+            f = data.features[row, starts - 2].float()  # [S, H]: the feature that scored the token at L - 1
+            emb = target.embed_tokens(tokens[at - 1]).float() if kind == "eagle" else None  # the token before each
+            feats = draft_features(draft, f, emb, k)
+        got = (feats @ lm_w.T).argmax(-1)  # [S, k]
         if vocab_ids is not None:
             got = vocab_ids[got]
     return (got == tokens[at]).long().cumprod(1).sum(1)

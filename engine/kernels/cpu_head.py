@@ -11,16 +11,20 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
   verifier's precision, shared when the head scores the full vocabulary).
 - medusa: ``MedusaKernel`` runs the first n heads' blocks and scores in one call, and ``greedy`` returns
   their argmaxes (16-bit copies of the stacked head weights, the LM head's fp32 rows).
+- eagle with attention: ``AttnHeadKernel`` runs the decoder layers, output norm and scores on the drafter's
+  entries through the decode step's kernel (its ``forward_x``), with the head's own KV cache.
 ``scorer_on_kernel`` puts the PyTorch steps' scorer (the LM head's rows) on the few-row GEMM, same fp32 weight.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from engine.core.model import rope_cos_sin
 from engine.kernels.cpu_decode import WEIGHT_DTYPES, step_weight_dtype
 from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
 
@@ -117,3 +121,69 @@ def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:
     if type(scorer) is nn.Linear and _fp32_cpu(w) and small_gemm_status() is None:
         return SmallGemmLinear(scorer)
     return scorer
+
+
+class AttnHeadKernel:
+    """The EAGLE head with attention's decoder layers, output norm and scores in one C++ call: the decode step's
+    kernel (engine/kernels/csrc/decode_layers.cpp ``forward_x``) on the entries x [B, T, H] the drafter projects
+    (``EagleAttnHead.entries``), with the head's own static KV cache. The layers' GEMM weights are copies in
+    ``store`` (q/k/v and gate/up stacked); the LM head's rows stay the target's fp32 weight."""
+
+    def __init__(self, head: nn.Module, lm_weight: Tensor, store: torch.dtype) -> None:
+        def mat(t: Tensor) -> Tensor:
+            return t.detach().to(store).contiguous()
+
+        def vec(t: Tensor | None) -> Tensor:
+            return torch.empty(0) if t is None else t.detach().contiguous()
+
+        def cat(ts: list[Tensor | None]) -> Tensor | None:
+            return None if ts[0] is None else torch.cat([t.detach() for t in ts])  # type: ignore[union-attr]
+
+        ws: list[Tensor] = []
+        for layer in head.layers:  # type: ignore[union-attr]
+            a, m = layer.self_attn, layer.mlp
+            ws += [
+                vec(layer.input_layernorm.weight),
+                mat(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                vec(cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])),
+                mat(a.o_proj.weight),
+                vec(a.o_proj.bias),
+                vec(layer.post_attention_layernorm.weight),
+                mat(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                mat(m.down_proj.weight),
+                vec(m.down_proj.bias),
+            ]
+        mcfg = head.mcfg  # type: ignore[union-attr]
+        H = mcfg.hidden_size
+        ws += [torch.zeros(1, H), vec(head.out_norm.weight), lm_weight.detach().contiguous()]  # (no embedding read)
+        self.impl = cpu_kernels().DecodeModel(
+            ws, mcfg.num_attention_heads, mcfg.num_key_value_heads, 0, mcfg.rms_norm_eps, False
+        )
+        self.n_layers = mcfg.num_hidden_layers
+        self._inv_freq = head._inv_freq  # type: ignore[union-attr]
+        self._rope: tuple[Tensor, Tensor] | None = None
+
+    def __call__(
+        self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Entries x [B, T, H] at positions pos [B, T] in cache rows ``rows`` (None: 0..B-1) -> (scores [B, V'],
+        features [B, H]) of each row's entry ``last`` [B]."""
+        n = cache.max_seq_len
+        if self._rope is None or self._rope[0].shape[0] < n:
+            cos, sin = rope_cos_sin(self._inv_freq, torch.arange(n)[None], torch.float32)
+            self._rope = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
+        hidden = torch.empty(1)
+        empty = torch.empty(0, dtype=torch.long)
+        logits = self.impl.forward_x(
+            x.float().contiguous(),
+            pos,
+            empty if rows is None else rows,
+            last,
+            kv_len,
+            self.n_layers,
+            cache.k,
+            cache.v,
+            *self._rope,
+            hidden,
+        )
+        return logits, hidden

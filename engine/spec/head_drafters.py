@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from engine.core.model import Transformer
+from engine.core.errors import InvalidConfigError
+from engine.core.model import KVCache, Transformer
 from engine.spec.drafters import DraftBatch
+from engine.spec.eagle_attn import EagleAttnHead
 from engine.spec.heads import EagleHead, HeadConfig, MedusaHeads, draft_lm_head
 from engine.spec.sampling import sample_from_probs
 
@@ -183,4 +185,104 @@ class EagleDrafter(HeadDrafter):
         return f, self.scores(f)
 
 
+class EagleAttnDrafter(HeadDrafter):
+    """The EAGLE head with attention (engine/spec/eagle_attn.py): its own static KV cache, indexed by position.
+
+    A round first runs the entries of the positions committed since the last (``Seq.new_features`` with the
+    tokens after them, ``hlen`` on) into the cache; the last one's output scores the first draft. Each later
+    draft is one entry more, on the head's own feature. Entries past the committed ones are overwritten by
+    the next round's, so a rejection needs nothing undone."""
+
+    head: EagleAttnHead
+    needs_all_features = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: KVCache | None = None
+
+    def with_runner(self, runner: Callable[..., Any]) -> HeadDrafter:
+        raise InvalidConfigError(
+            "CUDA graphs of the EAGLE head with attention are not built: cuda_graphs=False for this head"
+        )
+
+    def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
+        c = self.cache
+        if c is None or c.max_batch < max_batch or c.max_seq_len != max_seq_len:
+            self.cache = self.head.new_cache(max_batch, max_seq_len, self.head_weight.device)
+
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        # the features of the prompt but its last position (which each gets from the shared first scores)
+        assert src.hlen == 0 and src.new_features is not None
+        for s in dst:
+            s.hlen, s.new_features = 0, src.new_features[: length - 1]
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
+        seqs, dev, H = batch.seqs, batch.target_cache.k.device, self.cfg.hidden_size
+        assert self.cache is not None, "ensure_cache first"
+        have = [s.new_features is not None and len(s.new_features) > 0 for s in seqs]
+        width = max([len(s.new_features) for s, h in zip(seqs, have) if h], default=1)
+        B, scratch = len(seqs), batch.scratch_pos
+        f = torch.zeros(B, width, H, dtype=self.head_weight.dtype, device=dev)
+        nxt = torch.zeros(B, width, dtype=torch.long)
+        pos = torch.full((B, width), scratch, dtype=torch.long)
+        last = [0] * B
+        for b, s in enumerate(seqs):
+            if have[b]:
+                m = len(s.new_features)
+                f[b, :m] = s.new_features
+                nxt[b, :m] = torch.tensor(s.tokens[s.hlen + 1 : s.hlen + m + 1])
+                pos[b, :m] = torch.arange(s.hlen, s.hlen + m)
+                last[b] = m - 1
+                s.hlen, s.new_features = s.hlen + m, None
+        nxt, pos = nxt.to(dev), pos.to(dev)
+        # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
+        kv_len = min(max([s.hlen + batch.k for s, h in zip(seqs, have) if h], default=1), self.cache.max_seq_len)
+        last_t = torch.tensor(last, device=dev)
+        logits, g = self._run(f, self.target.embed_tokens(nxt), pos, kv_len, batch.rows, last_t)
+        at = torch.tensor([s.hlen if h else scratch for s, h in zip(seqs, have)], device=dev)  # next entry's
+        drafts: list[Tensor] = []
+        probs: list[Tensor] = []
+        zero = torch.zeros_like(last_t)
+        for j in range(batch.k):
+            tok, p = self._draw(logits, batch, drafts)
+            drafts.append(tok)
+            if p is not None:
+                probs.append(p)
+            if j + 1 < batch.k:  # the entry (g, this draft) at the next position
+                e = self.target.embed_tokens(tok)[:, None]
+                logits, g = self._run(g[:, None], e, at[:, None], kv_len, batch.rows, zero)
+                at = torch.where(at == scratch, at, at + 1)
+        return self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
+
+    def _run(
+        self, f: Tensor, e: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Entries (features f, next tokens' embeddings e [B, T, H]) at pos [B, T] into the cache -> (scores over
+        the draft vocabulary [B, V'], predicted features [B, H]) of each row's entry ``last`` [B]: on the C++
+        kernel (``runner``: engine/kernels/cpu_head.py ``AttnHeadKernel``) or PyTorch's layers."""
+        assert self.cache is not None
+        if self.runner is not None:
+            return self.runner(self.head.entries(f, e), pos, rows, self.cache, kv_len, last)
+        out = self.head(f, e, pos, self.cache, kv_len, rows)
+        g = out[torch.arange(len(out), device=out.device), last]
+        return self.scores(g), g
+
+    def step_fn(self, batch: int = 1) -> Callable[[], object]:
+        """One draft entry at position 64 of a warm cache of its own (the head's per-draft work)."""
+        w = self.head_weight
+        drafter = type(self)(self.head, self.cfg, self.vocab_ids, self.target, self.runner, self.lm_head)
+        drafter.cache = self.head.new_cache(batch, 128, w.device)  # the engine's cache stays as it is
+        f = torch.randn(batch, 1, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        e = self.target.embed_tokens(torch.zeros(batch, 1, dtype=torch.long, device=w.device))
+        pos = torch.full((batch, 1), 64, dtype=torch.long, device=w.device)
+        last = torch.zeros(batch, dtype=torch.long, device=w.device)
+        return lambda: drafter._run(f, e, pos, 65, None, last)[0].argmax(-1)
+
+
 HEAD_DRAFTERS: dict[str, type[HeadDrafter]] = {"medusa": MedusaDrafter, "eagle": EagleDrafter}
+
+
+def head_drafter_class(cfg: HeadConfig) -> type[HeadDrafter]:
+    """The drafter of a head of config ``cfg``."""
+    return EagleAttnDrafter if cfg.attention else HEAD_DRAFTERS[cfg.kind]

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from engine.core.errors import CheckpointError, DraftMismatchError
 from engine.core.files import write_text_atomic
 from engine.core.model import RMSNorm, Transformer
+from engine.spec.eagle_attn import EagleAttnHead, head_model_config
 
 HEAD_KINDS = ("medusa", "eagle")
 HEAD_CONFIG = "head_config.json"
@@ -54,6 +55,12 @@ class HeadConfig:
     intermediate_size: int = 0  # eagle: the MLP's width (0: the hidden size)
     num_heads: int = 4  # medusa: draft positions (the most drafts per round); eagle: the unrolled depth trained
     draft_vocab: int | None = None  # size of the reduced draft vocabulary (None: the full vocabulary)
+    # eagle: ``layers`` decoder layers with attention over the sequence's features (engine/spec/eagle_attn.py)
+    # instead of MLP blocks on one feature
+    attention: bool = False
+    attention_heads: int = 0  # with attention: query heads, key/value heads and head size (the target's)
+    kv_heads: int = 0
+    head_dim: int = 0
     rms_norm_eps: float = 1e-6
     target: dict[str, Any] = field(default_factory=dict)  # target_fingerprint(...)
     format: int = HEAD_FORMAT
@@ -168,6 +175,8 @@ def draft_features(head: nn.Module, f: Tensor, emb: Tensor | None, k: int) -> Te
     token before draft j (None for Medusa)."""
     if isinstance(head, MedusaHeads):
         return head(f, k)
+    if isinstance(head, EagleAttnHead):
+        raise TypeError("the EAGLE head with attention drafts over a sequence: EagleAttnHead.unrolled")
     assert emb is not None
     steps = []
     for j in range(k):
@@ -184,6 +193,10 @@ def init_head(cfg: HeadConfig, target: Transformer, seed: int = 0) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     if cfg.kind == "medusa":
         return MedusaHeads(cfg)
+    if cfg.attention:
+        attn = EagleAttnHead(head_model_config(target.config, cfg), cfg)
+        attn.init_weights(target.norm.weight, g)
+        return attn
     head = EagleHead(cfg)
     H = cfg.hidden_size
     with torch.no_grad():
@@ -240,6 +253,11 @@ def read_head_config(path: str | Path) -> HeadConfig:
         raise CheckpointError(f"{f}: format={cfg.format!r} is unsupported: allowed {HEAD_FORMAT}")
     if cfg.kind not in HEAD_KINDS:
         raise CheckpointError(f"{f}: kind={cfg.kind!r} is invalid: allowed {', '.join(HEAD_KINDS)}")
+    if cfg.attention and (cfg.kind != "eagle" or min(cfg.attention_heads, cfg.kv_heads, cfg.head_dim) < 1):
+        raise CheckpointError(
+            f"{f}: attention=true needs kind 'eagle' and attention_heads, kv_heads, head_dim >= 1 "
+            f"(got kind={cfg.kind!r}, {cfg.attention_heads}, {cfg.kv_heads}, {cfg.head_dim})"
+        )
     return cfg
 
 

@@ -168,12 +168,16 @@ class DecodeLoop:
         idx = ((catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)).clamp_(min=0)
         aligned = rows is None and len({s.tlen for s in active}) == 1 and all(c + k == T for c, k in zip(catch, ks))
         want_feats = getattr(self.drafter, "needs_features", False)
+        want_all = getattr(self.drafter, "needs_all_features", False)  # every committed position's, not the last's
         feats: Tensor | None = None
+        prefix: Tensor | None = None  # [B, T, H] the features of every column (a prefill round, want_all)
         if T == 0:  # every row starts from a shared prefill and drafts nothing: no target pass
             logits = torch.stack([s.first_scores[0] for s in active])[:, None]
             feats = torch.stack([s.first_scores[1] for s in active])[:, None] if want_feats else None
         else:
-            logits, feats = self._verify(active, toks, pos, idx, catch, ks, kmax, rows, aligned, want_feats)
+            logits, feats, prefix = self._verify(
+                active, toks, pos, idx, catch, ks, kmax, rows, aligned, want_feats, want_all
+            )
         for b, s in enumerate(active):
             if s.first_scores is not None:
                 logits[b, 0] = s.first_scores[0]
@@ -195,6 +199,7 @@ class DecodeLoop:
             assert uniforms is not None and final_noise is not None
             q = proc.probs_at(logits[..., :V], drafts, 0)  # [B, K+1, V], penalties per draft position
             out, nacc = rejection_sample(drafts, dprobs, q, num_draft, uniforms, final_noise)
+        feats_k = feats  # [B, K+1, H]: column j is position tlen + catch - 1 + j
         if feats is not None:  # the feature that scored each row's new last token (position of its a-th draft)
             feats = feats[torch.arange(B, device=dev), nacc]
         res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
@@ -222,6 +227,12 @@ class DecodeLoop:
             s.tlen = n_before + a
             if feats is not None:
                 s.feature = feats[b]
+            if want_all and feats_k is not None:  # positions tlen .. the new tlen - 1
+                new = feats_k[b, : a + 1]
+                if catch[b] > 1:
+                    assert prefix is not None
+                    new = torch.cat([prefix[b, : catch[b] - 1], new])
+                s.new_features = new if s.new_features is None else torch.cat([s.new_features, new])
             if proposed and self.drafter is not None:
                 self.drafter.after_verify(s, n_before, a, proposed)
             if id(s) in waiting:
@@ -249,11 +260,22 @@ class DecodeLoop:
         rows: Tensor | None,  # [B] cache rows (None: 0..B-1)
         aligned: bool,
         want_feats: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The target's scores [B, K+1, V] (and features [B, K+1, H] for a head). A round where some rows
-        prefill (a prompt of tens of tokens) beside rows that decode (K+1 tokens) runs them as two passes:
-        one padded pass would compute every decoding row at the prompt's width."""
+        want_all: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The target's scores [B, K+1, V] (and features [B, K+1, H] for a head; with ``want_all`` and a row that
+        prefills, also every column's features [B, T, H]). A round where some rows prefill (a prompt of tens of
+        tokens) beside rows that decode (K+1 tokens) runs them as two passes: one padded pass would compute every
+        decoding row at the prompt's width."""
         T, B = toks.shape[1], len(active)
+        if want_all and max(catch) > 1:  # one pass scoring every column: the prompt's features are wanted too
+            kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
+            every = torch.arange(T, device=toks.device).expand(B, T)
+            lg, ft = self.target(toks, pos, self.cache, kv_len, rows, logits_idx=every, return_hidden=True)
+            return (
+                lg.gather(1, idx[..., None].expand(-1, -1, lg.shape[-1])),
+                ft.gather(1, idx[..., None].expand(-1, -1, ft.shape[-1])),
+                ft,
+            )
         wide = [b for b in range(B) if catch[b] > 1]
         narrow = [b for b in range(B) if catch[b] <= 1]
         t_narrow = max((catch[b] for b in narrow), default=0) + kmax
@@ -263,7 +285,7 @@ class DecodeLoop:
             res = self.target(
                 toks, pos, self.cache, kv_len, rows, logits_idx=idx, start=start, return_hidden=want_feats
             )
-            return res if want_feats else (res, None)
+            return (*res, None) if want_feats else (res, None, None)
         logits: Tensor | None = None
         feats: Tensor | None = None
         for g in (wide, narrow):
@@ -288,7 +310,7 @@ class DecodeLoop:
             if feats is not None:
                 feats[sel] = ft
         assert logits is not None
-        return logits, feats
+        return logits, feats, None
 
     @staticmethod
     def _waiting_for_prefill(seqs: list[Seq]) -> dict[int, list[Seq]]:

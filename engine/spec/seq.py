@@ -81,6 +81,10 @@ class Seq:
     # the target's feature (final-norm output) at the position that scored the last committed token, kept
     # for drafters that read it (spec/head_drafters.py: ``needs_features``); None before the first verify
     feature: Any = None
+    # for a drafter that reads every position's feature (``needs_all_features``: the EAGLE head with attention):
+    # the target's features [m, H] of the committed positions hlen .. hlen + m - 1 it has not read yet
+    new_features: Any = None
+    hlen: int = 0
     # prefill sharing (spec/loop.py): the sequence of the same prompt whose prefill this one waits for (it
     # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
     # (logits, feature | None) at the prompt's last position, which score its first round

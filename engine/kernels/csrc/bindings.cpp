@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &DecodeModel::forward, "fp32 Llama forward for few rows: embedding, layers, norm, head",
            py::call_guard<py::gil_scoped_release>())
+      .def("forward_x", &DecodeModel::forward_x, "the same forward from the first layer's inputs [B, T, H]",
+           py::call_guard<py::gil_scoped_release>())
       .def("greedy", &DecodeModel::greedy, "greedy drafting: a forward, then steps - 1 steps on its argmax",
            py::call_guard<py::gil_scoped_release>());
   py::class_<EagleStep>(m, "EagleStep")

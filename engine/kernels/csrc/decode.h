@@ -20,6 +20,11 @@ class DecodeModel {
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                         torch::Tensor hidden) const;
+  // the same from the first layer's inputs x [B, T, H] float32 instead of token ids (a draft head's entries)
+  torch::Tensor forward_x(const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& rows,
+                          const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
+                          torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+                          torch::Tensor hidden) const;
   // greedy drafting in one call: forward scored at last [B], then steps - 1 one-token forwards on the argmax
   // over the first vocab logits -> the steps argmaxes [B, steps] int64 (the caches hold every fed token)
   torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
@@ -28,6 +33,10 @@ class DecodeModel {
                        int64_t vocab) const;
 
  private:
+  torch::Tensor run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos, const torch::Tensor& rows,
+                    const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
+                    torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+                    torch::Tensor hidden) const;
   std::vector<torch::Tensor> weights_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;

@@ -239,10 +239,40 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
                                    const torch::Tensor& sin, torch::Tensor hidden) const {
   TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
+  const torch::Tensor& embed = weights_[9 * n_layers_];
+  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = hidden_;
+  const torch::Tensor tok = tokens.contiguous();
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
+  std::vector<float> x(M * H);
+  const float* ep = embed.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
+  return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden);
+}
+
+// the same forward from the first layer's inputs x [B, T, H] float32 (no embedding lookup)
+torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Tensor& pos, const torch::Tensor& rows,
+                                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
+                                     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, torch::Tensor hidden) const {
+  TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == hidden_ && x_in.scalar_type() == at::kFloat,
+              "decode_forward_x: x [B, T, ", hidden_, "] float32");
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == x_in.size(0) && pos.size(1) == x_in.size(1) &&
+              pos.scalar_type() == at::kLong, "decode_forward_x: pos [B, T] int64");
+  const torch::Tensor xc = x_in.contiguous();
+  std::vector<float> x(xc.data_ptr<float>(), xc.data_ptr<float>() + xc.numel());
+  return run(x, x_in.size(0), x_in.size(1), pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden);
+}
+
+torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos,
+                               const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
+                               torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
+                               const torch::Tensor& sin, torch::Tensor hidden) const {
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
   const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
   const torch::Tensor& head = weights_[9 * n_layers_ + 2];
-  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = hidden_, V = vocab_;
+  const int64_t M = B * T, H = hidden_, V = vocab_;
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && n_layers <= k_cache.size(0) &&
               k_cache.size(2) == n_kv_ && k_cache.size(4) == head_dim_,
               "decode_forward: caches [L, max_batch, n_kv, S, head_dim] matching the model");
@@ -250,20 +280,15 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && cos.size(0) == sin.size(0) && kv_len >= 0 &&
               kv_len <= d.S, "decode_forward: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
   TORCH_CHECK(rows.numel() == 0 || (rows.numel() == B && rows.scalar_type() == at::kLong), "decode_forward: rows [B]");
-  const torch::Tensor tok = tokens.contiguous(), posc = pos.contiguous();
+  const torch::Tensor posc = pos.contiguous();
   const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
-  const int64_t* tp = tok.data_ptr<int64_t>();
   const int64_t* pp = posc.data_ptr<int64_t>();
   std::vector<int64_t> row(M);
   for (int64_t m = 0; m < M; ++m) {
     row[m] = rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
     TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && row[m] >= 0 && row[m] < d.max_batch,
                 "decode_forward: a position or cache row is out of range");
-    TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
   }
-  std::vector<float> x(M * H);
-  const float* ep = embed.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
   layers(x.data(), pp, row.data(), kv_len, weights_.data(), amx_, n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
          static_cast<float>(eps_));

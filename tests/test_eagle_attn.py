@@ -1,0 +1,160 @@
+"""The EAGLE head with attention (engine/spec/eagle_attn.py): its training-time unroll is exactly the rounds the
+drafter runs through its KV cache; the engine's output with it is the target's (greedy identity over prompts x K
+x batch, prefill sharing, exact sampling); a trained head accepts better than an untrained one and better than
+the head without attention; CUDA graphs of it are refused at load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_heads import _token_acceptance, random_head, spec
+from test_speculative import PROMPTS
+from util import TEXT
+
+from engine import Engine, SamplingParams
+from engine.api.options import KernelOptions, PrecisionConfig
+from engine.core.errors import InvalidConfigError
+from engine.core.tokenizer import Tokenizer
+from engine.demo.distill import TrainOptions, train_draft
+from engine.kernels.cpu_gemm import small_gemm_status
+from engine.spec.eagle_attn import EagleAttnHead
+from engine.spec.heads import HeadConfig, init_head, load_head, save_head
+
+
+@pytest.fixture(scope="module")
+def attn_head(ckpt_dir, tmp_path_factory):
+    """An attention head trained briefly by the tool on the test target's own text."""
+    out = tmp_path_factory.mktemp("attn") / "eagle-attn"
+    opts = TrainOptions(
+        kind="eagle", attention=True, steps=60, samples=24, prompt_len=8, gen_len=40, positions=128, heads=3
+    )
+    train_draft(ckpt_dir, out, opts, TEXT * 4, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt_dir):
+    eng = Engine.from_pretrained(ckpt_dir)
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+
+
+def test_unrolled_rounds_equal_the_cached_rounds(ckpt_dir, tmp_path):
+    """Every depth of ``unrolled`` from every root equals drafting through the cache: the committed entries up
+    to the root, then one entry per draft on the head's own feature (teacher forced along the tokens)."""
+    eng = Engine.from_pretrained(ckpt_dir)
+    target = eng.target
+    path = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)
+    head = load_head(path, target, eng.tokenizer.vocab(), "eagle")[0]
+    head = head.float()
+    assert isinstance(head, EagleAttnHead) and len(head.layers) == 1
+    tokens = torch.tensor(eng.tokenizer.encode(TEXT[:200]))[None]  # [1, n]
+    n, depth = tokens.shape[1], 4
+    with torch.no_grad():
+        feats = target(tokens, return_hidden=True)[1].float()  # [1, n, H]
+        emb = target.embed_tokens(tokens[:, 1:]).float()  # the token after each position
+        g = head.unrolled(feats[:, :-1], emb, depth)  # [1, depth, n - 1, H]
+        for root in (0, 5, n - 1 - depth):
+            cache = head.new_cache(1, n + 8, torch.device("cpu"))
+            pos = torch.arange(root + 1)[None]
+            out = head(feats[:, : root + 1], emb[:, : root + 1], pos, cache, root + 1)
+            f = out[:, -1]
+            torch.testing.assert_close(f, g[:, 0, root], rtol=1e-5, atol=1e-5)
+            for j in range(1, depth):  # the round's entry root + j reads the previous draft's feature
+                p = root + j
+                f = head(f[:, None], emb[:, p : p + 1], torch.tensor([[p]]), cache, p + 1)[:, 0]
+                torch.testing.assert_close(f, g[:, j, p], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "pytorch"])
+def test_greedy_equals_plain(ckpt_dir, attn_head, plain, k, kernel):
+    """On the C++ decode step's kernel (fp16 weight copies, when this CPU has it) and on PyTorch's layers."""
+    if kernel and small_gemm_status() is not None:
+        pytest.skip(f"no CPU kernels: {small_gemm_status()}")
+    kernels = KernelOptions() if kernel else KernelOptions(cpu_pack=False)
+    eng = Engine.from_pretrained(ckpt_dir, attn_head, speculation=spec("eagle", k), kernels=kernels)
+    assert eng.info["draft_head_step_weights"] == ("float16" if kernel else None)
+    params = SamplingParams(max_new_tokens=40)
+    for batch in (1, 4):
+        outs = []
+        for i in range(0, len(PROMPTS), batch):
+            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
+        assert outs == plain, (k, batch)
+    s = eng.stats()
+    assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1
+
+
+def test_ragged_batch_and_shared_prefill(ckpt_dir, attn_head, plain):
+    """Requests joining mid-flight with various lengths, and n samples of one prompt sharing its prefill (each
+    copy gets the prompt's features from the one that prefilled it)."""
+    eng = Engine.from_pretrained(ckpt_dir, attn_head, speculation=spec("eagle", 3))
+    lens = [40, 7, 25, 40, 13, 40]
+    reqs = [eng.submit(PROMPTS[i], SamplingParams(max_new_tokens=n)) for i, n in enumerate(lens)]
+    assert [r.result().token_ids for r in reqs] == [plain[i][:n] for i, n in enumerate(lens)]
+    before = eng.stats()["drafted"]
+    outs = eng.generate([PROMPTS[2]] * 3, SamplingParams(max_new_tokens=40))
+    assert [o.token_ids for o in outs] == [plain[2]] * 3
+    assert eng.stats()["drafted"] > before
+
+
+def test_sampled_output_matches_the_target_distribution(tmp_path):
+    from test_heads import test_sampled_heads_match_the_target_distribution as check
+    from util import make_checkpoint
+
+    kw = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "eos_token_id": None}
+    check((make_checkpoint(tmp_path / "t", seed=3, **kw), tmp_path), "eagle", None, attention=True)
+
+
+def test_cuda_graphs_of_the_head_are_refused_at_load(ckpt_dir, attn_head):
+    with pytest.raises(InvalidConfigError, match="CUDA graphs of the EAGLE head with attention are not built"):
+        Engine.from_pretrained(
+            ckpt_dir, attn_head, speculation=spec("eagle"), kernels=KernelOptions(cuda_graphs=True, emulate_graphs=True)
+        )
+
+
+def test_trained_attention_head_accepts_better(tiny_demo, tmp_path):
+    """On the tiny demo target: trained beats untrained by far, and attention over the sequence beats the
+    one-feature head trained on the same text with the same steps."""
+    target, _ = tiny_demo
+    train = (target.parent / "calib.txt").read_text(encoding="utf-8")
+    ids = Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8"))
+    prompts = [ids[i : i + 24] for i in range(0, 600 * 8, 600)]  # held-out prompts (never trained on)
+    acc = {}
+    for attention in (False, True):
+        opts = TrainOptions(
+            kind="eagle", attention=attention, steps=150, samples=48, prompt_len=16, gen_len=64, heads=3
+        )
+        train_draft(target, tmp_path / str(attention), opts, train, progress=False, heldout=0)
+        acc[attention] = _token_acceptance(target, tmp_path / str(attention), "eagle", prompts)
+    cfg = HeadConfig(**json.loads((tmp_path / "True" / "head_config.json").read_text()))
+    assert cfg.attention
+    save_head(init_head(cfg, Engine.from_pretrained(target).target, seed=0), cfg, None, tmp_path / "untrained")
+    untrained = _token_acceptance(target, tmp_path / "untrained", "eagle", prompts)
+    assert acc[True] > untrained + 0.08, (acc, untrained)
+    assert acc[True] > acc[False], acc
+
+
+def test_fp8_plan_of_the_attention_head(ckpt_dir, attn_head, plain):
+    """The draft plan turns every Linear of the head (fc and the layer's projections) FP8; the planned bytes are
+    what it stores; speculation with it stays lossless."""
+    from test_head_fp8 import head_plan
+
+    from quant.linear import FP8Linear
+
+    plan = head_plan(ckpt_dir, attn_head)
+    mods = plan.draft.families["ffn"].scaling["modules"]
+    proj = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    assert mods == ["fc", *[f"layers.0.self_attn.{p}" for p in proj], *[f"layers.0.mlp.{p}" for p in mlp]]
+    eng = Engine.from_pretrained(
+        ckpt_dir, attn_head, speculation=spec("eagle", 4), precision=PrecisionConfig(plan, None)
+    )
+    head = eng.drafter.head
+    assert eng.info["draft_head_fp8"] == mods and all(isinstance(head.get_submodule(m), FP8Linear) for m in mods)
+    stored = sum(m.weight_bytes() for m in head.modules() if isinstance(m, FP8Linear))
+    stored += sum(p.numel() * 2 for n, p in head.named_parameters() if "norm" in n)
+    assert plan.memory.draft_weight_bytes == stored
+    assert [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))] == plain
+    assert eng.stats()["acceptance_rate"] > 0
