@@ -46,7 +46,7 @@ from engine.spec.drafters import DraftBatch, Drafter
 from engine.spec.penalties import needs_history
 from engine.spec.rejection import greedy_accept, rejection_sample
 from engine.spec.sampling import RowProcessing
-from engine.spec.seq import Seq, TokenLogprob
+from engine.spec.seq import Seq, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class DecodeLoop:
             feats = feats[torch.arange(B, device=dev), nacc]
         res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
         lp_rows = {b: s.params.logprobs for b, s in enumerate(active) if s.params.logprobs is not None}
-        lps = self._logprobs(logits[..., :V], out, lp_rows) if lp_rows else {}
+        lps = token_logprobs(logits[..., :V], out, lp_rows) if lp_rows else {}
 
         events = []
         for b, s in enumerate(active):
@@ -351,23 +351,6 @@ class DecodeLoop:
             s.tlen, s.prefill_from = n, None
             s.first_scores = (logits.clone(), None if feats is None else feats.clone())
             s.stats.prefill_shared += n
-
-    @staticmethod
-    def _logprobs(logits: Tensor, out: Tensor, rows: dict[int, int]) -> dict[int, list[TokenLogprob]]:
-        """Per requested row b: the log-probabilities of out[b] at each scored position (and the top ones)."""
-        idx = torch.tensor(list(rows), device=logits.device)
-        lp = torch.log_softmax(logits[idx].float(), -1)  # [b', K+1, V]
-        chosen = lp.gather(-1, out[idx].unsqueeze(-1)).squeeze(-1)  # [b', K+1]
-        n = max(rows.values())
-        top_v, top_i = lp.topk(n, dim=-1) if n else (lp[..., :0], lp[..., :0].long())
-        ch, tv, ti = chosen.tolist(), top_v.tolist(), top_i.tolist()
-        return {
-            b: [
-                TokenLogprob(t, ch[j][p], list(zip(ti[j][p][: rows[b]], tv[j][p][: rows[b]])))
-                for p, t in enumerate(out[b].tolist())
-            ]
-            for j, b in enumerate(rows)
-        }
 
     def _stop_checks(self, s: Seq, new: list[int]) -> list[int]:
         """Cut the accepted run at a stop token, max_new_tokens or a stop string; finish the sequence.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from engine.spec.adaptive import KController
 from engine.spec.sampling import SamplingParams
@@ -104,3 +105,20 @@ class Seq:
     def finish(self, reason: str) -> None:
         if not self.finished:
             self.finished, self.finish_reason = True, reason
+
+
+def token_logprobs(logits: Tensor, out: Tensor, rows: dict[int, int]) -> dict[int, list[TokenLogprob]]:
+    """Per requested row b: the log-probabilities of out[b] at each scored position (and the top ones)."""
+    idx = torch.tensor(list(rows), device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), -1)  # [b', K+1, V]
+    chosen = lp.gather(-1, out[idx].unsqueeze(-1)).squeeze(-1)  # [b', K+1]
+    n = max(rows.values())
+    top_v, top_i = lp.topk(n, dim=-1) if n else (lp[..., :0], lp[..., :0].long())
+    ch, tv, ti = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    return {
+        b: [
+            TokenLogprob(t, ch[j][p], list(zip(ti[j][p][: rows[b]], tv[j][p][: rows[b]])))
+            for p, t in enumerate(out[b].tolist())
+        ]
+        for j, b in enumerate(rows)
+    }
