@@ -158,3 +158,33 @@ def test_fp8_plan_of_the_attention_head(ckpt_dir, attn_head, plain):
     assert plan.memory.draft_weight_bytes == stored
     assert [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))] == plain
     assert eng.stats()["acceptance_rate"] > 0
+
+
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"no CPU kernels: {small_gemm_status()}")
+def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
+    """``AttnHeadKernel`` (the decode step's forward_x) with fp32 weights: the same scores and features as the
+    head's PyTorch forward, for a ragged batch in cache rows 2 and 0, then one more entry each."""
+    from engine.kernels.cpu_head import AttnHeadKernel
+    from engine.spec.heads import draft_lm_head
+
+    eng = Engine.from_pretrained(ckpt_dir)
+    path = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)
+    head = load_head(path, eng.target, eng.tokenizer.vocab(), "eagle")[0].float()
+    lm = draft_lm_head(eng.target, None).weight
+    kernel = AttnHeadKernel(head, lm, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    f, e = torch.randn(2, 6, 64, generator=g), torch.randn(2, 6, 64, generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 31, 31, 31]])  # row 1 padded to the scratch slot
+    rows, last = torch.tensor([2, 0]), torch.tensor([5, 2])
+    caches = [head.new_cache(3, 32, torch.device("cpu")) for _ in range(2)]
+    with torch.no_grad():
+        ref = head(f, e, pos, caches[0], 8, rows)[torch.arange(2), last]
+        logits, feats = kernel(head.entries(f, e), pos, rows, caches[1], 8, last)
+        torch.testing.assert_close(feats, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, ref @ lm.T, rtol=1e-4, atol=1e-4)
+        nxt = torch.tensor([[6], [3]])
+        ref2 = head(ref[:, None], e[:, :1], nxt, caches[0], 8, rows)[:, 0]
+        _, feats2 = kernel(
+            head.entries(ref[:, None], e[:, :1]), nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long)
+        )
+        torch.testing.assert_close(feats2, ref2, rtol=1e-4, atol=1e-4)
