@@ -188,3 +188,21 @@ def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
             head.entries(ref[:, None], e[:, :1]), nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long)
         )
         torch.testing.assert_close(feats2, ref2, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_config_of_another_shape_refused(ckpt_dir, attn_head, tmp_path):
+    """A config without the attention's shape, or with one its weights do not have, is refused at load."""
+    import shutil
+
+    from engine.core.errors import CheckpointError, DraftMismatchError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(attn_head, bad)
+    cfg = json.loads((attn_head / "head_config.json").read_text())
+    (bad / "head_config.json").write_text(json.dumps({**cfg, "head_dim": 0}))
+    with pytest.raises(CheckpointError, match="attention=true needs kind 'eagle' and attention_heads, kv_heads"):
+        Engine.from_pretrained(ckpt_dir, bad, speculation=spec("eagle"))
+    (bad / "head_config.json").write_text(json.dumps({**cfg, "attention_heads": cfg["attention_heads"] * 2}))
+    needle = r"tensor layers.0.self_attn.o_proj.weight has shape \(64, 64\).*needs \(64, 128\)"
+    with pytest.raises(DraftMismatchError, match=needle):
+        Engine.from_pretrained(ckpt_dir, bad, speculation=spec("eagle"))

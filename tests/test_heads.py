@@ -381,6 +381,7 @@ def test_train_a_draft_model(ckpt_dir, plain, tmp_path):
         (["--greedy-share", "2"], "greedy_share=2.0 is invalid: allowed 0.0 .. 1.0"),
         (["--samples", "0"], "samples=0 is invalid: allowed an int >= 1"),
         (["--heldout", "-1"], "heldout=-1 is invalid: allowed an int >= 0"),
+        (["--attention"], "attention=True is invalid with kind='model': allowed with kind='eagle'"),
         (["--weight-values", "int4"], "--weight-values: invalid choice: 'int4' (choose from 'float32', 'bfloat16'"),
     ],
 )
