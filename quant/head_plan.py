@@ -54,6 +54,11 @@ def head_shape(head_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         )
     shape = {k: head_config[k] for k in HEAD_SHAPE_KEYS}
     if head_config.get("attention"):
+        missing = [k for k in ATTENTION_KEYS if k not in head_config]
+        if missing:
+            raise InvalidConfigError(
+                f"draft_head.{missing[0]} is missing (a head with attention has {', '.join(ATTENTION_KEYS)})"
+            )
         shape.update({k: head_config[k] for k in ATTENTION_KEYS})
     return str(kind), shape
 

@@ -107,7 +107,6 @@ def test_heldout_figures_agree_with_the_engines_rounds(evaluated: dict[str, Any]
         assert list(o.token_ids)[: n - P] == held.tokens[r, P:n].tolist()
     st = eng.stats()
     sim_accepted = round(sim["acceptance"] * K * sim["rounds"])
-    print(name, st["accepted"], sim_accepted, st["acceptance_rate"], sim["acceptance"])
     assert -2 <= st["accepted"] - sim_accepted <= K * N_HELD, (st, sim)
     assert abs(st["acceptance_rate"] - sim["acceptance"]) < 0.02, (st, sim)
 

@@ -206,3 +206,25 @@ def test_attention_config_of_another_shape_refused(ckpt_dir, attn_head, tmp_path
     needle = r"tensor layers.0.self_attn.o_proj.weight has shape \(64, 64\).*needs \(64, 128\)"
     with pytest.raises(DraftMismatchError, match=needle):
         Engine.from_pretrained(ckpt_dir, bad, speculation=spec("eagle"))
+
+
+@pytest.mark.parametrize("cpu_pack", [True, False], ids=["cpu-kernel", "pytorch"])
+def test_hidden_all_returns_every_position_and_scores_only_the_asked(ckpt_dir, cpu_pack):
+    """``Transformer.forward(hidden_all=True)``: the features of every position of a cached pass, the logits of
+    ``logits_idx`` only; both equal to what scoring every position returns."""
+    from engine.core.model import KVCache
+
+    eng = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=cpu_pack))
+    t = eng.target
+    toks = torch.tensor(eng.tokenizer.encode(TEXT[:40]))[None].repeat(2, 1)
+    B, T = toks.shape
+    pos = torch.arange(T).expand(B, T)
+    idx = torch.tensor([[T - 3, T - 2, T - 1], [0, 1, 2]])
+    with torch.no_grad():
+        cache = KVCache(t.config, B, 64, torch.float32, "cpu")
+        lg, h = t(toks, pos, cache, T, None, logits_idx=idx, return_hidden=True, hidden_all=True)
+        every = torch.arange(T).expand(B, T)
+        ref_lg, ref_h = t(toks, pos, KVCache(t.config, B, 64, torch.float32, "cpu"), T, None, every, return_hidden=True)
+    assert h.shape == (B, T, t.config.hidden_size) and lg.shape == (B, 3, t.config.vocab_size)
+    torch.testing.assert_close(h, ref_h)
+    torch.testing.assert_close(lg, ref_lg.gather(1, idx[..., None].expand(-1, -1, lg.shape[-1])))

@@ -226,6 +226,8 @@ def head_drafter(
                 "CUDA graphs of the EAGLE head with attention are not built: set cuda_graphs=False for this head"
             )
         why = "the target is not on the CPU kernels" if not cpu_kernels else None
+        if any(m.bias is not None for layer in module.layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
+            why = why or "the kernel has no gate/up bias (mlp_bias)"
         ws = module.kernel_weights()  # type: ignore[operator]
         why = why or head_kernel_reason([*ws, scorer.weight])
         if why is not None:

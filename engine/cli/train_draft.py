@@ -31,7 +31,11 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--out", type=Path, required=True, help="output directory (resumes what is there)")
     p.add_argument("--text", type=Path, help="prompt text (default: the demo corpus's training split)")
     p.add_argument("--steps", type=int, help="training steps (default: model 1500, heads 600)")
-    p.add_argument("--layers", type=int, help="model: layers (2); medusa: blocks per head (1); eagle: MLP blocks (1)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        help="model: layers (2); medusa: blocks per head (1); eagle: MLP blocks or --attention layers (1)",
+    )
     p.add_argument("--hidden", type=int, help="model: hidden size (target's / 3); eagle: MLP width (target's)")
     p.add_argument("--heads", type=int, default=4, help="medusa: heads (drafts per round); eagle: unrolled depth")
     p.add_argument(

@@ -289,6 +289,7 @@ class Transformer(nn.Module):
         n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
         start: int | None = None,  # promise: rows is None and input_pos[b] == start..start+T-1 for every b
         return_hidden: bool = False,  # also return the final-norm output (the LM head's input) of those positions
+        hidden_all: bool = False,  # with return_hidden: the features of every position [B,T,H], not only the scored
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward.
         With ``return_hidden``: (logits, features [..., H]), the features the draft heads read (spec/heads.py).
@@ -302,6 +303,10 @@ class Transformer(nn.Module):
         step = self.layer_step
         if cache is not None and step is not None and step.takes(tokens, cache):
             assert kv_len is not None, "kv_len is required with a cache"
+            if hidden_all and return_hidden:  # the step scores the rows whose features it returns: all of them
+                every = torch.arange(T, device=tokens.device).expand(B, T)
+                lg, h = step(tokens, input_pos, rows, cache, kv_len, n_layers, every, True)
+                return _scored(lg, logits_idx), h
             return step(tokens, input_pos, rows, cache, kv_len, n_layers, logits_idx, return_hidden)
         x = self.embed_tokens(tokens)
         window = self.config.sliding_window
@@ -330,8 +335,17 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             c = None if cache is None else (cache.k[i], cache.v[i])
             x = layer(x, cos, sin, self.attn_fn, c, ctx)
-        if logits_idx is not None:
-            b = torch.arange(B, device=x.device)
-            x = x[b, logits_idx] if logits_idx.dim() == 1 else x[b[:, None], logits_idx]
+        if hidden_all and return_hidden:
+            h = self.norm(x)
+            return self.lm_head(_scored(h, logits_idx)), h
+        x = _scored(x, logits_idx)
         h = self.norm(x)
         return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
+
+
+def _scored(x: Tensor, idx: Tensor | None) -> Tensor:
+    """x [B,T,...] at the positions idx [B] -> [B,...] or [B,J] -> [B,J,...]; None: x."""
+    if idx is None:
+        return x
+    b = torch.arange(x.shape[0], device=x.device)
+    return x[b, idx] if idx.dim() == 1 else x[b[:, None], idx]

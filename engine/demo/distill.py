@@ -47,7 +47,7 @@ KINDS = ("model", "medusa", "eagle")
 class TrainOptions:
     kind: str = "eagle"
     steps: int | None = None  # default: default_steps(kind)
-    layers: int | None = None  # model: layers (2); medusa: blocks per head (1); eagle: MLP blocks (1)
+    layers: int | None = None  # model: layers (2); medusa: blocks/head (1); eagle: MLP blocks or decoder layers (1)
     hidden: int | None = None  # model: hidden size (target's / 3, a multiple of 64); eagle: MLP width (target's)
     heads: int = 4  # medusa: heads (draft positions); eagle: the unrolled depth trained
     attention: bool = False  # eagle: decoder layers with attention over the sequence (engine/spec/eagle_attn.py)

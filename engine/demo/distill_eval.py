@@ -75,7 +75,9 @@ def leading_matches(
         if data.features is None or lm_w is None:
             raise InvalidConfigError(f"kind={kind!r}: a head needs the target's features and LM head rows")
         if isinstance(draft, EagleAttnHead):  # every round at once: draft j of the round rooted at L - 2
-            out = draft.unrolled(data.features[row, : n - 1].float()[None], target.embed_tokens(tokens[1:])[None], k)
+            out = draft.unrolled(
+                data.features[row, : n - 1].float()[None], target.embed_tokens(tokens[1:]).float()[None], k
+            )
             feats = out[0, torch.arange(k)[None], at - 2]  # [S, k, H]
         else:
             f = data.features[row, starts - 2].float()  # [S, H]: the feature that scored the token at L - 1

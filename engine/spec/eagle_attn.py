@@ -93,8 +93,8 @@ class EagleAttnHead(nn.Module):
         return self.fc(torch.cat([f, self.embed_norm(e)], -1))
 
     def new_cache(self, max_batch: int, max_seq_len: int, device: torch.device) -> KVCache:
-        w = self.fc.weight
-        return KVCache(self.mcfg, max_batch, max_seq_len, w.dtype if w.is_floating_point() else torch.float32, device)
+        # the compute dtype (a norm's: the plan's FP8 Linears hold float8 weights, never a cache's dtype)
+        return KVCache(self.mcfg, max_batch, max_seq_len, self.out_norm.weight.dtype, device)
 
     def forward(
         self,

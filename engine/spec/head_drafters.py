@@ -212,29 +212,32 @@ class EagleAttnDrafter(HeadDrafter):
 
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         # the features of the prompt but its last position (which each gets from the shared first scores)
-        assert src.hlen == 0 and src.new_features is not None
+        assert src.hlen == 0 and src.new_features
+        prompt = torch.cat(src.new_features)[: length - 1]
         for s in dst:
-            s.hlen, s.new_features = 0, src.new_features[: length - 1]
+            s.hlen, s.new_features = 0, [prompt]
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
         seqs, dev, H = batch.seqs, batch.target_cache.k.device, self.cfg.hidden_size
         assert self.cache is not None, "ensure_cache first"
-        have = [s.new_features is not None and len(s.new_features) > 0 for s in seqs]
-        width = max([len(s.new_features) for s, h in zip(seqs, have) if h], default=1)
+        new = [torch.cat(s.new_features) if s.new_features else None for s in seqs]
+        have = [n is not None and len(n) > 0 for n in new]
+        width = max([len(n) for n, h in zip(new, have) if h], default=1)
         B, scratch = len(seqs), batch.scratch_pos
         f = torch.zeros(B, width, H, dtype=self.head_weight.dtype, device=dev)
         nxt = torch.zeros(B, width, dtype=torch.long)
         pos = torch.full((B, width), scratch, dtype=torch.long)
         last = [0] * B
         for b, s in enumerate(seqs):
-            if have[b]:
-                m = len(s.new_features)
-                f[b, :m] = s.new_features
+            n = new[b]
+            if have[b] and n is not None:
+                m = len(n)
+                f[b, :m] = n
                 nxt[b, :m] = torch.tensor(s.tokens[s.hlen + 1 : s.hlen + m + 1])
                 pos[b, :m] = torch.arange(s.hlen, s.hlen + m)
                 last[b] = m - 1
-                s.hlen, s.new_features = s.hlen + m, None
+                s.hlen, s.new_features = s.hlen + m, []
         nxt, pos = nxt.to(dev), pos.to(dev)
         # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
         kv_len = min(max([s.hlen + batch.k for s, h in zip(seqs, have) if h], default=1), self.cache.max_seq_len)
@@ -281,8 +284,3 @@ class EagleAttnDrafter(HeadDrafter):
 
 
 HEAD_DRAFTERS: dict[str, type[HeadDrafter]] = {"medusa": MedusaDrafter, "eagle": EagleDrafter}
-
-
-def head_drafter_class(cfg: HeadConfig) -> type[HeadDrafter]:
-    """The drafter of a head of config ``cfg``."""
-    return EagleAttnDrafter if cfg.attention else HEAD_DRAFTERS[cfg.kind]

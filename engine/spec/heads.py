@@ -253,10 +253,12 @@ def read_head_config(path: str | Path) -> HeadConfig:
         raise CheckpointError(f"{f}: format={cfg.format!r} is unsupported: allowed {HEAD_FORMAT}")
     if cfg.kind not in HEAD_KINDS:
         raise CheckpointError(f"{f}: kind={cfg.kind!r} is invalid: allowed {', '.join(HEAD_KINDS)}")
-    if cfg.attention and (cfg.kind != "eagle" or min(cfg.attention_heads, cfg.kv_heads, cfg.head_dim) < 1):
+    bad_shape = min(cfg.attention_heads, cfg.kv_heads, cfg.head_dim) < 1 or cfg.head_dim % 2
+    if cfg.attention and (cfg.kind != "eagle" or bad_shape or cfg.attention_heads % cfg.kv_heads):
         raise CheckpointError(
-            f"{f}: attention=true needs kind 'eagle' and attention_heads, kv_heads, head_dim >= 1 "
-            f"(got kind={cfg.kind!r}, {cfg.attention_heads}, {cfg.kv_heads}, {cfg.head_dim})"
+            f"{f}: attention=true needs kind 'eagle' and attention_heads, kv_heads, head_dim >= 1 (heads a "
+            f"multiple of kv_heads, head_dim even); got kind={cfg.kind!r}, attention_heads={cfg.attention_heads}, "
+            f"kv_heads={cfg.kv_heads}, head_dim={cfg.head_dim}"
         )
     return cfg
 

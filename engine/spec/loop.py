@@ -46,7 +46,7 @@ from engine.spec.drafters import DraftBatch, Drafter
 from engine.spec.penalties import needs_history
 from engine.spec.rejection import greedy_accept, rejection_sample
 from engine.spec.sampling import RowProcessing
-from engine.spec.seq import Seq, token_logprobs
+from engine.spec.seq import Seq, token_logprobs, waiting_for_prefill
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class DecodeLoop:
     @torch.no_grad()
     def step(self, seqs: list[Seq]) -> list[tuple[Seq, list[int]]]:
         """One round over the unfinished sequences; returns each one's newly committed tokens."""
-        waiting = self._waiting_for_prefill(seqs)
+        waiting = waiting_for_prefill(seqs)
         active = [s for s in seqs if not s.finished and s.prefill_from is None]
         if not active:
             return []
@@ -232,7 +232,7 @@ class DecodeLoop:
                 if catch[b] > 1:
                     assert prefix is not None
                     new = torch.cat([prefix[b, : catch[b] - 1], new])
-                s.new_features = new if s.new_features is None else torch.cat([s.new_features, new])
+                s.new_features.append(new)
             if proposed and self.drafter is not None:
                 self.drafter.after_verify(s, n_before, a, proposed)
             if id(s) in waiting:
@@ -267,15 +267,7 @@ class DecodeLoop:
         tokens) beside rows that decode (K+1 tokens) runs them as two passes: one padded pass would compute every
         decoding row at the prompt's width."""
         T, B = toks.shape[1], len(active)
-        if want_all and max(catch) > 1:  # one pass scoring every column: the prompt's features are wanted too
-            kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
-            every = torch.arange(T, device=toks.device).expand(B, T)
-            lg, ft = self.target(toks, pos, self.cache, kv_len, rows, logits_idx=every, return_hidden=True)
-            return (
-                lg.gather(1, idx[..., None].expand(-1, -1, lg.shape[-1])),
-                ft.gather(1, idx[..., None].expand(-1, -1, ft.shape[-1])),
-                ft,
-            )
+        every = want_all and max(catch) > 1  # a row prefills: every column's features (the prompt's) are wanted
         wide = [b for b in range(B) if catch[b] > 1]
         narrow = [b for b in range(B) if catch[b] <= 1]
         t_narrow = max((catch[b] for b in narrow), default=0) + kmax
@@ -283,11 +275,24 @@ class DecodeLoop:
             kv_len = max(s.tlen + c + k for s, c, k in zip(active, catch, ks))
             start = active[0].tlen if aligned else None
             res = self.target(
-                toks, pos, self.cache, kv_len, rows, logits_idx=idx, start=start, return_hidden=want_feats
+                toks,
+                pos,
+                self.cache,
+                kv_len,
+                rows,
+                logits_idx=idx,
+                start=start,
+                return_hidden=want_feats,
+                hidden_all=every,
             )
-            return (*res, None) if want_feats else (res, None, None)
+            if not want_feats:
+                return res, None, None
+            if every:
+                return res[0], _at(res[1], idx), res[1]
+            return (*res, None)
         logits: Tensor | None = None
         feats: Tensor | None = None
+        prefix: Tensor | None = None
         for g in (wide, narrow):
             sel = torch.tensor(g, device=toks.device)
             t_g = max(catch[b] for b in g) + kmax
@@ -301,8 +306,14 @@ class DecodeLoop:
                 g_rows,
                 logits_idx=idx[sel],
                 return_hidden=want_feats,
+                hidden_all=every and g is wide,
             )
             lg, ft = res if want_feats else (res, None)
+            if every and g is wide:
+                assert ft is not None
+                prefix = ft.new_zeros(B, T, ft.shape[-1])
+                prefix[sel, :t_g] = ft
+                ft = _at(ft, idx[sel])
             if logits is None:
                 logits = lg.new_empty(B, *lg.shape[1:])
                 feats = None if ft is None else ft.new_empty(B, *ft.shape[1:])
@@ -310,31 +321,7 @@ class DecodeLoop:
             if feats is not None:
                 feats[sel] = ft
         assert logits is not None
-        return logits, feats, None
-
-    @staticmethod
-    def _waiting_for_prefill(seqs: list[Seq]) -> dict[int, list[Seq]]:
-        """The sequences waiting for another's prefill, by that one's id. When a source can no longer share (it
-        ended, it is past its prefill, it is not in this round), the first of its waiting sequences prefills
-        instead, for the others."""
-        running = {id(s): s for s in seqs if not s.finished and s.prefill_from is None}
-        heirs: dict[int, Seq] = {}  # a source that cannot share -> the waiting sequence that prefills instead
-        out: dict[int, list[Seq]] = {}
-        for s in seqs:
-            src = s.prefill_from
-            if src is None or s.finished:
-                continue
-            if src.prompt != s.prompt:
-                s.prefill_from = None
-                continue
-            if running.get(id(src)) is not src or src.tlen:
-                heir = heirs.setdefault(id(src), s)
-                s.prefill_from = None if heir is s else heir
-                if heir is s:
-                    continue
-                src = heir
-            out.setdefault(id(src), []).append(s)
-        return out
+        return logits, feats, prefix
 
     def _share_prefill(self, src: Seq, dst: list[Seq], logits: Tensor, feats: Tensor | None) -> None:
         """``src`` has prefilled its prompt this round: its keys/values of the prompt go into the rows of ``dst``
@@ -395,3 +382,8 @@ class DecodeLoop:
         if s.params.stop:
             return s.text if s.stop_cut is None else s.text[: s.stop_cut]
         return self.tokenizer.decode(s.generated[:-1] if s.stop_token else s.generated)
+
+
+def _at(x: Tensor, idx: Tensor) -> Tensor:
+    """x [B, T, H] at the columns idx [B, J] -> [B, J, H]."""
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))

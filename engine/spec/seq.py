@@ -83,8 +83,8 @@ class Seq:
     # for drafters that read it (spec/head_drafters.py: ``needs_features``); None before the first verify
     feature: Any = None
     # for a drafter that reads every position's feature (``needs_all_features``: the EAGLE head with attention):
-    # the target's features [m, H] of the committed positions hlen .. hlen + m - 1 it has not read yet
-    new_features: Any = None
+    # the target's features of the committed positions from hlen on that it has not read yet, in chunks of [m, H]
+    new_features: list[Any] = field(default_factory=list)
     hlen: int = 0
     # prefill sharing (spec/loop.py): the sequence of the same prompt whose prefill this one waits for (it
     # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
@@ -122,3 +122,27 @@ def token_logprobs(logits: Tensor, out: Tensor, rows: dict[int, int]) -> dict[in
         ]
         for j, b in enumerate(rows)
     }
+
+
+def waiting_for_prefill(seqs: list[Seq]) -> dict[int, list[Seq]]:
+    """The sequences waiting for another's prefill, by that one's id. When a source can no longer share (it
+    ended, it is past its prefill, it is not in this round), the first of its waiting sequences prefills
+    instead, for the others."""
+    running = {id(s): s for s in seqs if not s.finished and s.prefill_from is None}
+    heirs: dict[int, Seq] = {}  # a source that cannot share -> the waiting sequence that prefills instead
+    out: dict[int, list[Seq]] = {}
+    for s in seqs:
+        src = s.prefill_from
+        if src is None or s.finished:
+            continue
+        if src.prompt != s.prompt:
+            s.prefill_from = None
+            continue
+        if running.get(id(src)) is not src or src.tlen:
+            heir = heirs.setdefault(id(src), s)
+            s.prefill_from = None if heir is s else heir
+            if heir is s:
+                continue
+            src = heir
+        out.setdefault(id(src), []).append(s)
+    return out

@@ -256,8 +256,8 @@ torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Ten
                                      const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                      torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                      const torch::Tensor& sin, torch::Tensor hidden) const {
-  TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == hidden_ && x_in.scalar_type() == at::kFloat,
-              "decode_forward_x: x [B, T, ", hidden_, "] float32");
+  TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == hidden_ && x_in.scalar_type() == at::kFloat &&
+              x_in.device().is_cpu(), "decode_forward_x: x [B, T, ", hidden_, "] float32 on the CPU");
   TORCH_CHECK(pos.dim() == 2 && pos.size(0) == x_in.size(0) && pos.size(1) == x_in.size(1) &&
               pos.scalar_type() == at::kLong, "decode_forward_x: pos [B, T] int64");
   const torch::Tensor xc = x_in.contiguous();
