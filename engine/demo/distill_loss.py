@@ -89,11 +89,19 @@ def head_loss(
         total = total + opts.reg_weight * F.smooth_l1_loss(f, h[:, 1:])
     for j in range(depth):
         q_pos = steps[:, j + 1]  # the position whose target distribution draft j + 1 is scored against
-        logq = F.linear(f[:, j], lm_w).float().log_softmax(-1)
-        kl = kl_loss(logq, data.vals[rows, q_pos], data.idx[rows, q_pos], pos_of).mean()
-        hard = _hard(logq, data.tokens[rows, q_pos + 1], pos_of)
-        total = total + 0.8**j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard)
+        total = total + 0.8**j * _draft_loss(f[:, j], lm_w, pos_of, data, rows, q_pos, opts.hard_weight)
     return total
+
+
+def _draft_loss(
+    f: Tensor, lm_w: Tensor, pos_of: Tensor | None, data: DistillData, rows: Tensor, q_pos: Tensor, hard_weight: float
+) -> Tensor:
+    """Drafts scored from features f [M, H] against the target at (rows, q_pos) [M]: its soft labels' KL mixed
+    with the hard label (the token after q_pos)."""
+    logq = F.linear(f, lm_w).float().log_softmax(-1)
+    kl = kl_loss(logq, data.vals[rows, q_pos], data.idx[rows, q_pos], pos_of).mean()
+    hard = _hard(logq, data.tokens[rows, q_pos + 1], pos_of)
+    return (1 - hard_weight) * kl + hard_weight * hard
 
 
 def model_loss(draft: nn.Module, data: DistillData, opts: LossOptions, g: torch.Generator) -> Tensor:
@@ -136,9 +144,8 @@ def attn_head_loss(
             continue
         r, q = ok.nonzero(as_tuple=True)
         gj = out[r, j, q]  # [M, H]
-        logq = F.linear(gj, lm_w).float().log_softmax(-1)
-        kl = kl_loss(logq, data.vals[rows[r], q + 1], data.idx[rows[r], q + 1], pos_of).mean()
-        hard = _hard(logq, tok[r, q + 2], pos_of)
         reg = F.smooth_l1_loss(gj, data.features[rows[r], q + 1].float())
-        total = total + 0.8**j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard + opts.reg_weight * reg)
+        total = total + 0.8**j * (
+            _draft_loss(gj, lm_w, pos_of, data, rows[r], q + 1, opts.hard_weight) + opts.reg_weight * reg
+        )
     return total
