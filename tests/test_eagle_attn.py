@@ -114,26 +114,59 @@ def test_cuda_graphs_of_the_head_are_refused_at_load(ckpt_dir, attn_head):
         )
 
 
-def test_trained_attention_head_accepts_better(tiny_demo, tmp_path):
-    """On the tiny demo target: trained beats untrained by far, and attention over the sequence beats the
-    one-feature head trained on the same text with the same steps."""
+@pytest.fixture(scope="module")
+def tiny_eagles(tiny_demo, tmp_path_factory):
+    """EAGLE heads with and without attention, trained alike in seconds on the tiny demo target's own text."""
     target, _ = tiny_demo
+    d = tmp_path_factory.mktemp("tiny-eagles")
     train = (target.parent / "calib.txt").read_text(encoding="utf-8")
-    ids = Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8"))
-    prompts = [ids[i : i + 24] for i in range(0, 600 * 8, 600)]  # held-out prompts (never trained on)
-    acc = {}
     for attention in (False, True):
         opts = TrainOptions(
             kind="eagle", attention=attention, steps=150, samples=48, prompt_len=16, gen_len=64, heads=3
         )
-        train_draft(target, tmp_path / str(attention), opts, train, progress=False, heldout=0)
-        acc[attention] = _token_acceptance(target, tmp_path / str(attention), "eagle", prompts)
-    cfg = HeadConfig(**json.loads((tmp_path / "True" / "head_config.json").read_text()))
+        train_draft(target, d / str(attention), opts, train, progress=False, heldout=0)
+    return target, d
+
+
+def test_trained_attention_head_accepts_better(tiny_eagles, tmp_path):
+    """On the tiny demo target: trained beats untrained by far, and attention over the sequence beats the
+    one-feature head trained on the same text with the same steps."""
+    target, d = tiny_eagles
+    ids = Tokenizer(target).encode((target.parent / "heldout.txt").read_text(encoding="utf-8"))
+    prompts = [ids[i : i + 24] for i in range(0, 600 * 8, 600)]  # held-out prompts (never trained on)
+    acc = {a: _token_acceptance(target, d / str(a), "eagle", prompts) for a in (False, True)}
+    cfg = HeadConfig(**json.loads((d / "True" / "head_config.json").read_text()))
     assert cfg.attention
     save_head(init_head(cfg, Engine.from_pretrained(target).target, seed=0), cfg, None, tmp_path / "untrained")
     untrained = _token_acceptance(target, tmp_path / "untrained", "eagle", prompts)
     assert acc[True] > untrained + 0.08, (acc, untrained)
     assert acc[True] > acc[False], acc
+
+
+def test_profile_with_the_attention_head(tiny_eagles, tmp_path):
+    """build_profile --draft HEAD_DIR with an attention head: its projections planned FP8, the profile's engine
+    drafts with it, and its greedy output equals the planned target's."""
+    from engine.cli.build_profile import main
+    from quant.plan_io import plan_from_dict
+
+    target, d = tiny_eagles
+    out = tmp_path / "p.json"
+    args = ["--gpu", "a100", "--target", str(target), "--draft", str(d / "True"), "--device", "cpu", "--quiet"]
+    args += ["--eval-text", str(target.parent / "heldout.txt"), "--calib-text", str(target.parent / "calib.txt")]
+    assert main([*args, "--max-eval-tokens", "2048", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["speculation"]["drafter"] == "eagle" and prof["models"]["draft"]["config"]["attention"]
+    mods = prof["plan"]["draft"]["families"]["ffn"]["scaling"]["modules"]
+    assert mods[0] == "fc" and "layers.0.self_attn.q_proj" in mods and "layers.0.mlp.down_proj" in mods
+    eng = Engine.from_profile(out)
+    assert eng.info["draft_head_fp8"] == mods and isinstance(eng.drafter.head, EagleAttnHead)
+    planned = Engine.from_pretrained(
+        target, precision=PrecisionConfig(plan_from_dict(prof["plan"]), (target.parent / "calib.txt").read_text())
+    )
+    prompts = ["The with statement", "A class definition", "import sys\n"]
+    sp = SamplingParams(max_new_tokens=32)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in planned.generate(prompts, sp)]
+    assert eng.stats()["accepted"] > 0
 
 
 def test_fp8_plan_of_the_attention_head(ckpt_dir, attn_head, plain):
