@@ -197,6 +197,7 @@ def test_fp8_plan_of_the_attention_head(ckpt_dir, attn_head, plain):
 def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
     """``AttnHeadKernel`` (the decode step's forward_x) with fp32 weights: the same scores and features as the
     head's PyTorch forward, for a ragged batch in cache rows 2 and 0, then one more entry each."""
+    from engine.core.model import fuse_projections
     from engine.kernels.cpu_head import AttnHeadKernel
     from engine.spec.heads import draft_lm_head
 
@@ -204,6 +205,7 @@ def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
     path = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)
     head = load_head(path, eng.target, eng.tokenizer.vocab(), "eagle")[0].float()
     lm = draft_lm_head(eng.target, None).weight
+    fuse_projections(head)  # as the engine does before building the kernel
     kernel = AttnHeadKernel(head, lm, torch.float32)
     g = torch.Generator().manual_seed(0)
     f, e = torch.randn(2, 6, 64, generator=g), torch.randn(2, 6, 64, generator=g)

@@ -221,10 +221,7 @@ def head_drafter(
     scorer: nn.Module = draft_lm_head(target, vocab_ids)
     info["draft_head_step_weights"] = None
     if cfg.attention:  # decoder layers with a KV cache: the decode step's kernel or PyTorch's layers
-        if kernels.cuda_graphs:
-            raise InvalidConfigError(
-                "CUDA graphs of the EAGLE head with attention are not built: set cuda_graphs=False for this head"
-            )
+        fuse_projections(module)  # q/k/v and gate/up as one GEMM each, as the target's (and the kernel's layout)
         why = "the target is not on the CPU kernels" if not cpu_kernels else None
         if any(m.bias is not None for layer in module.layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
             why = why or "the kernel has no gate/up bias (mlp_bias)"

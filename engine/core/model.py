@@ -206,10 +206,11 @@ def _fuse(mods: tuple[nn.Module, ...]) -> FusedLinear | None:
     return FusedLinear(w, b)
 
 
-def fuse_projections(model: Transformer) -> int:
+def fuse_projections(model: nn.Module) -> int:
     """Run q/k/v as one GEMM and gate/up as one (inference only, after any quantization module swap:
     quantized layers are left alone). Per layer 3 GEMMs and their dispatch fewer, which is most of a
-    small model's step on a CPU. Returns the number of fused groups."""
+    small model's step on a CPU. ``model``: anything with ``layers`` of ``Block`` (a Transformer, the EAGLE head
+    with attention). Returns the number of fused groups."""
     n = 0
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp

@@ -35,7 +35,7 @@ from engine.core.errors import InvalidConfigError
 from engine.core.files import write_text_atomic
 from engine.demo.distill_data import DistillData, cut_prompts, generate, label
 from engine.demo.distill_eval import heldout_acceptance, heldout_data
-from engine.demo.distill_loss import attn_head_loss, frequent_tokens, head_loss, model_loss
+from engine.demo.distill_loss import frequent_tokens, head_loss, model_loss
 from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -307,9 +307,7 @@ def train_draft(
             pos_of[vocab_ids] = torch.arange(len(vocab_ids))
         loss = train_loop(
             head,
-            (lambda g: attn_head_loss(head, target, lm_w, pos_of, data, opts, g))
-            if opts.attention
-            else (lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g)),
+            lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
             opts,
             steps,
             state,

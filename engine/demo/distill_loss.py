@@ -74,7 +74,10 @@ def head_loss(
     opts: LossOptions,
     g: torch.Generator,
 ) -> Tensor:
-    """One batch's loss for medusa (head i on h_t vs q_{t+1+i}) or eagle (unrolled depth steps)."""
+    """One batch's loss for medusa (head i on h_t vs q_{t+1+i}), eagle (unrolled depth steps) or the EAGLE head with
+    attention (``_attn_head_loss``)."""
+    if isinstance(head, EagleAttnHead):
+        return _attn_head_loss(head, target, lm_w, pos_of, data, opts, g)
     depth = opts.heads
     rows, t = _windows(data, opts.positions, depth, g)
     steps = t[:, None] + torch.arange(depth + 1)  # [R, depth + 1]
@@ -116,7 +119,7 @@ def model_loss(draft: nn.Module, data: DistillData, opts: LossOptions, g: torch.
     return (1 - opts.hard_weight) * kl + opts.hard_weight * hard
 
 
-def attn_head_loss(
+def _attn_head_loss(
     head: EagleAttnHead,
     target: Any,
     lm_w: Tensor,

@@ -162,27 +162,8 @@ class DecodeStep:
         self.amx = bool(weight_dtype == torch.bfloat16 and amx is not False and not amx_reason)
         self.model, self.weight_dtype = model, weight_dtype
 
-        def mat(t: Tensor) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
-            return t.detach().to(weight_dtype).contiguous()
-
-        def vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
-            return torch.empty(0) if t is None else t.detach()
-
-        weights: list[Tensor] = []
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            weights += [
-                vec(layer.input_layernorm.weight),
-                mat(a.qkv.weight),
-                vec(a.qkv.bias),
-                mat(a.o_proj.weight),
-                vec(a.o_proj.bias),
-                vec(layer.post_attention_layernorm.weight),
-                mat(m.gate_up.weight),
-                mat(m.down_proj.weight),
-                vec(m.down_proj.bias),
-            ]
-        weights += [vec(model.embed_tokens.weight), vec(model.norm.weight), mat(model.lm_head.weight)]
+        weights = layer_weights(model.layers, weight_dtype)
+        weights += [_vec(model.embed_tokens.weight), _vec(model.norm.weight), _mat(model.lm_head.weight, weight_dtype)]
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
@@ -261,6 +242,35 @@ class DecodeStep:
             steps,
             vocab,
         )
+
+
+def _mat(t: Tensor, dtype: torch.dtype) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
+    return t.detach().to(dtype).contiguous()
+
+
+def _vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
+    return torch.empty(0) if t is None else t.detach()
+
+
+def layer_weights(layers: Any, weight_dtype: torch.dtype) -> list[Tensor]:
+    """The decoder layers' tensors in the C++ ``DecodeModel``'s order, 9 per layer: input norm, q/k/v weight and
+    bias, o_proj weight and bias, post norm, gate/up weight, down weight and bias (q/k/v and gate/up fused:
+    ``fuse_projections``; GEMM weights in ``weight_dtype``, the rest as they are, a missing bias empty)."""
+    weights: list[Tensor] = []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [
+            _vec(layer.input_layernorm.weight),
+            _mat(a.qkv.weight, weight_dtype),
+            _vec(a.qkv.bias),
+            _mat(a.o_proj.weight, weight_dtype),
+            _vec(a.o_proj.bias),
+            _vec(layer.post_attention_layernorm.weight),
+            _mat(m.gate_up.weight, weight_dtype),
+            _mat(m.down_proj.weight, weight_dtype),
+            _vec(m.down_proj.bias),
+        ]
+    return weights
 
 
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | None = None) -> str | None:

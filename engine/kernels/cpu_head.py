@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.model import rope_cos_sin
-from engine.kernels.cpu_decode import WEIGHT_DTYPES, step_weight_dtype
+from engine.kernels.cpu_decode import WEIGHT_DTYPES, layer_weights, step_weight_dtype
 from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
 
 log = logging.getLogger(__name__)
@@ -127,35 +127,14 @@ class AttnHeadKernel:
     """The EAGLE head with attention's decoder layers, output norm and scores in one C++ call: the decode step's
     kernel (engine/kernels/csrc/decode_layers.cpp ``forward_x``) on the entries x [B, T, H] the drafter projects
     (``EagleAttnHead.entries``), with the head's own static KV cache. The layers' GEMM weights are copies in
-    ``store`` (q/k/v and gate/up stacked); the LM head's rows stay the target's fp32 weight."""
+    ``store`` (``layer_weights``: q/k/v and gate/up fused first, ``fuse_projections``); the LM head's rows stay
+    the target's fp32 weight."""
 
     def __init__(self, head: nn.Module, lm_weight: Tensor, store: torch.dtype) -> None:
-        def mat(t: Tensor) -> Tensor:
-            return t.detach().to(store).contiguous()
-
-        def vec(t: Tensor | None) -> Tensor:
-            return torch.empty(0) if t is None else t.detach().contiguous()
-
-        def cat(ts: list[Tensor | None]) -> Tensor | None:
-            return None if ts[0] is None else torch.cat([t.detach() for t in ts])  # type: ignore[union-attr]
-
-        ws: list[Tensor] = []
-        for layer in head.layers:  # type: ignore[union-attr]
-            a, m = layer.self_attn, layer.mlp
-            ws += [
-                vec(layer.input_layernorm.weight),
-                mat(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                vec(cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])),
-                mat(a.o_proj.weight),
-                vec(a.o_proj.bias),
-                vec(layer.post_attention_layernorm.weight),
-                mat(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                mat(m.down_proj.weight),
-                vec(m.down_proj.bias),
-            ]
+        ws = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)
         mcfg = head.mcfg  # type: ignore[union-attr]
         H = mcfg.hidden_size
-        ws += [torch.zeros(1, H), vec(head.out_norm.weight), lm_weight.detach().contiguous()]  # (no embedding read)
+        ws += [torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous()]  # (no embedding read)
         self.impl = cpu_kernels().DecodeModel(
             ws, mcfg.num_attention_heads, mcfg.num_key_value_heads, 0, mcfg.rms_norm_eps, False
         )

@@ -188,8 +188,14 @@ class GraphedForward:
         n_layers: int | None = None,
         start: int | None = None,
         return_hidden: bool = False,
+        hidden_all: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        key = self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers, return_hidden)
+        # every position's features (a prefill for the attention head) has no graph: eager, counted
+        key = (
+            None
+            if hidden_all
+            else self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers, return_hidden)
+        )
         if key is None:
             self.stats.eager_calls += 1
             return self._model(
@@ -202,6 +208,7 @@ class GraphedForward:
                 n_layers=n_layers,
                 start=start,
                 return_hidden=return_hidden,
+                hidden_all=hidden_all,
             )
         assert cache is not None and input_pos is not None
         self._check_cache(cache)

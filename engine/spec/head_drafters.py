@@ -201,6 +201,7 @@ class EagleAttnDrafter(HeadDrafter):
         self.cache: KVCache | None = None
 
     def with_runner(self, runner: Callable[..., Any]) -> HeadDrafter:
+        """Refused: its step writes its own cache at per-row positions (the engine asks at load, so it fails there)."""
         raise InvalidConfigError(
             "CUDA graphs of the EAGLE head with attention are not built: cuda_graphs=False for this head"
         )
@@ -221,9 +222,10 @@ class EagleAttnDrafter(HeadDrafter):
     def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
         seqs, dev, H = batch.seqs, batch.target_cache.k.device, self.cfg.hidden_size
         assert self.cache is not None, "ensure_cache first"
-        new = [torch.cat(s.new_features) if s.new_features else None for s in seqs]
-        have = [n is not None and len(n) > 0 for n in new]
-        width = max([len(n) for n, h in zip(new, have) if h], default=1)
+        cat = [torch.cat(s.new_features) if s.new_features else None for s in seqs]
+        new = [n if n is not None and len(n) else None for n in cat]  # [m, H] per row, None: nothing to run
+        have = [n is not None for n in new]
+        width = max([len(n) for n in new if n is not None], default=1)
         B, scratch = len(seqs), batch.scratch_pos
         f = torch.zeros(B, width, H, dtype=self.head_weight.dtype, device=dev)
         nxt = torch.zeros(B, width, dtype=torch.long)
@@ -231,7 +233,7 @@ class EagleAttnDrafter(HeadDrafter):
         last = [0] * B
         for b, s in enumerate(seqs):
             n = new[b]
-            if have[b] and n is not None:
+            if n is not None:
                 m = len(n)
                 f[b, :m] = n
                 nxt[b, :m] = torch.tensor(s.tokens[s.hlen + 1 : s.hlen + m + 1])

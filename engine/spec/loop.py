@@ -283,7 +283,7 @@ class DecodeLoop:
                 logits_idx=idx,
                 start=start,
                 return_hidden=want_feats,
-                **_all(every),
+                hidden_all=every,
             )
             if not want_feats:
                 return res, None, None
@@ -306,7 +306,7 @@ class DecodeLoop:
                 g_rows,
                 logits_idx=idx[sel],
                 return_hidden=want_feats,
-                **_all(every and g is wide),
+                hidden_all=every and g is wide,
             )
             lg, ft = res if want_feats else (res, None)
             if every and g is wide:
@@ -387,9 +387,3 @@ class DecodeLoop:
 def _at(x: Tensor, idx: Tensor) -> Tensor:
     """x [B, T, H] at the columns idx [B, J] -> [B, J, H]."""
     return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def _all(every: bool) -> dict[str, bool]:
-    """The target forward's ``hidden_all`` argument, passed only when set (a graphed forward takes none: the
-    one drafter that asks for it runs without CUDA graphs)."""
-    return {"hidden_all": True} if every else {}
