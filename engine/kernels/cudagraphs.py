@@ -28,8 +28,8 @@ A verify that returns the target's features too (``return_hidden``, for a head d
 its own (``hidden`` in the key); the head's step is graphed by engine/kernels/head_graphs.py.
 
 A call that fits no graph (no cache, prefill wider than ``max_tokens``, a batch
-above the largest bucket or the cache's rows) runs eagerly and is counted. A new
-cache (the scheduler grows it between rounds) drops the graphs. ``emulate=True``
+above the largest bucket or the cache's rows, every position's features: ``hidden_all``)
+runs eagerly and is counted. A new cache (the scheduler grows it between rounds) drops the graphs. ``emulate=True``
 runs the same static padded forward without capturing (what the CPU tests check).
 Graphs share one memory pool; outputs are cloned right after replay, so a later
 replay of another graph never overwrites what a caller holds.
