@@ -39,6 +39,7 @@ from engine.spec.adaptive import KPolicy
 from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
 from engine.spec.head_drafters import HEAD_DRAFTERS, EagleAttnDrafter, HeadDrafter
 from engine.spec.heads import HeadConfig, draft_lm_head, load_head
+from engine.spec.lookup import LookupFirst
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,12 @@ def check_options(
         raise InvalidConfigError(
             f"speculation.drafter={drafter!r} needs a head directory (draft=None): allowed a "
             f"directory written by specmix-train-draft --kind {drafter}"
+        )
+    if spec.prompt_lookup_min is not None and drafter in (None, "ngram"):
+        raise InvalidConfigError(
+            f"speculation.prompt_lookup_min={spec.prompt_lookup_min} needs a drafter to fall back on: allowed "
+            f"drafter 'model' (or None with a draft checkpoint), 'early-exit', 'medusa' or 'eagle'; it is "
+            f"{drafter!r} ('ngram' is prompt lookup alone)"
         )
     if drafter not in ("model", *HEAD_DRAFTERS) and draft_dir is not None:
         raise InvalidConfigError(
@@ -295,6 +302,8 @@ def parts_from_models(
         if head is not None
         else make_drafter(drafter, target_fwd, draft_fwd, target.config.num_hidden_layers, spec)
     )
+    if d is not None and spec.prompt_lookup_min is not None:
+        d = LookupFirst(d, spec.prompt_lookup_min)
     policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if d is not None else None
     info = {**(info or {}), "drafter": drafter if d is not None else None}
     return Parts(

@@ -58,6 +58,10 @@ class SpeculationConfig:
     """With the "cost-model" policy: while two or more greedy sequences run, each round speculates or runs
     plainly, whichever the rounds measured at that batch size made faster (engine/serve/window.py; sampled
     rows keep their K: it decides their random draws). False: K is each sequence's own, whatever the batch."""
+    prompt_lookup_min: int | None = None
+    """Prompt lookup first (engine/spec/lookup.py): a row whose last n tokens (prompt_lookup_min <= n, n <= 3
+    or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them, the
+    drafter the other rows; None: the drafter alone. Needs a drafter other than "ngram" (refused at load)."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -90,6 +94,8 @@ class SpeculationConfig:
                     f"speculation.drafter='early-exit' (it is {self.drafter!r})"
                 )
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
+        if self.prompt_lookup_min is not None:
+            _int("speculation.prompt_lookup_min", self.prompt_lookup_min, 1, 8)
         if not isinstance(self.batch_window, bool):
             raise InvalidConfigError(f"speculation.batch_window={self.batch_window!r} is invalid: allowed True, False")
         if self.costs is not None and not isinstance(self.costs, Costs):
@@ -112,6 +118,8 @@ class SpeculationConfig:
             "k_max": self.resolved_k_max,
             "policy": self.k_policy,
         }
+        if self.prompt_lookup_min is not None:
+            out["prompt_lookup_min"] = self.prompt_lookup_min
         if self.costs is not None:
             out.update(self.costs.to_dict())
         return out
@@ -126,6 +134,7 @@ class SpeculationConfig:
             k_max=int(spec["k_max"]),
             k_policy=spec["policy"],
             costs=costs,
+            prompt_lookup_min=spec.get("prompt_lookup_min"),
         )
 
 

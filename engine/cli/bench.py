@@ -86,6 +86,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the target's attention backend (default: the engine's "
         "choice: math with --dtype bfloat16, which keeps speculation exact; sdpa is faster, not exact)",
     )
+    p.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adds a mode <mode>+lookup for each drafter but ngram: prompt lookup first where the last N or more "
+        "tokens recur in the context, the drafter elsewhere (speculation.prompt_lookup_min)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
     p.add_argument(
@@ -162,6 +170,15 @@ def bench(a: argparse.Namespace) -> int:
             speculation=SpeculationConfig(drafter=drafter, k=a.k),
             **opts,
         )
+    lookup_modes = {}  # prompt lookup first, then the mode's drafter
+    for mode, drafter in SPEC_MODES.items():
+        if a.prompt_lookup is None or drafter == "ngram" or mode not in engines:
+            continue
+        spec = SpeculationConfig(drafter=drafter, k=a.k, prompt_lookup_min=a.prompt_lookup, costs=engines[mode].costs)
+        lookup_modes[f"{mode}+lookup"] = mode
+        engines[f"{mode}+lookup"] = Engine.from_pretrained(
+            target, draft if drafter == "model" else heads.get(drafter), speculation=spec, **opts
+        )
     model_sweep = sweep if "specmix-model" in engines else []  # no draft model: the heads' sweeps only
     costs = engines["specmix-model"].costs if model_sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in model_sweep}
@@ -192,6 +209,7 @@ def bench(a: argparse.Namespace) -> int:
             runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k, getattr(torch, dt))
     if a.modes:
         keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes) | set(head_sweep)
+        keep |= {m for m, base in lookup_modes.items() if base in keep}
         runners = {m: r for m, r in runners.items() if m in keep}
     for r in runners.values():  # warm-up
         r()
@@ -233,7 +251,7 @@ def bench(a: argparse.Namespace) -> int:
         if m in sweep_modes or m in head_sweep:
             st = engines[m].stats()
             row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
-        if m in SPEC_MODES and m in engines:
+        if (m in SPEC_MODES or m in lookup_modes) and m in engines:
             st, eng = engines[m].stats(), engines[m]
             row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
             row["token_acceptance"] = st["token_acceptance"]

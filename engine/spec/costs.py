@@ -102,6 +102,7 @@ def drafter_costs(
     layers, a trained head's step (its ``step_fn``) or the n-gram drafter's nothing."""
     from engine.spec.drafters import EarlyExitDrafter
 
+    drafter = getattr(drafter, "inner", drafter)  # prompt lookup first (spec/lookup.py): the inner's step
     layers = drafter.n_layers if isinstance(drafter, EarlyExitDrafter) else None
     step_fn = getattr(drafter, "step_fn", None)  # a head's step (spec/head_drafters.py)
     return measure_costs(

@@ -1,0 +1,155 @@
+"""Prompt lookup first, a drafter otherwise (engine/spec/lookup.py): the target's output is unchanged (greedy
+identity over prompts x K x batch for a draft model and a trained head; the exact two-token joint when sampled,
+with rows of one round taking either path); the wrapped drafter's state stays that of the committed tokens after
+rounds it did not draft; the option is checked and kept in profiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_heads import random_head
+from test_speculative import PROMPTS, _exact_joint
+from util import make_checkpoint
+
+from engine import Engine, SamplingParams
+from engine.api.options import SpeculationConfig
+from engine.core.errors import InvalidConfigError
+from engine.core.model import KVCache
+from engine.spec.lookup import LookupFirst
+
+
+def lookup(drafter: str | None, k: int, n_min: int = 2) -> SpeculationConfig:
+    return SpeculationConfig(drafter=drafter, k=k, k_policy="constant", prompt_lookup_min=n_min)
+
+
+def spy_lookups(monkeypatch, drafter: LookupFirst) -> list[bool]:
+    """Whether each row's lookup found a match, one entry per row and round."""
+    found: list[bool] = []
+    orig = drafter.ngram.lookup
+
+    def spy(tokens: list[int], k: int) -> list[int]:
+        out = orig(tokens, k)
+        found.append(bool(out))
+        return out
+
+    monkeypatch.setattr(drafter.ngram, "lookup", spy)
+    return found
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt_dir):
+    eng = Engine.from_pretrained(ckpt_dir)
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+
+
+@pytest.fixture(scope="module")
+def heads(ckpt_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("lookup")
+    return {
+        "eagle": random_head(ckpt_dir, d / "eagle", "eagle"),
+        "eagle-attn": random_head(ckpt_dir, d / "eagle-attn", "eagle", attention=True),
+        "medusa": random_head(ckpt_dir, d / "medusa", "medusa"),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("drafter", ["model", "early-exit", "medusa", "eagle", "eagle-attn"])
+def test_greedy_equals_plain(ckpt_dir, draft_dir, heads, plain, drafter, k, monkeypatch):
+    draft = {"model": draft_dir, **heads}.get(drafter)
+    eng = Engine.from_pretrained(ckpt_dir, draft, speculation=lookup(drafter.removesuffix("-attn"), k))
+    assert isinstance(eng.drafter, LookupFirst)
+    found = spy_lookups(monkeypatch, eng.drafter)
+    params = SamplingParams(max_new_tokens=40)
+    for batch in (1, 4):
+        outs = []
+        for i in range(0, len(PROMPTS), batch):
+            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
+        assert outs == plain, (drafter, k, batch)
+    s = eng.stats()
+    assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1
+    assert 0 < sum(found) < len(found), "rows of both kinds: copied and drafted"
+
+
+def test_draft_cache_holds_the_committed_tokens(ckpt_dir, draft_dir, monkeypatch):
+    """Before every round the draft model drafts, its cache's first dlen positions are the draft model's keys and
+    values of the committed tokens, also after rounds whose accepted drafts were copies, not its own."""
+    from engine.api.options import KernelOptions
+
+    eng = Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=lookup("model", 4, 1), kernels=KernelOptions(cpu_pack=False)
+    )
+    inner, draft = eng.drafter.inner, eng.draft_model
+    found = spy_lookups(monkeypatch, eng.drafter)
+    orig, checked = inner.propose, []
+
+    def propose(batch):
+        for s in batch.seqs:
+            n = s.dlen
+            if n:
+                ref = KVCache(draft.config, 1, inner.cache.max_seq_len, inner.cache.k.dtype, "cpu")
+                with torch.no_grad():
+                    draft(torch.tensor([s.tokens[:n]]), torch.arange(n)[None], ref, n)
+                for got, want in ((inner.cache.k, ref.k), (inner.cache.v, ref.v)):
+                    torch.testing.assert_close(got[:, s.row, :, :n], want[:, 0, :, :n], rtol=1e-4, atol=1e-5)
+                checked.append(n)
+        return orig(batch)
+
+    monkeypatch.setattr(inner, "propose", propose)
+    eng.generate(PROMPTS[:8], SamplingParams(max_new_tokens=30))
+    assert len(checked) > 10 and 0 < sum(found) < len(found)
+
+
+def _sampled_joint_matches(eng: Engine, monkeypatch) -> None:
+    """The exact two-token joint after a prompt whose first round copies (the prompt repeats [1, 2]); the second
+    round copies where the first token recurs in the context and drafts with the drafter elsewhere."""
+    found = spy_lookups(monkeypatch, eng.drafter)
+    sp = SamplingParams(max_new_tokens=2, temperature=1.0)
+    prompt = [1, 2, 3, 1, 2]
+    exact = _exact_joint(eng, prompt, sp)
+    V = eng.vocab
+    n, batch = 30_000, 3_000
+    counts = np.zeros((V, V))
+    for _ in range(n // batch):
+        for o in eng.generate([prompt] * batch, sp):
+            counts[o.token_ids[0], o.token_ids[1]] += 1
+    assert counts[exact == 0].sum() == 0
+    assert 0.05 < eng.stats()["acceptance_rate"] < 0.95
+    assert 0.05 < np.mean(found) < 0.95, "copied and drafted rows in the same rounds"
+    e, c = exact.ravel() * n, counts.ravel()
+    keep = e >= 5
+    obs, exp = np.append(c[keep], c[~keep].sum()), np.append(e[keep], e[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-lookup")
+    kw = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, eos_token_id=None)
+    make_checkpoint(d / "t", seed=3, **kw)
+    make_checkpoint(d / "d", seed=3, perturb=0.1, **kw)
+    return d
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_sampled_output_matches_the_target_distribution(tiny, drafter, monkeypatch):
+    draft = tiny / "d" if drafter == "model" else random_head(tiny / "t", tiny / "eagle", "eagle", scale=1.0)
+    eng = Engine.from_pretrained(tiny / "t", draft, speculation=lookup(drafter, 2, 1))
+    _sampled_joint_matches(eng, monkeypatch)
+
+
+def test_option_checked_and_kept_in_profiles(ckpt_dir, draft_dir):
+    for bad in (0, 9, "2", True):
+        with pytest.raises(InvalidConfigError, match="speculation.prompt_lookup_min"):
+            SpeculationConfig(drafter="model", prompt_lookup_min=bad)
+    for drafter, draft in (("ngram", None), (None, None)):
+        with pytest.raises(InvalidConfigError, match="prompt_lookup_min=2 needs a drafter to fall back on"):
+            Engine.from_pretrained(ckpt_dir, draft, speculation=lookup(drafter, 3))
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=lookup(None, 3))  # None + a draft: "model"
+    assert isinstance(eng.drafter, LookupFirst)
+    cfg = SpeculationConfig(drafter="model", k=3, k_max=8, k_policy="constant", prompt_lookup_min=2)
+    assert SpeculationConfig.from_profile(cfg.to_profile()) == cfg
+    assert "prompt_lookup_min" not in SpeculationConfig(drafter="model").to_profile()
