@@ -5,6 +5,8 @@ rounds it did not draft; the option is checked and kept in profiles."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,10 +16,11 @@ from test_speculative import PROMPTS, _exact_joint
 from util import make_checkpoint
 
 from engine import Engine, SamplingParams
-from engine.api.options import SpeculationConfig
+from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.model import KVCache
 from engine.spec.lookup import LookupFirst
+from quant.plan_io import plan_from_dict
 
 
 def lookup(drafter: str | None, k: int, n_min: int = 2) -> SpeculationConfig:
@@ -153,3 +156,34 @@ def test_option_checked_and_kept_in_profiles(ckpt_dir, draft_dir):
     cfg = SpeculationConfig(drafter="model", k=3, k_max=8, k_policy="constant", prompt_lookup_min=2)
     assert SpeculationConfig.from_profile(cfg.to_profile()) == cfg
     assert "prompt_lookup_min" not in SpeculationConfig(drafter="model").to_profile()
+
+
+def test_profile_and_server_with_prompt_lookup(tiny_demo, tmp_path):
+    """build_profile --prompt-lookup calibrates with it and keeps it; the profile's engine and the server's
+    --prompt-lookup draft with it, greedy output unchanged; without a draft the option is refused in one line."""
+    from engine.cli.build_profile import main
+    from engine.cli.serve import build_parser, load
+
+    target, draft = tiny_demo
+    texts = ["--eval-text", str(target.parent / "heldout.txt"), "--calib-text", str(target.parent / "calib.txt")]
+    args = ["--gpu", "a100", "--target", str(target), "--device", "cpu", "--quiet", *texts, "--max-eval-tokens", "2048"]
+    out = tmp_path / "p.json"
+    assert main([*args, "--draft", str(draft), "--prompt-lookup", "2", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    spec = prof["speculation"]
+    assert spec["drafter"] == "model" and spec["prompt_lookup_min"] == 2 and 0 < spec["acceptance"] < 1
+    eng = Engine.from_profile(out)
+    assert isinstance(eng.drafter, LookupFirst) and eng.drafter.ngram.n_min == 2
+    calib = (target.parent / "calib.txt").read_text()
+    planned = Engine.from_pretrained(target, precision=PrecisionConfig(plan_from_dict(prof["plan"]), calib))
+    prompts = ["The with statement", "import sys\nimport os\nimport sys\n"]
+    sp = SamplingParams(max_new_tokens=32)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in planned.generate(prompts, sp)]
+    ref = [o.token_ids for o in Engine.from_pretrained(target).generate(prompts, sp)]
+    served, _, _ = load(
+        build_parser().parse_args(["--target", str(target), "--draft", str(draft), "--prompt-lookup", "3"])
+    )
+    assert isinstance(served.drafter, LookupFirst) and served.drafter.ngram.n_min == 3
+    assert [o.token_ids for o in served.generate(prompts, sp)] == ref
+    assert main([*args, "--prompt-lookup", "2", "--out", str(tmp_path / "q.json")]) != 0
+    assert not (tmp_path / "q.json").exists()

@@ -50,11 +50,13 @@ def calibrate(
     n_prompts: int = 8,
     max_new_tokens: int = 48,
     drafter: str = "model",
+    lookup: int | None = None,
 ) -> dict[str, Any]:
     """The profile's speculation section: a draft model, a trained head (drafter "medusa" / "eagle": its K is
     capped at its heads) or, with no draft, the n-gram drafter (drafter "ngram", draft_dir None). A draft model, and a
-    head the plan quantizes (eagle's FP8 Linears), are also measured unquantized (``acceptance_fp16_draft``)."""
-    spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search)
+    head the plan quantizes (eagle's FP8 Linears), are also measured unquantized (``acceptance_fp16_draft``).
+    ``lookup``: prompt lookup first (``SpeculationConfig.prompt_lookup_min``), measured and kept with it."""
+    spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search, prompt_lookup_min=lookup)
     planned = Engine.from_pretrained(
         target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
     )
@@ -71,7 +73,9 @@ def calibrate(
     costs = planned.costs
     assert costs is not None and planned.policy is not None
     k, k_min, k_max, speedup = k_bounds(a, costs, min(k_search, planned.policy.k_max))
-    chosen = SpeculationConfig(drafter=drafter, k=k, k_min=k_min, k_max=k_max, k_policy="cost-model", costs=costs)
+    chosen = SpeculationConfig(
+        drafter=drafter, k=k, k_min=k_min, k_max=k_max, k_policy="cost-model", costs=costs, prompt_lookup_min=lookup
+    )
     return {
         **chosen.to_profile(),  # drafter, k, k_min, k_max, policy, c, v: what Engine.from_profile reads back
         "acceptance": a,

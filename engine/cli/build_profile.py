@@ -105,6 +105,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_MIN_TOP1,
         help=f"the search's bound on top-1 agreement on the calibration text (default {DEFAULT_MIN_TOP1})",
     )
+    p.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with a draft: draft by prompt lookup where the last N or more tokens recur in the context, the draft "
+        "elsewhere (speculation.prompt_lookup_min; calibrated with it)",
+    )
     p.add_argument("--out", type=Path, help="output file (default profiles/<gpu>-<model>.json)")
     p.add_argument(
         "--device",
@@ -139,6 +147,8 @@ def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
         eval_path = a.eval_text or root / "heldout.txt"
         calib_path = a.calib_text or root / "calib.txt"
     elif a.draft is None:  # a target alone: the n-gram drafter
+        if a.prompt_lookup is not None:
+            raise InvalidConfigError("--prompt-lookup needs --draft (a target alone drafts by prompt lookup already)")
         target, draft, name = a.target, None, a.target.resolve().name.lower()
         if a.eval_text is None and not WIKITEXT_TEST.is_file():
             raise InvalidConfigError(f"--eval-text is required: the default {WIKITEXT_TEST} is missing")
@@ -285,7 +295,9 @@ def build(a: argparse.Namespace) -> int:
         spec = calibrate(inp["target"], None, plan, inp["calib_text"], device=device, drafter="ngram")
     else:
         drafter = read_head_config(inp["draft"]).kind if is_head_dir(inp["draft"]) else "model"
-        spec = calibrate(inp["target"], inp["draft"], plan, inp["calib_text"], device=device, drafter=drafter)
+        spec = calibrate(
+            inp["target"], inp["draft"], plan, inp["calib_text"], device=device, drafter=drafter, lookup=a.prompt_lookup
+        )
     profile = make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a)
     report = build_report_files(profile, Path(out))  # rendered before anything is written
     write_json_atomic(Path(out), profile)

@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--k-policy", default=None, help="cost-model (default), constant, heuristic, ...")
     ap.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft by prompt lookup where the last N or more tokens recur in the context, the drafter elsewhere",
+    )
+    ap.add_argument(
         "--full-check",
         action="store_true",
         help="re-hash every weight file of the profile (default: only files whose size/mtime changed)",
@@ -112,7 +119,9 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     target = resolve_model(args.target, **hub)
     draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
     drafter = None if args.no_spec else (args.drafter or _draft_kind(draft))
-    spec = SpeculationConfig(drafter=drafter, k=args.k, k_policy=args.k_policy or "cost-model")
+    spec = SpeculationConfig(
+        drafter=drafter, k=args.k, k_policy=args.k_policy or "cost-model", prompt_lookup_min=args.prompt_lookup
+    )
     eng = Engine.from_pretrained(
         target,
         draft if drafter in ("model", "medusa", "eagle") else None,
