@@ -105,10 +105,10 @@ def test_draft_cache_holds_the_committed_tokens(ckpt_dir, draft_dir, monkeypatch
 
 
 def _sampled_joint_matches(eng: Engine, monkeypatch) -> None:
-    """The exact two-token joint after a prompt whose first round copies (the prompt repeats [1, 2]); the second
-    round copies where the first token recurs in the context and drafts with the drafter elsewhere."""
+    """The exact two-token joint after a prompt that repeats [1, 2] (its first round finds a copy); the second
+    round finds one where the first token recurs in the context."""
     found = spy_lookups(monkeypatch, eng.drafter)
-    sp = SamplingParams(max_new_tokens=2, temperature=1.0)
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0)  # 3: a second round drafts the second token
     prompt = [1, 2, 3, 1, 2]
     exact = _exact_joint(eng, prompt, sp)
     V = eng.vocab
@@ -137,10 +137,17 @@ def tiny(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("drafter", ["model", "eagle"])
-def test_sampled_output_matches_the_target_distribution(tiny, drafter, monkeypatch):
+@pytest.mark.parametrize(
+    "drafter, rule", [("model", "copy-first"), ("model", "adaptive"), ("eagle", "copy-first"), ("eagle", "adaptive")]
+)
+def test_sampled_output_matches_the_target_distribution(tiny, drafter, rule, monkeypatch):
+    """copy-first: every row with a copy takes it (the first round copies, the second mixes copies and drafts);
+    adaptive: the drafter's rule, which takes a copy after copies drafted better, or where the drafter has
+    nothing (the head's first round, before any feature)."""
     draft = tiny / "d" if drafter == "model" else random_head(tiny / "t", tiny / "eagle", "eagle", scale=1.0)
     eng = Engine.from_pretrained(tiny / "t", draft, speculation=lookup(drafter, 2, 1))
+    if rule == "copy-first":
+        monkeypatch.setattr(eng.drafter, "prefers_copy", lambda rec: True)
     _sampled_joint_matches(eng, monkeypatch)
 
 
@@ -187,3 +194,54 @@ def test_profile_and_server_with_prompt_lookup(tiny_demo, tmp_path):
     assert [o.token_ids for o in served.generate(prompts, sp)] == ref
     assert main([*args, "--prompt-lookup", "2", "--out", str(tmp_path / "q.json")]) != 0
     assert not (tmp_path / "q.json").exists()
+
+
+class Fixed:
+    """A greedy drafter of known drafts: the next k tokens of ``truth``, or wrong ones."""
+
+    probabilistic = True
+
+    def __init__(self, truth: list[int], right: bool) -> None:
+        self.truth, self.right, self.proposed, self.after = truth, right, [], []
+
+    def propose(self, batch):
+        n = len(batch.seqs[0].tokens)
+        self.proposed.append(n)
+        return torch.tensor([self.truth[n : n + batch.k] if self.right else [0] * batch.k]), None, None
+
+    def after_verify(self, seq, n_before, accepted, k):
+        self.after.append((n_before, accepted))
+
+
+def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, k: int = 4) -> list[int]:
+    """Greedy rounds along the text ``truth`` (its tokens are the target's) -> each round's start."""
+    from types import SimpleNamespace
+
+    from engine.spec.seq import Seq
+
+    seq = Seq(truth[:start], SamplingParams(), torch.Generator())
+    starts = []
+    for _ in range(rounds):
+        n = len(seq.tokens)
+        starts.append(n)
+        batch = SimpleNamespace(seqs=[seq], k=k, target_cache=SimpleNamespace(k=torch.zeros(1)))
+        drafts, _, num = drafter.propose(batch)
+        d = drafts[0, : (num or [k])[0]].tolist()
+        a = next((i for i, (x, t) in enumerate(zip(d, truth[n:])) if x != t), len(d))
+        drafter.after_verify(seq, n, a, k)
+        seq.tokens += truth[n : n + a + 1]
+    return starts
+
+
+def test_copies_or_drafts_whichever_drafted_better():
+    """Text whose repeats mislead copies: a right drafter keeps every round. Periodic text and a wrong drafter:
+    copies take over after the drafter's first round, counted against the copy it did not take."""
+    twisted = [t for i in range(60) for t in (1, 2, 3 + i % 7)]  # the copy after [1, 2] is always the last twist
+    right = Fixed(twisted, right=True)
+    starts = run_rounds(LookupFirst(right, 2), twisted, 8, 20)
+    assert right.proposed == starts and [a for _, a in right.after] == [4] * 20
+    periodic = [1, 2, 3, 4, 5] * 40
+    wrong = Fixed(periodic, right=False)
+    starts = run_rounds(LookupFirst(wrong, 2), periodic, 7, 20)
+    assert wrong.proposed == starts[:1] and wrong.after == [(7, 0)]  # both means start at 0: the drafter first
+    assert starts[-1] - starts[1] == 18 * 5  # then copies: 4 drafts and the bonus token a round

@@ -1,18 +1,25 @@
-"""Prompt lookup first, a drafter otherwise: ``LookupFirst`` wraps a draft model, the early-exit layers or a
-trained head.
+"""Prompt lookup or a drafter, whichever drafts better for the sequence: ``LookupFirst`` wraps a draft model,
+the early-exit layers or a trained head.
 
-A row whose last n tokens (``n_min`` <= n <= ``n_max``) occurred earlier in its context drafts the tokens that
-followed them there, as the n-gram drafter does; every other row drafts with the wrapped drafter. Generated
-text that repeats its context (code, lists, quotes, a model's own loops) is copied at almost no cost, and the
-drafter covers the rest. The choice reads only committed tokens, never this round's random draws, so the
-exact rejection rule keeps the target's distribution: a copied draft's p is one-hot at the copied token.
+A row whose last n tokens (``n_min`` <= n <= ``n_max``) occurred earlier in its context can draft the tokens
+that followed them there (a copy, as the n-gram drafter's); every other row drafts with the wrapped drafter.
+Where a copy exists, the row takes it if copies have been drafting better than the drafter for this sequence:
+each sequence keeps running means of the drafts accepted per round by copies and by the drafter. A copy's mean is
+also counted on the drafter's rounds, from the copy it did not take against the tokens committed (a lower
+bound when the copy matched all of them, which is already more than the drafter's). Generated text that
+repeats its context (code, lists, quotes, a small model's loops) is copied at almost no cost; a drafter that
+predicts better keeps its rounds.
 
-When every row of a round finds a match, the wrapped drafter does not run that round; its state catches up
-the next time it drafts (a draft model's cache from ``Seq.dlen``, the attention head's from ``Seq.hlen``).
+The choice reads only committed tokens and past rounds, never this round's random draws, so the exact
+rejection rule keeps the target's distribution: a copied draft's p is one-hot at the copied token. When every
+row of a round copies, the wrapped drafter does not run; its state catches up the next time it drafts (a
+draft model's cache from ``Seq.dlen``, the attention head's from ``Seq.hlen``).
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,8 +31,30 @@ if TYPE_CHECKING:
     from engine.spec.seq import Seq
 
 
+ALPHA = 0.25  # weight of a round in the running means
+
+
+@dataclass
+class _Record:
+    """One sequence's running means of the drafts accepted per round, by copies and by the drafter."""
+
+    copy: float = 0.0
+    inner: float = 0.0
+    untaken: tuple[int, list[int], int] | None = None  # (n_before, the copy not taken, the drafter's accepted)
+
+    def settle(self, tokens: list[int]) -> None:
+        """Count the untaken copy of the last round against the tokens it committed."""
+        if self.untaken is None:
+            return
+        n, copy, a = self.untaken
+        got = tokens[n : n + a + 1]
+        m = next((i for i, (c, t) in enumerate(zip(copy, got)) if c != t), min(len(copy), len(got)))
+        self.copy += ALPHA * (m - self.copy)
+        self.untaken = None
+
+
 class LookupFirst:
-    """The n-gram drafter's lookup where it finds a match, ``inner`` elsewhere (the same interface as both)."""
+    """Copies where a lookup finds one and they draft as well as ``inner`` does; ``inner`` elsewhere."""
 
     def __init__(self, inner: Drafter, n_min: int, n_max: int = 3) -> None:
         self.inner = inner
@@ -35,26 +64,33 @@ class LookupFirst:
         self.needs_features: bool = getattr(inner, "needs_features", False)
         self.needs_all_features: bool = getattr(inner, "needs_all_features", False)
         self.step_fn = getattr(inner, "step_fn", None)  # the cost of a draft step is the inner's
-        # this round: rows the inner drafted for -> whether its drafts were kept (False: overridden by a copy)
-        self._inner_rows: dict[int, bool] = {}
+        self._records: weakref.WeakKeyDictionary[Seq, _Record] = weakref.WeakKeyDictionary()
+        # this round, by the row's id(seq): (its copy or [], whether it took the copy, the inner's drafts for it,
+        # whether the inner ran)
+        self._round: dict[int, tuple[list[int], bool, int, bool]] = {}
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
         seqs, k = batch.seqs, batch.k
-        copies = [self.ngram.lookup(s.tokens, k) for s in seqs]
-        found = [bool(c) for c in copies]
+        recs = [self._records.setdefault(s, _Record()) for s in seqs]
+        for s, r in zip(seqs, recs):
+            r.settle(s.tokens)
+        found = [self.ngram.lookup(s.tokens, k) for s in seqs]
+        take = [bool(c) and self.prefers_copy(r) for c, r in zip(found, recs)]
         dev = batch.target_cache.k.device
-        if all(found):
-            self._inner_rows = {}
+        if all(take):
             drafts, probs = torch.zeros(len(seqs), k, dtype=torch.long), None
             num = [0] * len(seqs)
         else:
             drafts, probs, num_inner = self.inner.propose(batch)
-            self._inner_rows = {id(s): not f for s, f in zip(seqs, found)}
             num = list(num_inner) if num_inner is not None else [k] * len(seqs)
             drafts = drafts.clone()
-        for b, c in enumerate(copies):
-            if not c:
+            # a row the drafter has nothing for (a head before the row's first feature) takes its copy
+            take = [t or (bool(c) and not n) for t, c, n in zip(take, found, num)]
+        ran = not all(take)
+        self._round = {id(s): (c, t, n, ran) for s, c, t, n in zip(seqs, found, take, num)}
+        for b, c in enumerate(found):
+            if not take[b]:
                 continue
             drafts[b, : len(c)] = torch.tensor(c, dtype=torch.long)
             num[b] = len(c)
@@ -63,10 +99,24 @@ class LookupFirst:
                 probs[b, torch.arange(len(c)), torch.tensor(c)] = 1
         return drafts.to(dev), probs, (None if all(n == k for n in num) else num)
 
+    @staticmethod
+    def prefers_copy(rec: _Record) -> bool:
+        """Copies have drafted better for this sequence (both start at 0: the drafter first)."""
+        return rec.copy > rec.inner
+
     def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
-        kept = self._inner_rows.get(id(seq))
-        if kept is not None:  # the inner drafted for this row: its state holds its own drafts, not the copies
-            self.inner.after_verify(seq, n_before, accepted if kept else 0, k)
+        row = self._round.pop(id(seq), None)
+        if row is None:
+            return
+        copy, took, n_inner, ran = row
+        rec = self._records.get(seq)
+        if rec is not None and took:
+            rec.copy += ALPHA * (accepted - rec.copy)
+        elif rec is not None and n_inner:
+            rec.inner += ALPHA * (accepted - rec.inner)
+            rec.untaken = (n_before, copy, accepted) if copy else None
+        if ran:  # the inner drafted for this row: its state holds its own drafts, not a copy's
+            self.inner.after_verify(seq, n_before, 0 if took else accepted, k)
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         self.inner.ensure_cache(max_batch, max_seq_len)
