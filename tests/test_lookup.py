@@ -235,7 +235,7 @@ def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, 
 
 def test_copies_or_drafts_whichever_drafted_better():
     """Text whose repeats mislead copies: a right drafter keeps every round. Periodic text and a wrong drafter:
-    copies take over after the drafter's first round, counted against the copy it did not take."""
+    copies take over once the copies the drafter's rounds left are seen to match."""
     twisted = [t for i in range(60) for t in (1, 2, 3 + i % 7)]  # the copy after [1, 2] is always the last twist
     right = Fixed(twisted, right=True)
     starts = run_rounds(LookupFirst(right, 2), twisted, 8, 20)
@@ -243,5 +243,7 @@ def test_copies_or_drafts_whichever_drafted_better():
     periodic = [1, 2, 3, 4, 5] * 40
     wrong = Fixed(periodic, right=False)
     starts = run_rounds(LookupFirst(wrong, 2), periodic, 7, 20)
-    assert wrong.proposed == starts[:1] and wrong.after == [(7, 0)]  # both means start at 0: the drafter first
-    assert starts[-1] - starts[1] == 18 * 5  # then copies: 4 drafts and the bonus token a round
+    # both means start at 0: the drafter first, committing one token a round, until the first untaken copy's
+    # 4 tokens are committed and count 4 for copies
+    assert wrong.proposed == starts[:4] == [7, 8, 9, 10] and [a for _, a in wrong.after] == [0] * 4
+    assert starts[-1] - starts[4] == 15 * 5  # then copies: 4 drafts and the bonus token a round

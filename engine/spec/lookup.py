@@ -5,8 +5,8 @@ A row whose last n tokens (``n_min`` <= n <= ``n_max``) occurred earlier in its 
 that followed them there (a copy, as the n-gram drafter's); every other row drafts with the wrapped drafter.
 Where a copy exists, the row takes it if copies have been drafting better than the drafter for this sequence:
 each sequence keeps running means of the drafts accepted per round by copies and by the drafter. A copy's mean is
-also counted on the drafter's rounds, from the copy it did not take against the tokens committed (a lower
-bound when the copy matched all of them, which is already more than the drafter's). Generated text that
+also counted on the drafter's rounds: the copy it did not take is held against the tokens committed after it,
+once they tell how many of its tokens the target would have accepted. Generated text that
 repeats its context (code, lists, quotes, a small model's loops) is copied at almost no cost; a drafter that
 predicts better keeps its rounds.
 
@@ -19,7 +19,7 @@ draft model's cache from ``Seq.dlen``, the attention head's from ``Seq.hlen``).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,17 +40,19 @@ class _Record:
 
     copy: float = 0.0
     inner: float = 0.0
-    untaken: tuple[int, list[int], int] | None = None  # (n_before, the copy not taken, the drafter's accepted)
+    untaken: list[tuple[int, list[int]]] = field(default_factory=list)  # (where, a copy the drafter's round left)
 
     def settle(self, tokens: list[int]) -> None:
-        """Count the untaken copy of the last round against the tokens it committed."""
-        if self.untaken is None:
-            return
-        n, copy, a = self.untaken
-        got = tokens[n : n + a + 1]
-        m = next((i for i, (c, t) in enumerate(zip(copy, got)) if c != t), min(len(copy), len(got)))
-        self.copy += ALPHA * (m - self.copy)
-        self.untaken = None
+        """Count each untaken copy whose outcome the committed tokens now tell: its first mismatch, or all of it."""
+        left = []
+        for n, copy in self.untaken:
+            got = tokens[n : n + len(copy)]
+            m = next((i for i, (c, t) in enumerate(zip(copy, got)) if c != t), len(got))
+            if m < len(got) or len(got) == len(copy):
+                self.copy += ALPHA * (m - self.copy)
+            else:
+                left.append((n, copy))
+        self.untaken = left
 
 
 class LookupFirst:
@@ -114,7 +116,8 @@ class LookupFirst:
             rec.copy += ALPHA * (accepted - rec.copy)
         elif rec is not None and n_inner:
             rec.inner += ALPHA * (accepted - rec.inner)
-            rec.untaken = (n_before, copy, accepted) if copy else None
+            if copy:
+                rec.untaken.append((n_before, copy))
         if ran:  # the inner drafted for this row: its state holds its own drafts, not a copy's
             self.inner.after_verify(seq, n_before, 0 if took else accepted, k)
 
