@@ -7,6 +7,9 @@
 --medusa / --eagle: trained heads for the target (specmix-train-draft) add the modes specmix-medusa /
 specmix-eagle; their rows report the head's measured draft cost c beside the draft model's.
 
+--prompt-lookup N adds, for each drafter mode but n-gram, a mode <mode>+lookup: prompt lookup first where
+the last N or more tokens recur in the context and copies have drafted better (engine/spec/lookup.py).
+
 --sweep-k 1,2,4 adds the draft-model drafter at each fixed K (adaptive K off) as modes
 specmix-model-k1, ... (and each trained head given: specmix-medusa-k1, specmix-eagle-k1, ...);
 --plot draws speedup vs K (measured and predicted by the cost model), acceptance per draft
