@@ -48,6 +48,17 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def plain(ckpt_dir):
+    """Greedy outputs of the ckpt_dir target alone over util.PROMPTS, 40 new tokens each."""
+    from util import PROMPTS
+
+    from engine import Engine, SamplingParams
+
+    eng = Engine.from_pretrained(ckpt_dir)
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+
+
+@pytest.fixture(scope="session")
 def tiny_demo():
     """The tiny demo pair (built once into the specmix cache: $SPECMIX_CACHE or ~/.cache/specmix)."""
     from engine.demo.pair import demo_pair

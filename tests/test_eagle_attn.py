@@ -10,8 +10,7 @@ import json
 import pytest
 import torch
 from test_heads import _token_acceptance, random_head, spec
-from test_speculative import PROMPTS
-from util import TEXT
+from util import PROMPTS, TEXT, assert_greedy_grid
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig
@@ -32,12 +31,6 @@ def attn_head(ckpt_dir, tmp_path_factory):
     )
     train_draft(ckpt_dir, out, opts, TEXT * 4, progress=False)
     return out
-
-
-@pytest.fixture(scope="module")
-def plain(ckpt_dir):
-    eng = Engine.from_pretrained(ckpt_dir)
-    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
 
 
 def test_unrolled_rounds_equal_the_cached_rounds(ckpt_dir, tmp_path):
@@ -76,12 +69,7 @@ def test_greedy_equals_plain(ckpt_dir, attn_head, plain, k, kernel):
     kernels = KernelOptions() if kernel else KernelOptions(cpu_pack=False)
     eng = Engine.from_pretrained(ckpt_dir, attn_head, speculation=spec("eagle", k), kernels=kernels)
     assert eng.info["draft_head_step_weights"] == ("float16" if kernel else None)
-    params = SamplingParams(max_new_tokens=40)
-    for batch in (1, 4):
-        outs = []
-        for i in range(0, len(PROMPTS), batch):
-            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
-        assert outs == plain, (k, batch)
+    assert_greedy_grid(eng, plain, k)
     s = eng.stats()
     assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1
 

@@ -10,7 +10,8 @@ import json
 
 import pytest
 import torch
-from test_heads import PROMPTS, plain, random_head, spec, tiny_heads  # noqa: F401 (fixtures)
+from test_heads import random_head, spec, tiny_heads  # noqa: F401 (fixtures)
+from util import PROMPTS
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig

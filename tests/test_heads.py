@@ -6,12 +6,10 @@ from __future__ import annotations
 import copy
 import json
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from test_speculative import PROMPTS, _exact_joint
-from util import TEXT, make_checkpoint
+from test_speculative import sampled_joint
+from util import PROMPTS, TEXT, assert_greedy_grid, make_checkpoint
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
@@ -69,12 +67,6 @@ def random_head(
 
 
 @pytest.fixture(scope="module")
-def plain(ckpt_dir):
-    eng = Engine.from_pretrained(ckpt_dir)
-    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
-
-
-@pytest.fixture(scope="module")
 def trained_heads(ckpt_dir, tmp_path_factory):
     """Both kinds trained briefly by the tool on the test target's own text (full and reduced vocabulary)."""
     d = tmp_path_factory.mktemp("heads")
@@ -93,18 +85,12 @@ def trained_heads(ckpt_dir, tmp_path_factory):
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_heads_equal_plain(ckpt_dir, trained_heads, plain, which, k):
     eng = Engine.from_pretrained(ckpt_dir, trained_heads[which], speculation=spec(which[0], k))
-    params = SamplingParams(max_new_tokens=40)
-    for batch in (1, 4):
-        outs = []
-        for i in range(0, len(PROMPTS), batch):
-            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
-        assert outs == plain, (which, k, batch)
+    assert_greedy_grid(eng, plain, which, k)
     s = eng.stats()
     assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1  # both outcomes happened
     if which[0] == "medusa":
-        assert len(outs[0]) and all(
-            len(o.stats["per_position_acceptance"]) <= 3 for o in eng.generate(PROMPTS[:2], params)
-        )  # k capped at the 3 heads
+        outs = eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=40))
+        assert all(len(o.stats["per_position_acceptance"]) <= 3 for o in outs)  # k capped at the 3 heads
 
 
 def test_ragged_batch_with_mixed_requests(ckpt_dir, trained_heads, plain):
@@ -219,23 +205,11 @@ def test_sampled_heads_match_the_target_distribution(small_pair, kind, draft_voc
     )
     eng = Engine.from_pretrained(target, head, speculation=spec(kind, 2))
     sp = SamplingParams(max_new_tokens=3, temperature=1.0)
-    prompt = [1, 2, 3]
     # the first token comes from the prefill (no feature yet, no drafts), the second is drafted by the head
-    exact = _exact_joint(eng, prompt, sp)
-    V = eng.vocab
-    n, batch = 30_000, 3_000
-    counts = np.zeros((V, V))
-    for _ in range(n // batch):
-        for o in eng.generate([prompt] * batch, sp):
-            counts[o.token_ids[0], o.token_ids[1]] += 1
+    counts, exact, pvalue = sampled_joint(eng, [1, 2, 3], sp, 30_000, 3_000)
     assert counts[exact == 0].sum() == 0
     assert 0.05 < eng.stats()["acceptance_rate"] < 0.95
-    e, c = exact.ravel() * n, counts.ravel()
-    keep = e >= 5
-    obs, exp = np.append(c[keep], c[~keep].sum()), np.append(e[keep], e[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+    assert pvalue > 1e-4
 
 
 def test_head_refused_for_another_target(ckpt_dir, small_pair, trained_heads, tmp_path):

@@ -10,10 +10,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from test_heads import random_head
-from test_speculative import PROMPTS, _exact_joint
-from util import make_checkpoint
+from test_speculative import sampled_joint
+from util import PROMPTS, assert_greedy_grid, make_checkpoint
 
 from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
@@ -42,12 +41,6 @@ def spy_lookups(monkeypatch, drafter: LookupFirst) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def plain(ckpt_dir):
-    eng = Engine.from_pretrained(ckpt_dir)
-    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
-
-
-@pytest.fixture(scope="module")
 def heads(ckpt_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("lookup")
     return {
@@ -64,12 +57,7 @@ def test_greedy_equals_plain(ckpt_dir, draft_dir, heads, plain, drafter, k, monk
     eng = Engine.from_pretrained(ckpt_dir, draft, speculation=lookup(drafter.removesuffix("-attn"), k))
     assert isinstance(eng.drafter, LookupFirst)
     found = spy_lookups(monkeypatch, eng.drafter)
-    params = SamplingParams(max_new_tokens=40)
-    for batch in (1, 4):
-        outs = []
-        for i in range(0, len(PROMPTS), batch):
-            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
-        assert outs == plain, (drafter, k, batch)
+    assert_greedy_grid(eng, plain, drafter, k)
     s = eng.stats()
     assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1
     assert 0 < sum(found) < len(found), "rows of both kinds: copied and drafted"
@@ -109,23 +97,11 @@ def _sampled_joint_matches(eng: Engine, monkeypatch) -> None:
     round finds one where the first token recurs in the context."""
     found = spy_lookups(monkeypatch, eng.drafter)
     sp = SamplingParams(max_new_tokens=3, temperature=1.0)  # 3: a second round drafts the second token
-    prompt = [1, 2, 3, 1, 2]
-    exact = _exact_joint(eng, prompt, sp)
-    V = eng.vocab
-    n, batch = 30_000, 3_000
-    counts = np.zeros((V, V))
-    for _ in range(n // batch):
-        for o in eng.generate([prompt] * batch, sp):
-            counts[o.token_ids[0], o.token_ids[1]] += 1
+    counts, exact, pvalue = sampled_joint(eng, [1, 2, 3, 1, 2], sp, 30_000, 3_000)
     assert counts[exact == 0].sum() == 0
     assert 0.05 < eng.stats()["acceptance_rate"] < 0.95
     assert 0.05 < np.mean(found) < 0.95, "copied and drafted rows in the same rounds"
-    e, c = exact.ravel() * n, counts.ravel()
-    keep = e >= 5
-    obs, exp = np.append(c[keep], c[~keep].sum()), np.append(e[keep], e[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+    assert pvalue > 1e-4
 
 
 @pytest.fixture(scope="module")

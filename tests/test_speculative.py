@@ -6,21 +6,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from util import make_checkpoint
+from util import PROMPTS, assert_greedy_grid, make_checkpoint
 
 from engine import Engine, SamplingParams
 from engine.api.options import SpeculationConfig
 from engine.spec.sampling import params_to_tensors, process_logits
-
-PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
-PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]  # repetitive: n-gram lookup has something to find
-PROMPTS[6] = PROMPTS[0] * 3
-
-
-@pytest.fixture(scope="module")
-def plain(ckpt_dir):
-    eng = Engine.from_pretrained(ckpt_dir)
-    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit"])
@@ -33,12 +23,7 @@ def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k)
             drafter=drafter, k=k, k_policy="constant", early_exit_layers=2 if drafter == "early-exit" else None
         ),
     )
-    params = SamplingParams(max_new_tokens=40)
-    for batch in (1, 4):
-        outs = []
-        for i in range(0, len(PROMPTS), batch):
-            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
-        assert outs == plain, (drafter, k, batch)
+    assert_greedy_grid(eng, plain, drafter, k)
     s = eng.stats()
     assert s["drafted"] > 0
     if drafter == "model":  # the perturbed draft agrees often but not always: both paths ran
@@ -102,6 +87,25 @@ def _exact_joint(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarr
     return (q1[:, None] * q2).double().numpy()
 
 
+def sampled_joint(
+    eng: Engine, prompt: list[int], sp: SamplingParams, n: int, batch: int
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The first two generated tokens of n samples counted [V, V], their exact joint [V, V] and the chi-square
+    p-value of the counts against it (the cells expecting fewer than 5 pooled into one)."""
+    exact = _exact_joint(eng, prompt, sp)
+    V = eng.vocab
+    counts = np.zeros((V, V))
+    for _ in range(n // batch):
+        for o in eng.generate([prompt] * batch, sp):
+            counts[o.token_ids[0], o.token_ids[1]] += 1
+    e, c = exact.ravel() * n, counts.ravel()
+    keep = e >= 5
+    obs, exp = np.append(c[keep], c[~keep].sum()), np.append(e[keep], e[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return counts, exact, chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
 @pytest.mark.parametrize(
     "sp",
     [
@@ -112,24 +116,10 @@ def _exact_joint(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarr
 )
 def test_joint_distribution_of_two_tokens_matches_target(tiny_pair, sp):
     eng = Engine.from_pretrained(*tiny_pair, speculation=SpeculationConfig(k=2, k_policy="constant"))
-    prompt = [1, 2, 3]
-    exact = _exact_joint(eng, prompt, sp)
-    V = eng.vocab
-    n, batch = 40_000, 4_000
-    counts = np.zeros((V, V))
-    for _ in range(n // batch):
-        for o in eng.generate([prompt] * batch, sp):
-            counts[o.token_ids[0], o.token_ids[1]] += 1
+    counts, exact, pvalue = sampled_joint(eng, [1, 2, 3], sp, 40_000, 4_000)
     assert counts[exact == 0].sum() == 0, "a token of zero target probability was produced"
     assert 0.05 < eng.stats()["acceptance_rate"] < 0.95  # both paths of the acceptance rule ran
-    e = exact.ravel() * n
-    c = counts.ravel()
-    keep = e >= 5  # pool the sparse cells into one
-    obs = np.append(c[keep], c[~keep].sum())
-    exp = np.append(e[keep], e[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+    assert pvalue > 1e-4
 
 
 # ---------------------------------------------------------------- reproducibility

@@ -17,6 +17,24 @@ TEXT = (
 )
 
 
+# token-id prompts of the identity grids (ckpt_dir's vocabulary; conftest ``plain``: their greedy outputs)
+PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
+PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]  # repetitive: n-gram lookup has something to find
+PROMPTS[6] = PROMPTS[0] * 3
+
+
+def assert_greedy_grid(eng: Any, want: list[list[int]], *labels: Any) -> None:
+    """eng's greedy outputs (40 new tokens) of PROMPTS, one and four prompts at a time, equal ``want``."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=40)
+    for batch in (1, 4):
+        outs = []
+        for i in range(0, len(PROMPTS), batch):
+            outs += [o.token_ids for o in eng.generate(PROMPTS[i : i + batch], params)]
+        assert outs == want, (*labels, batch)
+
+
 def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -56,7 +56,7 @@ class _Record:
 
 
 class LookupFirst:
-    """Copies where a lookup finds one and they draft as well as ``inner`` does; ``inner`` elsewhere."""
+    """Copies where a lookup finds one and copies have drafted better than ``inner``; ``inner`` elsewhere."""
 
     def __init__(self, inner: Drafter, n_min: int, n_max: int = 3) -> None:
         self.inner = inner
@@ -94,6 +94,7 @@ class LookupFirst:
         for b, c in enumerate(found):
             if not take[b]:
                 continue
+            c = c[: drafts.shape[1]]  # a drafter may propose fewer than k (Medusa: one per head)
             drafts[b, : len(c)] = torch.tensor(c, dtype=torch.long)
             num[b] = len(c)
             if probs is not None:  # p of a copied token: one-hot (a deterministic draft)
