@@ -59,6 +59,19 @@ def plain(ckpt_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory):
+    """A 16-token target and a fairly different draft (its weights plus 0.1 noise): both acceptance and the
+    residual path get exercised, and a two-token joint can be enumerated exactly."""
+    from util import make_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny")
+    kw = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, eos_token_id=None)
+    make_checkpoint(d / "t", seed=3, **kw)
+    make_checkpoint(d / "d", seed=3, perturb=0.1, **kw)
+    return d / "t", d / "d"
+
+
+@pytest.fixture(scope="session")
 def tiny_demo():
     """The tiny demo pair (built once into the specmix cache: $SPECMIX_CACHE or ~/.cache/specmix)."""
     from engine.demo.pair import demo_pair

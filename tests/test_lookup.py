@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_heads import random_head
 from test_speculative import sampled_joint
-from util import PROMPTS, assert_greedy_grid, make_checkpoint
+from util import PROMPTS, assert_greedy_grid
 
 from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
@@ -104,24 +104,17 @@ def _sampled_joint_matches(eng: Engine, monkeypatch) -> None:
     assert pvalue > 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-lookup")
-    kw = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, eos_token_id=None)
-    make_checkpoint(d / "t", seed=3, **kw)
-    make_checkpoint(d / "d", seed=3, perturb=0.1, **kw)
-    return d
-
-
 @pytest.mark.parametrize(
     "drafter, rule", [("model", "copy-first"), ("model", "adaptive"), ("eagle", "copy-first"), ("eagle", "adaptive")]
 )
-def test_sampled_output_matches_the_target_distribution(tiny, drafter, rule, monkeypatch):
+def test_sampled_output_matches_the_target_distribution(tiny_pair, drafter, rule, monkeypatch, tmp_path):
     """copy-first: every row with a copy takes it (the first round copies, the second mixes copies and drafts);
     adaptive: the drafter's rule, which takes a copy after copies drafted better, or where the drafter has
     nothing (the head's first round, before any feature)."""
-    draft = tiny / "d" if drafter == "model" else random_head(tiny / "t", tiny / "eagle", "eagle", scale=1.0)
-    eng = Engine.from_pretrained(tiny / "t", draft, speculation=lookup(drafter, 2, 1))
+    target, draft = tiny_pair
+    if drafter == "eagle":
+        draft = random_head(target, tmp_path / "eagle", "eagle", scale=1.0)
+    eng = Engine.from_pretrained(target, draft, speculation=lookup(drafter, 2, 1))
     if rule == "copy-first":
         monkeypatch.setattr(eng.drafter, "prefers_copy", lambda rec: True)
     _sampled_joint_matches(eng, monkeypatch)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from util import PROMPTS, assert_greedy_grid, make_checkpoint
+from util import PROMPTS, assert_greedy_grid
 
 from engine import Engine, SamplingParams
 from engine.api.options import SpeculationConfig
@@ -66,16 +66,6 @@ def test_stop_conditions_inside_an_accepted_run(ckpt_dir, draft_dir, plain):
 
 
 # ---------------------------------------------------------------- the sampling distribution
-@pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    kw = dict(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, eos_token_id=None)
-    make_checkpoint(d / "t", seed=3, **kw)
-    # a fairly different draft: both acceptance and the residual path get exercised
-    make_checkpoint(d / "d", seed=3, perturb=0.1, **kw)
-    return d / "t", d / "d"
-
-
 def _exact_joint(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarray:
     """P(t1, t2) from the target's logits, processed like the engine does: [V, V]."""
     V = eng.vocab
