@@ -50,27 +50,52 @@ def heads(ckpt_dir, tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
+def count_rounds(monkeypatch, drafter: LookupFirst) -> dict[str, int]:
+    """Rounds the wrapper drafted and rounds its inner drafter ran (fewer: every row of a round copied)."""
+    n = {"rounds": 0, "inner": 0}
+    for obj, key in ((drafter, "rounds"), (drafter.inner, "inner")):
+
+        def counted(batch, orig=obj.propose, key=key):
+            n[key] += 1
+            return orig(batch)
+
+        monkeypatch.setattr(obj, "propose", counted)
+    return n
+
+
+GRID = [(k, "copy-first") for k in (1, 3, 6)] + [(3, "adaptive")]
+
+
+@pytest.mark.parametrize("k, rule", GRID)
 @pytest.mark.parametrize("drafter", ["model", "early-exit", "medusa", "eagle", "eagle-attn"])
-def test_greedy_equals_plain(ckpt_dir, draft_dir, heads, plain, drafter, k, monkeypatch):
+def test_greedy_equals_plain(ckpt_dir, draft_dir, heads, plain, drafter, k, rule, monkeypatch):
+    """copy-first: every row with a copy takes it, so rounds mix copied and drafted rows and some rounds skip the
+    drafter; adaptive: the drafter's rule."""
     draft = {"model": draft_dir, **heads}.get(drafter)
     eng = Engine.from_pretrained(ckpt_dir, draft, speculation=lookup(drafter.removesuffix("-attn"), k))
     assert isinstance(eng.drafter, LookupFirst)
+    if rule == "copy-first":
+        monkeypatch.setattr(eng.drafter, "prefers_copy", lambda rec: True)
     found = spy_lookups(monkeypatch, eng.drafter)
-    assert_greedy_grid(eng, plain, drafter, k)
+    n = count_rounds(monkeypatch, eng.drafter)
+    assert_greedy_grid(eng, plain, drafter, k, rule)
     s = eng.stats()
     assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1
-    assert 0 < sum(found) < len(found), "rows of both kinds: copied and drafted"
+    assert 0 < sum(found) < len(found), "rows with a copy and rows without"
+    if rule == "copy-first":
+        assert 0 < n["inner"] < n["rounds"], n
 
 
 def test_draft_cache_holds_the_committed_tokens(ckpt_dir, draft_dir, monkeypatch):
     """Before every round the draft model drafts, its cache's first dlen positions are the draft model's keys and
-    values of the committed tokens, also after rounds whose accepted drafts were copies, not its own."""
+    values of the committed tokens, also after rounds it did not draft (every row copied) and rounds whose
+    accepted drafts were copies, not its own."""
     from engine.api.options import KernelOptions
 
     eng = Engine.from_pretrained(
         ckpt_dir, draft_dir, speculation=lookup("model", 4, 1), kernels=KernelOptions(cpu_pack=False)
     )
+    monkeypatch.setattr(eng.drafter, "prefers_copy", lambda rec: True)
     inner, draft = eng.drafter.inner, eng.draft_model
     found = spy_lookups(monkeypatch, eng.drafter)
     orig, checked = inner.propose, []
@@ -88,8 +113,12 @@ def test_draft_cache_holds_the_committed_tokens(ckpt_dir, draft_dir, monkeypatch
         return orig(batch)
 
     monkeypatch.setattr(inner, "propose", propose)
-    eng.generate(PROMPTS[:8], SamplingParams(max_new_tokens=30))
+    n = count_rounds(monkeypatch, eng.drafter)
+    for p in PROMPTS[:8]:  # one at a time: a round with a copy skips the draft model
+        eng.generate([p], SamplingParams(max_new_tokens=30))
+    eng.generate(PROMPTS[:8], SamplingParams(max_new_tokens=30))  # and a batch mixing copied and drafted rows
     assert len(checked) > 10 and 0 < sum(found) < len(found)
+    assert 0 < n["inner"] < n["rounds"] - 5, n
 
 
 def _sampled_joint_matches(eng: Engine, monkeypatch) -> None:
@@ -100,13 +129,11 @@ def _sampled_joint_matches(eng: Engine, monkeypatch) -> None:
     counts, exact, pvalue = sampled_joint(eng, [1, 2, 3, 1, 2], sp, 30_000, 3_000)
     assert counts[exact == 0].sum() == 0
     assert 0.05 < eng.stats()["acceptance_rate"] < 0.95
-    assert 0.05 < np.mean(found) < 0.95, "copied and drafted rows in the same rounds"
+    assert 0.05 < np.mean(found) < 0.95, "rows with a copy and rows without in the same rounds"
     assert pvalue > 1e-4
 
 
-@pytest.mark.parametrize(
-    "drafter, rule", [("model", "copy-first"), ("model", "adaptive"), ("eagle", "copy-first"), ("eagle", "adaptive")]
-)
+@pytest.mark.parametrize("drafter, rule", [("model", "copy-first"), ("eagle", "copy-first"), ("eagle", "adaptive")])
 def test_sampled_output_matches_the_target_distribution(tiny_pair, drafter, rule, monkeypatch, tmp_path):
     """copy-first: every row with a copy takes it (the first round copies, the second mixes copies and drafts);
     adaptive: the drafter's rule, which takes a copy after copies drafted better, or where the drafter has
@@ -161,6 +188,9 @@ def test_profile_and_server_with_prompt_lookup(tiny_demo, tmp_path):
     )
     assert isinstance(served.drafter, LookupFirst) and served.drafter.ngram.n_min == 3
     assert [o.token_ids for o in served.generate(prompts, sp)] == ref
+    assert served.stats()["prompt_lookup_min"] == 3 and eng.stats()["prompt_lookup_min"] == 2
+    with pytest.raises(InvalidConfigError, match="--k, --prompt-lookup invalid with --profile"):
+        load(build_parser().parse_args(["--profile", str(out), "--k", "0", "--prompt-lookup", "3"]))
     assert main([*args, "--prompt-lookup", "2", "--out", str(tmp_path / "q.json")]) != 0
     assert not (tmp_path / "q.json").exists()
 
@@ -170,13 +200,15 @@ class Fixed:
 
     probabilistic = True
 
-    def __init__(self, truth: list[int], right: bool) -> None:
+    def __init__(self, truth: list[int], right: bool, empty_first: bool = False) -> None:
         self.truth, self.right, self.proposed, self.after = truth, right, [], []
+        self.empty_first = empty_first  # nothing to draft in the first round (a head before its first feature)
 
     def propose(self, batch):
         n = len(batch.seqs[0].tokens)
         self.proposed.append(n)
-        return torch.tensor([self.truth[n : n + batch.k] if self.right else [0] * batch.k]), None, None
+        drafts = torch.tensor([self.truth[n : n + batch.k] if self.right else [0] * batch.k])
+        return drafts, None, ([0] if self.empty_first and len(self.proposed) == 1 else None)
 
     def after_verify(self, seq, n_before, accepted, k):
         self.after.append((n_before, accepted))
@@ -193,7 +225,7 @@ def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, 
     for _ in range(rounds):
         n = len(seq.tokens)
         starts.append(n)
-        batch = SimpleNamespace(seqs=[seq], k=k, target_cache=SimpleNamespace(k=torch.zeros(1)))
+        batch = SimpleNamespace(seqs=[seq], k=k, ks=[k], target_cache=SimpleNamespace(k=torch.zeros(1)))
         drafts, _, num = drafter.propose(batch)
         d = drafts[0, : (num or [k])[0]].tolist()
         a = next((i for i, (x, t) in enumerate(zip(d, truth[n:])) if x != t), len(d))
@@ -216,3 +248,47 @@ def test_copies_or_drafts_whichever_drafted_better():
     # 4 tokens are committed and count 4 for copies
     assert wrong.proposed == starts[:4] == [7, 8, 9, 10] and [a for _, a in wrong.after] == [0] * 4
     assert starts[-1] - starts[4] == 15 * 5  # then copies: 4 drafts and the bonus token a round
+
+
+def test_a_forced_copy_leaves_the_next_round_to_the_drafter():
+    """A drafter with nothing in its first round (a head) has that round copied; the copy's good result does not
+    hand the sequence to copies before the drafter has had a round of its own."""
+    periodic = [1, 2, 3, 4, 5] * 40
+    right = Fixed(periodic, right=True, empty_first=True)
+    starts = run_rounds(LookupFirst(right, 2), periodic, 7, 6)
+    # round 1 copied (4 accepted) though the drafter was asked; round 2 is the drafter's all the same
+    assert right.proposed[:2] == starts[:2] and right.after[:2] == [(7, 0), (12, 4)]
+
+
+class Uniform:
+    """A probabilistic drafter over a vocabulary of ``vocab`` tokens: token 0 with p uniform, k per row."""
+
+    probabilistic = True
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def propose(self, batch):
+        B, k = len(batch.seqs), batch.k
+        return torch.zeros(B, k, dtype=torch.long), torch.full((B, k, self.vocab), 1 / self.vocab), None
+
+
+def test_a_copy_fits_the_rows_k_and_the_drafters_vocabulary():
+    """Each row's copy is at most its own K_b (not the batch's largest K), with a one-hot p; a copy stops before a
+    token the drafter has no p for, and one left empty is not taken (the drafter's drafts stay)."""
+    from types import SimpleNamespace
+
+    from engine.spec.seq import Seq
+
+    rows = [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 9, 5, 1, 2], [1, 2, 9, 3, 4, 1, 2], [7, 6]]
+    seqs = [Seq(t, SamplingParams(temperature=1.0), torch.Generator()) for t in rows]
+    d = LookupFirst(Uniform(8), 2)
+    d.prefers_copy = lambda rec: True
+    batch = SimpleNamespace(seqs=seqs, k=4, ks=[2, 4, 4, 4, 4], target_cache=SimpleNamespace(k=torch.zeros(1)))
+    drafts, probs, num = d.propose(batch)  # the last row has no copy: the drafter runs, p is needed
+    assert num == [2, 4, 1, 4, 4]
+    assert drafts[0, :2].tolist() == [3, 4] and drafts[1].tolist() == [3, 4, 5, 6] and drafts[2, 0] == 3
+    for b in (3, 4):
+        assert drafts[b].tolist() == [0, 0, 0, 0] and torch.equal(probs[b], torch.full((4, 8), 1 / 8))
+    for b, n in enumerate(num[:3]):
+        assert torch.equal(probs[b, :n], torch.nn.functional.one_hot(drafts[b, :n], 8).float())

@@ -305,7 +305,8 @@ def parts_from_models(
     if d is not None and spec.prompt_lookup_min is not None:
         d = LookupFirst(d, spec.prompt_lookup_min)
     policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if d is not None else None
-    info = {**(info or {}), "drafter": drafter if d is not None else None}
+    lookup = spec.prompt_lookup_min if d is not None else None
+    info = {**(info or {}), "drafter": drafter if d is not None else None, "prompt_lookup_min": lookup}
     return Parts(
         target=target,
         tokenizer=tokenizer,

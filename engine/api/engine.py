@@ -356,6 +356,7 @@ class Engine:
             "running": snap["running"],
             "errors": t.nonfinite + t.failed,
             "drafter": self.info.get("drafter"),
+            "prompt_lookup_min": self.info.get("prompt_lookup_min"),
             "k_policy": self.policy.name if self.policy else None,
             "memory": mem,
             **_runtime_stats(self),

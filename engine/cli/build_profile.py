@@ -51,6 +51,10 @@ log = logging.getLogger("build_profile")
 PROFILES = Path("profiles")  # relative to the working directory (run from the repository root)
 WIKITEXT_TEST = Path("..") / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"  # from the repository root
 TARGET_ONLY_EVAL_TOKENS = 8192
+LOOKUP_HELP = (
+    "with a draft: draft by prompt lookup where the last N or more tokens recur in the context, the draft elsewhere "
+    "(speculation.prompt_lookup_min; calibrated with it)"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,11 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--demo-size", default="demo", help="demo pair size when no models are given (demo|tiny)")
     p.add_argument("--eval-text", type=Path, help="evaluation text (default: the demo pair's held-out text)")
-    p.add_argument(
-        "--calib-text",
-        type=Path,
-        help="calibration text, never the eval text (default: the demo pair's calibration slice)",
-    )
+    p.add_argument("--calib-text", type=Path, help="calibration text, never the eval text (default: the demo's slice)")
     p.add_argument("--max-drift", type=float, default=0.3, help="bound on |dPPL| (default 0.3)")
     p.add_argument("--max-kld", type=float, default=0.01, help="bound on mean KLD (default 0.01)")
     p.add_argument(
@@ -105,21 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_MIN_TOP1,
         help=f"the search's bound on top-1 agreement on the calibration text (default {DEFAULT_MIN_TOP1})",
     )
-    p.add_argument(
-        "--prompt-lookup",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with a draft: draft by prompt lookup where the last N or more tokens recur in the context, the draft "
-        "elsewhere (speculation.prompt_lookup_min; calibrated with it)",
-    )
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="N", help=LOOKUP_HELP)
     p.add_argument("--out", type=Path, help="output file (default profiles/<gpu>-<model>.json)")
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default=None,
-        help="device to build and validate on (default: cuda when available, else cpu)",
-    )
+    p.add_argument("--device", choices=("cpu", "cuda"), help="build and check on it (default: cuda if any, else cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -291,13 +279,9 @@ def build(a: argparse.Namespace) -> int:
         )
         return 1
     plan, rep, context, n_tokens = passed
-    if inp["draft"] is None:
-        spec = calibrate(inp["target"], None, plan, inp["calib_text"], device=device, drafter="ngram")
-    else:
-        drafter = read_head_config(inp["draft"]).kind if is_head_dir(inp["draft"]) else "model"
-        spec = calibrate(
-            inp["target"], inp["draft"], plan, inp["calib_text"], device=device, drafter=drafter, lookup=a.prompt_lookup
-        )
+    d = inp["draft"]
+    drafter = "ngram" if d is None else read_head_config(d).kind if is_head_dir(d) else "model"
+    spec = calibrate(inp["target"], d, plan, inp["calib_text"], device=device, drafter=drafter, lookup=a.prompt_lookup)
     profile = make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a)
     report = build_report_files(profile, Path(out))  # rendered before anything is written
     write_json_atomic(Path(out), profile)

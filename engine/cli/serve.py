@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["model", "medusa", "eagle", "ngram", "early-exit"],
         help="default: the head's kind for a head directory, model for another --draft, else none",
     )
-    ap.add_argument("--no-spec", action="store_true", help="decode plainly (speculation off)")
-    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--no-spec", action="store_true", default=None, help="decode plainly (speculation off)")
+    ap.add_argument("--k", type=int, default=None, help="drafts per round to start from (default 5)")
     ap.add_argument("--k-policy", default=None, help="cost-model (default), constant, heuristic, ...")
     ap.add_argument(
         "--prompt-lookup",
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+SPEC_ARGS = ("draft", "drafter", "no_spec", "k", "k_policy", "prompt_lookup")  # with --target only
+
+
 def _draft_kind(draft: Path | None) -> str | None:
     """The drafter a --draft directory implies: a trained head's kind, else a draft model."""
     from engine.spec.heads import is_head_dir, read_head_config
@@ -109,10 +112,16 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     """The engine, its served name and the target directory (for generation_config.json)."""
     from engine.api.engine import Engine
     from engine.api.options import Limits, SpeculationConfig
+    from engine.core.errors import InvalidConfigError
     from engine.core.hub import resolve_model
 
     limits = Limits(max_batch=args.max_batch, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len)
     if args.profile:
+        given = [f"--{n.replace('_', '-')}" for n in SPEC_ARGS if getattr(args, n) is not None]
+        if given:
+            raise InvalidConfigError(
+                f"{', '.join(given)} invalid with --profile: the profile fixes the speculation (build it with them)"
+            )
         eng = Engine.from_profile(args.profile, device=args.device, full_check=args.full_check, limits=limits)
         return eng, args.served_model_name or Path(args.profile).stem, Path(eng.info["target_dir"])
     hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
@@ -120,7 +129,10 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
     drafter = None if args.no_spec else (args.drafter or _draft_kind(draft))
     spec = SpeculationConfig(
-        drafter=drafter, k=args.k, k_policy=args.k_policy or "cost-model", prompt_lookup_min=args.prompt_lookup
+        drafter=drafter,
+        k=5 if args.k is None else args.k,
+        k_policy=args.k_policy or "cost-model",
+        prompt_lookup_min=args.prompt_lookup,
     )
     eng = Engine.from_pretrained(
         target,
@@ -153,11 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     pol = eng.policy
     log.info(
-        "model %s: target %s, draft %s, drafter %s, K %s (policy %s), profile %s, plan %s, dtype %s",
+        "model %s: target %s, draft %s, drafter %s, prompt lookup %s, K %s (policy %s), profile %s, plan %s, dtype %s",
         name,
         eng.info.get("target_dir"),
         eng.info.get("draft_dir"),
         eng.info.get("drafter"),
+        eng.info.get("prompt_lookup_min") or "off",
         pol.k if pol else None,
         pol.name if pol else None,
         eng.profile.get("_path") if eng.profile else None,

@@ -188,7 +188,7 @@ def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
         if (target_dir / name).is_file():
             shutil.copyfile(target_dir / name, out / name)
     tensors = {
-        ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().contiguous().clone()
+        ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().cpu().contiguous().clone()
         for k, v in draft.state_dict().items()
         if k != "lm_head.weight"
     }
@@ -267,6 +267,12 @@ def train_draft(
     t0 = time.perf_counter()
     state = out / "train_state.pt"
     cfg = target.config
+    dev = target.norm.weight.device  # the draft trains where the target runs (its features, LM head, embedding)
+    vocab_ids = None
+    if opts.kind != "model" and opts.draft_vocab is not None:
+        vocab_ids = frequent_tokens(data, opts.draft_vocab, cfg.vocab_size)
+    data = data.to(dev)
+    held = None if held is None else held.to(dev)
     if opts.kind == "model":
         from engine.core.model import Transformer
 
@@ -275,6 +281,7 @@ def train_draft(
         draft = Transformer(draft_model_config(cfg, opts.layers or 2, hidden))
         for p in draft.parameters():
             (nn.init.ones_ if p.dim() == 1 else lambda t: nn.init.normal_(t, std=0.02))(p)
+        draft.to(dev)
         loss = train_loop(draft, lambda g: model_loss(draft, data, opts, g), opts, steps, state, progress)
         round_weights(draft, opts.weight_values)
         train_s = time.perf_counter() - t0
@@ -282,7 +289,6 @@ def train_draft(
             report["heldout"] = heldout_acceptance("model", draft, target, held, eval_k, None, None)
         save_draft_model(draft, target_dir, out)
     else:
-        vocab_ids = None if opts.draft_vocab is None else frequent_tokens(data, opts.draft_vocab, cfg.vocab_size)
         hcfg = HeadConfig(
             kind=opts.kind,
             hidden_size=cfg.hidden_size,
@@ -298,13 +304,14 @@ def train_draft(
             rms_norm_eps=cfg.rms_norm_eps,
             target=target_fingerprint(target, eng.tokenizer.vocab()),
         )
-        head = init_head(hcfg, target, opts.seed)
+        head = init_head(hcfg, target, opts.seed).to(dev)
         lm_w = target.lm_head.weight.detach().float()
-        pos_of = None
+        pos_of = ids_dev = None
         if vocab_ids is not None:
-            lm_w = lm_w[vocab_ids]
-            pos_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-            pos_of[vocab_ids] = torch.arange(len(vocab_ids))
+            ids_dev = vocab_ids.to(dev)
+            lm_w = lm_w[ids_dev]
+            pos_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
+            pos_of[ids_dev] = torch.arange(len(vocab_ids), device=dev)
         loss = train_loop(
             head,
             lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
@@ -317,7 +324,7 @@ def train_draft(
         train_s = time.perf_counter() - t0
         if held is not None:
             k = min(eval_k, hcfg.max_drafts or eval_k)
-            report["heldout"] = heldout_acceptance(opts.kind, head, target, held, k, lm_w, vocab_ids)
+            report["heldout"] = heldout_acceptance(opts.kind, head, target, held, k, lm_w, ids_dev)
         save_head(head, hcfg, vocab_ids, out)
     report.update(kind=opts.kind, steps=steps, train_s=round(train_s, 1), final_loss=round(loss, 4))
     write_text_atomic(out / "train_report.json", json.dumps(report, indent=2) + "\n")

@@ -47,8 +47,13 @@ class DistillData:
 
     def valid(self) -> Tensor:
         """[N, T] bool: positions t whose next token exists (t + 1 < length)."""
-        t = torch.arange(self.tokens.shape[1])
+        t = torch.arange(self.tokens.shape[1], device=self.lengths.device)
         return t[None] + 1 < self.lengths[:, None]
+
+    def to(self, device: torch.device | str) -> DistillData:
+        """The same data with every tensor on ``device`` (training reads it where the draft trains)."""
+        moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        return DistillData(**moved)
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")

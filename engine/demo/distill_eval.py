@@ -67,8 +67,9 @@ def leading_matches(
         raise InvalidConfigError(f"kind={kind!r} is invalid: allowed {', '.join(EVAL_KINDS)}")
     n = int(data.lengths[row])
     tokens = data.tokens[row, :n]  # [n]
-    starts = torch.arange(first_start(kind, data.prompt_len), n - k + 1)  # [S]
-    at = starts[:, None] + torch.arange(k)  # [S, k]: the positions of each round's drafts
+    dev = tokens.device
+    starts = torch.arange(first_start(kind, data.prompt_len), n - k + 1, device=dev)  # [S]
+    at = starts[:, None] + torch.arange(k, device=dev)  # [S, k]: the positions of each round's drafts
     if kind == "model":
         got = draft(tokens[None])[0].argmax(-1)[at - 1]  # the draft's next token after each position
     else:
@@ -78,7 +79,7 @@ def leading_matches(
             out = draft.unrolled(
                 data.features[row, : n - 1].float()[None], target.embed_tokens(tokens[1:]).float()[None], k
             )
-            feats = out[0, torch.arange(k)[None], at - 2]  # [S, k, H]
+            feats = out[0, torch.arange(k, device=dev)[None], at - 2]  # [S, k, H]
         else:
             f = data.features[row, starts - 2].float()  # [S, H]: the feature that scored the token at L - 1
             emb = target.embed_tokens(tokens[at - 1]).float() if kind == "eagle" else None  # the token before each

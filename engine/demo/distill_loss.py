@@ -58,9 +58,10 @@ def frequent_tokens(data: DistillData, n: int, vocab_size: int) -> Tensor:
 
 def _windows(data: DistillData, n: int, depth: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
     """n random (row, t) with t + depth < length - 1 (every step of the window has a next token)."""
-    ok = torch.arange(data.tokens.shape[1])[None] + depth < data.lengths[:, None] - 1
+    dev = data.lengths.device
+    ok = torch.arange(data.tokens.shape[1], device=dev)[None] + depth < data.lengths[:, None] - 1
     flat = ok.flatten().nonzero()[:, 0]
-    pick = flat[torch.randint(0, len(flat), (n,), generator=g)]
+    pick = flat[torch.randint(0, len(flat), (n,), generator=g).to(dev)]  # g: a CPU generator, on any device
     return pick // data.tokens.shape[1], pick % data.tokens.shape[1]
 
 
@@ -80,10 +81,10 @@ def head_loss(
         return _attn_head_loss(head, target, lm_w, pos_of, data, opts, g)
     depth = opts.heads
     rows, t = _windows(data, opts.positions, depth, g)
-    steps = t[:, None] + torch.arange(depth + 1)  # [R, depth + 1]
+    steps = t[:, None] + torch.arange(depth + 1, device=t.device)  # [R, depth + 1]
     assert data.features is not None
     h = data.features[rows[:, None], steps].float()  # [R, depth + 1, H]
-    total = torch.zeros(())
+    total = torch.zeros((), device=h.device)
     emb = None
     if kind == "eagle":
         emb = target.embed_tokens(data.tokens[rows[:, None], steps[:, 1:]]).float()  # tokens t+1 .. t+depth
@@ -110,7 +111,7 @@ def _draft_loss(
 def model_loss(draft: nn.Module, data: DistillData, opts: LossOptions, g: torch.Generator) -> Tensor:
     """KL on whole sequences: positions // T rows per step."""
     T = data.tokens.shape[1]
-    rows = torch.randint(0, len(data.tokens), (max(1, opts.positions // T),), generator=g)
+    rows = torch.randint(0, len(data.tokens), (max(1, opts.positions // T),), generator=g).to(data.tokens.device)
     x = data.tokens[rows]
     logq = draft(x).float().log_softmax(-1)
     valid = data.valid()[rows]
@@ -134,13 +135,13 @@ def _attn_head_loss(
     assert data.features is not None
     N, T = data.tokens.shape
     depth = opts.heads
-    rows = torch.randint(0, N, (max(1, opts.positions // T),), generator=g)
+    rows = torch.randint(0, N, (max(1, opts.positions // T),), generator=g).to(data.tokens.device)
     tok, n = data.tokens[rows], data.lengths[rows]
     f = data.features[rows, : T - 1].float()  # [R, T-1, H] positions 0..T-2
     e = target.embed_tokens(tok[:, 1:]).float()  # the tokens at 1..T-1
     out = head.unrolled(f, e, depth)  # [R, depth, T-1, H]
-    p = torch.arange(T - 1)
-    total = torch.zeros(())
+    p = torch.arange(T - 1, device=n.device)
+    total = torch.zeros((), device=n.device)
     for j in range(depth):
         ok = (p[None] >= j) & (p[None] + 2 < n[:, None])  # a root, and a token after the scored position
         if not ok.any():

@@ -39,6 +39,7 @@ class DraftBatch:
     vocab: int  # common vocabulary of draft and target (logits are cut to it)
     scratch_pos: int  # cache slot written by padding
     target_cache: KVCache  # the target's cache (the early-exit drafter writes its first layers)
+    ks: list[int] | None = None  # each row's own K_b <= k (None: k for every row)
 
 
 class Drafter(Protocol):

@@ -139,7 +139,8 @@ class EagleAttnHead(nn.Module):
             masks = [k_pos <= q_pos - j] + [k_pos == q_pos - j + i for i in range(1, j + 1)]
             mask = torch.cat(masks, 1)  # [T, (j + 1) T]
             mask[:j] = False  # rows without a root: keep every query's softmax defined
-            mask[torch.arange(min(j, T)), torch.arange(min(j, T))] = True
+            diag = torch.arange(min(j, T), device=dev)
+            mask[diag, diag] = True
             for li, layer in enumerate(self.layers):
                 x = x + self._attend(layer, layer.input_layernorm(x), cos, sin, kv[li], mask)
                 x = x + layer.mlp(layer.post_attention_layernorm(x))

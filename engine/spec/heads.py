@@ -226,7 +226,7 @@ def save_head(head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, out: s
     """``out``/model.safetensors and ``out``/head_config.json (written last: a directory without it is no head)."""
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().float().contiguous().clone() for k, v in head.state_dict().items()}
+    tensors = {k: v.detach().float().cpu().contiguous().clone() for k, v in head.state_dict().items()}
     if vocab_ids is not None:
         tensors["vocab_ids"] = vocab_ids.detach().long().cpu().contiguous()
     tmp = d / f"model.safetensors.tmp-{os.getpid()}"

@@ -40,6 +40,7 @@ class _Record:
 
     copy: float = 0.0
     inner: float = 0.0
+    inner_rounds: int = 0  # the drafter's rounds counted in ``inner`` (copies are preferred only after one)
     untaken: list[tuple[int, list[int]]] = field(default_factory=list)  # (where, a copy the drafter's round left)
 
     def settle(self, tokens: list[int]) -> None:
@@ -55,6 +56,14 @@ class _Record:
         self.untaken = left
 
 
+def _cut(copy: list[int], k: int, vocab: int | None) -> list[int]:
+    """``copy``'s first ``k`` tokens, up to the first not below ``vocab`` (None: any)."""
+    copy = copy[:k]
+    if vocab is None:
+        return copy
+    return copy[: next((i for i, t in enumerate(copy) if t >= vocab), len(copy))]
+
+
 class LookupFirst:
     """Copies where a lookup finds one and copies have drafted better than ``inner``; ``inner`` elsewhere."""
 
@@ -65,7 +74,6 @@ class LookupFirst:
         # the loop's questions to a head drafter (engine/spec/head_drafters.py) are the inner's
         self.needs_features: bool = getattr(inner, "needs_features", False)
         self.needs_all_features: bool = getattr(inner, "needs_all_features", False)
-        self.step_fn = getattr(inner, "step_fn", None)  # the cost of a draft step is the inner's
         self._records: weakref.WeakKeyDictionary[Seq, _Record] = weakref.WeakKeyDictionary()
         # this round, by the row's id(seq): (its copy or [], whether it took the copy, the inner's drafts for it,
         # whether the inner ran)
@@ -74,27 +82,32 @@ class LookupFirst:
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
         seqs, k = batch.seqs, batch.k
+        ks = batch.ks or [k] * len(seqs)  # each row's own K_b: its copy is never longer, whatever the batch
         recs = [self._records.setdefault(s, _Record()) for s in seqs]
         for s, r in zip(seqs, recs):
             r.settle(s.tokens)
-        found = [self.ngram.lookup(s.tokens, k) for s in seqs]
+        found = [self.ngram.lookup(s.tokens, kb) for s, kb in zip(seqs, ks)]
         take = [bool(c) and self.prefers_copy(r) for c, r in zip(found, recs)]
         dev = batch.target_cache.k.device
-        if all(take):
-            drafts, probs = torch.zeros(len(seqs), k, dtype=torch.long), None
-            num = [0] * len(seqs)
-        else:
+        ran = not all(take)
+        if ran:
             drafts, probs, num_inner = self.inner.propose(batch)
             num = list(num_inner) if num_inner is not None else [k] * len(seqs)
             drafts = drafts.clone()
             # a row the drafter has nothing for (a head before the row's first feature) takes its copy
             take = [t or (bool(c) and not n) for t, c, n in zip(take, found, num)]
-        ran = not all(take)
+        else:
+            drafts, probs = torch.zeros(len(seqs), k, dtype=torch.long), None
+            num = [0] * len(seqs)
+        # a drafter may propose fewer than k (Medusa: one per head); a token past the drafter's vocabulary has
+        # no p, so a copy stops before it (and, left empty, is not taken)
+        vocab = probs.shape[-1] if probs is not None else None
+        copies = [_cut(c, drafts.shape[1], vocab) if t else [] for c, t in zip(found, take)]
+        take = [bool(c) for c in copies]
         self._round = {id(s): (c, t, n, ran) for s, c, t, n in zip(seqs, found, take, num)}
-        for b, c in enumerate(found):
-            if not take[b]:
+        for b, c in enumerate(copies):
+            if not c:
                 continue
-            c = c[: drafts.shape[1]]  # a drafter may propose fewer than k (Medusa: one per head)
             drafts[b, : len(c)] = torch.tensor(c, dtype=torch.long)
             num[b] = len(c)
             if probs is not None:  # p of a copied token: one-hot (a deterministic draft)
@@ -104,8 +117,8 @@ class LookupFirst:
 
     @staticmethod
     def prefers_copy(rec: _Record) -> bool:
-        """Copies have drafted better for this sequence (both start at 0: the drafter first)."""
-        return rec.copy > rec.inner
+        """Copies have drafted better for this sequence, once the drafter has had a round (the drafter first)."""
+        return rec.inner_rounds > 0 and rec.copy > rec.inner
 
     def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
         row = self._round.pop(id(seq), None)
@@ -117,6 +130,7 @@ class LookupFirst:
             rec.copy += ALPHA * (accepted - rec.copy)
         elif rec is not None and n_inner:
             rec.inner += ALPHA * (accepted - rec.inner)
+            rec.inner_rounds += 1
             if copy:
                 rec.untaken.append((n_before, copy))
         if ran:  # the inner drafted for this row: its state holds its own drafts, not a copy's

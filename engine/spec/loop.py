@@ -141,7 +141,7 @@ class DecodeLoop:
         proposed = 0
         if kmax > 0:
             assert self.drafter is not None
-            batch = DraftBatch(active, rows, proc, kmax, draft_noise, V, scratch, cache)
+            batch = DraftBatch(active, rows, proc, kmax, draft_noise, V, scratch, cache, ks)
             drafts, dprobs, num = self.drafter.propose(batch)
             proposed = kmax
             if num is not None:  # a deterministic drafter may find fewer
