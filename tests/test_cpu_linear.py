@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from util import fused_gemm_count
+from util import PROMPTS, fused_gemm_count
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
@@ -125,8 +125,6 @@ def test_fused_linear_is_the_stacked_linears():
 
 
 # ---------------------------------------------------------------- bf16 speculation is exact
-PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
-PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]
 
 
 @needs_onednn

@@ -18,9 +18,9 @@ TEXT = (
 
 
 # token-id prompts of the identity grids (ckpt_dir's vocabulary; conftest ``plain``: their greedy outputs)
-PROMPTS = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
-PROMPTS[5] = [10, 11, 12, 10, 11, 12, 10, 11]  # repetitive: n-gram lookup has something to find
-PROMPTS[6] = PROMPTS[0] * 3
+_SPREAD = [[(7 * i + j * 13) % 290 + 1 for j in range(3 + i % 9)] for i in range(20)]
+# 5 and 6 repetitive: n-gram lookup has something to find
+PROMPTS = [*_SPREAD[:5], [10, 11, 12, 10, 11, 12, 10, 11], _SPREAD[0] * 3, *_SPREAD[7:]]
 
 
 def assert_greedy_grid(eng: Any, want: list[list[int]], *labels: Any) -> None:
