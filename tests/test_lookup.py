@@ -225,7 +225,7 @@ def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, 
     for _ in range(rounds):
         n = len(seq.tokens)
         starts.append(n)
-        batch = SimpleNamespace(seqs=[seq], k=k, ks=[k], target_cache=SimpleNamespace(k=torch.zeros(1)))
+        batch = SimpleNamespace(seqs=[seq], k=k, ks=[k], vocab=100, target_cache=SimpleNamespace(k=torch.zeros(1)))
         drafts, _, num = drafter.propose(batch)
         d = drafts[0, : (num or [k])[0]].tolist()
         a = next((i for i, (x, t) in enumerate(zip(d, truth[n:])) if x != t), len(d))
@@ -284,7 +284,7 @@ def test_a_copy_fits_the_rows_k_and_the_drafters_vocabulary():
     seqs = [Seq(t, SamplingParams(temperature=1.0), torch.Generator()) for t in rows]
     d = LookupFirst(Uniform(8), 2)
     d.prefers_copy = lambda rec: True
-    batch = SimpleNamespace(seqs=seqs, k=4, ks=[2, 4, 4, 4, 4], target_cache=SimpleNamespace(k=torch.zeros(1)))
+    batch = SimpleNamespace(seqs=seqs, k=4, ks=[2, 4, 4, 4, 4], vocab=8, target_cache=SimpleNamespace(k=torch.zeros(1)))
     drafts, probs, num = d.propose(batch)  # the last row has no copy: the drafter runs, p is needed
     assert num == [2, 4, 1, 4, 4]
     assert drafts[0, :2].tolist() == [3, 4] and drafts[1].tolist() == [3, 4, 5, 6] and drafts[2, 0] == 3

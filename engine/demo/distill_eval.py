@@ -117,7 +117,7 @@ def heldout_acceptance(
     accepted: list[int] = []
     first, positions = 0, 0
     for r in range(len(data.tokens)):
-        lead = leading_matches(kind, draft, target, r, data, k, lm_w, vocab_ids)
+        lead = leading_matches(kind, draft, target, r, data, k, lm_w, vocab_ids).cpu()  # read a round at a time
         first += int((lead > 0).sum())
         positions += len(lead)
         accepted += simulate_rounds(lead)

@@ -50,9 +50,10 @@ def _hard(logq: Tensor, nxt: Tensor, pos_of: Tensor | None) -> Tensor:
 
 def frequent_tokens(data: DistillData, n: int, vocab_size: int) -> Tensor:
     """The ``n`` most frequent ids of the data's text (sorted ascending)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    mask = torch.arange(data.tokens.shape[1])[None] < data.lengths[:, None]
-    counts.index_add_(0, data.tokens[mask], torch.ones(int(mask.sum()), dtype=torch.long))
+    dev = data.tokens.device
+    counts = torch.zeros(vocab_size, dtype=torch.long, device=dev)
+    mask = torch.arange(data.tokens.shape[1], device=dev)[None] < data.lengths[:, None]
+    counts.index_add_(0, data.tokens[mask], torch.ones(int(mask.sum()), dtype=torch.long, device=dev))
     return counts.topk(min(n, vocab_size)).indices.sort().values
 
 

@@ -56,11 +56,9 @@ class _Record:
         self.untaken = left
 
 
-def _cut(copy: list[int], k: int, vocab: int | None) -> list[int]:
-    """``copy``'s first ``k`` tokens, up to the first not below ``vocab`` (None: any)."""
+def _cut(copy: list[int], k: int, vocab: int) -> list[int]:
+    """``copy``'s first ``k`` tokens, up to the first not below ``vocab``."""
     copy = copy[:k]
-    if vocab is None:
-        return copy
     return copy[: next((i for i, t in enumerate(copy) if t >= vocab), len(copy))]
 
 
@@ -99,10 +97,10 @@ class LookupFirst:
         else:
             drafts, probs = torch.zeros(len(seqs), k, dtype=torch.long), None
             num = [0] * len(seqs)
-        # a drafter may propose fewer than k (Medusa: one per head); a token past the drafter's vocabulary has
+        # a drafter may propose fewer than k (Medusa: one per head); a token outside the common vocabulary has
         # no p, so a copy stops before it (and, left empty, is not taken)
-        vocab = probs.shape[-1] if probs is not None else None
-        copies = [_cut(c, drafts.shape[1], vocab) if t else [] for c, t in zip(found, take)]
+        found = [_cut(c, drafts.shape[1], batch.vocab) for c in found]
+        copies = [c if t else [] for c, t in zip(found, take)]
         take = [bool(c) for c in copies]
         self._round = {id(s): (c, t, n, ran) for s, c, t, n in zip(seqs, found, take, num)}
         for b, c in enumerate(copies):
