@@ -306,12 +306,12 @@ def train_draft(
         )
         head = init_head(hcfg, target, opts.seed).to(dev)
         lm_w = target.lm_head.weight.detach().float()
-        pos_of = ids_dev = None
+        pos_of = None
         if vocab_ids is not None:
-            ids_dev = vocab_ids.to(dev)
-            lm_w = lm_w[ids_dev]
+            vocab_ids = vocab_ids.to(dev)  # save_head writes it from the CPU
+            lm_w = lm_w[vocab_ids]
             pos_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
-            pos_of[ids_dev] = torch.arange(len(vocab_ids), device=dev)
+            pos_of[vocab_ids] = torch.arange(len(vocab_ids), device=dev)
         loss = train_loop(
             head,
             lambda g: head_loss(opts.kind, head, target, lm_w, pos_of, data, opts, g),
@@ -324,7 +324,7 @@ def train_draft(
         train_s = time.perf_counter() - t0
         if held is not None:
             k = min(eval_k, hcfg.max_drafts or eval_k)
-            report["heldout"] = heldout_acceptance(opts.kind, head, target, held, k, lm_w, ids_dev)
+            report["heldout"] = heldout_acceptance(opts.kind, head, target, held, k, lm_w, vocab_ids)
         save_head(head, hcfg, vocab_ids, out)
     report.update(kind=opts.kind, steps=steps, train_s=round(train_s, 1), final_loss=round(loss, 4))
     write_text_atomic(out / "train_report.json", json.dumps(report, indent=2) + "\n")
