@@ -19,14 +19,14 @@ _EXPORTS = {
     "Engine": "engine.api.engine",
     "Completion": "engine.api.engine",
     "EngineError": "engine.core.errors",
-    "SamplingParams": "engine.spec.sampling",
+    "SamplingParams": "engine.spec_decode.sampling",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from engine.api.engine import Completion, Engine  # noqa: F401
     from engine.core.errors import EngineError  # noqa: F401
-    from engine.spec.sampling import SamplingParams  # noqa: F401
+    from engine.spec_decode.sampling import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from engine.core.errors import InvalidConfigError
 from engine.core.model import Transformer
 
-from .kernels import require_kernel
 from .linear import FP8Embedding, FP8Linear, Int8Linear
+from .matmul_kernels import require_kernel
 from .plan_schema import FAMILY_MODULES, FamilyPlan, ModelPlan
 
 log = logging.getLogger(__name__)

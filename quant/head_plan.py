@@ -1,4 +1,4 @@
-"""The precision plan's draft part for a trained draft head (engine/spec/heads.py), and its module swap.
+"""The precision plan's draft part for a trained draft head (engine/spec_decode/heads/checkpoint.py), and its module swap.
 
 A head is the draft, so the draft plan applies to it; what it shares with the target stays the
 verifier's: the LM head it scores with and the embedding table it reads are the target's, never
@@ -26,8 +26,8 @@ from torch import nn
 
 from engine.core.errors import InvalidConfigError
 
-from .kernels import require_kernel
 from .linear import FP8Linear
+from .matmul_kernels import require_kernel
 from .plan_schema import HEAD_KINDS, FamilyPlan, ModelPlan
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def head_linears(kind: str, shape: Mapping[str, Any]) -> list[tuple[str, int, in
     H = shape["hidden_size"]
     inter = shape["intermediate_size"] or H
     out = [("fc", H, 2 * H)]
-    if shape.get("attention"):  # decoder layers (engine/spec/eagle_attn.py)
+    if shape.get("attention"):  # decoder layers (engine/spec_decode/heads/eagle_attn.py)
         q, kv = shape["attention_heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
         for i in range(shape["layers"]):
             a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"

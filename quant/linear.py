@@ -1,4 +1,4 @@
-"""Quantized modules: they hold the data, a named kernel (quant.kernels) computes.
+"""Quantized modules: they hold the data, a named kernel (quant.matmul_kernels) computes.
 
     FP8Linear     e4m3 weight [out, in] + float32 scale per output channel; kernels native | te | weight-only
     FP8Embedding  e4m3 table [vocab, hidden] + float32 scale per row, dequantized on lookup
@@ -29,7 +29,7 @@ from engine.core.errors import InvalidConfigError
 
 from .fp8 import FP8_DTYPE, quantize_fp8_rowwise
 from .int8 import quantize_int8_groupwise, quantize_int8_rowwise
-from .kernels import ACTIVATION_INT8_KERNELS, LLM_INT8_THRESHOLD, Kernel, get_kernel, require_kernel
+from .matmul_kernels import ACTIVATION_INT8_KERNELS, LLM_INT8_THRESHOLD, Kernel, get_kernel, require_kernel
 from .smooth import DEFAULT_ALPHA, smooth_scales
 
 _KEEP_DTYPE = ("weight", "weight_scale", "smooth")

@@ -2,7 +2,7 @@
 
 ``make_plan(gpu, target_cfg, draft_cfg)`` turns a catalog entry, the model configs
 and the precision section (docs/design.md, the precision plan) into a ``PrecisionPlan``; the *how*
-(kernels) is quant.kernels, the module swap is quant.apply; the plan's dataclasses and the precision
+(kernels) is quant.matmul_kernels, the module swap is quant.apply; the plan's dataclasses and the precision
 section's validation are quant.plan_schema. Rules:
 
 - draft "fp8": every Linear, the LM head and the embedding table in e4m3 (per-row
@@ -38,7 +38,7 @@ from engine.core.errors import InvalidConfigError, KernelUnavailableError
 from . import memory as mem
 from .catalog import compute_capability, validate_gpu
 from .head_plan import head_linears, head_model_plan, head_shape, head_weight_bytes
-from .kernels import FP8_KERNELS, INT8_KERNELS, LLM_INT8_THRESHOLD
+from .matmul_kernels import FP8_KERNELS, INT8_KERNELS, LLM_INT8_THRESHOLD
 from .plan_schema import (
     DEFAULT_PRECISION,
     FAMILIES,

@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.core.errors import InvalidConfigError, ProfileError
 
-from .kernels import FP8_KERNELS, INT8_KERNELS
+from .matmul_kernels import FP8_KERNELS, INT8_KERNELS
 from .plan_schema import (
     DENSE_STORAGE,
     FAMILIES,

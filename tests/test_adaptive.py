@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.core.errors import InvalidConfigError
-from engine.serve.window import BatchWindow, bucket
-from engine.spec.adaptive import (
+from engine.runtime.window import BatchWindow, bucket
+from engine.spec_decode.adaptive import (
     Costs,
     KController,
     KPolicy,
@@ -94,7 +94,7 @@ def test_policy_validation():
 def test_token_acceptance_counts_tested_positions_only():
     """accepted / trials is the MLE of the per-token acceptance of a geometric run: a round of K drafts
     that accepts n tests min(n + 1, K) positions. accepted / drafted would be biased low."""
-    from engine.spec.seq import SeqStats
+    from engine.spec_decode.seq import SeqStats
 
     st = SeqStats()
     for k, n in [(4, 2), (4, 4), (2, 0), (3, 1)]:
@@ -117,7 +117,7 @@ def test_token_acceptance_counts_tested_positions_only():
 
 def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
     from engine.core.checkpoint import load_model
-    from engine.spec.costs import measure_costs
+    from engine.spec_decode.costs import measure_costs
 
     target, draft = (load_model(d, torch.float32, "cpu") for d in (ckpt_dir, draft_dir))
     costs = measure_costs(target, draft, k_max=6, reps=2)

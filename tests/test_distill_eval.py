@@ -1,4 +1,4 @@
-"""The train-draft tool's held-out evaluation (engine/demo/distill_eval.py): greedy rounds simulated on text
+"""The train-draft tool's held-out evaluation (engine/train/heldout.py): greedy rounds simulated on text
 the target generated, checked against exact cases and against the engine's own rounds for every kind."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from engine import Engine, SamplingParams
 from engine.api.options import SpeculationConfig
 from engine.core.errors import InvalidConfigError
-from engine.demo.distill import TrainOptions, train_draft
-from engine.demo.distill_data import prompt_starts
-from engine.demo.distill_eval import heldout_acceptance, heldout_data, heldout_starts, simulate_rounds
-from engine.spec.heads import load_head
+from engine.spec_decode.heads.checkpoint import load_head
+from engine.train.data import prompt_starts
+from engine.train.distill import TrainOptions, train_draft
+from engine.train.heldout import heldout_acceptance, heldout_data, heldout_starts, simulate_rounds
 
 N_HELD, K = 6, 3
 

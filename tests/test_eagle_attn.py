@@ -1,4 +1,4 @@
-"""The EAGLE head with attention (engine/spec/eagle_attn.py): its training-time unroll is exactly the rounds the
+"""The EAGLE head with attention (engine/spec_decode/heads/eagle_attn.py): its training-time unroll is exactly the rounds the
 drafter runs through its KV cache; the engine's output with it is the target's (greedy identity over prompts x K
 x batch, prefill sharing, exact sampling); a trained head accepts better than an untrained one and better than
 the head without attention; CUDA graphs of it are refused at load."""
@@ -16,10 +16,10 @@ from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.tokenizer import Tokenizer
-from engine.demo.distill import TrainOptions, train_draft
 from engine.kernels.cpu_gemm import small_gemm_status
-from engine.spec.eagle_attn import EagleAttnHead
-from engine.spec.heads import HeadConfig, init_head, load_head, save_head
+from engine.spec_decode.heads.checkpoint import HeadConfig, init_head, load_head, save_head
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.train.distill import TrainOptions, train_draft
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
     head's PyTorch forward, for a ragged batch in cache rows 2 and 0, then one more entry each."""
     from engine.core.model import fuse_projections
     from engine.kernels.cpu_head import AttnHeadKernel
-    from engine.spec.heads import draft_lm_head
+    from engine.spec_decode.heads.checkpoint import draft_lm_head
 
     eng = Engine.from_pretrained(ckpt_dir)
     path = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)

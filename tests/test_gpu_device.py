@@ -149,7 +149,7 @@ def test_gpu_graph_logits_match_eager_fp16():
 @pytest.mark.gpu
 def test_gpu_nvml_readings_present():
     pytest.importorskip("pynvml")
-    from engine.serve.telemetry import NvmlReader
+    from engine.runtime.telemetry import NvmlReader
 
     r = NvmlReader(torch.device("cuda"))
     reading = r.read()
@@ -186,8 +186,8 @@ def test_gpu_native_fp8_draft_agrees_with_weight_only():
 
 def _gpu_head_drafter(kind: str, target, seed: int = 0):
     """A random head (3 heads / 1 block) on the target's device and dtype, as its drafter."""
-    from engine.spec.head_drafters import HEAD_DRAFTERS
-    from engine.spec.heads import HeadConfig, init_head
+    from engine.spec_decode.drafters.heads import HEAD_DRAFTERS
+    from engine.spec_decode.heads.checkpoint import HeadConfig, init_head
 
     H = target.config.hidden_size
     cfg = HeadConfig(kind=kind, hidden_size=H, vocab_size=target.config.vocab_size, num_heads=3)

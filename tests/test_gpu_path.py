@@ -37,7 +37,7 @@ from engine.kernels.backends import (
     select_attention,
 )
 from engine.kernels.cudagraphs import GraphedForward, batch_bucket, kv_bucket
-from engine.serve.telemetry import GpuReading, LoadGovernor, LoadWindow
+from engine.runtime.telemetry import GpuReading, LoadGovernor, LoadWindow
 from quant.catalog import load_catalog, lookup_gpu
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError
 from engine.core.model import Transformer
 from engine.demo import recipe, train
-from engine.demo.distill import round_weights
 from engine.demo.grow import grow_width, grown_config
+from engine.train.distill import round_weights
 
 
 def _model(heads: int, kv_heads: int, seed: int = 0) -> Transformer:

@@ -16,7 +16,6 @@ from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import DraftMismatchError, InvalidConfigError
 from engine.core.tokenizer import Tokenizer
-from engine.demo.distill import TrainOptions, train_draft
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_head import (
     EagleKernel,
@@ -25,8 +24,16 @@ from engine.kernels.cpu_head import (
     head_store_dtype,
     scorer_on_kernel,
 )
-from engine.spec.head_drafters import HEAD_DRAFTERS
-from engine.spec.heads import HeadConfig, draft_lm_head, init_head, load_head, save_head, target_fingerprint
+from engine.spec_decode.drafters.heads import HEAD_DRAFTERS
+from engine.spec_decode.heads.checkpoint import (
+    HeadConfig,
+    draft_lm_head,
+    init_head,
+    load_head,
+    save_head,
+    target_fingerprint,
+)
+from engine.train.distill import TrainOptions, train_draft
 from quant.linear import FP8Linear
 from quant.plan_io import plan_from_dict
 
@@ -373,7 +380,7 @@ def test_train_draft_tool_refuses_bad_options(ckpt_dir, tmp_path, capsys, args, 
 def test_interrupted_training_resumes_where_it_stopped(tmp_path):
     """An interrupt after the state saved at step 10 resumes at step 10 and ends with the weights of an
     uninterrupted run (weights, optimizer and RNG restored)."""
-    from engine.demo.distill import train_loop
+    from engine.train.distill import train_loop
 
     def run(state, stop_at=None):
         torch.manual_seed(0)

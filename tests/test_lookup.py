@@ -1,4 +1,4 @@
-"""Prompt lookup first, a drafter otherwise (engine/spec/lookup.py): the target's output is unchanged (greedy
+"""Prompt lookup first, a drafter otherwise (engine/spec_decode/drafters/lookup.py): the target's output is unchanged (greedy
 identity over prompts x K x batch for a draft model and a trained head; the exact two-token joint when sampled,
 with rows of one round taking either path); the wrapped drafter's state stays that of the committed tokens after
 rounds it did not draft; the option is checked and kept in profiles."""
@@ -18,7 +18,7 @@ from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.model import KVCache
-from engine.spec.lookup import LookupFirst
+from engine.spec_decode.drafters.lookup import LookupFirst
 from quant.plan_io import plan_from_dict
 
 
@@ -218,7 +218,7 @@ def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, 
     """Greedy rounds along the text ``truth`` (its tokens are the target's) -> each round's start."""
     from types import SimpleNamespace
 
-    from engine.spec.seq import Seq
+    from engine.spec_decode.seq import Seq
 
     seq = Seq(truth[:start], SamplingParams(), torch.Generator())
     starts = []
@@ -278,7 +278,7 @@ def test_a_copy_fits_the_rows_k_and_the_drafters_vocabulary():
     token the drafter has no p for, and one left empty is not taken (the drafter's drafts stay)."""
     from types import SimpleNamespace
 
-    from engine.spec.seq import Seq
+    from engine.spec_decode.seq import Seq
 
     rows = [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 9, 5, 1, 2], [1, 2, 9, 3, 4, 1, 2], [7, 6]]
     seqs = [Seq(t, SamplingParams(temperature=1.0), torch.Generator()) for t in rows]

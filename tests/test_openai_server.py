@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.api.options import Limits, SpeculationConfig  # noqa: E402
-from engine.serve.openai_app import OpenAIServer, create_app  # noqa: E402
+from engine.server.openai_app import OpenAIServer, create_app  # noqa: E402
 
 TIMEOUT = 120
 TEMPLATE = (

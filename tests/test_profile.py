@@ -13,7 +13,7 @@ import pytest
 from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import KernelUnavailableError, ProfileError
-from engine.spec.adaptive import Costs
+from engine.spec_decode.adaptive import Costs
 from quant.plan_io import plan_from_dict
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-import quant.kernels as kernels
+import quant.matmul_kernels as kernels
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 from quant.fp8 import FP8_DTYPE, FP8_REL_ERROR, dequantize_fp8
 from quant.int8 import dequantize_int8, int8_linear_reference

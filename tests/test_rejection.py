@@ -21,8 +21,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.spec.rejection import acceptance, greedy_accept, rejection_sample
-from engine.spec.sampling import process_logits
+from engine.spec_decode.rejection import acceptance, greedy_accept, rejection_sample
+from engine.spec_decode.sampling import process_logits
 
 ALPHA = 1e-4
 

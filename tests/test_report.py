@@ -17,7 +17,7 @@ from engine.build.plots import aggregate_positions, bench_series, profile_series
 from engine.build.report import build_report, build_report_files
 from engine.cli.bench_modes import match_rate
 from engine.core.errors import InvalidConfigError
-from engine.spec.adaptive import Costs, expected_speedup
+from engine.spec_decode.adaptive import Costs, expected_speedup
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

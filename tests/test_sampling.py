@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from engine.core.errors import EngineError, InvalidRequestError
-from engine.spec.sampling import (
+from engine.spec_decode.sampling import (
     SamplingParams,
     draw_noise,
     draw_uniforms,
@@ -267,7 +267,7 @@ def test_process_logits_cuda_matches_cpu_without_sync() -> None:
 
 
 def test_row_processing_fast_paths_equal_process_logits():
-    from engine.spec.sampling import RowProcessing
+    from engine.spec_decode.sampling import RowProcessing
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g) * 3

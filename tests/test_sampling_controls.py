@@ -14,7 +14,7 @@ from util import make_checkpoint
 from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
 from engine.core.errors import InvalidRequestError
-from engine.spec.sampling import RowProcessing
+from engine.spec_decode.sampling import RowProcessing
 
 ALPHA = 1e-4
 

@@ -15,7 +15,7 @@ from util import long_prompt, wait_for
 from engine import Engine, EngineError, SamplingParams
 from engine.api.options import KernelOptions, Limits, SpeculationConfig
 from engine.core.errors import InvalidConfigError, InvalidRequestError, OverloadedError
-from engine.serve.scheduler import RequestFailedError
+from engine.runtime.scheduler import RequestFailedError
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds: a hung worker fails the test instead of the suite
@@ -170,7 +170,7 @@ def test_injected_nan_ends_only_its_request(eng, caplog):
     n0 = eng.scheduler.snapshot()["totals"].nonfinite
     eng.loop.inject_nan = lambda s: s.prompt == poison and len(s.generated) >= 2
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.spec.loop"):
+        with caplog.at_level(logging.WARNING, logger="engine.spec_decode.loop"):
             outs = eng.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     finally:
         eng.loop.inject_nan = None

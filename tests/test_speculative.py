@@ -10,7 +10,7 @@ from util import PROMPTS, assert_greedy_grid
 
 from engine import Engine, SamplingParams
 from engine.api.options import SpeculationConfig
-from engine.spec.sampling import params_to_tensors, process_logits
+from engine.spec_decode.sampling import params_to_tensors, process_logits
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "early-exit"])

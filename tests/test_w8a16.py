@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import quant.kernels as kernels
+import quant.matmul_kernels as kernels
 from engine.core.errors import InvalidConfigError
 from quant.int8 import dequantize_int8, dequantize_int8_groupwise, quantize_int8_groupwise
 from quant.linear import Int8Linear

@@ -35,11 +35,11 @@ from engine.kernels.cpu_head import (
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
 from engine.kernels.head_graphs import GraphedStep
-from engine.spec.adaptive import KPolicy
-from engine.spec.drafters import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
-from engine.spec.head_drafters import HEAD_DRAFTERS, EagleAttnDrafter, HeadDrafter
-from engine.spec.heads import HeadConfig, draft_lm_head, load_head
-from engine.spec.lookup import LookupFirst
+from engine.spec_decode.adaptive import KPolicy
+from engine.spec_decode.drafters.base import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
+from engine.spec_decode.drafters.heads import HEAD_DRAFTERS, EagleAttnDrafter, HeadDrafter
+from engine.spec_decode.drafters.lookup import LookupFirst
+from engine.spec_decode.heads.checkpoint import HeadConfig, draft_lm_head, load_head
 
 log = logging.getLogger(__name__)
 

@@ -16,15 +16,15 @@ from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.errors import InvalidConfigError, InvalidRequestError, UnhealthyError
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
-from engine.serve.metrics import metrics_text
-from engine.serve.request import Completion, Request
-from engine.serve.scheduler import Scheduler
-from engine.serve.telemetry import gpu_stats
-from engine.serve.window import BatchWindow
-from engine.spec.adaptive import Costs
-from engine.spec.costs import drafter_costs
-from engine.spec.loop import DecodeLoop
-from engine.spec.sampling import SamplingParams
+from engine.runtime.metrics import metrics_text
+from engine.runtime.request import Completion, Request
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.telemetry import gpu_stats
+from engine.runtime.window import BatchWindow
+from engine.spec_decode.adaptive import Costs
+from engine.spec_decode.costs import drafter_costs
+from engine.spec_decode.loop import DecodeLoop
+from engine.spec_decode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Engine:
     """Speculative (or plain) generation with a Llama-family target.
 
     Build it with ``Engine.from_pretrained`` or ``Engine.from_profile``. Safe to call from any
-    number of threads: requests join a continuously batched worker (engine/serve/scheduler.py).
+    number of threads: requests join a continuously batched worker (engine/runtime/scheduler.py).
     """
 
     def __init__(

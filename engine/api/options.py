@@ -16,9 +16,9 @@ from typing import Any
 from engine.core.errors import InvalidConfigError
 from engine.kernels.backends import ATTENTION_CHOICES
 from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS, check_buckets
-from engine.serve.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD, LoadWindow
-from engine.spec.adaptive import POLICIES, Costs
-from engine.spec.drafters import DRAFTERS
+from engine.runtime.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD, LoadWindow
+from engine.spec_decode.adaptive import POLICIES, Costs
+from engine.spec_decode.drafters.base import DRAFTERS
 from quant.plan_schema import PrecisionPlan
 
 STEP_WEIGHTS = ("float16", "bfloat16", "float32")
@@ -36,7 +36,7 @@ class SpeculationConfig:
 
     drafter: str | None = None
     """"model" (a draft checkpoint), "ngram" (prompt lookup), "early-exit" (the target's first layers),
-    "medusa" / "eagle" (a trained head directory as the draft: engine/spec/heads.py, specmix-train-draft),
+    "medusa" / "eagle" (a trained head directory as the draft: engine/spec_decode/heads/checkpoint.py, specmix-train-draft),
     or None: "model" when a draft checkpoint is given, else plain decoding."""
     k: int = 5
     """Draft tokens per round at the start (the fixed K of the "constant" policy)."""
@@ -56,10 +56,10 @@ class SpeculationConfig:
     on first use (the "cost-model" policy needs them)."""
     batch_window: bool = True
     """With the "cost-model" policy: while two or more greedy sequences run, each round speculates or runs
-    plainly, whichever the rounds measured at that batch size made faster (engine/serve/window.py; sampled
+    plainly, whichever the rounds measured at that batch size made faster (engine/runtime/window.py; sampled
     rows keep their K: it decides their random draws). False: K is each sequence's own, whatever the batch."""
     prompt_lookup_min: int | None = None
-    """Prompt lookup first (engine/spec/lookup.py): a row whose last n tokens (prompt_lookup_min <= n, n <= 3
+    """Prompt lookup first (engine/spec_decode/drafters/lookup.py): a row whose last n tokens (prompt_lookup_min <= n, n <= 3
     or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them, the
     drafter the other rows; None: the drafter alone. Needs a drafter other than "ngram" (refused at load)."""
     draft_dtype: str | None = None
@@ -166,7 +166,7 @@ class LoadWindowConfig:
     resume_below: float = DEFAULT_RESUME
     """Device memory in use (0..1) below which it widens again (< memory_threshold)."""
     reader: Any = None
-    """What reads device memory (engine/serve/telemetry.py's Reader); None: NVML, else cudaMemGetInfo,
+    """What reads device memory (engine/runtime/telemetry.py's Reader); None: NVML, else cudaMemGetInfo,
     on CUDA, and nothing on the CPU. Tests pass their own."""
 
     def __post_init__(self) -> None:

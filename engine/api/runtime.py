@@ -27,7 +27,7 @@ from engine.api.options import KernelOptions, Limits, LoadWindowConfig
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.kernels.backends import HardwareFacts, probe_hardware, require_cuda_graphs
 from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS, check_buckets
-from engine.serve.telemetry import (
+from engine.runtime.telemetry import (
     DEFAULT_RESUME,
     DEFAULT_THRESHOLD,
     LoadGovernor,

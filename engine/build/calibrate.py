@@ -10,8 +10,8 @@ from typing import Any
 from engine.api.engine import Engine
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.tokenizer import Tokenizer
-from engine.spec.adaptive import Costs, best_k, expected_speedup
-from engine.spec.sampling import SamplingParams
+from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
+from engine.spec_decode.sampling import SamplingParams
 
 
 def calib_prompts(tok: Tokenizer, text: str, n: int = 8, prompt_len: int = 48) -> list[list[int]]:

@@ -6,7 +6,7 @@ and ``profile_series`` (a profile dict) return the plotted series and need no ma
 ``draw_bench`` and ``draw_profile`` render series to PNG bytes with matplotlib, imported
 lazily (the ``plot`` extra).
 
-Predicted speedups come from the cost model of ``engine.spec.adaptive``:
+Predicted speedups come from the cost model of ``engine.spec_decode.adaptive``:
 ``expected_speedup(a, K, Costs(c, v))`` = (1 - a^(K+1)) / ((1 - a) (K c + v(K))).
 Per-position acceptance is P(draft position i accepted | position i was verified), aggregated
 over requests as the mean of their per-request rates (``aggregate_positions``).
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.errors import EngineError, InvalidConfigError
-from engine.spec.adaptive import Costs, expected_speedup
+from engine.spec_decode.adaptive import Costs, expected_speedup
 
 INSTALL_HINT = "pip install 'specmix[plot]' (or pip install matplotlib)"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.build.plots import INSTALL_HINT, draw_profile, matplotlib_available, profile_series
-from engine.spec.adaptive import Costs
+from engine.spec_decode.adaptive import Costs
 
 log = logging.getLogger(__name__)
 

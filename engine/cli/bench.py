@@ -8,7 +8,7 @@
 specmix-eagle; their rows report the head's measured draft cost c beside the draft model's.
 
 --prompt-lookup N adds, for each drafter mode but n-gram, a mode <mode>+lookup: prompt lookup first where
-the last N or more tokens recur in the context and copies have drafted better (engine/spec/lookup.py).
+the last N or more tokens recur in the context and copies have drafted better (engine/spec_decode/drafters/lookup.py).
 
 --sweep-k 1,2,4 adds the draft-model drafter at each fixed K (adaptive K off) as modes
 specmix-model-k1, ... (and each trained head given: specmix-medusa-k1, specmix-eagle-k1, ...);
@@ -39,7 +39,7 @@ from engine.build.plots import aggregate_positions, bench_series, draw_bench, re
 from engine.cli.bench_modes import hf_runner, match_rate, print_table, spec_runner, sweep_summary
 from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
-from engine.spec.adaptive import best_k, expected_speedup
+from engine.spec_decode.adaptive import best_k, expected_speedup
 
 SPEC_MODES = {
     "specmix-model": "model",

@@ -14,7 +14,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.build.plots import aggregate_positions
-from engine.spec.adaptive import Costs, expected_speedup
+from engine.spec_decode.adaptive import Costs, expected_speedup
 
 
 def spec_runner(

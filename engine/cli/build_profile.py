@@ -42,7 +42,7 @@ from engine.core.cli import run_tool
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError
 from engine.core.files import write_bytes_atomic, write_json_atomic
-from engine.spec.heads import is_head_dir, read_head_config
+from engine.spec_decode.heads.checkpoint import is_head_dir, read_head_config
 from quant.catalog import gpu_for_device_name, lookup_gpu
 from quant.plan import make_plan
 from quant.plan_schema import DEFAULT_PRECISION
@@ -304,7 +304,7 @@ def build(a: argparse.Namespace) -> int:
 
 
 def _model_config(model_dir: Path) -> dict[str, Any]:
-    """A checkpoint's ModelConfig, or a trained head's config (engine/spec/heads.py)."""
+    """A checkpoint's ModelConfig, or a trained head's config (engine/spec_decode/heads/checkpoint.py)."""
     if is_head_dir(model_dir):
         return dataclasses.asdict(read_head_config(model_dir))
     return load_config(model_dir).to_dict()

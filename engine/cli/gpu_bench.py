@@ -40,8 +40,8 @@ from torch import nn
 from engine.core.config import ModelConfig
 from engine.core.model import KVCache, Transformer
 from engine.kernels.cudagraphs import GraphedForward
-from quant.kernels import kernel_available
 from quant.linear import FP8Linear, Int8Linear
+from quant.matmul_kernels import kernel_available
 
 log = logging.getLogger("gpu_bench")
 

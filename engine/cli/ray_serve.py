@@ -5,14 +5,14 @@
 
 Each replica builds ``Engine.from_profile`` (the profile pins the sha256 of every weight file: a
 replica whose weights differ fails its start with the ProfileError in its log) and serves the same
-FastAPI app as ``specmix-serve`` (engine/serve/openai_app.py) through ``@serve.ingress``; every
+FastAPI app as ``specmix-serve`` (engine/server/openai_app.py) through ``@serve.ingress``; every
 response carries the replica's id in the ``x-specmix-replica`` header. A CUDA profile takes one GPU
 per replica, a CPU profile ``num_cpus`` cores. Autoscaling follows ongoing requests per replica with
 the target ``max_batch`` (a full batch; ``max_ongoing_requests`` is two batches, the rest wait at
 Serve's router, where a new replica can take them). Health checks ask the engine (``check_health``:
 a stalled or repeatedly failing decode round restarts the replica); on scale-down Serve stops routing
 to the replica and waits up to ``graceful_shutdown_timeout_s`` for its running requests to finish.
-Replicas report acceptance and load as Serve metrics (engine/serve/ray_metrics.py).
+Replicas report acceptance and load as Serve metrics (engine/server/ray_metrics.py).
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ class SpecmixReplica:
     async def __init__(self, args: dict[str, Any]) -> None:
         from engine.api.engine import Engine
         from engine.api.options import Limits
-        from engine.serve.openai_app import OpenAIServer
-        from engine.serve.ray_metrics import ReplicaMetrics
+        from engine.server.openai_app import OpenAIServer
+        from engine.server.ray_metrics import ReplicaMetrics
 
         self.opts = opts = RayServeOptions(**args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -199,7 +199,7 @@ class SpecmixReplica:
         )
 
     def __serve_build_asgi_app__(self) -> Any:
-        from engine.serve.openai_app import create_app
+        from engine.server.openai_app import create_app
 
         app = create_app(self.server)
         app.add_middleware(ReplicaHeader, replica=self.replica_id)

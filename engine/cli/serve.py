@@ -101,7 +101,7 @@ SPEC_ARGS = ("draft", "drafter", "no_spec", "k", "k_policy", "prompt_lookup")  #
 
 def _draft_kind(draft: Path | None) -> str | None:
     """The drafter a --draft directory implies: a trained head's kind, else a draft model."""
-    from engine.spec.heads import is_head_dir, read_head_config
+    from engine.spec_decode.heads.checkpoint import is_head_dir, read_head_config
 
     if draft is None:
         return None
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from engine.serve.openai_app import OpenAIServer, create_app
+        from engine.server.openai_app import OpenAIServer, create_app
     except ImportError as e:
         log.error("the server needs the serve extra: pip install -e '.[serve]' (%s)", e)
         return 2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from engine.core.cli import OneLineParser, run_tool
 from engine.core.errors import InvalidConfigError
-from engine.demo.distill import KINDS, VALUE_DTYPES, TrainOptions, train_draft
+from engine.train.distill import KINDS, VALUE_DTYPES, TrainOptions, train_draft
 
 
 def parse_args(argv: list[str] | None) -> object:

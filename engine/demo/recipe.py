@@ -22,7 +22,7 @@ from pathlib import Path
 
 from engine.core.errors import InvalidConfigError
 from engine.core.files import default_cache_dir
-from engine.demo.distill import TrainOptions
+from engine.train.distill import TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ModelShape:
 class DemoRecipe:
     vocab_size: int
     target: ModelShape
-    # the draft: trained by the train-draft tool (engine/demo/distill.py) on text the trained target
+    # the draft: trained by the train-draft tool (engine/train/distill.py) on text the trained target
     # generates from prompts cut out of the training split, with the target's soft labels
     draft: TrainOptions
     target_steps: int

@@ -2,7 +2,7 @@
 
 ``build_pair(recipe, out)``: a byte-level BPE tokenizer on the training split, the target trained on
 next-token cross-entropy and saved as a Hugging Face checkpoint (engine/demo/checkpoints.py), the
-draft trained for it by the train-draft tool (engine/demo/distill.py: on text the target generates,
+draft trained for it by the train-draft tool (engine/train/distill.py: on text the target generates,
 with its soft labels), both evaluated on the held-out split (engine/demo/evaluate.py).
 """
 
@@ -28,7 +28,6 @@ from engine.core.checkpoint import load_model
 from engine.core.config import ModelConfig
 from engine.core.model import Transformer
 from engine.demo.checkpoints import save_checkpoint
-from engine.demo.distill import round_weights, train_draft, value_dtype
 from engine.demo.evaluate import evaluate_pair
 from engine.demo.grow import grow_width
 from engine.demo.recipe import (
@@ -39,6 +38,7 @@ from engine.demo.recipe import (
     demo_texts,
     trained_shape,
 )
+from engine.train.distill import round_weights, train_draft, value_dtype
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Each choice has an ``available()`` probe returning (ok, reason) and is picked by
 an explicit name (from a plan or profile) or by ``auto``. Asking for something
 the machine lacks raises KernelUnavailableError naming it and the fix; there is
-no silent fallback. Quantized-matmul kernels live in ``quant.kernels`` (same
+no silent fallback. Quantized-matmul kernels live in ``quant.matmul_kernels`` (same
 probe style); this module owns attention and execution choices.
 
 Every probe reads a ``HardwareFacts`` (what the machine has). ``probe_hardware``

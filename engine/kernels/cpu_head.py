@@ -71,7 +71,7 @@ class EagleKernel:
         eps: float,
         store: torch.dtype,
     ) -> None:
-        """``weights``: the head's own tensors in the kernel's order (engine/spec/heads.py
+        """``weights``: the head's own tensors in the kernel's order (engine/spec_decode/heads/checkpoint.py
         ``EagleHead.kernel_weights``: embed_norm, fc, per block norm, gate_up, down, then out_norm; 2-D ones are
         GEMM weights, copied to ``store``); ``embed`` the target's embedding [V, H], ``lm_weight`` the LM head's
         rows [V', H] (fp32, shared), ``vocab_ids`` [V'] or None."""
@@ -116,7 +116,7 @@ class MedusaKernel:
 
 
 def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:
-    """The LM head's scorer (engine/spec/heads.py ``draft_lm_head``) on the few-row GEMM, same fp32 weight."""
+    """The LM head's scorer (engine/spec_decode/heads/checkpoint.py ``draft_lm_head``) on the few-row GEMM, same fp32 weight."""
     w = scorer.weight
     if type(scorer) is nn.Linear and _fp32_cpu(w) and small_gemm_status() is None:
         return SmallGemmLinear(scorer)

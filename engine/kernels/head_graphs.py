@@ -1,4 +1,4 @@
-"""CUDA graphs for a trained draft head's step (engine/spec/head_drafters.py).
+"""CUDA graphs for a trained draft head's step (engine/spec_decode/drafters/heads.py).
 
 ``GraphedStep(fn, device, buckets)`` wraps a batch-first function of tensors, the drafter's
 per-step computation: for eagle ``(feature [B, H], token [B]) -> (next feature, scores over the

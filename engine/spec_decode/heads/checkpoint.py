@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from engine.core.errors import CheckpointError, DraftMismatchError
 from engine.core.files import write_text_atomic
 from engine.core.model import RMSNorm, Transformer
-from engine.spec.eagle_attn import EagleAttnHead, head_model_config
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead, head_model_config
 
 HEAD_KINDS = ("medusa", "eagle")
 HEAD_CONFIG = "head_config.json"
@@ -55,7 +55,7 @@ class HeadConfig:
     intermediate_size: int = 0  # eagle: the MLP's width (0: the hidden size)
     num_heads: int = 4  # medusa: draft positions (the most drafts per round); eagle: the unrolled depth trained
     draft_vocab: int | None = None  # size of the reduced draft vocabulary (None: the full vocabulary)
-    # eagle: ``layers`` decoder layers with attention over the sequence's features (engine/spec/eagle_attn.py)
+    # eagle: ``layers`` decoder layers with attention over the sequence's features (engine/spec_decode/heads/eagle_attn.py)
     # instead of MLP blocks on one feature
     attention: bool = False
     attention_heads: int = 0  # with attention: query heads, key/value heads and head size (the target's)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.spec.sampling import sample_from_probs
+from engine.spec_decode.sampling import sample_from_probs
 
 
 def acceptance(

@@ -1,6 +1,6 @@
 """A submitted request as its caller sees it: new tokens, text pieces, the Completion, cancel.
 
-The worker (engine/serve/scheduler.py) delivers token ids (and logprobs) and wakes the request's
+The worker (engine/runtime/scheduler.py) delivers token ids (and logprobs) and wakes the request's
 waiters and listeners; everything else (detokenization, the Completion) runs in the reader's thread.
 Also here: ``Completion``, the engine-wide ``Totals`` and ``RequestFailedError``.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from engine.core.errors import EngineError
 from engine.core.tokenizer import Tokenizer
-from engine.spec.sampling import SamplingParams
-from engine.spec.seq import Seq, TokenLogprob
+from engine.spec_decode.sampling import SamplingParams
+from engine.spec_decode.seq import Seq, TokenLogprob
 
 
 @dataclass

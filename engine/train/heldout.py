@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
-from engine.demo.distill_data import DistillData, generate, label, prompt_starts
-from engine.spec.eagle_attn import EagleAttnHead
-from engine.spec.heads import draft_features
+from engine.spec_decode.heads.checkpoint import draft_features
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.train.data import DistillData, generate, label, prompt_starts
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ EVAL_KINDS = ("model", "medusa", "eagle")
 
 
 class DistillOptions(Protocol):
-    """What the held-out prompts depend on (engine/demo/distill.py's TrainOptions has it)."""
+    """What the held-out prompts depend on (engine/train/distill.py's TrainOptions has it)."""
 
     kind: str
     samples: int

@@ -27,7 +27,7 @@ from torch import Tensor
 
 
 class PenaltyParams(Protocol):
-    """The fields of ``SamplingParams`` (engine/spec/sampling.py) this module reads."""
+    """The fields of ``SamplingParams`` (engine/spec_decode/sampling.py) this module reads."""
 
     repetition_penalty: float
     presence_penalty: float

@@ -25,7 +25,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from engine.core.errors import EngineError, InvalidRequestError, OverloadedError
-from engine.serve.openai_protocol import (
+from engine.runtime.request import Request, safe_prefix
+from engine.runtime.scheduler import RequestFailedError
+from engine.server.openai_protocol import (
     ApiError,
     ParsedRequest,
     chat_logprobs,
@@ -37,9 +39,7 @@ from engine.serve.openai_protocol import (
     seeds,
     usage,
 )
-from engine.serve.prometheus import ServeMetrics
-from engine.serve.request import Request, safe_prefix
-from engine.serve.scheduler import RequestFailedError
+from engine.server.prometheus import ServeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class OpenAIServer:
             )
 
     def _params(self, req: ParsedRequest, prompt_len: int, seed: int | None) -> Any:
-        from engine.spec.sampling import SamplingParams
+        from engine.spec_decode.sampling import SamplingParams
 
         kw = dict(req.sampling, seed=seed, logprobs=req.logprobs)
         if "max_new_tokens" not in kw:  # chat without max_tokens: the rest of the context

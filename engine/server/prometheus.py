@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.serve.request import Request
+    from engine.runtime.request import Request
 
 LATENCY_BUCKETS = (
     0.001,

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.spec.drafters import DraftBatch, Drafter, NGramDrafter
+from engine.spec_decode.drafters.base import DraftBatch, Drafter, NGramDrafter
 
 if TYPE_CHECKING:
-    from engine.spec.seq import Seq
+    from engine.spec_decode.seq import Seq
 
 
 ALPHA = 0.25  # weight of a round in the running means
@@ -69,7 +69,7 @@ class LookupFirst:
         self.inner = inner
         self.ngram = NGramDrafter(n_max=max(n_max, n_min), n_min=n_min)
         self.probabilistic = inner.probabilistic
-        # the loop's questions to a head drafter (engine/spec/head_drafters.py) are the inner's
+        # the loop's questions to a head drafter (engine/spec_decode/drafters/heads.py) are the inner's
         self.needs_features: bool = getattr(inner, "needs_features", False)
         self.needs_all_features: bool = getattr(inner, "needs_all_features", False)
         self._records: weakref.WeakKeyDictionary[Seq, _Record] = weakref.WeakKeyDictionary()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.core.model import KVCache, Transformer
-from engine.spec.adaptive import Costs
+from engine.spec_decode.adaptive import Costs
 
 
 def cached_forward(
@@ -100,7 +100,7 @@ def drafter_costs(
 ) -> Costs:
     """``measure_costs`` for the engine's drafter at ``batch`` sequences: a draft model's step, the early-exit
     layers, a trained head's step (its ``step_fn``) or the n-gram drafter's nothing."""
-    from engine.spec.drafters import EarlyExitDrafter
+    from engine.spec_decode.drafters.base import EarlyExitDrafter
 
     drafter = getattr(drafter, "inner", drafter)  # prompt lookup first (spec/lookup.py): the inner's step
     layers = drafter.n_layers if isinstance(drafter, EarlyExitDrafter) else None

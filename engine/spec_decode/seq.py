@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.spec.adaptive import KController
-from engine.spec.sampling import SamplingParams
+from engine.spec_decode.adaptive import KController
+from engine.spec_decode.sampling import SamplingParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engine.serve.telemetry import LoadGovernor
+from engine.runtime.telemetry import LoadGovernor
 
 PREFIX = "specmix"
 

@@ -30,7 +30,7 @@ from engine.core.model import Block, KVCache, RMSNorm, apply_rope, rope_cos_sin,
 
 
 def head_model_config(target_cfg: ModelConfig, head_cfg: Any) -> ModelConfig:
-    """The decoder layers' shape from the head's config (engine/spec/heads.py ``HeadConfig``: layers, MLP width
+    """The decoder layers' shape from the head's config (engine/spec_decode/heads/checkpoint.py ``HeadConfig``: layers, MLP width
     (0: the hidden size), heads, key/value heads, head size) and the target's rotary settings and biases; no
     sliding window."""
     return replace(
@@ -48,7 +48,7 @@ class EagleAttnHead(nn.Module):
     """(features f [B, T, H], embeddings of the next tokens e [B, T, H]) at positions -> next features."""
 
     def __init__(self, mcfg: ModelConfig, cfg: Any = None) -> None:
-        """``mcfg``: the layers' shape (``head_model_config``); ``cfg``: the head's config (engine/spec/heads.py)."""
+        """``mcfg``: the layers' shape (``head_model_config``); ``cfg``: the head's config (engine/spec_decode/heads/checkpoint.py)."""
         super().__init__()
         H = mcfg.hidden_size
         self.mcfg, self.cfg = mcfg, cfg

@@ -42,11 +42,11 @@ from torch import Tensor
 
 from engine.core.model import KVCache, Transformer
 from engine.core.tokenizer import Tokenizer
-from engine.spec.drafters import DraftBatch, Drafter
-from engine.spec.penalties import needs_history
-from engine.spec.rejection import greedy_accept, rejection_sample
-from engine.spec.sampling import RowProcessing
-from engine.spec.seq import Seq, token_logprobs, waiting_for_prefill
+from engine.spec_decode.drafters.base import DraftBatch, Drafter
+from engine.spec_decode.penalties import needs_history
+from engine.spec_decode.rejection import greedy_accept, rejection_sample
+from engine.spec_decode.sampling import RowProcessing
+from engine.spec_decode.seq import Seq, token_logprobs, waiting_for_prefill
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class DecodeLoop:
         self.vocab, self.device = vocab, device
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
-        self.k_cap = 1 << 30  # the load window (engine/serve/telemetry.py) lowers it under GPU memory pressure
+        self.k_cap = 1 << 30  # the load window (engine/runtime/telemetry.py) lowers it under GPU memory pressure
         # the batch window (serve/window.py) caps greedy rows only: a sampled row's K decides which
         # random draws it makes, so capping it would make a seed's output depend on the rest of the batch
         self.greedy_k_cap = 1 << 30

@@ -39,13 +39,13 @@ from typing import Any
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
-from engine.serve.request import Completion, Request, RequestFailedError, Totals
-from engine.serve.telemetry import LoadGovernor
-from engine.serve.window import BatchWindow
-from engine.spec.adaptive import Costs, KController, KPolicy
-from engine.spec.loop import DecodeLoop
-from engine.spec.sampling import SamplingParams
-from engine.spec.seq import Seq
+from engine.runtime.request import Completion, Request, RequestFailedError, Totals
+from engine.runtime.telemetry import LoadGovernor
+from engine.runtime.window import BatchWindow
+from engine.spec_decode.adaptive import Costs, KController, KPolicy
+from engine.spec_decode.loop import DecodeLoop
+from engine.spec_decode.sampling import SamplingParams
+from engine.spec_decode.seq import Seq
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from engine.core.model import KVCache, Transformer
-from engine.spec.sampling import RowProcessing, sample_from_probs
+from engine.spec_decode.sampling import RowProcessing, sample_from_probs
 
 if TYPE_CHECKING:
-    from engine.spec.seq import Seq
+    from engine.spec_decode.seq import Seq
 
 DRAFTERS = ("model", "ngram", "early-exit", "medusa", "eagle")  # the last two: spec/head_drafters.py
 

@@ -1,7 +1,7 @@
 """Training a draft for any target: a small draft model, Medusa heads or an EAGLE-style head.
 
 ``train_draft(target_dir, out, opts, text)``: the target generates text from prompts cut out of
-``text`` (engine/demo/distill_data.py), then the draft learns the target's soft labels on it:
+``text`` (engine/train/data.py), then the draft learns the target's soft labels on it:
 KL(target || draft) over the target's top-k tokens plus one bucket for the rest of the vocabulary
 (with a reduced draft vocabulary the top-k tokens outside it count toward that bucket), mixed with
 the hard next-token label. The EAGLE head is unrolled ``depth`` steps (step j reads its own feature
@@ -9,7 +9,7 @@ from step j - 1, as when drafting) with a regression of each predicted feature o
 
 Resumable: the data is cached in ``out``/distill_data.pt and the training state (weights,
 optimizer, step, RNG) in ``out``/train_state.pt every ``save_every`` steps; both are removed when
-the draft is written (a head: engine/spec/heads.py's format; a model: a Hugging Face checkpoint with
+the draft is written (a head: engine/spec_decode/heads/checkpoint.py's format; a model: a Hugging Face checkpoint with
 the target's tokenizer).
 """
 
@@ -33,10 +33,10 @@ from tqdm.auto import tqdm
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import InvalidConfigError
 from engine.core.files import write_text_atomic
-from engine.demo.distill_data import DistillData, cut_prompts, generate, label
-from engine.demo.distill_eval import heldout_acceptance, heldout_data
-from engine.demo.distill_loss import frequent_tokens, head_loss, model_loss
-from engine.spec.heads import HeadConfig, init_head, save_head, target_fingerprint
+from engine.spec_decode.heads.checkpoint import HeadConfig, init_head, save_head, target_fingerprint
+from engine.train.data import DistillData, cut_prompts, generate, label
+from engine.train.heldout import heldout_acceptance, heldout_data
+from engine.train.losses import frequent_tokens, head_loss, model_loss
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class TrainOptions:
     layers: int | None = None  # model: layers (2); medusa: blocks/head (1); eagle: MLP blocks or decoder layers (1)
     hidden: int | None = None  # model: hidden size (target's / 3, a multiple of 64); eagle: MLP width (target's)
     heads: int = 4  # medusa: heads (draft positions); eagle: the unrolled depth trained
-    attention: bool = False  # eagle: decoder layers with attention over the sequence (engine/spec/eagle_attn.py)
+    attention: bool = (
+        False  # eagle: decoder layers with attention over the sequence (engine/spec_decode/heads/eagle_attn.py)
+    )
     draft_vocab: int | None = None  # heads: the most frequent tokens of the generated text (None: all)
     samples: int = 256  # generated sequences
     prompt_len: int = 32
@@ -227,7 +229,7 @@ def train_draft(
 
     ``heldout`` more prompts, apart from the training prompts, are continued greedily and never trained on;
     the report's ``heldout`` gives the trained draft's greedy rounds at K = ``eval_k`` simulated on them
-    (engine/demo/distill_eval.py; medusa: at most its heads). 0 (or a text too short to leave such
+    (engine/train/heldout.py; medusa: at most its heads). 0 (or a text too short to leave such
     prompts, logged): no held-out evaluation, ``heldout`` None."""
     if not isinstance(heldout, int) or heldout < 0:
         raise InvalidConfigError(f"heldout={heldout!r} is invalid: allowed an int >= 0")

@@ -1,4 +1,4 @@
-"""The drafters of trained heads: ``medusa`` and ``eagle`` (engine/spec/heads.py holds the heads).
+"""The drafters of trained heads: ``medusa`` and ``eagle`` (engine/spec_decode/heads/checkpoint.py holds the heads).
 
 Both propose from the target's feature at the position that scored the last committed token
 (``Seq.feature``, which the loop stores after each verify pass from the hidden states the target
@@ -25,13 +25,13 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 from engine.core.model import KVCache, Transformer
-from engine.spec.drafters import DraftBatch
-from engine.spec.eagle_attn import EagleAttnHead
-from engine.spec.heads import EagleHead, HeadConfig, MedusaHeads, draft_lm_head
-from engine.spec.sampling import sample_from_probs
+from engine.spec_decode.drafters.base import DraftBatch
+from engine.spec_decode.heads.checkpoint import EagleHead, HeadConfig, MedusaHeads, draft_lm_head
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.spec_decode.sampling import sample_from_probs
 
 if TYPE_CHECKING:
-    from engine.spec.loop import Seq
+    from engine.spec_decode.seq import Seq
 
 
 class HeadDrafter:
@@ -186,7 +186,7 @@ class EagleDrafter(HeadDrafter):
 
 
 class EagleAttnDrafter(HeadDrafter):
-    """The EAGLE head with attention (engine/spec/eagle_attn.py): its own static KV cache, indexed by position.
+    """The EAGLE head with attention (engine/spec_decode/heads/eagle_attn.py): its own static KV cache, indexed by position.
 
     A round first runs the entries of the positions committed since the last (``Seq.new_features`` with the
     tokens after them, ``hlen`` on) into the cache; the last one's output scores the first draft. Each later

@@ -1,8 +1,8 @@
 """Weight bytes per model per plan against FP16, and a small CPU kernel bench.
 
-    python -m quant.report                                  # Llama-2-7B + Llama-68M on every catalog GPU
-    python -m quant.report --target DIR --draft DIR --gpu a100
-    python -m quant.report --kernels [--m 16 --k 1024 --n 1024]   # error and CPU time of each kernel
+    python -m quant.weight_report                                  # Llama-2-7B + Llama-68M on every catalog GPU
+    python -m quant.weight_report --target DIR --draft DIR --gpu a100
+    python -m quant.weight_report --kernels [--m 16 --k 1024 --n 1024]   # error and CPU time of each kernel
 
 Byte figures come from the configs (quant.memory), the same numbers the plan's
 memory section holds; tests check that they equal the bytes of an applied model.
@@ -19,7 +19,7 @@ import torch
 from engine.core.config import ModelConfig, load_config
 
 from .catalog import known_gpus, lookup_gpu
-from .kernels import KERNELS
+from .matmul_kernels import KERNELS
 from .plan import make_plan
 
 LLAMA2_7B = {

@@ -1,4 +1,4 @@
-"""The training losses of the train-draft tool (engine/demo/distill.py): the draft's distribution against the
+"""The training losses of the train-draft tool (engine/train/distill.py): the draft's distribution against the
 target's soft labels (KL over its top-k + one bucket for the rest, mixed with the hard next-token label), per
 kind: a draft model on whole sequences; Medusa heads and the EAGLE head on random windows of the target's
 features (EAGLE unrolled ``depth`` steps on its own features, with a regression of each on the target's);
@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.demo.distill_data import DistillData
-from engine.spec.eagle_attn import EagleAttnHead
-from engine.spec.heads import draft_features
+from engine.spec_decode.heads.checkpoint import draft_features
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.train.data import DistillData
 
 
 class LossOptions(Protocol):
-    """What the losses read (engine/demo/distill.py's TrainOptions has it)."""
+    """What the losses read (engine/train/distill.py's TrainOptions has it)."""
 
     heads: int
     positions: int

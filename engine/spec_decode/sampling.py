@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from engine.core.errors import InvalidConfigError, InvalidRequestError
-from engine.spec.penalties import Penalties
+from engine.spec_decode.penalties import Penalties
 
 # torch.Generator.manual_seed accepts exactly this range
 _SEED_MIN = -(2**63)
@@ -52,7 +52,7 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty`` (output tokens, OpenAI's formula),
     ``stop_token_ids`` (end like eos), ``ignore_eos``, ``min_tokens`` (no stop token before that many),
     ``logprobs`` (None, or the number of top alternatives reported with each token's log-probability
-    under the target's raw distribution). Speculation is exact for all of them (engine/spec/penalties.py).
+    under the target's raw distribution). Speculation is exact for all of them (engine/spec_decode/penalties.py).
     """
 
     max_new_tokens: int = 64
@@ -257,7 +257,7 @@ class RowProcessing:
     ``mode``: "greedy" (every row has temperature 0 and no history-dependent control: one-hot
     argmax, no sort), "softmax" (no row greedy, none filtered by top-k/top-p/min-p: a tempered
     softmax) or "general" (``process_logits``). All three give exactly ``process_logits``'s output.
-    ``penalties`` (min_tokens, repetition/presence/frequency; engine/spec/penalties.py) apply to the
+    ``penalties`` (min_tokens, repetition/presence/frequency; engine/spec_decode/penalties.py) apply to the
     logits first, per draft position (``probs_at``).
     """
 

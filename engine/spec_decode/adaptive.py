@@ -9,7 +9,7 @@ Policies:
   target step) and v(K) (verify pass of K+1 tokens / target step).
 
 The costs are measured at one sequence; at a larger batch the serving layer's batch window
-(engine/serve/window.py) decides from measured rounds whether speculation pays.
+(engine/runtime/window.py) decides from measured rounds whether speculation pays.
 
 The acceptance rate is estimated per sequence from censored geometric
 observations: a round that drafted K_b and accepted n saw n successes and, if
@@ -30,7 +30,7 @@ POLICIES = ("constant", "heuristic", "cost-model")
 class Costs:
     """Measured cost ratios, relative to one target decode step."""
 
-    c: float  # draft step / target step (a warm step: engine/spec/costs.py)
+    c: float  # draft step / target step (a warm step: engine/spec_decode/costs.py)
     # K -> verify(K+1 tokens) / target step, plus any other per-round cost (the round's first, cold draft step)
     v: dict[int, float] = field(default_factory=dict)
 
