@@ -1,4 +1,4 @@
-"""The precision plan's draft part for a trained draft head (engine/spec_decode/heads/checkpoint.py), and its module swap.
+"""The precision plan's draft part for a trained draft head (engine/spec_decode/heads/), and its module swap.
 
 A head is the draft, so the draft plan applies to it; what it shares with the target stays the
 verifier's: the LM head it scores with and the embedding table it reads are the target's, never

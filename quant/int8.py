@@ -70,13 +70,6 @@ def int_mm(a: Tensor, b_t: Tensor) -> Tensor:
     return torch._int_mm(a, b_t.t())[:M, :N]
 
 
-def int8_linear_reference(x: Tensor, w: Tensor) -> Tensor:
-    """W8A8 ``x @ w.T`` (per-token x scales, per-channel w scales), int32 accumulate, float32 out."""
-    xq, xs = quantize_int8_rowwise(x)
-    wq, ws = quantize_int8_rowwise(w)
-    return int_mm(xq, wq).float() * xs[:, None] * ws[None, :]
-
-
 def group_count(in_features: int, group_size: int) -> int:
     """Groups per row: ``ceil(in_features / group_size)`` (the last group may be shorter)."""
     return -(-in_features // group_size)

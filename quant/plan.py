@@ -30,6 +30,7 @@ section's validation are quant.plan_schema. Rules:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from engine.core.config import ModelConfig
@@ -142,6 +143,199 @@ def _fit(
     )
 
 
+@dataclass(frozen=True)
+class _Gpu:
+    """The planned GPU: its catalog entry and the facts the rules read from it."""
+
+    entry: dict[str, Any]
+    """The catalog entry (quant.catalog.lookup_gpu), validated."""
+    name: str
+    """Its catalog name (``a100-80gb``), as the notes and errors give it."""
+    cc: tuple[int, int]
+    """Its compute capability, (major, minor)."""
+
+    @property
+    def tc(self) -> dict[str, bool]:
+        """Its tensor cores per format (fp16, bf16, int8, fp8)."""
+        return self.entry["tensor_cores"]
+
+    @property
+    def sm(self) -> str:
+        """``sm_89`` for compute capability 8.9."""
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+
+def _check_options(
+    device: str,
+    int8_kernel: str,
+    fp8_kernel: str | None,
+    group_size: int | None,
+    smoothquant_alpha: float | None,
+    max_batch: int,
+    max_seq_len: int,
+) -> None:
+    """make_plan's options, each refused with an InvalidConfigError naming it and the allowed values."""
+    if device not in ("cuda", "cpu"):
+        raise InvalidConfigError(f"device={device!r} is invalid: allowed cuda, cpu")
+    if int8_kernel not in INT8_KERNELS:
+        raise InvalidConfigError(f"int8_kernel={int8_kernel!r} is invalid: allowed {', '.join(INT8_KERNELS)}")
+    if fp8_kernel is not None and fp8_kernel not in FP8_KERNELS:
+        raise InvalidConfigError(f"fp8_kernel={fp8_kernel!r} is invalid: allowed {', '.join(FP8_KERNELS)} or None")
+    if group_size is not None and (
+        int8_kernel != "w8a16" or not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1
+    ):
+        raise InvalidConfigError(
+            f"group_size={group_size!r} is invalid with int8_kernel={int8_kernel!r}: allowed "
+            "an int >= 1 with 'w8a16', else None"
+        )
+    if smoothquant_alpha is not None and not 0.0 <= smoothquant_alpha <= 1.0:
+        raise InvalidConfigError(f"smoothquant_alpha={smoothquant_alpha!r} is invalid: allowed 0.0 .. 1.0 or None")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InvalidConfigError(f"max_batch={max_batch!r} is invalid: allowed an integer >= 1")
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise InvalidConfigError(f"max_seq_len={max_seq_len!r} is invalid: allowed an integer >= 1")
+
+
+def _device_notes(gpu: _Gpu, device: str) -> list[str]:
+    """The plan's first notes: the CPU variant, and the GPU's bf16 support."""
+    notes: list[str] = []
+    if device == "cpu":
+        notes.append(
+            f"device=cpu: storage and kernels as planned for {gpu.name}, computed in fp32 with an fp32 KV "
+            "cache and sdpa attention; the memory plan is the GPU's (fp16)"
+        )
+    if gpu.tc["bf16"]:
+        notes.append(f"{gpu.name} has bf16 tensor cores; compute stays fp16 as the precision section asks")
+    else:
+        notes.append(f"{gpu.name} ({gpu.sm}) has no bf16 tensor cores: fp16 only")
+    return notes
+
+
+def _pick_fp8_kernel(fp8_kernel: str | None, gpu: _Gpu, device: str) -> str:
+    """The draft's FP8 kernel: ``fp8_kernel``, or native / weight-only from the GPU when None."""
+    if fp8_kernel is None:
+        fp8_kernel = "native" if gpu.tc["fp8"] else "weight-only"
+    elif fp8_kernel in ("native", "te") and not gpu.tc["fp8"]:
+        raise KernelUnavailableError(
+            f"fp8 kernel {fp8_kernel!r} needs FP8 tensor cores (compute capability >= 8.9);"
+            f" {gpu.name} is {gpu.sm} — use 'weight-only'"
+        )
+    if fp8_kernel == "te" and device == "cpu":
+        raise KernelUnavailableError("fp8 kernel 'te' (transformer_engine) runs on CUDA only — use 'native' on the CPU")
+    return fp8_kernel
+
+
+def _draft_model_plan(
+    draft_cfg: ModelConfig, fp8: bool, fp8_kernel: str, gpu: _Gpu, dt: str
+) -> tuple[ModelPlan, list[str]]:
+    """The draft model's plan (every family in FP8 when ``fp8``, else dense) and its note."""
+    if not fp8:
+        return ModelPlan("draft", dt, {f: _dense(dt) for f in FAMILIES}, _shape(draft_cfg)), []
+    fams = {
+        "attention": _fp8_family(fp8_kernel, "attention"),
+        "ffn": _fp8_family(fp8_kernel, "ffn"),
+        "embeddings": FamilyPlan(
+            "fp8_e4m3",
+            "weight-only",
+            {"weights": "per-row e4m3, fp32 scales"},
+            "draft embedding table in FP8, dequantized on lookup",
+        ),
+        "lm_head": _fp8_family(fp8_kernel, "LM head"),
+        "norms": _dense(dt),
+    }
+    if draft_cfg.tie_word_embeddings:
+        fams["lm_head"].scaling["tied"] = "shares the FP8 embedding table and its per-row scales"
+    why = "FP8 tensor cores" if gpu.tc["fp8"] else "no FP8 tensor cores: FP8 storage, fp16 matmul (saves memory)"
+    note = f"draft FP8 kernel {fp8_kernel!r} on {gpu.name} ({gpu.sm}: {why})"
+    return ModelPlan("draft", dt, fams, _shape(draft_cfg)), [note]
+
+
+def _draft_head_plan(head: tuple[Any, ...], fp8: bool, fp8_kernel: str, dt: str) -> tuple[ModelPlan, list[str]]:
+    """A trained head's plan (quant.head_plan; its Linears in FP8 when ``fp8``) and its note."""
+    draft = head_model_plan(*head, _fp8_family(fp8_kernel, "head") if fp8 else None, dt)
+    names = [n for n, _, _ in head_linears(*head)]
+    if draft.families["ffn"].quantized:
+        note = (
+            f"draft {head[0]} head: {', '.join(names)} in FP8 ({fp8_kernel!r}); its LM head and embedding "
+            "table are the target's (verifier precision)"
+        )
+    else:
+        note = f"draft {head[0]} head: {draft.families['ffn'].reason}"
+    return draft, [note]
+
+
+def _target_plan(
+    target_cfg: ModelConfig, ffn_precision: str, int8: FamilyPlan, gpu: _Gpu, dt: str
+) -> tuple[ModelPlan, list[str]]:
+    """The target's plan: attention fp16, the FFN ``int8`` where the GPU has INT8 tensor cores and the
+    precision section asks for it, the verifier's families never quantized; and its note."""
+    notes: list[str] = []
+    if ffn_precision == "int8" and gpu.tc["int8"]:
+        ffn = int8
+    elif ffn_precision == "int8":
+        ffn = _dense(dt, f"{gpu.name} ({gpu.sm}) has no INT8 tensor cores: FFN kept in fp16")
+        notes.append(ffn.reason)
+    else:
+        ffn = _dense(dt, "main_model.ffn = fp16")
+    families = {
+        "attention": _dense(dt, "main_model.attention = fp16"),
+        "ffn": ffn,
+        "embeddings": _dense(dt),
+        "lm_head": _dense(dt, "verifier: never quantized"),
+        "norms": _dense(dt, "verifier: never quantized"),
+    }
+    return ModelPlan("target", dt, families, _shape(target_cfg)), notes
+
+
+def _draft_bytes(
+    draft_cfg: ModelConfig | None, draft: ModelPlan | None, head: tuple[Any, ...] | None
+) -> tuple[int, int]:
+    """(the draft's planned weight bytes, its fp16 weight bytes) on the GPU; (0, 0) without a draft."""
+    if head is not None:  # a head keeps no KV cache; its weights only
+        return head_weight_bytes(*head, draft, compute_bytes=2), head_weight_bytes(*head, None, compute_bytes=2)
+    if draft is not None and draft_cfg is not None:
+        return mem.weight_bytes(draft_cfg, draft, compute_bytes=2), mem.fp16_weight_bytes(draft_cfg)
+    return 0, 0
+
+
+def _memory_plan(
+    gpu: _Gpu,
+    target_cfg: ModelConfig,
+    target: ModelPlan,
+    draft_cfg: ModelConfig | None,
+    draft_bytes: tuple[int, int],
+    max_batch: int,
+    max_seq_len: int,
+) -> MemoryPlan:
+    """The memory plan, always for the GPU in fp16: batch and length lowered (by _fit) to the budget."""
+    cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
+    tw = mem.weight_bytes(target_cfg, target, compute_bytes=2)
+    dw, draft_fp16 = draft_bytes
+    memory_bytes = gpu.entry["memory_bytes"]
+    b, L, adj = _fit(memory_bytes, cfgs, tw + dw, max_batch, max_seq_len, gpu.name)
+    kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
+    return MemoryPlan(
+        memory_bytes=memory_bytes,
+        budget_fraction=BUDGET_FRACTION,
+        budget_bytes=int(memory_bytes * BUDGET_FRACTION),
+        target_weight_bytes=tw,
+        target_fp16_bytes=mem.fp16_weight_bytes(target_cfg),
+        draft_weight_bytes=dw,
+        draft_fp16_bytes=draft_fp16,
+        kv_bytes_per_token=kv_tok,
+        kv_cache_bytes=b * L * kv_tok,
+        workspace_bytes=mem.workspace_bytes(cfgs, b, L),
+        workspace_formula=mem.WORKSPACE_FORMULA,
+        total_bytes=mem.total_bytes(tw + dw, cfgs, b, L),
+        max_batch=b,
+        max_seq_len=L,
+        requested_max_batch=max_batch,
+        requested_max_seq_len=max_seq_len,
+        adjustments=adj,
+    )
+
+
+# the planner's public entry point: its 9 options are keyword-only, and every caller passes them by keyword
 def make_plan(
     gpu: dict[str, Any],
     target_cfg: ModelConfig,
@@ -171,154 +365,42 @@ def make_plan(
     head = None if draft_head is None else head_shape(draft_head)
     name = str(gpu.get("name", "gpu"))
     precision = validate_precision(precision)
-    if device not in ("cuda", "cpu"):
-        raise InvalidConfigError(f"device={device!r} is invalid: allowed cuda, cpu")
-    if int8_kernel not in INT8_KERNELS:
-        raise InvalidConfigError(f"int8_kernel={int8_kernel!r} is invalid: allowed {', '.join(INT8_KERNELS)}")
-    if fp8_kernel is not None and fp8_kernel not in FP8_KERNELS:
-        raise InvalidConfigError(f"fp8_kernel={fp8_kernel!r} is invalid: allowed {', '.join(FP8_KERNELS)} or None")
-    if group_size is not None and (
-        int8_kernel != "w8a16" or not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1
-    ):
-        raise InvalidConfigError(
-            f"group_size={group_size!r} is invalid with int8_kernel={int8_kernel!r}: allowed "
-            "an int >= 1 with 'w8a16', else None"
-        )
-    if smoothquant_alpha is not None and not 0.0 <= smoothquant_alpha <= 1.0:
-        raise InvalidConfigError(f"smoothquant_alpha={smoothquant_alpha!r} is invalid: allowed 0.0 .. 1.0 or None")
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise InvalidConfigError(f"max_batch={max_batch!r} is invalid: allowed an integer >= 1")
-    if not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise InvalidConfigError(f"max_seq_len={max_seq_len!r} is invalid: allowed an integer >= 1")
-    cc = compute_capability(gpu)
-    cc_text = f"{cc[0]}.{cc[1]}"
-    tc = gpu["tensor_cores"]
-    notes: list[str] = []
+    _check_options(device, int8_kernel, fp8_kernel, group_size, smoothquant_alpha, max_batch, max_seq_len)
+    g = _Gpu(gpu, name, compute_capability(gpu))
     dt = "fp16" if device == "cuda" else "fp32"
-    if device == "cpu":
-        notes.append(
-            f"device=cpu: storage and kernels as planned for {name}, computed in fp32 with an fp32 KV "
-            "cache and sdpa attention; the memory plan is the GPU's (fp16)"
-        )
-    if tc["bf16"]:
-        notes.append(f"{name} has bf16 tensor cores; compute stays fp16 as the precision section asks")
-    else:
-        notes.append(f"{name} (sm_{cc[0]}{cc[1]}) has no bf16 tensor cores: fp16 only")
-
-    # draft
-    if fp8_kernel is None:
-        fp8_kernel = "native" if tc["fp8"] else "weight-only"
-    elif fp8_kernel in ("native", "te") and not tc["fp8"]:
-        raise KernelUnavailableError(
-            f"fp8 kernel {fp8_kernel!r} needs FP8 tensor cores (compute capability >= 8.9);"
-            f" {name} is sm_{cc[0]}{cc[1]} — use 'weight-only'"
-        )
-    if fp8_kernel == "te" and device == "cpu":
-        raise KernelUnavailableError("fp8 kernel 'te' (transformer_engine) runs on CUDA only — use 'native' on the CPU")
+    notes = _device_notes(g, device)
+    fp8_kernel = _pick_fp8_kernel(fp8_kernel, g, device)
     draft = None
     if draft_cfg is not None:
-        if precision["draft_model"] == "fp8":
-            fams = {
-                "attention": _fp8_family(fp8_kernel, "attention"),
-                "ffn": _fp8_family(fp8_kernel, "ffn"),
-                "embeddings": FamilyPlan(
-                    "fp8_e4m3",
-                    "weight-only",
-                    {"weights": "per-row e4m3, fp32 scales"},
-                    "draft embedding table in FP8, dequantized on lookup",
-                ),
-                "lm_head": _fp8_family(fp8_kernel, "LM head"),
-                "norms": _dense(dt),
-            }
-            if draft_cfg.tie_word_embeddings:
-                fams["lm_head"].scaling["tied"] = "shares the FP8 embedding table and its per-row scales"
-            why = "FP8 tensor cores" if tc["fp8"] else "no FP8 tensor cores: FP8 storage, fp16 matmul (saves memory)"
-            notes.append(f"draft FP8 kernel {fp8_kernel!r} on {name} (sm_{cc[0]}{cc[1]}: {why})")
-        else:
-            fams = {f: _dense(dt) for f in FAMILIES}
-        draft = ModelPlan("draft", dt, fams, _shape(draft_cfg))
+        draft, more = _draft_model_plan(draft_cfg, precision["draft_model"] == "fp8", fp8_kernel, g, dt)
+        notes += more
     elif head is not None:
-        fp8 = _fp8_family(fp8_kernel, "head") if precision["draft_model"] == "fp8" else None
-        draft = head_model_plan(*head, fp8, dt)
-        names = [n for n, _, _ in head_linears(*head)]
-        if draft.families["ffn"].quantized:
-            notes.append(
-                f"draft {head[0]} head: {', '.join(names)} in FP8 ({fp8_kernel!r}); its LM head and embedding "
-                "table are the target's (verifier precision)"
-            )
-        else:
-            notes.append(f"draft {head[0]} head: {draft.families['ffn'].reason}")
-
-    # target
-    if precision["main_model"]["ffn"] == "int8" and tc["int8"]:
-        ffn = _int8_family(int8_kernel, smoothquant_alpha, group_size)
-    elif precision["main_model"]["ffn"] == "int8":
-        ffn = _dense(dt, f"{name} (sm_{cc[0]}{cc[1]}) has no INT8 tensor cores: FFN kept in fp16")
-        notes.append(ffn.reason)
-    else:
-        ffn = _dense(dt, "main_model.ffn = fp16")
-    target = ModelPlan(
-        "target",
-        dt,
-        {
-            "attention": _dense(dt, "main_model.attention = fp16"),
-            "ffn": ffn,
-            "embeddings": _dense(dt),
-            "lm_head": _dense(dt, "verifier: never quantized"),
-            "norms": _dense(dt, "verifier: never quantized"),
-        },
-        _shape(target_cfg),
+        draft, more = _draft_head_plan(head, precision["draft_model"] == "fp8", fp8_kernel, dt)
+        notes += more
+    int8 = _int8_family(int8_kernel, smoothquant_alpha, group_size)
+    target, more = _target_plan(target_cfg, precision["main_model"]["ffn"], int8, g, dt)
+    notes += more
+    memory = _memory_plan(
+        g, target_cfg, target, draft_cfg, _draft_bytes(draft_cfg, draft, head), max_batch, max_seq_len
     )
-
-    # memory, always for the GPU in fp16
-    cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
-    tw = mem.weight_bytes(target_cfg, target, compute_bytes=2)
-    dw = mem.weight_bytes(draft_cfg, draft, compute_bytes=2) if draft is not None and draft_cfg is not None else 0
-    if head is not None:  # a head keeps no KV cache; its weights only
-        dw = head_weight_bytes(*head, draft, compute_bytes=2)
-    b, L, adj = _fit(gpu["memory_bytes"], cfgs, tw + dw, max_batch, max_seq_len, name)
-    kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
-    memory = MemoryPlan(
-        memory_bytes=gpu["memory_bytes"],
-        budget_fraction=BUDGET_FRACTION,
-        budget_bytes=int(gpu["memory_bytes"] * BUDGET_FRACTION),
-        target_weight_bytes=tw,
-        target_fp16_bytes=mem.fp16_weight_bytes(target_cfg),
-        draft_weight_bytes=dw,
-        draft_fp16_bytes=mem.fp16_weight_bytes(draft_cfg)
-        if draft_cfg is not None
-        else (head_weight_bytes(*head, None, compute_bytes=2) if head is not None else 0),
-        kv_bytes_per_token=kv_tok,
-        kv_cache_bytes=b * L * kv_tok,
-        workspace_bytes=mem.workspace_bytes(cfgs, b, L),
-        workspace_formula=mem.WORKSPACE_FORMULA,
-        total_bytes=mem.total_bytes(tw + dw, cfgs, b, L),
-        max_batch=b,
-        max_seq_len=L,
-        requested_max_batch=max_batch,
-        requested_max_seq_len=max_seq_len,
-        adjustments=adj,
-    )
-    backend = "flash-attn-2" if gpu["flash_attn_2"] and device == "cuda" else "sdpa"
-    hardware = {
-        "tensor_cores": dict(tc),
-        "flash_attn_2": gpu["flash_attn_2"],
-        "memory_bandwidth_gbps": gpu.get("memory_bandwidth_gbps"),
-    }
     return PrecisionPlan(
         gpu=name,
         device=device,
-        compute_capability=cc_text,
-        hardware=hardware,
+        compute_capability=f"{g.cc[0]}.{g.cc[1]}",
+        hardware={
+            "tensor_cores": dict(g.tc),
+            "flash_attn_2": gpu["flash_attn_2"],
+            "memory_bandwidth_gbps": gpu.get("memory_bandwidth_gbps"),
+        },
         precision=precision,
         compute_dtype=dt,
-        attention_backend=backend,
+        attention_backend="flash-attn-2" if gpu["flash_attn_2"] and device == "cuda" else "sdpa",
         kv_cache_dtype="fp16" if device == "cuda" else "fp32",
         verifier={"final_norm": dt, "lm_head": dt, "softmax": "fp32", "acceptance": "fp32"},
         target=target,
         draft=draft,
         memory=memory,
-        notes=notes + adj,
+        notes=notes + memory.adjustments,
     )
 
 

@@ -264,6 +264,132 @@ def search_plan_at(
     return _with_plan(model, calib, _plan_at(errs, order, t, fp16_modules), errs)
 
 
+@dataclass(frozen=True)
+class _Ladder:
+    """One search's fixed inputs: the model, its calibration data, the candidates and the plans to bisect."""
+
+    model: nn.Module
+    """The unquantized model (its FFN Linears swapped per trial, restored after)."""
+    calib: Calibration
+    """The calibration windows, reference log-probs and FFN inputs."""
+    order: dict[str, list[Choice]]
+    """Per FFN Linear: its candidates, fastest first on the GPU."""
+    errs: dict[str, dict[str, tuple[float, float | None]]]
+    """Per FFN Linear and candidate: (calibration output error, SmoothQuant alpha)."""
+    steps: list[tuple[float, int]]
+    """The plans, most careful first, as (threshold, modules in fp16) (``_ladder``)."""
+    kld_budget: float
+    """A plan passes with calibration KLD <= this ..."""
+    min_top1: float
+    """... and top-1 agreement >= this."""
+
+    def plan(self, i: int) -> dict[str, Choice]:
+        """Each module's choice in plan ``i`` of the ladder."""
+        return _plan_at(self.errs, self.order, *self.steps[i])
+
+
+def _trial(lad: _Ladder, i: int, trials: list[dict[str, Any]]) -> tuple[bool, float, float]:
+    """(passed, KLD, top-1) of plan ``i``, appended to ``trials`` and logged."""
+    t, m = lad.steps[i]
+    assign = lad.plan(i)
+    kld, top1 = _with_plan(lad.model, lad.calib, assign, lad.errs)
+    good = kld <= lad.kld_budget and top1 >= lad.min_top1
+    trials.append(
+        {
+            "threshold": t if math.isfinite(t) else None,
+            "fp16_modules": m,
+            "kld": kld,
+            "top1": top1,
+            "passed": good,
+            "counts": dict(Counter(c.label for c in assign.values())),
+        }
+    )
+    log.info(
+        "plan search: threshold %s, %d forced to fp16 -> calibration KLD %.5f, top-1 %.4f (%s) %s",
+        f"{t:.4g}",
+        m,
+        kld,
+        top1,
+        "pass" if good else "fail",
+        trials[-1]["counts"],
+    )
+    return good, kld, top1
+
+
+def _bisect(lad: _Ladder, resolution: float, trials: list[dict[str, Any]]) -> tuple[int, float, float]:
+    """(ladder index, KLD, top-1) of the fastest passing plan found, trying the fastest plan first."""
+    lo, hi = 0, len(lad.steps) - 1  # steps[0]: every module in fp16, the unquantized model, passes
+    best = (0, 0.0, 1.0)
+    good, kld, top1 = _trial(lad, hi, trials)
+    if good:
+        lo, best = hi, (hi, kld, top1)
+    while hi - lo > 1:
+        a_lo, a_hi = lad.plan(lo), lad.plan(hi)
+        if sum(a_lo[n] != a_hi[n] for n in a_lo) <= resolution * len(a_lo):
+            break  # the passing and the failing plan differ in so few modules that another trial buys little
+        mid = (lo + hi) // 2
+        good, kld, top1 = _trial(lad, mid, trials)
+        if good:
+            lo, best = mid, (mid, kld, top1)
+        else:
+            hi = mid
+    return best
+
+
+def _reason(lad: _Ladder, name: str, c: Choice, t: float, m: int) -> str:
+    """Why module ``name`` takes ``c`` in the plan at threshold ``t`` with ``m`` modules in fp16."""
+    errs, order = lad.errs[name], lad.order[name]
+    e, alpha = errs[c.label]
+    floor = _floor(errs, order)
+    if c.kernel == "dense":
+        fe = errs[floor.label][0]
+        why = f"fp16: among the {m} modules of largest INT8 error (its least, {floor.label}, {fe:.4f})"
+    elif t == math.inf:
+        why = f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget"
+    elif e <= t:
+        why = f"calibration output error {e:.4f} <= threshold {t:.4f}"
+    else:
+        why = f"calibration output error {e:.4f}: its least-error INT8 candidate"
+        why += f" (none <= threshold {t:.4f})" if math.isfinite(t) else ""
+    faster = [f"{f.label} {errs[f.label][0]:.4f}" for f in order[: order.index(c)]]
+    if faster and c.kernel != "dense":
+        why = f"stepped back past {', '.join(faster)}; " + why
+    if alpha is not None:
+        why += f"; SmoothQuant alpha {alpha} (least error of {ALPHA_GRID[0]}..{ALPHA_GRID[-1]})"
+    return why
+
+
+def _module_plans(lad: _Ladder, i: int, dense_storage: str) -> dict[str, FamilyPlan]:
+    """Per FFN Linear: its FamilyPlan in plan ``i`` of the ladder, with its reason."""
+    t, m = lad.steps[i]
+    modules = {}
+    for name, c in lad.plan(i).items():
+        e, alpha = lad.errs[name][c.label]
+        fam = _family_plan(c, alpha, _reason(lad, name, c, t, m))
+        if c.kernel == "dense":
+            fam.storage = dense_storage
+        else:
+            fam.scaling["calib_rel_error"] = round(e, 6)
+        modules[name] = fam
+    return modules
+
+
+def _summary(counts: Counter[str], best: tuple[int, float, float], kld_budget: float, dense_storage: str) -> FamilyPlan:
+    """The FFN family's summary: the most common choice among the modules' ``counts``."""
+    top = counts.most_common(1)[0][0]
+    top_c = next(c for c in CHOICES if c.label == top)
+    summary = _family_plan(
+        top_c,
+        None,
+        f"planner: {dict(counts)} of {sum(counts.values())} FFN Linears (per layer in "
+        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}, top-1 {best[2]:.4f}",
+    )
+    if top_c.kernel == "dense":
+        summary.storage = dense_storage
+    summary.scaling.pop("smoothquant_alpha", None)
+    return summary
+
+
 def search_ffn(
     model: nn.Module,
     calib: Calibration,
@@ -284,87 +410,11 @@ def search_ffn(
     if not kld_budget > 0:
         raise InvalidConfigError(f"kld_budget={kld_budget!r} is invalid: allowed > 0")
     order, errs = _candidates(model, calib, gpu, rows)
-    ladder = _ladder(errs, order)
+    lad = _Ladder(model, calib, order, errs, _ladder(errs, order), kld_budget, min_top1)
     trials: list[dict[str, Any]] = []
-
-    def ok(i: int) -> tuple[bool, float, float]:
-        t, m = ladder[i]
-        assign = _plan_at(errs, order, t, m)
-        kld, top1 = _with_plan(model, calib, assign, errs)
-        good = kld <= kld_budget and top1 >= min_top1
-        trials.append(
-            {
-                "threshold": t if math.isfinite(t) else None,
-                "fp16_modules": m,
-                "kld": kld,
-                "top1": top1,
-                "passed": good,
-                "counts": dict(Counter(c.label for c in assign.values())),
-            }
-        )
-        log.info(
-            "plan search: threshold %s, %d forced to fp16 -> calibration KLD %.5f, top-1 %.4f (%s) %s",
-            f"{t:.4g}",
-            m,
-            kld,
-            top1,
-            "pass" if good else "fail",
-            trials[-1]["counts"],
-        )
-        return good, kld, top1
-
-    lo, hi = 0, len(ladder) - 1  # ladder[0]: every module in fp16, the unquantized model, passes
-    best = (0, 0.0, 1.0)
-    good, kld, top1 = ok(hi)
-    if good:
-        lo, best = hi, (hi, kld, top1)
-    while hi - lo > 1:
-        a_lo, a_hi = _plan_at(errs, order, *ladder[lo]), _plan_at(errs, order, *ladder[hi])
-        if sum(a_lo[n] != a_hi[n] for n in a_lo) <= resolution * len(a_lo):
-            break  # the passing and the failing plan differ in so few modules that another trial buys little
-        mid = (lo + hi) // 2
-        good, kld, top1 = ok(mid)
-        if good:
-            lo, best = mid, (mid, kld, top1)
-        else:
-            hi = mid
-    t, m = ladder[best[0]]
-    assign = _plan_at(errs, order, t, m)
-    modules = {}
-    for name, c in assign.items():
-        e, alpha = errs[name][c.label]
-        floor = _floor(errs[name], order[name])
-        if c.kernel == "dense":
-            fe = errs[name][floor.label][0]
-            why = f"fp16: among the {m} modules of largest INT8 error (its least, {floor.label}, {fe:.4f})"
-        elif t == math.inf:
-            why = f"calibration output error {e:.4f}; the fastest candidate meets the KLD budget"
-        elif e <= t:
-            why = f"calibration output error {e:.4f} <= threshold {t:.4f}"
-        else:
-            why = f"calibration output error {e:.4f}: its least-error INT8 candidate"
-            why += f" (none <= threshold {t:.4f})" if math.isfinite(t) else ""
-        faster = [f"{f.label} {errs[name][f.label][0]:.4f}" for f in order[name][: order[name].index(c)]]
-        if faster and c.kernel != "dense":
-            why = f"stepped back past {', '.join(faster)}; " + why
-        if alpha is not None:
-            why += f"; SmoothQuant alpha {alpha} (least error of {ALPHA_GRID[0]}..{ALPHA_GRID[-1]})"
-        fam = _family_plan(c, alpha, why)
-        if c.kernel == "dense":
-            fam.storage = dense_storage
-        else:
-            fam.scaling["calib_rel_error"] = round(e, 6)
-        modules[name] = fam
-    counts = Counter(c.label for c in assign.values())
-    top = counts.most_common(1)[0][0]
-    top_c = next(c for c in CHOICES if c.label == top)
-    summary = _family_plan(
-        top_c,
-        None,
-        f"planner: {dict(counts)} of {len(assign)} FFN Linears (per layer in "
-        f"plan.target.modules); calibration KLD {best[1]:.5f} <= {kld_budget}, top-1 {best[2]:.4f}",
-    )
-    if top_c.kernel == "dense":
-        summary.storage = dense_storage
-    summary.scaling.pop("smoothquant_alpha", None)
+    best = _bisect(lad, resolution, trials)
+    t, m = lad.steps[best[0]]
+    counts = Counter(c.label for c in lad.plan(best[0]).values())
+    modules = _module_plans(lad, best[0], dense_storage)
+    summary = _summary(counts, best, kld_budget, dense_storage)
     return SearchResult(modules, summary, t, best[1], best[2], trials, dict(counts), m)

@@ -14,7 +14,7 @@ from engine.api.options import SpeculationConfig
 from engine.core.errors import InvalidConfigError
 from engine.spec_decode.heads.checkpoint import load_head
 from engine.train.data import prompt_starts
-from engine.train.distill import TrainOptions, train_draft
+from engine.train.distill import RunOptions, TrainOptions, train_draft
 from engine.train.heldout import heldout_acceptance, heldout_data, heldout_starts, simulate_rounds
 
 N_HELD, K = 6, 3
@@ -55,7 +55,8 @@ def evaluated(tiny_demo: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
         opts = TrainOptions(
             kind=kind, attention=name != kind, steps=150, samples=48, prompt_len=16, gen_len=64, heads=K
         )
-        out["reports"][name] = train_draft(target, d / name, opts, train, progress=False, heldout=N_HELD, eval_k=K)
+        run = RunOptions(progress=False, heldout=N_HELD, eval_k=K)
+        out["reports"][name] = train_draft(target, d / name, opts, train, run)
         out["dirs"][name] = d / name
     eng = Engine.from_pretrained(target)
     ids = eng.tokenizer.encode(train)
@@ -114,7 +115,7 @@ def test_heldout_figures_agree_with_the_engines_rounds(evaluated: dict[str, Any]
 @pytest.mark.parametrize("kw, needle", [({"heldout": -1}, "heldout=-1"), ({"eval_k": 0}, "eval_k=0")])
 def test_bad_evaluation_options_are_refused_before_any_work(tmp_path: Path, kw: dict[str, int], needle: str) -> None:
     with pytest.raises(InvalidConfigError, match=needle):
-        train_draft(tmp_path / "missing", tmp_path / "out", TrainOptions(kind="eagle"), "text", **kw)
+        train_draft(tmp_path / "missing", tmp_path / "out", TrainOptions(kind="eagle"), "text", RunOptions(**kw))
     assert not (tmp_path / "out").exists()
 
 
@@ -131,7 +132,8 @@ def test_every_kind_trains_on_cuda(evaluated: dict[str, Any], tmp_path: Path, na
     opts = TrainOptions(
         kind=kind, attention=name != kind, steps=150, samples=48, prompt_len=16, gen_len=64, heads=K, draft_vocab=vocab
     )
-    rep = train_draft(target, tmp_path, opts, train, device="cuda", progress=False, heldout=N_HELD, eval_k=K)
+    run = RunOptions(device="cuda", progress=False, heldout=N_HELD, eval_k=K)
+    rep = train_draft(target, tmp_path, opts, train, run)
     assert rep["heldout"]["first_draft_acceptance"] > 0.3, rep["heldout"]
     if kind != "model" and vocab is None:  # trained alike on the CPU by the fixture
         cpu = evaluated["reports"][name]["heldout"]

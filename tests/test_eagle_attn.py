@@ -1,7 +1,7 @@
-"""The EAGLE head with attention (engine/spec_decode/heads/eagle_attn.py): its training-time unroll is exactly the rounds the
-drafter runs through its KV cache; the engine's output with it is the target's (greedy identity over prompts x K
-x batch, prefill sharing, exact sampling); a trained head accepts better than an untrained one and better than
-the head without attention; CUDA graphs of it are refused at load."""
+"""The EAGLE head with attention (engine/spec_decode/heads/eagle_attn.py): its training-time unroll is exactly
+the rounds the drafter runs through its KV cache; the engine's output with it is the target's (greedy identity
+over prompts x K x batch, prefill sharing, exact sampling); a trained head accepts better than an untrained one
+and better than the head without attention; CUDA graphs of it are refused at load."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from engine.api.options import KernelOptions, PrecisionConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.tokenizer import Tokenizer
 from engine.kernels.cpu_gemm import small_gemm_status
-from engine.spec_decode.heads.checkpoint import HeadConfig, init_head, load_head, save_head
+from engine.spec_decode.heads.checkpoint import load_head, save_head
+from engine.spec_decode.heads.config import HeadConfig
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
-from engine.train.distill import TrainOptions, train_draft
+from engine.spec_decode.heads.modules import init_head
+from engine.train.distill import RunOptions, TrainOptions, train_draft
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def attn_head(ckpt_dir, tmp_path_factory):
     opts = TrainOptions(
         kind="eagle", attention=True, steps=60, samples=24, prompt_len=8, gen_len=40, positions=128, heads=3
     )
-    train_draft(ckpt_dir, out, opts, TEXT * 4, progress=False)
+    train_draft(ckpt_dir, out, opts, TEXT * 4, RunOptions(progress=False))
     return out
 
 
@@ -112,7 +114,7 @@ def tiny_eagles(tiny_demo, tmp_path_factory):
         opts = TrainOptions(
             kind="eagle", attention=attention, steps=150, samples=48, prompt_len=16, gen_len=64, heads=3
         )
-        train_draft(target, d / str(attention), opts, train, progress=False, heldout=0)
+        train_draft(target, d / str(attention), opts, train, RunOptions(progress=False, heldout=0))
     return target, d
 
 
@@ -187,7 +189,7 @@ def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
     head's PyTorch forward, for a ragged batch in cache rows 2 and 0, then one more entry each."""
     from engine.core.model import fuse_projections
     from engine.kernels.cpu_head import AttnHeadKernel
-    from engine.spec_decode.heads.checkpoint import draft_lm_head
+    from engine.spec_decode.heads.modules import draft_lm_head
 
     eng = Engine.from_pretrained(ckpt_dir)
     path = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)

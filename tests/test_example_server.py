@@ -94,7 +94,7 @@ def test_http_example(eng, ckpt_dir, draft_dir):
         c.request("GET", "/metrics")
         r = c.getresponse()
         body = r.read().decode()
-        assert r.status == 200 and "specmix_requests_total" in body and "specmix_queue_length" in body
+        assert r.status == 200 and "specmix:request_finished_total" in body and "specmix:num_requests_waiting" in body
         c.close()
     finally:
         srv.shutdown()

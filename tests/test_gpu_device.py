@@ -187,7 +187,8 @@ def test_gpu_native_fp8_draft_agrees_with_weight_only():
 def _gpu_head_drafter(kind: str, target, seed: int = 0):
     """A random head (3 heads / 1 block) on the target's device and dtype, as its drafter."""
     from engine.spec_decode.drafters.heads import HEAD_DRAFTERS
-    from engine.spec_decode.heads.checkpoint import HeadConfig, init_head
+    from engine.spec_decode.heads.config import HeadConfig
+    from engine.spec_decode.heads.modules import init_head
 
     H = target.config.hidden_size
     cfg = HeadConfig(kind=kind, hidden_size=H, vocab_size=target.config.vocab_size, num_heads=3)

@@ -191,13 +191,13 @@ def test_runtime_section_is_validated():
 
 
 def test_cuda_graphs_in_a_profile_fail_at_load_without_them_unless_on_the_cpu():
-    prof = {"_path": "p.json", "runtime": {"cuda_graphs": {"enabled": True}}}
-    cpu = runtime_settings(prof, torch.device("cpu"))
+    rt = parse_runtime({"cuda_graphs": {"enabled": True}}, "p.json: runtime")
+    cpu = runtime_settings(rt, torch.device("cpu"), "p.json: runtime")
     assert cpu.cuda_graphs is False  # a CPU engine runs eagerly
     no_graphs = HardwareFacts("cuda", (9, 0), cuda_graphs=False)
     with pytest.raises(KernelUnavailableError, match="p.json: runtime.cuda_graphs: CUDA graphs are unavailable"):
-        runtime_settings(prof, torch.device("cuda"), no_graphs)
-    ok = runtime_settings(prof, torch.device("cuda"), HardwareFacts("cuda", (9, 0), cuda_graphs=True))
+        runtime_settings(rt, torch.device("cuda"), "p.json: runtime", no_graphs)
+    ok = runtime_settings(rt, torch.device("cuda"), "p.json: runtime", HardwareFacts("cuda", (9, 0), cuda_graphs=True))
     assert ok.cuda_graphs
 
 
@@ -245,7 +245,7 @@ def test_emulated_graphs_give_the_eager_output(pair, params):
     assert st["captures"] > 0 and st["replays"] > 0 and st["eager_calls"] > 0 and st["emulated"]
     assert st["batch_buckets"] == [1, 2, 4]
     assert any(not k.prefix for k in runners[0]._graphs)  # a row left early: explicit rows were graphed too
-    assert f"specmix_cuda_graph_replays_total {st['replays']}" in eng.metrics_text()
+    assert f"specmix:cuda_graph_replays_total {st['replays']}" in eng.metrics_text()
 
 
 def test_batches_outside_the_buckets_run_eagerly(pair):
@@ -342,7 +342,7 @@ def test_memory_pressure_lowers_k_and_batch_instead_of_failing(pair):
     st = eng.stats()["load_window"]
     assert st["k_cap"] == 1 and st["batch_cap"] == 1 and st["throttled"] and st["source"] == "fake"
     assert seen[-1][0] == 1 and max(len(o.stats["per_position_acceptance"]) for o in outs) <= 3
-    assert "specmix_load_window_k_cap 1" in eng.metrics_text()
+    assert "specmix:load_window_k_cap 1" in eng.metrics_text()
     cpu = _engine(pair, Limits(max_batch=8, load_window=LoadWindowConfig()))
     assert cpu.scheduler.governor is None  # the CPU: no reader, no window
 

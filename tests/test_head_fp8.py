@@ -18,7 +18,8 @@ from engine.api.options import KernelOptions, PrecisionConfig
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.tokenizer import Tokenizer
-from engine.spec_decode.heads.checkpoint import load_head, read_head_config
+from engine.spec_decode.heads.checkpoint import load_head
+from engine.spec_decode.heads.config import read_head_config
 from quant.catalog import lookup_gpu
 from quant.head_plan import MEDUSA_KEPT, apply_head_plan
 from quant.linear import FP8Linear

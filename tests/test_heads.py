@@ -25,15 +25,10 @@ from engine.kernels.cpu_head import (
     scorer_on_kernel,
 )
 from engine.spec_decode.drafters.heads import HEAD_DRAFTERS
-from engine.spec_decode.heads.checkpoint import (
-    HeadConfig,
-    draft_lm_head,
-    init_head,
-    load_head,
-    save_head,
-    target_fingerprint,
-)
-from engine.train.distill import TrainOptions, train_draft
+from engine.spec_decode.heads.checkpoint import load_head, save_head
+from engine.spec_decode.heads.config import HeadConfig, target_fingerprint
+from engine.spec_decode.heads.modules import draft_lm_head, init_head
+from engine.train.distill import RunOptions, TrainOptions, train_draft
 from quant.linear import FP8Linear
 from quant.plan_io import plan_from_dict
 
@@ -83,7 +78,7 @@ def trained_heads(ckpt_dir, tmp_path_factory):
             kind=kind, steps=60, samples=24, prompt_len=8, gen_len=40, positions=128, draft_vocab=dv, heads=3
         )
         path = d / f"{kind}-{dv}"
-        train_draft(ckpt_dir, path, opts, TEXT * 4, progress=False)
+        train_draft(ckpt_dir, path, opts, TEXT * 4, RunOptions(progress=False))
         out[(kind, dv)] = path
     return out
 
@@ -266,7 +261,7 @@ def tiny_heads(tiny_demo, tmp_path_factory):
     train = (target.parent / "calib.txt").read_text(encoding="utf-8")
     for kind in ("medusa", "eagle"):
         opts = TrainOptions(kind=kind, steps=150, samples=48, prompt_len=16, gen_len=64, heads=3)
-        train_draft(target, d / kind, opts, train, progress=False)
+        train_draft(target, d / kind, opts, train, RunOptions(progress=False))
     return target, d
 
 
@@ -346,7 +341,7 @@ def test_train_a_draft_model(ckpt_dir, plain, tmp_path):
         kind="model", steps=20, samples=16, prompt_len=8, gen_len=32, layers=1, hidden=64, weight_values="bfloat16"
     )
     out = tmp_path / "draft"
-    rep = train_draft(ckpt_dir, out, opts, TEXT * 4, progress=False)
+    rep = train_draft(ckpt_dir, out, opts, TEXT * 4, RunOptions(progress=False))
     assert rep["steps"] == 20 and not (out / "train_state.pt").exists() and not (out / "distill_data.pt").exists()
     tensors = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in tensors.values())

@@ -1,7 +1,7 @@
-"""Prompt lookup first, a drafter otherwise (engine/spec_decode/drafters/lookup.py): the target's output is unchanged (greedy
-identity over prompts x K x batch for a draft model and a trained head; the exact two-token joint when sampled,
-with rows of one round taking either path); the wrapped drafter's state stays that of the committed tokens after
-rounds it did not draft; the option is checked and kept in profiles."""
+"""Prompt lookup first, a drafter otherwise (engine/spec_decode/drafters/lookup.py): the target's output is
+unchanged (greedy identity over prompts x K x batch for a draft model and a trained head; the exact two-token
+joint when sampled, with rows of one round taking either path); the wrapped drafter's state stays that of the
+committed tokens after rounds it did not draft; the option is checked and kept in profiles."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def test_n_choices_share_one_prefill(live, eng):
         for j in range(3)
     ]
     assert len(set(want)) > 1
-    names = ("prefill_tokens_total", "prefill_shared_tokens_total")
+    names = ("prompt_tokens_total", "prompt_tokens_shared_total")
     before = [_metric(live.url, m) for m in names]
     out = live.client.completions.create(model="m", prompt=prompt, n=3, seed=7, **kw)
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == want
@@ -275,7 +275,7 @@ def test_models_health_metrics(live):
         "spec_decode_num_draft_tokens_total",
         "spec_decode_num_accepted_tokens_total",
         "spec_decode_num_accepted_tokens_per_pos_total",
-        "emitted_tokens_total",
+        "generation_tokens_total",
         "time_to_first_token_seconds_bucket",
         "inter_token_latency_seconds_bucket",
         "e2e_request_latency_seconds_bucket",

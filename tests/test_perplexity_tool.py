@@ -183,7 +183,7 @@ def test_bad_input_exit_2(tool, built: dict, capsys, tmp_path: Path, case: str) 
         want = "invalid JSON"
     elif case == "no-gates":
         prof = dict(prof, quality={k: v for k, v in q.items() if k != "gates"})
-        want = "quality.gates.max_drift"
+        want = "field quality.gates is missing"
     elif case == "no-ppl":
         prof = dict(prof, quality={k: v for k, v in q.items() if k != "ppl"})
         want = "quality.ppl"

@@ -9,7 +9,9 @@ import torch
 from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
 from engine.core.model import KVCache
-from engine.spec_decode.heads.checkpoint import HeadConfig, init_head, save_head, target_fingerprint
+from engine.spec_decode.heads.checkpoint import save_head
+from engine.spec_decode.heads.config import HeadConfig, target_fingerprint
+from engine.spec_decode.heads.modules import init_head
 
 PROMPT = [10, 11, 12, 10, 11, 12, 40, 41, 10, 11]  # repetitive: the n-gram lookup finds drafts
 DRAFTERS = ["model", "ngram", "early-exit", "eagle", None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
+from engine.api.profile import Profile, engine_options, load_profile
 from engine.core.errors import KernelUnavailableError, ProfileError
 from engine.spec_decode.adaptive import Costs
 from quant.plan_io import plan_from_dict
@@ -29,15 +31,30 @@ def tool():
 
 
 @pytest.fixture(scope="module")
-def builds(tool, tiny_demo, tmp_path_factory):
+def build_run(tool, tiny_demo, tmp_path_factory):
+    """Two builds: {"paths": {gpu: the profile file}, "made": {file: the Profile the build wrote to it}}."""
     d = tmp_path_factory.mktemp("profiles")
-    out = {}
-    for gpu in ("a100", "h100"):
-        path = d / f"{gpu}.json"
-        rc = tool.main(["--gpu", gpu, "--demo-size", "tiny", "--out", str(path), "--device", "cpu", "--quiet"])
-        assert rc == 0
-        out[gpu] = path
-    return out
+    cli = importlib.import_module("engine.cli.build_profile")
+    out, made = {}, {}
+    write = cli.write_profile
+
+    def recording(profile, path):
+        made[path] = profile
+        return write(profile, path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "write_profile", recording)
+        for gpu in ("a100", "h100"):
+            path = d / f"{gpu}.json"
+            rc = tool.main(["--gpu", gpu, "--demo-size", "tiny", "--out", str(path), "--device", "cpu", "--quiet"])
+            assert rc == 0
+            out[gpu] = path
+    return {"paths": out, "made": made}
+
+
+@pytest.fixture(scope="module")
+def builds(build_run):
+    return build_run["paths"]
 
 
 def test_demo_builds_pass_the_gate_and_plans_follow_the_catalog(builds, tiny_demo):
@@ -101,6 +118,8 @@ def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
 
     prof = json.loads(builds["a100"].read_text())
     eng = Engine.from_profile(builds["a100"])
+    assert isinstance(eng.profile, Profile) and eng.profile.path == builds["a100"]
+    assert eng.profile.to_dict() == prof
     plan = plan_from_dict(prof["plan"])
     assert plan.to_dict() == prof["plan"]
     calib = (tiny_demo[0].parent / "calib.txt").read_text(encoding="utf-8")
@@ -121,6 +140,44 @@ def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in validated.generate(prompts, sp)]
     assert type(eng.target.layers[0].mlp.up_proj).__name__ == "Int8Linear"
     assert type(eng.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
+
+
+def test_the_profile_written_is_the_profile_read(build_run):
+    """One class writes and reads a profile: the built object round-trips, and the file is its to_dict()."""
+    assert len(build_run["made"]) == 2
+    for path, made in build_run["made"].items():
+        assert isinstance(made, Profile) and made.path is None
+        assert Profile.from_dict(made.to_dict(), "made") == made
+        assert Profile.from_dict(json.loads(json.dumps(made.to_dict())), "made") == made
+        loaded = load_profile(path)
+        assert loaded == made and loaded.path == path
+        on_disk = json.loads(path.read_text())
+        assert loaded.to_dict() == on_disk and list(loaded.to_dict()) == list(on_disk)
+        assert json.dumps(loaded.to_dict(), indent=2) + "\n" == path.read_text()  # the same bytes
+        assert "_path" not in on_disk and "path" not in on_disk
+
+
+def test_the_sections_are_typed(builds, tiny_demo):
+    prof = load_profile(builds["a100"])
+    s = prof.speculation
+    assert s.config.drafter == "model" and s.config.k_policy == "cost-model" and s.config.costs is not None
+    assert s.config.k_min <= s.config.k <= s.config.k_max
+    assert s.measured.probe.greedy and 0 <= s.measured.acceptance <= 1 and s.measured.acceptance_fp16_draft is not None
+    assert prof.plan.device == prof.device == "cpu" and prof.memory.draft.bytes < prof.memory.draft.fp16_bytes
+    assert prof.quality.attempts[-1].passed and prof.quality.attempts[-1].figures == prof.quality.figures
+    assert prof.runtime is not None and not prof.runtime.cuda_graphs and prof.runtime.load_window
+    opts = engine_options(prof)
+    assert opts["speculation"] == s.config and opts["precision"].plan == prof.plan
+    assert opts["target"] == tiny_demo[0] and opts["draft"] == tiny_demo[1]
+
+
+def test_old_profiles_load():
+    """A schema 1 profile written before the Profile class (the tiny demo pair, by the old dict writer) reads, and
+    writes back byte for byte."""
+    path = REPO / "tests" / "data" / "profile-schema1-tiny.json"
+    prof = load_profile(path, check_weights=False)
+    assert prof.to_dict() == json.loads(path.read_text())
+    assert json.dumps(prof.to_dict(), indent=2) + "\n" == path.read_text()
 
 
 def _edited(builds, tmp_path, edit) -> Path:
@@ -146,6 +203,36 @@ def test_refuses_invalid_json(tmp_path):
 def test_refuses_unknown_schema_version(builds, tmp_path):
     p = _edited(builds, tmp_path, lambda d: d.update(schema_version=99))
     with pytest.raises(ProfileError, match="schema_version=99 is not supported"):
+        Engine.from_profile(p)
+
+
+def test_refuses_schema_version_2_naming_it(builds, tmp_path):
+    p = _edited(builds, tmp_path, lambda d: d.update(schema_version=2))
+    with pytest.raises(ProfileError, match=r"edited.json: schema_version=2 is not supported: allowed 1"):
+        load_profile(p)
+    with pytest.raises(ProfileError, match=r"^here: schema_version=2 is not supported"):
+        Profile.from_dict(json.loads(p.read_text()), "here")
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d["speculation"].update(k="5"), r"field speculation.k='5' is invalid: allowed an int"),
+        (lambda d: d.update(memory=[]), r"field memory=\[\] is invalid: allowed a JSON object"),
+        (lambda d: d["memory"]["target"].update(bytes=1.5), r"field memory.target.bytes=1.5 is invalid"),
+        (lambda d: d["quality"]["gates"].update(max_kld="low"), r"field quality.gates.max_kld='low' is invalid"),
+        (lambda d: d["quality"]["attempts"][0].update(passed="yes"), r"field quality.attempts\[0\].passed='yes'"),
+        (lambda d: d["speculation"]["probe"].update(greedy=1), r"field speculation.probe.greedy=1 is invalid"),
+        (lambda d: d["models"]["draft"].update(sha256=["x"]), r"field models.draft.sha256=\['x'\] is invalid"),
+        (lambda d: d.update(device="tpu"), r"field device='tpu' is invalid: allowed cuda, cpu"),
+        (lambda d: d["calibration"].update(text=None), r"field calibration.text=None is invalid"),
+        (lambda d: d["quality"].pop("gates"), r"field quality.gates is missing"),
+        (lambda d: d["speculation"].update(k_min=99), r"speculation: speculation.k_min=99 is above"),
+    ],
+)
+def test_refuses_a_wrong_typed_field_naming_it(builds, tmp_path, edit, match):
+    p = _edited(builds, tmp_path, edit)
+    with pytest.raises(ProfileError, match=f"edited.json: {match}"):
         Engine.from_profile(p)
 
 

@@ -6,11 +6,12 @@ import importlib.util
 
 import pytest
 import torch
+from util import int8_linear_reference
 
 import quant.matmul_kernels as kernels
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 from quant.fp8 import FP8_DTYPE, FP8_REL_ERROR, dequantize_fp8
-from quant.int8 import dequantize_int8, int8_linear_reference
+from quant.int8 import dequantize_int8
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 
 # relative Frobenius error against fp32 F.linear with the original weights.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from util import int8_linear_reference
 
 from engine.core.errors import InvalidConfigError
 from quant.fp8 import (
@@ -17,7 +18,6 @@ from quant.fp8 import (
 )
 from quant.int8 import (
     dequantize_int8,
-    int8_linear_reference,
     int_mm,
     quantize_int8,
     quantize_int8_rowwise,

@@ -191,19 +191,23 @@ def test_two_replicas_spread_equal_solo_and_metrics(cluster, two, solo):
         assert text == solo(p), p
     # every serving replica reports its acceptance and speedup through Serve's metrics (replica tag)
     acc = _wait(
-        lambda: (v := _metric(cluster, "specmix_acceptance_rate")) and all(v.get(r, 0) > 0 for r in served) and v,
+        lambda: (
+            (v := _metric(cluster, "specmix_spec_decode_draft_acceptance_rate"))
+            and all(v.get(r, 0) > 0 for r in served)
+            and v
+        ),
         "acceptance gauges of both replicas",
         60,
     )
-    tpp = _metric(cluster, "specmix_tokens_per_target_pass")
-    gen = _metric(cluster, "specmix_generated_tokens_total") or _metric(cluster, "specmix_generated_tokens")
+    tpp = _metric(cluster, "specmix_tokens_per_sequence_round")
+    gen = _metric(cluster, "specmix_generation_tokens_total") or _metric(cluster, "specmix_generation_tokens")
     for r in served:
         assert 0 < acc[r] <= 1 and tpp[r] > 1  # the drafter's tokens are accepted: more than one token per pass
         assert gen[r] >= served[r]  # at least a token per request it served
     assert httpx.get(f"http://127.0.0.1:{cluster['port']}/health", timeout=30).json() == {"status": "ok"}
     st = serve.get_deployment_handle("specmix", app_name=APP).stats.remote().result(timeout_s=60)
     assert st["replica"] in served and st["engine"]["requests"] >= served[st["replica"]]  # a replica's own view
-    assert st["metrics"]["specmix_acceptance_rate"] == st["engine"]["acceptance_rate"]
+    assert st["metrics"]["specmix_spec_decode_draft_acceptance_rate"] == st["engine"]["acceptance_rate"]
 
 
 def test_killed_replica_restarts_and_no_request_is_lost(cluster, two, solo):
@@ -258,7 +262,7 @@ def test_scale_down_drains_running_requests(cluster, two, solo, profile):
         live = _live(APP)
         _wait(
             lambda: (
-                all(_metric(cluster, "specmix_running").get(r, 0) > 0 for r in live)
+                all(_metric(cluster, "specmix_num_requests_running").get(r, 0) > 0 for r in live)
                 or sum(f.done() for f in futs) >= len(futs) // 2
             ),
             "both replicas decode",

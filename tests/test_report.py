@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from engine.api.profile import Profile
 from engine.build.plots import aggregate_positions, bench_series, profile_series
 from engine.build.report import build_report, build_report_files
 from engine.cli.bench_modes import match_rate
@@ -296,7 +297,7 @@ def test_report_names_every_figure_of_quality_and_speculation(built):
         },
     )
     prof["speculation"]["per_position_acceptance"] = [0.61, 0.42, None]
-    md = build_report(prof, "a100.png")
+    md = build_report(Profile.from_dict(prof, "edited"), "a100.png")
     found = list(leaves(prof["quality"], "quality")) + list(leaves(prof["speculation"], "speculation"))
     assert len(found) > 40
     missing = [(p, v) for p, v in found if as_written(p, v) not in md]
@@ -316,6 +317,15 @@ def test_build_writes_report_and_plot_beside_the_profile(built):
     assert format(prof["quality"]["drift"], ".6g") in md
     check_png(path.with_suffix(".png"))
     assert sorted(p.name for p in path.parent.iterdir()) == ["a100.json", "a100.md", "a100.png"]  # no temp files
+
+
+def test_report_of_the_loaded_profile_is_the_report_written(built):
+    """What the report reads survives the profile's JSON: rendered again from the file, it is the same."""
+    from engine.api.profile import load_profile
+
+    path, _ = built
+    files = build_report_files(load_profile(path), path)
+    assert files[path.with_suffix(".md")] == path.with_suffix(".md").read_bytes()
 
 
 def test_failed_build_leaves_the_previous_report_untouched(built, tmp_path, capsys):
@@ -346,7 +356,7 @@ def test_failed_build_leaves_the_previous_report_untouched(built, tmp_path, caps
 def test_report_without_matplotlib_says_the_plot_was_skipped(built, monkeypatch, tmp_path):
     _, prof = built
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    files = build_report_files(prof, tmp_path / "p.json")
+    files = build_report_files(Profile.from_dict(prof), tmp_path / "p.json")
     assert files[tmp_path / "p.png"] is None
     md = files[tmp_path / "p.md"].decode("utf-8")
     assert "Plot skipped: matplotlib is not installed" in md and "![" not in md
@@ -357,7 +367,7 @@ def test_profile_plot_with_per_position_acceptance(built, tmp_path):
     from engine.build.plots import draw_profile
 
     _, prof = built
-    s = profile_series(prof)
+    s = profile_series(Profile.from_dict(prof))
     sp = prof["speculation"]
     costs = Costs.from_dict({"c": sp["c"], "v": sp["v"]})
     assert s["k"] == list(range(1, 9))
@@ -368,5 +378,5 @@ def test_profile_plot_with_per_position_acceptance(built, tmp_path):
     (tmp_path / "one.png").write_bytes(draw_profile(s))
     prof = copy.deepcopy(prof)
     prof["speculation"]["per_position_acceptance"] = [0.6, 0.4]
-    (tmp_path / "two.png").write_bytes(draw_profile(profile_series(prof)))
+    (tmp_path / "two.png").write_bytes(draw_profile(profile_series(Profile.from_dict(prof))))
     assert check_png(tmp_path / "two.png")[0] > check_png(tmp_path / "one.png")[0]  # a second panel

@@ -3,13 +3,18 @@ checkpoint's generation_config.json defaults, each bad file a typed error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+from pathlib import Path
 
 import pytest
 from test_heads import random_head
 
 from engine.cli.serve import build_parser, generation_defaults, load
 from engine.core.errors import CheckpointError
+
+OLD_PROFILE = Path(__file__).resolve().parent / "data" / "profile-schema1-tiny.json"  # schema 1, the tiny demo pair
 
 
 def _load(*argv: str):
@@ -43,3 +48,25 @@ def test_generation_defaults(tmp_path):
         f.write_text(bad, encoding="utf-8")
         with pytest.raises(CheckpointError, match="generation_config.json"):
             generation_defaults(tmp_path)
+
+
+def test_serving_a_profile_logs_its_file_and_plan(ckpt_dir, tmp_path, monkeypatch, caplog):
+    """The startup line reads the engine's Profile: its file and its plan (no server started)."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    import uvicorn
+
+    from engine import Engine
+    from engine.api.profile import Profile
+    from engine.cli import serve
+
+    path = tmp_path / "p.json"
+    prof = Profile.from_dict(json.loads(OLD_PROFILE.read_text(encoding="utf-8")), str(OLD_PROFILE))
+    eng = Engine.from_pretrained(ckpt_dir)
+    eng.profile = dataclasses.replace(prof, path=path)
+    monkeypatch.setattr(serve, "load", lambda args: (eng, "p", None))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    with caplog.at_level(logging.INFO):
+        assert serve.main(["--profile", str(path)]) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model p:"))
+    assert f"profile {path}, plan {json.dumps(prof.plan.to_dict())[:200]}" in line

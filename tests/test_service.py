@@ -178,7 +178,7 @@ def test_injected_nan_ends_only_its_request(eng, caplog):
     assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [r for i, r in enumerate(refs) if i != 1]
     assert any("non-finite" in r.message for r in caplog.records)
     assert eng.scheduler.snapshot()["totals"].nonfinite == n0 + 1
-    assert f'specmix_errors_total{{kind="nonfinite"}} {n0 + 1}' in eng.metrics_text()
+    assert f'specmix:request_errors_total{{kind="nonfinite"}} {n0 + 1}' in eng.metrics_text()
     assert eng.generate([jobs[1][0]], jobs[1][1])[0].token_ids == refs[1]
 
 
@@ -218,7 +218,7 @@ def test_failed_round_fails_its_requests_and_the_engine_keeps_serving(eng):
     finally:
         eng.scheduler.on_round = None
     assert eng.generate([[4, 5, 6]], SamplingParams(max_new_tokens=10))[0].token_ids == ref
-    assert "specmix_round_failures_total 1" in eng.metrics_text()
+    assert "specmix:round_failures_total 1" in eng.metrics_text()
 
 
 # ---------------------------------------------------------------- admission
@@ -242,7 +242,7 @@ def test_overload_refuses_some_and_the_rest_complete(ckpt_dir, draft_dir):
     e.scheduler.on_round = None
     for h, p, sp in handles:
         assert h.result(timeout=TIMEOUT).token_ids == e.generate([p], sp)[0].token_ids
-    assert f"specmix_requests_rejected_overload_total {refused}" in e.metrics_text()
+    assert f"specmix:request_rejected_overload_total {refused}" in e.metrics_text()
 
 
 # ---------------------------------------------------------------- metrics
@@ -251,22 +251,22 @@ def test_metrics_text_is_prometheus(eng):
     text = eng.metrics_text()
     names = {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
     for n in (
-        "requests_total",
-        "generated_tokens_total",
-        "drafted_tokens_total",
-        "accepted_tokens_total",
-        "acceptance_rate",
-        "mean_accepted_length",
-        "position_acceptance_rate",
-        "queue_length",
-        "running",
-        "errors_total",
+        "request_finished_total",
+        "generation_tokens_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "spec_decode_draft_acceptance_rate",
+        "spec_decode_mean_accepted_length",
+        "spec_decode_draft_acceptance_rate_per_pos",
+        "num_requests_waiting",
+        "num_requests_running",
+        "request_errors_total",
     ):
-        assert f"specmix_{n}" in names, n
+        assert f"specmix:{n}" in names, n
     for ln in text.splitlines():
         if ln and not ln.startswith("#"):
             float(ln.rsplit(" ", 1)[1])
-    assert 'specmix_position_acceptance_rate{position="1"}' in text
+    assert 'specmix:spec_decode_draft_acceptance_rate_per_pos{position="1"}' in text
 
 
 # ---------------------------------------------------------------- soak

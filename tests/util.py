@@ -167,3 +167,13 @@ def llama_config(**kw: Any) -> Any:
     }
     d.update(kw)
     return ModelConfig.from_hf_dict(d)
+
+
+def int8_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """W8A8 ``x @ w.T`` (per-token x scales, per-channel w scales), int32 accumulate, float32 out: the reference
+    the INT8 kernels are checked against."""
+    from quant.int8 import int_mm, quantize_int8_rowwise
+
+    xq, xs = quantize_int8_rowwise(x)
+    wq, ws = quantize_int8_rowwise(w)
+    return int_mm(xq, wq).float() * xs[:, None] * ws[None, :]

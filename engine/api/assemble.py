@@ -12,34 +12,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.api.plan_apply import apply_head_precision, apply_precision_plan
 from engine.core.checkpoint import load_model, resolve_dtype
 from engine.core.config import checkpoint_dtype
 from engine.core.errors import InvalidConfigError, VocabMismatchError
+from engine.core.forward import CachedForward
 from engine.core.model import Transformer, fuse_projections
 from engine.core.tokenizer import Tokenizer
 from engine.kernels.backends import select_attention
 from engine.kernels.cpu_decode import install_decode_step, step_info
 from engine.kernels.cpu_gemm import KERNEL_NAME
-from engine.kernels.cpu_head import (
-    AttnHeadKernel,
-    EagleKernel,
-    MedusaKernel,
-    head_kernel_reason,
-    head_store_dtype,
-    scorer_on_kernel,
-)
 from engine.kernels.cpu_linear import fast_cpu_linears, packed_bytes
 from engine.kernels.cudagraphs import GraphedForward, graph_forwards
+from engine.kernels.draft_kernels import DraftKernelChooser
 from engine.kernels.head_graphs import GraphedStep
 from engine.spec_decode.adaptive import KPolicy
-from engine.spec_decode.drafters.base import Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter
-from engine.spec_decode.drafters.heads import HEAD_DRAFTERS, EagleAttnDrafter, HeadDrafter
-from engine.spec_decode.drafters.lookup import LookupFirst
-from engine.spec_decode.heads.checkpoint import HeadConfig, draft_lm_head, load_head
+from engine.spec_decode.drafter import Drafter, DrafterContext, LoadedHead
+from engine.spec_decode.heads.checkpoint import load_head
+from engine.spec_decode.registry import DrafterEntry, Loads, build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +47,21 @@ class Parts:
     policy: KPolicy | None
     vocab: int
     device: torch.device
-    target_forward: Any  # the target, or its graphed forward
+    target_forward: CachedForward  # the target, or its graphed forward
     graphs: list[GraphedForward | GraphedStep] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Models:
+    """What ``parts_from_models`` builds on: the models loaded, quantized and on their kernels."""
+
+    target: Transformer
+    tokenizer: Any  # engine.core.tokenizer.Tokenizer, or what a test gives in its place
+    draft_model: Transformer | None = None
+    head: LoadedHead | None = None
+    vocab: int | None = None  # the common vocabulary of draft and target (None: the target's)
+    cpu_kernels: bool = False  # the fp32 target runs on the few-row CPU kernel (heads' C++ steps may too)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,39 +90,22 @@ def resolve_model_dtype(target_dir: str | Path, dtype: str | torch.dtype | None,
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(own or "", torch.float16)
 
 
+def drafter_entry(draft_dir: object, spec: SpeculationConfig) -> DrafterEntry | None:
+    """The registry entry of the drafter to build: ``spec.drafter``, else "model" with a draft, else None."""
+    name = spec.drafter if spec.drafter is not None else ("model" if draft_dir is not None else None)
+    return None if name is None else spec.registry[name]
+
+
 def check_options(
     draft_dir: Any,
     spec: SpeculationConfig,
     precision: PrecisionConfig | None,
     kernels: KernelOptions,
     dev: torch.device,
-) -> str | None:
+) -> DrafterEntry | None:
     """The drafter to build; InvalidConfigError for options that contradict each other or the models."""
-    drafter = spec.drafter if spec.drafter is not None else ("model" if draft_dir is not None else None)
-    if drafter == "model" and draft_dir is None:
-        raise InvalidConfigError(
-            "speculation.drafter='model' needs a draft checkpoint (draft=None): give draft, "
-            "or choose drafter 'ngram', 'early-exit' or None"
-        )
-    if drafter in HEAD_DRAFTERS and draft_dir is None:
-        raise InvalidConfigError(
-            f"speculation.drafter={drafter!r} needs a head directory (draft=None): allowed a "
-            f"directory written by specmix-train-draft --kind {drafter}"
-        )
-    if spec.prompt_lookup_min is not None and drafter in (None, "ngram"):
-        raise InvalidConfigError(
-            f"speculation.prompt_lookup_min={spec.prompt_lookup_min} needs a drafter to fall back on: allowed "
-            f"drafter 'model' (or None with a draft checkpoint), 'early-exit', 'medusa' or 'eagle'; it is "
-            f"{drafter!r} ('ngram' is prompt lookup alone)"
-        )
-    if drafter not in ("model", *HEAD_DRAFTERS) and draft_dir is not None:
-        raise InvalidConfigError(
-            f"draft={str(draft_dir)!r} is given but speculation.drafter={drafter!r} does not "
-            "use it: allowed drafter='model' (or None) with a draft checkpoint, 'medusa' or "
-            "'eagle' with a head directory"
-        )
-    if spec.draft_dtype is not None and drafter != "model":
-        raise InvalidConfigError(f"speculation.draft_dtype={spec.draft_dtype!r} needs a draft checkpoint (draft=None)")
+    entry = drafter_entry(draft_dir, spec)
+    check_draft(draft_dir, spec, entry)
     if precision is not None and kernels.attention is not None:
         raise InvalidConfigError(
             f"kernels.attention={kernels.attention!r} is invalid with a plan: precision.plan "
@@ -135,7 +123,38 @@ def check_options(
             f"kernels.cuda_graphs=True needs device='cuda' (device={dev.type!r}); "
             "allowed on the CPU only with kernels.emulate_graphs=True"
         )
-    return drafter
+    return entry
+
+
+def check_draft(draft_dir: Any, spec: SpeculationConfig, entry: DrafterEntry | None) -> None:
+    """The draft argument, the drafter and prompt lookup agree (what each drafter loads: the registry)."""
+    reg, name = spec.registry, None if entry is None else entry.name
+    if entry is not None and entry.loads is Loads.DRAFT_MODEL and draft_dir is None:
+        others = [e.name for e in reg if e.loads is Loads.NOTHING]
+        raise InvalidConfigError(
+            f"speculation.drafter={name!r} needs a draft checkpoint (draft=None): give draft, "
+            f"or choose drafter {', '.join(map(repr, others))} or None"
+        )
+    if entry is not None and entry.loads is Loads.HEAD and draft_dir is None:
+        raise InvalidConfigError(
+            f"speculation.drafter={name!r} needs a head directory (draft=None): allowed a "
+            f"directory written by specmix-train-draft --kind {name}"
+        )
+    if spec.prompt_lookup_min is not None and (entry is None or not entry.lookup_first):
+        allowed = ", ".join(repr(e.name) for e in reg if e.lookup_first)
+        raise InvalidConfigError(
+            f"speculation.prompt_lookup_min={spec.prompt_lookup_min} needs a drafter to fall back on: allowed "
+            f"drafter {allowed} (None with a draft checkpoint is 'model'); it is {name!r} ('ngram' is prompt "
+            "lookup alone)"
+        )
+    if draft_dir is not None and (entry is None or entry.loads is Loads.NOTHING):
+        users = [e.name for e in reg if e.loads is not Loads.NOTHING]
+        raise InvalidConfigError(
+            f"draft={str(draft_dir)!r} is given but speculation.drafter={name!r} does not use it: allowed "
+            f"drafter {', '.join(map(repr, users))} (a draft checkpoint or a head directory, as it loads) or None"
+        )
+    if spec.draft_dtype is not None and (entry is None or entry.loads is not Loads.DRAFT_MODEL):
+        raise InvalidConfigError(f"speculation.draft_dtype={spec.draft_dtype!r} needs a draft checkpoint (draft=None)")
 
 
 def assemble(
@@ -148,28 +167,62 @@ def assemble(
     dtype: str | torch.dtype | None,
 ) -> Parts:
     """Load, quantize (the plan), fuse projections, choose kernels, wrap in graphs, build the drafter."""
-    drafter_name = check_options(draft_dir, spec, precision, kernels, dev)
+    entry = check_options(draft_dir, spec, precision, kernels, dev)
+    models = load_models(target_dir, draft_dir, entry, spec, dtype, dev)
+    if precision is not None:
+        apply_precision_plan(precision.plan, models.target, models.draft_model, models.tokenizer, dev,
+                             precision.calibration)  # fmt: skip
+    choose_model_kernels(models, precision, kernels, dev)
+    if entry is not None and entry.loads is Loads.HEAD:  # checked against the target (DraftMismatchError)
+        assert draft_dir is not None
+        module, hcfg, vocab_ids = load_head(draft_dir, models.target, models.tokenizer.vocab(), kind=entry.name)
+        # the plan's draft part is the head's (its Linears FP8); the shared LM head stays the target's
+        fp8 = [] if precision is None else apply_head_precision(precision.plan, module, entry.name)
+        models.info["draft_head_fp8"] = fp8
+        models.info["draft_dtype"] = str(next(module.parameters()).dtype).replace("torch.", "")
+        models.head = LoadedHead(module, hcfg, vocab_ids)
+    return parts_from_models(models, spec, kernels, dev)
+
+
+def load_models(
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    entry: DrafterEntry | None,
+    spec: SpeculationConfig,
+    dtype: str | torch.dtype | None,
+    dev: torch.device,
+) -> Models:
+    """The target, its tokenizer and, for a drafter that loads one, the draft checkpoint (same vocabulary)."""
     dt = resolve_model_dtype(target_dir, dtype, dev)
     target = load_model(target_dir, dt, dev)
     tok = Tokenizer(target_dir)
-    draft_model: Transformer | None = None
-    vocab = target.config.vocab_size
-    if drafter_name == "model":
-        assert draft_dir is not None
-        dtok = Tokenizer(draft_dir)
-        ddt = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else (torch.float32 if dev.type == "cpu" else dt)
-        draft_model = load_model(draft_dir, ddt, dev)
-        if dtok.vocab() != tok.vocab():
-            raise VocabMismatchError(
-                f"draft {draft_dir} and target {target_dir} have different vocabularies: "
-                f"draft tokenizer has {dtok.vocab_size} tokens (model vocab {draft_model.config.vocab_size}), "
-                f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})"
-            )
-        vocab = min(vocab, draft_model.config.vocab_size)
-    if precision is not None:
-        apply_precision_plan(precision.plan, target, draft_model, tok, dev, precision.calibration)
+    info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir)}
+    info["dtype"] = str(dt).replace("torch.", "")
+    models = Models(target, tok, vocab=target.config.vocab_size, info=info)
+    if entry is None or entry.loads is not Loads.DRAFT_MODEL:
+        return models
+    assert draft_dir is not None
+    dtok = Tokenizer(draft_dir)
+    ddt = resolve_dtype(spec.draft_dtype) if spec.draft_dtype else (torch.float32 if dev.type == "cpu" else dt)
+    draft = load_model(draft_dir, ddt, dev)
+    if dtok.vocab() != tok.vocab():
+        raise VocabMismatchError(
+            f"draft {draft_dir} and target {target_dir} have different vocabularies: "
+            f"draft tokenizer has {dtok.vocab_size} tokens (model vocab {draft.config.vocab_size}), "
+            f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})"
+        )
+    models.draft_model = draft
+    models.vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    return models
+
+
+def choose_model_kernels(
+    models: Models, precision: PrecisionConfig | None, kernels: KernelOptions, dev: torch.device
+) -> None:
+    """Fused projections, the CPU's linears and one-call steps, the attention backend; what ran goes to info."""
+    target, draft = models.target, models.draft_model
     # q/k/v and gate/up as one GEMM each where they are plain Linears (after the plan's swaps)
-    fused = fuse_projections(target) + (fuse_projections(draft_model) if draft_model is not None else 0)
+    fused = fuse_projections(target) + (fuse_projections(draft) if draft is not None else 0)
     # the CPU linears on the fast kernel for the weights' dtype after any plan (a CPU plan computes in fp32)
     packed, cpu_kernel = fast_cpu_linears(target, dev, kernels.cpu_pack)
     if precision is None:
@@ -180,157 +233,52 @@ def assemble(
     step_w = {"target": None, "draft": kernels.draft_step_weights or "auto"}
     stepped = [
         name
-        for name, m in (("target", target), ("draft", draft_model))  # (a reason is logged)
-        if dev.type == "cpu"
-        and kernels.cpu_pack is not False
-        and m is not None
+        for name, m in (("target", target), ("draft", draft))  # (a reason is logged)
+        if dev.type == "cpu" and kernels.cpu_pack is not False and m is not None
         and install_decode_step(m, step_w[name]) is None
-    ]
-    info = {
-        "target_dir": str(target_dir),
-        "draft_dir": None if draft_dir is None else str(draft_dir),
-        "dtype": str(dt).replace("torch.", ""),
-        "draft_dtype": None if draft_model is None else str(draft_model.dtype).replace("torch.", ""),
-        "fused_projection_groups": fused,
-        "cpu_packed_linears": packed,
-        "cpu_linear_kernel": cpu_kernel,
-        "cpu_decode_step": stepped,
-        **step_info({"target": target, "draft": draft_model}),
-        "attention": getattr(target.attn_fn, "__name__", type(target.attn_fn).__name__),
-        "cpu_packed_mib": round(packed_bytes(target) / 2**20, 1),
-    }
-    head = None
-    if drafter_name in HEAD_DRAFTERS:  # checked against the target (DraftMismatchError), in its dtype
-        assert draft_dir is not None
-        module, hcfg, vocab_ids = load_head(draft_dir, target, tok.vocab(), kind=drafter_name)
-        # the plan's draft part is the head's (its Linears FP8); the shared LM head stays the target's
-        fp8 = [] if precision is None else apply_head_precision(precision.plan, module, drafter_name)
-        info["draft_head_fp8"] = fp8
-        info["draft_dtype"] = str(next(module.parameters()).dtype).replace("torch.", "")
-        head = head_drafter(drafter_name, module, hcfg, vocab_ids, target, kernels, cpu_kernel == KERNEL_NAME, info)
-    return parts_from_models(target, tok, draft_model, drafter_name, spec, kernels, dev, vocab, info, head)
+    ]  # fmt: skip
+    models.cpu_kernels = cpu_kernel == KERNEL_NAME
+    models.info.update(
+        draft_dtype=None if draft is None else str(draft.dtype).replace("torch.", ""),
+        fused_projection_groups=fused,
+        cpu_packed_linears=packed,
+        cpu_linear_kernel=cpu_kernel,
+        cpu_decode_step=stepped,
+        **step_info({"target": target, "draft": draft}),
+        attention=target.attn_fn.name,
+        cpu_packed_mib=round(packed_bytes(target) / 2**20, 1),
+    )
 
 
-def head_drafter(
-    kind: str,
-    module: nn.Module,
-    cfg: HeadConfig,
-    vocab_ids: torch.Tensor | None,
-    target: Transformer,
-    kernels: KernelOptions,
-    cpu_kernels: bool,
-    info: dict[str, Any],
-) -> HeadDrafter:
-    """The drafter of a loaded head; ``cpu_kernels`` (the fp32 target runs on the few-row CPU kernel): the
-    head's step as one C++ call (its GEMM weights stored per ``kernels.draft_step_weights``) and the PyTorch
-    step's scorer on the few-row GEMM. ``info["draft_head_step_weights"]``: the C++ step's GEMM weight dtype,
-    or None (PyTorch's step)."""
-    scorer: nn.Module = draft_lm_head(target, vocab_ids)
-    info["draft_head_step_weights"] = None
-    if cfg.attention:  # decoder layers with a KV cache: the decode step's kernel or PyTorch's layers
-        fuse_projections(module)  # q/k/v and gate/up as one GEMM each, as the target's (and the kernel's layout)
-        why = "the target is not on the CPU kernels" if not cpu_kernels else None
-        if any(m.bias is not None for layer in module.layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
-            why = why or "the kernel has no gate/up bias (mlp_bias)"
-        ws = module.kernel_weights()  # type: ignore[operator]
-        why = why or head_kernel_reason([*ws, scorer.weight])
-        if why is not None:
-            log.info("the eagle head's layers stay on PyTorch: %s", why)
-            return EagleAttnDrafter(module, cfg, vocab_ids, target, lm_head=scorer_on_kernel(scorer))
-        store = head_store_dtype([w for w in ws if w is not None], kernels.draft_step_weights)
-        info["draft_head_step_weights"] = str(store).replace("torch.", "")
-        runner = AttnHeadKernel(module, scorer.weight, store)
-        return EagleAttnDrafter(module, cfg, vocab_ids, target, runner=runner, lm_head=scorer)
-    if not cpu_kernels or kernels.cuda_graphs:  # (graphs capture the PyTorch step)
-        return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
-    scorer = scorer_on_kernel(scorer)
-    weights, lm, embed = module.kernel_weights(), scorer.weight, target.embed_tokens.weight  # type: ignore[operator]
-    why = head_kernel_reason([*weights, lm, embed] if kind == "eagle" else [*weights, lm])
-    if why is not None:
-        log.info("the %s head's step stays on PyTorch: %s", kind, why)
-        return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, lm_head=scorer)
-    store = head_store_dtype([w for w in weights if w.dim() >= 2], kernels.draft_step_weights)
-    step: EagleKernel | MedusaKernel
-    if kind == "eagle":
-        step = EagleKernel(weights, embed, lm, vocab_ids, cfg.rms_norm_eps, store)
-    else:
-        step = MedusaKernel(weights[0], weights[1], lm, vocab_ids, cfg.vocab_size, store)
-    info["draft_head_step_weights"] = str(store).replace("torch.", "")
-    return HEAD_DRAFTERS[kind](module, cfg, vocab_ids, target, runner=step, lm_head=scorer, greedy=step.greedy)
-
-
-def parts_from_models(
-    target: Transformer,
-    tokenizer: Any,
-    draft_model: Transformer | None,
-    drafter: str | None,
-    spec: SpeculationConfig,
-    kernels: KernelOptions,
-    dev: torch.device,
-    vocab: int | None = None,
-    info: dict[str, Any] | None = None,
-    head: HeadDrafter | None = None,
-) -> Parts:
-    """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy.
-    ``head``: the drafter of a trained head (medusa / eagle), built by ``assemble``."""
+def parts_from_models(models: Models, spec: SpeculationConfig, kernels: KernelOptions, dev: torch.device) -> Parts:
+    """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy."""
+    entry = drafter_entry(models.draft_model if models.head is None else models.head, spec)
     k_max, k = spec.resolved_k_max, spec.k
-    if head is not None and head.cfg.max_drafts is not None:  # medusa: one draft per head
-        k_max = min(k_max, head.cfg.max_drafts)
+    most = None if models.head is None else models.head.config.max_drafts  # medusa: one draft per head
+    if most is not None:
+        k_max = min(k_max, most)
         k = min(k, k_max)
-    target_fwd: Any = target
-    draft_fwd: Any = draft_model
+    target_fwd: CachedForward = models.target
+    draft_fwd: CachedForward | None = models.draft_model
     graphs: list[GraphedForward | GraphedStep] = []
     if kernels.cuda_graphs:
-        tg, dg = graph_forwards(
-            target, draft_model, k_max if drafter else 0, kernels.batch_buckets, emulate=kernels.emulate_graphs
-        )
-        target_fwd, draft_fwd = tg, (dg if dg is not None else draft_model)
+        tg, dg = graph_forwards(models.target, models.draft_model, k_max if entry else 0, kernels.batch_buckets,
+                                emulate=kernels.emulate_graphs)  # fmt: skip
+        target_fwd, draft_fwd = tg, (dg if dg is not None else models.draft_model)
         graphs = [tg] + ([dg] if dg is not None else [])
-        if head is not None:  # the head's step (its forward and the shared LM head's scores) per batch bucket
-            runner = GraphedStep(
-                head.step,
-                head.head_weight.device,
-                kernels.batch_buckets,
-                emulate=kernels.emulate_graphs,
-                pool=tg.pool,
-                name=f"{drafter} head step",
-            )
-            head = head.with_runner(runner)
-            graphs.append(runner)
-    d = (
-        head
-        if head is not None
-        else make_drafter(drafter, target_fwd, draft_fwd, target.config.num_hidden_layers, spec)
-    )
-    if d is not None and spec.prompt_lookup_min is not None:
-        d = LookupFirst(d, spec.prompt_lookup_min)
-    policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if d is not None else None
-    lookup = spec.prompt_lookup_min if d is not None else None
-    info = {**(info or {}), "drafter": drafter if d is not None else None, "prompt_lookup_min": lookup}
-    return Parts(
-        target=target,
-        tokenizer=tokenizer,
-        draft_model=draft_model,
-        drafter=d,
-        policy=policy,
-        vocab=vocab or target.config.vocab_size,
-        device=dev,
-        target_forward=target_fwd,
-        graphs=graphs,
-        info=info,
-    )
-
-
-def make_drafter(
-    name: str | None, target_fwd: Any, draft_fwd: Any, n_layers: int, spec: SpeculationConfig
-) -> Drafter | None:
-    if name == "model":
-        return ModelDrafter(draft_fwd, None)
-    if name == "ngram":
-        return NGramDrafter()
-    if name == "early-exit":
-        L = spec.early_exit_layers if spec.early_exit_layers is not None else max(1, n_layers // 4)
-        if not 1 <= L < n_layers:
-            raise InvalidConfigError(f"speculation.early_exit_layers={L!r} is invalid: allowed 1..{n_layers - 1}")
-        return EarlyExitDrafter(target_fwd, L)
-    return None
+    chooser = DraftKernelChooser(
+        dev, models.cpu_kernels, kernels.draft_step_weights, kernels.cuda_graphs, kernels.batch_buckets,
+        kernels.emulate_graphs, graphs[0].pool if graphs else None,
+    )  # fmt: skip
+    drafter = None
+    if entry is not None:
+        options = spec.drafter_options(entry)
+        ctx = DrafterContext(target_fwd, models.target, chooser, draft_fwd, models.draft_model, models.head, options)
+        drafter = build_drafter(entry, ctx, spec.prompt_lookup_min)
+    graphs += chooser.graphs
+    policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if drafter else None
+    lookup = spec.prompt_lookup_min if drafter is not None else None
+    info = {**models.info, **chooser.chosen, "drafter": entry.name if drafter else None, "prompt_lookup_min": lookup}
+    vocab = models.vocab or models.target.config.vocab_size
+    return Parts(models.target, models.tokenizer, models.draft_model, drafter, policy, vocab, dev, target_fwd,
+                 graphs, info)  # fmt: skip

@@ -11,14 +11,15 @@ import torch
 
 from engine.api.assemble import Parts, assemble, resolve_device
 from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
+from engine.api.profile import Profile
 from engine.api.runtime import make_governor
 from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.errors import InvalidConfigError, InvalidRequestError, UnhealthyError
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
-from engine.runtime.metrics import metrics_text
+from engine.runtime.metrics import CudaMemory, EngineGauges, Sample, engine_samples, kv_cache_usage, render_text
 from engine.runtime.request import Completion, Request
-from engine.runtime.scheduler import Scheduler
+from engine.runtime.scheduler import Scheduler, SchedulerLimits
 from engine.runtime.telemetry import gpu_stats
 from engine.runtime.window import BatchWindow
 from engine.spec_decode.adaptive import Costs
@@ -44,7 +45,7 @@ class Engine:
         parts: Parts,
         limits: Limits = Limits(),
         costs: Costs | None = None,
-        profile: dict[str, Any] | None = None,
+        profile: Profile | None = None,
         batch_window: bool = True,
     ) -> None:
         """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``.
@@ -70,7 +71,7 @@ class Engine:
             )
         self.max_seq_len = limits.max_seq_len if limits.max_seq_len is not None else ctx
         self.loop = DecodeLoop(
-            parts.target_forward, parts.tokenizer, parts.drafter, self.config.eos_token_ids, self.vocab, self.device
+            parts.target_forward, parts.tokenizer, parts.drafter, self.config.eos_token_ids, self.vocab
         )
         self.gpu_reader, governor = None, None
         if limits.load_window is not None:
@@ -78,17 +79,14 @@ class Engine:
             self.gpu_reader, governor = make_governor(
                 self.device, limits.load_window, pol.k_min if pol else 0, pol.k_max if pol else 0, limits.max_batch
             )
+        windowed = batch_window and self.policy is not None and self.policy.name == "cost-model"
         self.scheduler = Scheduler(
             self.loop,
+            SchedulerLimits(limits.max_batch, limits.max_waiting, self.max_seq_len),
             policy=self.policy,
             costs=lambda: self.costs,
-            window=BatchWindow()
-            if batch_window and self.policy is not None and self.policy.name == "cost-model"
-            else None,
+            window=BatchWindow() if windowed else None,
             device=self.device,
-            max_batch=limits.max_batch,
-            max_waiting=limits.max_waiting,
-            max_seq_len=self.max_seq_len,
             governor=governor,
         )
 
@@ -160,7 +158,7 @@ class Engine:
         """The cost ratios of the K controller (measured on first use when not given)."""
         if self._costs is None and self.drafter is not None:
             assert self.policy is not None
-            self._costs = drafter_costs(self.target, self.drafter, self.draft_model, self.policy.k_max)
+            self._costs = drafter_costs(self.target, self.drafter, self.policy.k_max)
             log.info("measured costs: c=%.3f v=%s", self._costs.c, self._costs.v)
         return self._costs
 
@@ -291,16 +289,22 @@ class Engine:
         req = self.submit(prompt, params)
         yield from req.text_pieces()
 
-    def metrics_text(self) -> str:
-        """Counters and gauges in the Prometheus text exposition format."""
+    def metric_samples(self) -> list[Sample]:
+        """Every counter and gauge, from one snapshot of the scheduler's totals (engine/runtime/metrics.py):
+        what ``metrics_text()``, the server's /metrics and the Ray replica metrics publish."""
         cache = self.loop.cache
-        return metrics_text(
-            self.scheduler.snapshot(),
+        gauges = EngineGauges(
             kv_cache_bytes=cache.nbytes if cache is not None else 0,
-            device=self.device,
+            kv_cache_usage=kv_cache_usage(cache, self.scheduler.running_requests()),
+            cuda_memory=CudaMemory.read(self.device),
             governor=self.scheduler.governor,
             graphs=graph_stats(self.cuda_graphs),
         )
+        return engine_samples(self.scheduler.snapshot(), gauges)
+
+    def metrics_text(self) -> str:
+        """Counters and gauges in the Prometheus text exposition format (``metric_samples()`` rendered)."""
+        return render_text(self.metric_samples())
 
     @torch.no_grad()
     def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ A profile's ``speculation`` and ``runtime`` sections serialise ``SpeculationConf
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from engine.kernels.backends import ATTENTION_CHOICES
 from engine.kernels.cudagraphs import DEFAULT_BATCH_BUCKETS, check_buckets
 from engine.runtime.telemetry import DEFAULT_RESUME, DEFAULT_THRESHOLD, LoadWindow
 from engine.spec_decode.adaptive import POLICIES, Costs
-from engine.spec_decode.drafters.base import DRAFTERS
+from engine.spec_decode.registry import DRAFTERS, DrafterEntry, DrafterRegistry
 from quant.plan_schema import PrecisionPlan
 
 STEP_WEIGHTS = ("float16", "bfloat16", "float32")
@@ -35,9 +36,9 @@ class SpeculationConfig:
     """What drafts and how many tokens it drafts per round."""
 
     drafter: str | None = None
-    """"model" (a draft checkpoint), "ngram" (prompt lookup), "early-exit" (the target's first layers),
-    "medusa" / "eagle" (a trained head directory as the draft: engine/spec_decode/heads/checkpoint.py, specmix-train-draft),
-    or None: "model" when a draft checkpoint is given, else plain decoding."""
+    """A name of ``registry`` (engine/spec_decode/registry.py): "model" (a draft checkpoint), "ngram" (prompt
+    lookup), "early-exit" (the target's first layers), "medusa" / "eagle" (a head directory written by
+    specmix-train-draft as the draft), or None: "model" when a draft checkpoint is given, else plain decoding."""
     k: int = 5
     """Draft tokens per round at the start (the fixed K of the "constant" policy)."""
     k_policy: str = "cost-model"
@@ -59,17 +60,23 @@ class SpeculationConfig:
     plainly, whichever the rounds measured at that batch size made faster (engine/runtime/window.py; sampled
     rows keep their K: it decides their random draws). False: K is each sequence's own, whatever the batch."""
     prompt_lookup_min: int | None = None
-    """Prompt lookup first (engine/spec_decode/drafters/lookup.py): a row whose last n tokens (prompt_lookup_min <= n, n <= 3
-    or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them, the
-    drafter the other rows; None: the drafter alone. Needs a drafter other than "ngram" (refused at load)."""
+    """Prompt lookup first (engine/spec_decode/drafters/lookup.py): a row whose last n tokens (prompt_lookup_min
+    <= n, n <= 3 or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them,
+    the drafter the other rows; None: the drafter alone. Needs a drafter other than "ngram" (refused at load)."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
+    registry: DrafterRegistry = DRAFTERS
+    """The drafters ``drafter`` names (``DRAFTERS.extended(entry)`` adds one); not kept in profiles."""
 
     def __post_init__(self) -> None:
-        if self.drafter is not None and self.drafter not in DRAFTERS:
+        if not isinstance(self.registry, DrafterRegistry):
             raise InvalidConfigError(
-                f"speculation.drafter={self.drafter!r} is invalid: allowed {', '.join(DRAFTERS)} or None"
+                f"speculation.registry={self.registry!r:.60} is invalid: allowed a DrafterRegistry"
+            )
+        if self.drafter is not None and self.drafter not in self.registry:
+            raise InvalidConfigError(
+                f"speculation.drafter={self.drafter!r} is invalid: allowed {', '.join(self.registry.names())} or None"
             )
         _int("speculation.k", self.k, 1)
         if self.k_policy not in POLICIES:
@@ -87,12 +94,8 @@ class SpeculationConfig:
                 raise InvalidConfigError(
                     f"speculation.k_max={self.k_max} is below speculation.k={self.k}: allowed k_max >= k"
                 )
+        self._check_drafter_fields()
         if self.early_exit_layers is not None:
-            if self.drafter != "early-exit":
-                raise InvalidConfigError(
-                    f"speculation.early_exit_layers={self.early_exit_layers!r} needs "
-                    f"speculation.drafter='early-exit' (it is {self.drafter!r})"
-                )
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
         if self.prompt_lookup_min is not None:
             _int("speculation.prompt_lookup_min", self.prompt_lookup_min, 1, 8)
@@ -104,6 +107,25 @@ class SpeculationConfig:
             raise InvalidConfigError(
                 f"speculation.draft_dtype={self.draft_dtype!r} is invalid: allowed {', '.join(STEP_WEIGHTS)} or None"
             )
+
+    def _check_drafter_fields(self) -> None:
+        """A field only one drafter reads (its registry entry's ``fields``) is refused with another drafter."""
+        known = {f.name for f in dataclasses.fields(self)}
+        for entry in self.registry:
+            for name in entry.fields:
+                if name not in known:
+                    raise InvalidConfigError(
+                        f"drafter {entry.name!r} reads speculation.{name}, which SpeculationConfig has no field for"
+                    )
+                if getattr(self, name) is not None and self.drafter != entry.name:
+                    raise InvalidConfigError(
+                        f"speculation.{name}={getattr(self, name)!r} needs speculation.drafter={entry.name!r} "
+                        f"(it is {self.drafter!r})"
+                    )
+
+    def drafter_options(self, entry: DrafterEntry) -> dict[str, Any]:
+        """The fields ``entry`` reads, by name (its factory's ``DrafterContext.options``)."""
+        return {name: getattr(self, name) for name in entry.fields}
 
     @property
     def resolved_k_max(self) -> int:

@@ -40,11 +40,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RuntimeSettings:
+    """A profile's ``runtime`` section (``parse_runtime`` reads it, ``to_dict`` writes it)."""
+
     cuda_graphs: bool = False
+    """Capture the draft and verify steps as CUDA graphs (CUDA profiles only; a CPU engine runs eagerly)."""
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    """Batch sizes a graph is captured for."""
     load_window: bool = True
+    """Lower K and the batch under GPU memory pressure (a no-op on the CPU)."""
     memory_threshold: float = DEFAULT_THRESHOLD
+    """GPU memory in use (0..1) above which the window narrows."""
     resume_below: float = DEFAULT_RESUME
+    """GPU memory in use (0..1) below which it widens again."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as a profile writes it (both objects, every field)."""
+        return {
+            "cuda_graphs": {"enabled": self.cuda_graphs, "batch_buckets": list(self.batch_buckets)},
+            "load_window": {
+                "enabled": self.load_window,
+                "memory_threshold": self.memory_threshold,
+                "resume_below": self.resume_below,
+            },
+        }
 
 
 def _obj(v: Any, where: str) -> dict[str, Any]:
@@ -90,14 +108,15 @@ def parse_runtime(section: Any, where: str = "runtime") -> RuntimeSettings:
     return RuntimeSettings(**kw)
 
 
-def runtime_settings(prof: dict[str, Any], device: torch.device, facts: HardwareFacts | None = None) -> RuntimeSettings:
-    """The profile's runtime, checked against the machine (KernelUnavailableError for missing CUDA graphs)."""
-    where = f"{prof.get('_path', 'profile')}: runtime"
-    rt = parse_runtime(prof.get("runtime"), where)
+def runtime_settings(
+    rt: RuntimeSettings, device: torch.device, where: str = "runtime", facts: HardwareFacts | None = None
+) -> RuntimeSettings:
+    """A profile's runtime (named ``where`` in errors), checked against the machine (KernelUnavailableError for
+    missing CUDA graphs)."""
     if rt.cuda_graphs:
         if device.type == "cpu":
             log.info("%s.cuda_graphs is enabled but the engine runs on the CPU: eager execution", where)
-            return RuntimeSettings(False, rt.batch_buckets, rt.load_window, rt.memory_threshold, rt.resume_below)
+            return replace(rt, cuda_graphs=False)
         require_cuda_graphs(facts or probe_hardware(device), f"{where}.cuda_graphs")
     return rt
 

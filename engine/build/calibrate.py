@@ -4,14 +4,16 @@ with the unquantized draft, cost ratios on the device at hand, and K with its bo
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engine.api.engine import Engine
 from engine.api.options import PrecisionConfig, SpeculationConfig
+from engine.api.profile import Probe, Speculation, SpeculationCalibration
 from engine.core.tokenizer import Tokenizer
 from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
 from engine.spec_decode.sampling import SamplingParams
+from quant.plan_schema import PrecisionPlan
 
 
 def calib_prompts(tok: Tokenizer, text: str, n: int = 8, prompt_len: int = 48) -> list[list[int]]:
@@ -38,48 +40,61 @@ def k_bounds(a: float, costs: Costs, k_search: int = 8, within: float = 0.9) -> 
     return k, min(good), max(good), best
 
 
+@dataclass(frozen=True)
+class ProbeOptions:
+    """How ``calibrate`` probes the drafter."""
+
+    k_probe: int = 4
+    """The fixed K of the acceptance probe."""
+    k_search: int = 8
+    """The largest K the choice considers (capped at the drafter's own largest K)."""
+    n_prompts: int = 8
+    """Prompts taken from the calibration text."""
+    max_new_tokens: int = 48
+    """New tokens per prompt (greedy)."""
+
+
 def calibrate(
     target_dir: Path,
     draft_dir: Path | None,
-    plan: Any,
+    plan: PrecisionPlan,
     calib_text: str,
     *,
     device: str = "cpu",
-    k_probe: int = 4,
-    k_search: int = 8,
-    n_prompts: int = 8,
-    max_new_tokens: int = 48,
     drafter: str = "model",
     lookup: int | None = None,
-) -> dict[str, Any]:
+    probe: ProbeOptions = ProbeOptions(),
+) -> Speculation:
     """The profile's speculation section: a draft model, a trained head (drafter "medusa" / "eagle": its K is
     capped at its heads) or, with no draft, the n-gram drafter (drafter "ngram", draft_dir None). A draft model, and a
     head the plan quantizes (eagle's FP8 Linears), are also measured unquantized (``acceptance_fp16_draft``).
     ``lookup``: prompt lookup first (``SpeculationConfig.prompt_lookup_min``), measured and kept with it."""
-    spec = SpeculationConfig(drafter=drafter, k=k_probe, k_policy="constant", k_max=k_search, prompt_lookup_min=lookup)
+    spec = SpeculationConfig(
+        drafter=drafter, k=probe.k_probe, k_policy="constant", k_max=probe.k_search, prompt_lookup_min=lookup
+    )
     planned = Engine.from_pretrained(
         target_dir, draft_dir, speculation=spec, precision=PrecisionConfig(plan, calib_text), device=device
     )
-    prompts = calib_prompts(planned.tokenizer, calib_text, n_prompts)
-    a = acceptance(planned, prompts, max_new_tokens)
-    fp16_side: dict[str, float] = {}
+    prompts = calib_prompts(planned.tokenizer, calib_text, probe.n_prompts)
+    a = acceptance(planned, prompts, probe.max_new_tokens)
+    a16: float | None = None
     quantized_head = plan.draft is not None and any(f.quantized for f in plan.draft.all_plans())
     if drafter == "model" or (drafter in ("medusa", "eagle") and quantized_head):
         fp16 = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
         fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device, precision=fp16)
-        fp16_side["acceptance_fp16_draft"] = acceptance(fp16_draft, prompts, max_new_tokens)
+        a16 = acceptance(fp16_draft, prompts, probe.max_new_tokens)
     elif drafter in ("medusa", "eagle"):
-        fp16_side["acceptance_fp16_draft"] = a  # the head is not quantized (medusa): the same run
+        a16 = a  # the head is not quantized (medusa): the same run
     costs = planned.costs
     assert costs is not None and planned.policy is not None
-    k, k_min, k_max, speedup = k_bounds(a, costs, min(k_search, planned.policy.k_max))
+    k, k_min, k_max, speedup = k_bounds(a, costs, min(probe.k_search, planned.policy.k_max))
     chosen = SpeculationConfig(
         drafter=drafter, k=k, k_min=k_min, k_max=k_max, k_policy="cost-model", costs=costs, prompt_lookup_min=lookup
     )
-    return {
-        **chosen.to_profile(),  # drafter, k, k_min, k_max, policy, c, v: what Engine.from_profile reads back
-        "acceptance": a,
-        **fp16_side,
-        "predicted_speedup": speedup,
-        "probe": {"k": k_probe, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "greedy": True},
-    }
+    measured = SpeculationCalibration(
+        acceptance=a,
+        acceptance_fp16_draft=a16,
+        predicted_speedup=speedup,
+        probe=Probe(k=probe.k_probe, prompts=len(prompts), max_new_tokens=probe.max_new_tokens, greedy=True),
+    )
+    return Speculation(chosen, measured)  # what Engine.from_profile reads back

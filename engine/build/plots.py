@@ -2,7 +2,7 @@
 profile's plot (predicted speedup vs K).
 
 Data and drawing are kept apart. ``bench_series`` (the dict ``tools/bench.py --json`` writes)
-and ``profile_series`` (a profile dict) return the plotted series and need no matplotlib;
+and ``profile_series`` (a ``Profile``) return the plotted series and need no matplotlib;
 ``draw_bench`` and ``draw_profile`` render series to PNG bytes with matplotlib, imported
 lazily (the ``plot`` extra).
 
@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.api.profile import Profile
 from engine.core.errors import EngineError, InvalidConfigError
 from engine.spec_decode.adaptive import Costs, expected_speedup
 
@@ -138,32 +139,29 @@ def bench_series(result: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def profile_series(profile: Mapping[str, Any]) -> dict[str, Any] | None:
+def profile_series(profile: Profile) -> dict[str, Any] | None:
     """Predicted speedup against K from a profile's calibration (FP8 and FP16 draft acceptance),
     the chosen K and bounds, and per-position acceptance when the profile has it; None when
-    the speculation section has no cost model (no c)."""
-    spec = profile["speculation"]
-    if "c" not in spec or spec.get("acceptance") is None:
+    the speculation section has no cost model (no c) or no measured acceptance."""
+    spec, m = profile.speculation.config, profile.speculation.measured
+    costs = spec.costs
+    if costs is None or m.acceptance is None or m.predicted_speedup is None:
         return None
-    costs = Costs.from_dict({"c": spec["c"], "v": spec.get("v", {})})
-    grid = list(range(1, max([int(spec["k_max"]), *costs.v]) + 1))
+    grid = list(range(1, max([spec.resolved_k_max, *costs.v]) + 1))
     curves = {}
-    for label, key in (("FP8 draft (planned)", "acceptance"), ("FP16 draft", "acceptance_fp16_draft")):
-        if spec.get(key) is not None:
-            curves[label] = {
-                "acceptance": float(spec[key]),
-                "speedup": [expected_speedup(float(spec[key]), k, costs) for k in grid],
-            }
-    ppa = spec.get("per_position_acceptance")
+    for label, a in (("FP8 draft (planned)", m.acceptance), ("FP16 draft", m.acceptance_fp16_draft)):
+        if a is not None:
+            curves[label] = {"acceptance": a, "speedup": [expected_speedup(a, k, costs) for k in grid]}
+    ppa = list(m.per_position_acceptance or [])
     return {
-        "title": f"{profile.get('name', 'profile')}: speculation calibration",
+        "title": f"{profile.name or 'profile'}: speculation calibration",
         "k": grid,
         "curves": curves,
         "chosen": {
-            "k": int(spec["k"]),
-            "k_min": int(spec["k_min"]),
-            "k_max": int(spec["k_max"]),
-            "predicted_speedup": float(spec["predicted_speedup"]),
+            "k": spec.k,
+            "k_min": spec.k_min,
+            "k_max": spec.resolved_k_max,
+            "predicted_speedup": m.predicted_speedup,
         },
         "c": costs.c,
         "acceptance_by_position": _points(ppa) if ppa else None,

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.api.profile import Profile, Quality, QualityFigures, QualityGates
 from engine.build.plots import INSTALL_HINT, draw_profile, matplotlib_available, profile_series
-from engine.spec_decode.adaptive import Costs
+from quant.plan_schema import PrecisionPlan
 
 log = logging.getLogger(__name__)
 
@@ -35,66 +36,60 @@ def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
     return out + [""]
 
 
-def attempt_reason(t: Mapping[str, Any], gates: Mapping[str, Any]) -> str:
+def attempt_reason(t: QualityFigures, gates: QualityGates) -> str:
     """Why a gate attempt passed or failed, from its figures and the gate bounds."""
-    drift, kld = t.get("drift"), t.get("kld_mean")
-    if any(x is None or math.isnan(x) for x in (drift, kld)):
+    drift, kld = t.drift, t.kld_mean
+    if any(math.isnan(x) for x in (drift, kld)):
         return "a figure is NaN"
     why = []
-    if abs(drift) > gates["max_drift"]:
-        why.append(f"|dPPL| {fmt(abs(drift))} > {fmt(gates['max_drift'])}")
-    if kld > gates["max_kld"]:
-        why.append(f"KLD mean {fmt(kld)} > {fmt(gates['max_kld'])}")
+    if abs(drift) > gates.max_drift:
+        why.append(f"|dPPL| {fmt(abs(drift))} > {fmt(gates.max_drift)}")
+    if kld > gates.max_kld:
+        why.append(f"KLD mean {fmt(kld)} > {fmt(gates.max_kld)}")
     return "; ".join(why) if why else "within both gates"
 
 
-def _plan_section(p: Mapping[str, Any]) -> list[str]:
-    prec, plan, mem = p["precision"], p["plan"], p["memory"]
+def _plan_section(p: Profile) -> list[str]:
+    prec, plan, mem = p.precision, p.plan, p.memory
     mm = prec["main_model"]
     out = [
         "## Plan",
         "",
         f"Precision: draft model {prec['draft_model']}; main model attention {mm['attention']}, FFN {mm['ffn']}; "
         f"verifier {prec['verifier']} (final norm, LM head, softmax and acceptance arithmetic: "
-        + ", ".join(f"{k} {v}" for k, v in plan.get("verifier", {}).items())
+        + ", ".join(f"{k} {v}" for k, v in plan.verifier.items())
         + ").",
-        f"Compute dtype {plan.get('compute_dtype')}, attention backend {plan.get('attention_backend')}, "
-        f"KV cache {plan.get('kv_cache_dtype')}.",
+        f"Compute dtype {plan.compute_dtype}, attention backend {plan.attention_backend}, "
+        f"KV cache {plan.kv_cache_dtype}.",
         "",
     ]
     rows = []
-    for role in ("target", "draft"):
-        sec = plan.get(role)
-        for fam, f in ((sec or {}).get("families") or {}).items():
-            scaling = "; ".join(f"{k}: {v}" for k, v in f.get("scaling", {}).items()) or "-"
-            rows.append([role, fam, f["storage"], f["kernel"], scaling, f.get("reason") or "-"])
+    for role, sec in (("target", plan.target), ("draft", plan.draft)):
+        for fam, f in (sec.families if sec is not None else {}).items():
+            scaling = "; ".join(f"{k}: {v}" for k, v in f.scaling.items()) or "-"
+            rows.append([role, fam, f.storage, f.kernel, scaling, f.reason or "-"])
     out += _table(["model", "modules", "storage", "kernel", "scaling", "why"], rows)
     out += _per_layer_rows(plan)
     rows = [
-        [
-            role,
-            _mib(mem[role]["bytes"]),
-            _mib(mem[role]["fp16_bytes"]),
-            f"{mem[role]['bytes'] / mem[role]['fp16_bytes']:.3f}",
-        ]
-        for role in ("target", "draft")
-        if mem.get(role) and mem[role]["fp16_bytes"]
+        [role, _mib(w.bytes), _mib(w.fp16_bytes), f"{w.bytes / w.fp16_bytes:.3f}"]
+        for role, w in (("target", mem.target), ("draft", mem.draft))
+        if w is not None and w.fp16_bytes
     ]  # no draft: no planned weights
     out += _table(["weights", "planned", "FP16", "ratio"], rows)
     out += [
-        f"KV cache {_mib(mem['kv_cache_bytes'])} for max_batch {mem['max_batch']} x max_seq_len "
-        f"{mem['max_seq_len']}; weights and KV cache fit the memory budget of {_mib(mem['budget_bytes'])}.",
+        f"KV cache {_mib(mem.kv_cache_bytes)} for max_batch {mem.max_batch} x max_seq_len "
+        f"{mem.max_seq_len}; weights and KV cache fit the memory budget of {_mib(mem.budget_bytes)}.",
         "",
     ]
     return out
 
 
-def _per_layer_rows(plan: Mapping[str, Any]) -> list[str]:
+def _per_layer_rows(plan: PrecisionPlan) -> list[str]:
     """One row per module the plan chose on its own (``plan.<role>.modules``), with its reason."""
     rows = []
-    for role in ("target", "draft"):
-        for name, f in (((plan.get(role) or {}).get("modules")) or {}).items():
-            sc = f.get("scaling", {})
+    for role, sec in (("target", plan.target), ("draft", plan.draft)):
+        for name, f in (sec.modules if sec is not None else {}).items():
+            sc = f.scaling
             how = (
                 "; ".join(
                     f"{k}: {sc[k]}"
@@ -103,7 +98,7 @@ def _per_layer_rows(plan: Mapping[str, Any]) -> list[str]:
                 )
                 or "-"
             )
-            rows.append([role, name, f["storage"], f["kernel"], how, f.get("reason") or "-"])
+            rows.append([role, name, f.storage, f.kernel, how, f.reason or "-"])
     if not rows:
         return []
     return ["Per-layer choices (each overrides its family's row above):", ""] + _table(
@@ -111,49 +106,49 @@ def _per_layer_rows(plan: Mapping[str, Any]) -> list[str]:
     )
 
 
-def _figures(t: Mapping[str, Any]) -> list[str]:
-    lo, hi = t["drift_ci95"]
+def _figures(t: QualityFigures) -> list[str]:
+    lo, hi = t.drift_ci95
     return [
-        f"{fmt(t['ppl_ref'])} ± {fmt(t['ppl_ref_err'])}",
-        f"{fmt(t['ppl'])} ± {fmt(t['ppl_err'])}",
-        f"{fmt(t['drift'])} ({fmt(lo)}, {fmt(hi)})",
-        f"{fmt(t['kld_mean'])} ± {fmt(t['kld_err'])}",
-        fmt(t["kld_p99"]),
-        f"{fmt(t['top1'])} ± {fmt(t['top1_err'])}",
+        f"{fmt(t.ppl_ref)} ± {fmt(t.ppl_ref_err)}",
+        f"{fmt(t.ppl)} ± {fmt(t.ppl_err)}",
+        f"{fmt(t.drift)} ({fmt(lo)}, {fmt(hi)})",
+        f"{fmt(t.kld_mean)} ± {fmt(t.kld_err)}",
+        fmt(t.kld_p99),
+        f"{fmt(t.top1)} ± {fmt(t.top1_err)}",
     ]
 
 
-def _quality_section(q: Mapping[str, Any]) -> list[str]:
-    g = q["gates"]
+def _quality_section(q: Quality) -> list[str]:
+    g, f = q.gates, q.figures
     out = [
         "## Quality gate",
         "",
-        f"Planned target against its unquantized self on {q['eval_text']} (sha256 {q['eval_text_sha256']}): "
-        f"{q['tokens']} scored tokens in {q['windows']} windows of context {q['context']} "
-        f"(eval token cap: {fmt(q.get('max_tokens'))}). Gates: |dPPL| <= {fmt(g['max_drift'])} and "
-        f"KLD mean <= {fmt(g['max_kld'])}. The dPPL interval is a 95% CI over {q['method']} "
+        f"Planned target against its unquantized self on {q.eval_text} (sha256 {q.eval_text_sha256}): "
+        f"{f.tokens} scored tokens in {f.windows} windows of context {f.context} "
+        f"(eval token cap: {fmt(q.max_tokens)}). Gates: |dPPL| <= {fmt(g.max_drift)} and "
+        f"KLD mean <= {fmt(g.max_kld)}. The dPPL interval is a 95% CI over {f.method} "
         "(see engine/build/quality.py); ± is one standard error.",
         "",
     ]
     head = ["PPL ref", "PPL", "dPPL (95% CI)", "KLD mean", "KLD p99", "top-1 agreement"]
-    out += _table(head, [_figures(q)])
+    out += _table(head, [_figures(f)])
     out += ["### Fallback ladder (every attempt)", ""]
     rows = [
         [
             i + 1,
-            t["plan"],
-            f"{t['ffn']['storage']} / {t['ffn']['kernel']}",
-            *_figures(t),
-            f"{t['tokens']} / {t['windows']} / {t['context']} ({t['method']})",
-            "pass" if t["passed"] else "FAIL",
-            attempt_reason(t, g),
+            t.plan,
+            f"{t.ffn.storage} / {t.ffn.kernel}",
+            *_figures(t.figures),
+            f"{t.figures.tokens} / {t.figures.windows} / {t.figures.context} ({t.figures.method})",
+            "pass" if t.passed else "FAIL",
+            attempt_reason(t.figures, g),
         ]
-        for i, t in enumerate(q.get("attempts", []))
+        for i, t in enumerate(q.attempts)
     ]
     out += _table(["#", "plan", "FFN storage / kernel", *head, "tokens / windows / context", "gate", "reason"], rows)
-    for i, t in enumerate(q.get("attempts", [])):
-        if t.get("search"):
-            out += _search_section(i + 1, t["search"])
+    for i, t in enumerate(q.attempts):
+        if t.search:
+            out += _search_section(i + 1, t.search)
     return out
 
 
@@ -194,31 +189,31 @@ def _search_section(n: int, r: Mapping[str, Any]) -> list[str]:
     return out + _table(["#", "error threshold", "KLD (calibration)", "top-1", "budget", "modules per candidate"], rows)
 
 
-def _speculation_section(p: Mapping[str, Any], series: Mapping[str, Any] | None) -> list[str]:
-    s, cal = p["speculation"], p.get("calibration", {})
-    out = ["## Calibration (speculation)", "", f"Drafter {s['drafter']}, K policy {s['policy']}."]
-    if "probe" in s:
-        pr = s["probe"]
+def _speculation_section(p: Profile, series: Mapping[str, Any] | None) -> list[str]:
+    s, m, cal = p.speculation.config, p.speculation.measured, p.calibration
+    out = ["## Calibration (speculation)", "", f"Drafter {s.drafter}, K policy {s.k_policy}."]
+    if m.probe is not None:
+        pr = m.probe
         out.append(
-            f"Probe: K={pr['k']} fixed, {pr['prompts']} prompts of the calibration text "
-            f"({cal.get('text', '?')}, sha256 {cal.get('sha256', '?')}), {pr['max_new_tokens']} new tokens, "
-            f"{'greedy' if pr.get('greedy') else 'sampled'}."
+            f"Probe: K={pr.k} fixed, {pr.prompts} prompts of the calibration text "
+            f"({cal.text}, sha256 {cal.sha256}), {pr.max_new_tokens} new tokens, "
+            f"{'greedy' if pr.greedy else 'sampled'}."
         )
     out.append("")
-    if series is None:
+    costs = s.costs
+    if series is None or costs is None:
         return out + ["No cost model in this profile (no c / v(K)): nothing to predict.", ""]
-    a, a16 = s.get("acceptance"), s.get("acceptance_fp16_draft")
-    if s["drafter"] == "model" or (a16 is not None and a16 != a):  # an FP8 draft model or head: both runs
+    a, a16 = m.acceptance, m.acceptance_fp16_draft
+    if s.drafter == "model" or (a16 is not None and a16 != a):  # an FP8 draft model or head: both runs
         head = ["acceptance, FP8 draft (planned)", "acceptance, FP16 draft", "difference", "c (draft / target step)"]
-        out += _table(head, [[fmt(a), fmt(a16), fmt(a - a16) if a16 is not None else "-", fmt(s["c"])]])
+        out += _table(head, [[fmt(a), fmt(a16), fmt(a - a16) if a16 is not None else "-", fmt(costs.c)]])
     else:
-        out += _table([f"acceptance ({s['drafter']} drafter)", "c (draft / target step)"], [[fmt(a), fmt(s["c"])]])
-    costs = Costs.from_dict({"c": s["c"], "v": s.get("v", {})})
+        out += _table([f"acceptance ({s.drafter} drafter)", "c (draft / target step)"], [[fmt(a), fmt(costs.c)]])
     curves = list(series["curves"].values())
     rows = []
     for i, k in enumerate(series["k"]):
-        vk = s["v"].get(str(k))
-        mark = ("**chosen**" if k == s["k"] else "") + (" in bounds" if s["k_min"] <= k <= s["k_max"] else "")
+        vk = costs.v.get(k)
+        mark = ("**chosen**" if k == s.k else "") + (" in bounds" if s.k_min <= k <= s.resolved_k_max else "")
         rows.append(
             [
                 k,
@@ -232,40 +227,40 @@ def _speculation_section(p: Mapping[str, Any], series: Mapping[str, Any] | None)
         ["K", "v(K)", "K c + v(K)", *[f"predicted speedup, {lbl}" for lbl in series["curves"]], "choice"], rows
     )
     out += [
-        f"Chosen K = {s['k']} within bounds [{s['k_min']}, {s['k_max']}] (the Ks whose predicted speedup is "
-        f">= 90% of the best), predicted speedup {fmt(s['predicted_speedup'])}x over plain decoding "
+        f"Chosen K = {s.k} within bounds [{s.k_min}, {s.resolved_k_max}] (the Ks whose predicted speedup is "
+        f">= 90% of the best), predicted speedup {fmt(m.predicted_speedup)}x over plain decoding "
         "(cost model: (1 - a^(K+1)) / ((1 - a)(K c + v(K))), FP8 draft acceptance).",
         "",
     ]
-    if s.get("per_position_acceptance"):
+    if m.per_position_acceptance:
         out += _table(
-            ["draft position", "acceptance"], [[i + 1, fmt(r)] for i, r in enumerate(s["per_position_acceptance"])]
+            ["draft position", "acceptance"], [[i + 1, fmt(r)] for i, r in enumerate(m.per_position_acceptance)]
         )
     return out
 
 
-def build_report(profile: Mapping[str, Any], plot_name: str | None, plot_note: str | None = None) -> str:
+def build_report(profile: Profile, plot_name: str | None, plot_note: str | None = None) -> str:
     """The Markdown build report of a profile; ``plot_name`` is the PNG beside it (None: ``plot_note``
     says why there is no plot)."""
     p = profile
-    models = p.get("models", {})
+    models = (("target", p.models.target), ("draft", p.models.draft))
     out = [
-        f"# Build report: {p.get('name', 'profile')}",
+        f"# Build report: {p.name or 'profile'}",
         "",
-        f"GPU {p['gpu'].get('name')} ({p['gpu'].get('description', '')}), validated on {p['validated_on']} "
-        f"(device {p['device']}), built {p['created_at']} with torch {p['versions'].get('torch')}, "
-        f"specmix {p['versions'].get('specmix')}.",
+        f"GPU {p.gpu.get('name')} ({p.gpu.get('description', '')}), validated on {p.validated_on} "
+        f"(device {p.device}), built {p.created_at} with torch {p.versions.torch}, "
+        f"specmix {p.versions.specmix}.",
         "",
     ]
     out += _table(
         ["model", "path", "layers", "hidden"],
         [
-            [role, m["path"], m["config"].get("num_hidden_layers"), m["config"].get("hidden_size")]
-            for role, m in models.items()
-            if m
+            [role, m.path, m.config.get("num_hidden_layers"), m.config.get("hidden_size")]
+            for role, m in models
+            if m is not None
         ],
     )
-    out += _plan_section(p) + _quality_section(p["quality"])
+    out += _plan_section(p) + _quality_section(p.quality)
     series = profile_series(p)
     out += _speculation_section(p, series)
     out += ["## Plot", ""]
@@ -276,7 +271,7 @@ def build_report(profile: Mapping[str, Any], plot_name: str | None, plot_note: s
     return "\n".join(out)
 
 
-def build_report_files(profile: Mapping[str, Any], profile_path: Path) -> dict[Path, bytes | None]:
+def build_report_files(profile: Profile, profile_path: Path) -> dict[Path, bytes | None]:
     """The report files beside ``profile_path`` rendered in memory: {path.md: bytes, path.png: bytes
     or None when the plot is skipped (matplotlib missing, or no cost model)}. Nothing is written."""
     profile_path = Path(profile_path)

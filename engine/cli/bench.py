@@ -27,6 +27,7 @@ import logging
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from engine.build.plots import aggregate_positions, bench_series, draw_bench, re
 from engine.cli.bench_modes import hf_runner, match_rate, print_table, spec_runner, sweep_summary
 from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
-from engine.spec_decode.adaptive import best_k, expected_speedup
+from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
 
 SPEC_MODES = {
     "specmix-model": "model",
@@ -144,24 +145,48 @@ def main(argv: list[str] | None = None) -> int:
     return run_tool("bench", lambda: bench(a))
 
 
-def bench(a: argparse.Namespace) -> int:
-    sweep = parse_sweep(a)
-    if a.plot is not None:
-        require_matplotlib("--plot")  # before any benchmarking
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    root = None
-    if a.target is None:
-        from engine.demo.pair import demo_pair
+@dataclass(frozen=True)
+class _Modes:
+    """The engines of one run by mode name, and which modes are which."""
 
-        target, draft = demo_pair(a.demo_size)
-        root = target.parent
-    else:
-        target, draft = a.target, a.draft
-    prompts = load_prompts(a, root)
-    n = a.max_new_tokens
-    dt = a.dtype
-    opts = {"dtype": dt, "kernels": KernelOptions(attention=a.attention)}
+    engines: dict[str, Engine]
+    """Every specmix mode's engine: "plain" first, then the drafters, their +lookup modes and the fixed-K sweeps."""
+    lookup: dict[str, str]
+    """Each <mode>+lookup mode: its base mode."""
+    sweep: dict[str, int]
+    """The draft model's fixed-K modes (specmix-model-k<K>): their K."""
+    head_sweep: dict[str, int]
+    """The trained heads' fixed-K modes (specmix-<kind>-k<K>): their K, kept out of the sweep summary."""
+    costs: Costs | None
+    """The draft model's measured costs, shared by its sweep; None without a sweep."""
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """What the repeats call and what they leave behind, by mode name."""
+
+    runners: dict[str, Callable[[], tuple[int, float]]]
+    """One run of every prompt: (tokens generated, seconds); --modes applied."""
+    sinks: dict[str, list[dict[str, Any]]]
+    """Every specmix mode but plain: the Completion stats of its measured runs."""
+    outputs: dict[str, list[list[int]]]
+    """Every specmix mode: the token ids of its latest run."""
+    hf_counts: dict[str, dict[str, int]]
+    """The transformers modes: their target and draft forward counts."""
+
+
+def _pair(a: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
+    """(target, draft, the demo pair's directory or None): --target/--draft, else the demo pair."""
+    if a.target is not None:
+        return a.target, a.draft, None
+    from engine.demo.pair import demo_pair
+
+    target, draft = demo_pair(a.demo_size)
+    return target, draft, target.parent
+
+
+def _spec_engines(a: argparse.Namespace, target: Path, draft: Path | None, opts: dict[str, Any]) -> dict[str, Engine]:
+    """The plain engine and one per drafter mode the pair and the heads given allow."""
     engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, **opts)}
     heads = {"medusa": a.medusa, "eagle": a.eagle}
     for mode, drafter in SPEC_MODES.items():
@@ -173,7 +198,16 @@ def bench(a: argparse.Namespace) -> int:
             speculation=SpeculationConfig(drafter=drafter, k=a.k),
             **opts,
         )
-    lookup_modes = {}  # prompt lookup first, then the mode's drafter
+    return engines
+
+
+def _lookup_engines(
+    a: argparse.Namespace, target: Path, draft: Path | None, opts: dict[str, Any], engines: dict[str, Engine]
+) -> dict[str, str]:
+    """Adds to ``engines`` a <mode>+lookup mode per drafter mode but n-gram (with --prompt-lookup):
+    prompt lookup first, then the mode's drafter; returns {lookup mode: its base mode}."""
+    heads = {"medusa": a.medusa, "eagle": a.eagle}
+    lookup_modes = {}
     for mode, drafter in SPEC_MODES.items():
         if a.prompt_lookup is None or drafter == "ngram" or mode not in engines:
             continue
@@ -182,6 +216,14 @@ def bench(a: argparse.Namespace) -> int:
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, draft if drafter == "model" else heads.get(drafter), speculation=spec, **opts
         )
+    return lookup_modes
+
+
+def _engines(a: argparse.Namespace, target: Path, draft: Path | None, sweep: list[int]) -> _Modes:
+    """Every specmix mode's engine, in the order the table lists them."""
+    opts = {"dtype": a.dtype, "kernels": KernelOptions(attention=a.attention)}
+    engines = _spec_engines(a, target, draft, opts)
+    lookup_modes = _lookup_engines(a, target, draft, opts, engines)
     model_sweep = sweep if "specmix-model" in engines else []  # no draft model: the heads' sweeps only
     costs = engines["specmix-model"].costs if model_sweep else None  # measured once, shared by the sweep
     sweep_modes = {f"specmix-model-k{k}": k for k in model_sweep}
@@ -190,15 +232,22 @@ def bench(a: argparse.Namespace) -> int:
             target, draft, speculation=SpeculationConfig(k=k, k_policy="constant", costs=costs), **opts
         )
     head_sweep: dict[str, int] = {}  # fixed K for the heads: kept out of the draft model's sweep summary
-    for kind, head_dir in heads.items():
+    for kind, head_dir in {"medusa": a.medusa, "eagle": a.eagle}.items():
         for k in sweep if head_dir is not None else []:
             head_sweep[f"specmix-{kind}-k{k}"] = k
             spec = SpeculationConfig(drafter=kind, k=k, k_policy="constant", costs=engines[f"specmix-{kind}"].costs)
             engines[f"specmix-{kind}-k{k}"] = Engine.from_pretrained(target, head_dir, speculation=spec, **opts)
+    return _Modes(engines, lookup_modes, sweep_modes, head_sweep, costs)
+
+
+def _runs(a: argparse.Namespace, modes: _Modes, target: Path, draft: Path | None, prompts: list[str]) -> _Runs:
+    """The runners of the specmix modes, then of the transformers modes (unless --no-hf or it is missing),
+    cut to --modes (plain, the sweeps and the lookup modes of the modes kept stay)."""
+    engines = modes.engines
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
     runners: dict[str, Callable[[], tuple[int, float]]] = {
-        m: spec_runner(e, prompts, n, sinks.get(m), outputs[m]) for m, e in engines.items()
+        m: spec_runner(e, prompts, a.max_new_tokens, sinks.get(m), outputs[m]) for m, e in engines.items()
     }
     hf_counts = {}
     have_hf = not a.no_hf
@@ -209,89 +258,128 @@ def bench(a: argparse.Namespace) -> int:
             have_hf = False
     if have_hf:
         for mode in HF_MODES if draft is not None else ["hf-plain"]:  # assisted generation needs a draft
-            runners[mode], hf_counts[mode] = hf_runner(target, draft, prompts, n, mode, a.k, getattr(torch, dt))
+            runners[mode], hf_counts[mode] = hf_runner(
+                target, draft, prompts, a.max_new_tokens, mode, a.k, getattr(torch, a.dtype)
+            )
     if a.modes:
-        keep = set(a.modes.split(",")) | {"plain"} | set(sweep_modes) | set(head_sweep)
-        keep |= {m for m, base in lookup_modes.items() if base in keep}
+        keep = set(a.modes.split(",")) | {"plain"} | set(modes.sweep) | set(modes.head_sweep)
+        keep |= {m for m, base in modes.lookup.items() if base in keep}
         runners = {m: r for m, r in runners.items() if m in keep}
-    for r in runners.values():  # warm-up
+    return _Runs(runners, sinks, outputs, hf_counts)
+
+
+def _measure(a: argparse.Namespace, modes: _Modes, runs: _Runs) -> dict[str, list[float]]:
+    """Tokens/s of every mode per repeat: one warm-up round (its stats dropped), then --repeats rounds,
+    the modes interleaved within each."""
+    for r in runs.runners.values():  # warm-up
         r()
-    for e in engines.values():
+    for e in modes.engines.values():
         e.reset_stats()  # count only the measured repeats
-    for sink in sinks.values():
+    for sink in runs.sinks.values():
         sink.clear()
-    for c in hf_counts.values():
+    for c in runs.hf_counts.values():
         c.update(target=0, draft=0)
-    rates: dict[str, list[float]] = {m: [] for m in runners}
+    rates: dict[str, list[float]] = {m: [] for m in runs.runners}
     for _ in tqdm(range(a.repeats), desc="repeats"):
-        for m, r in runners.items():
+        for m, r in runs.runners.items():
             toks, secs = r()
             rates[m].append(toks / secs)
-    plain = statistics.median(rates["plain"])
-    reference = outputs["plain"]  # greedy outputs of the target alone, in --dtype
-    if dt != "float32":  # ... and of the float32 target, which the reduced precision is measured against
-        reference = []
-        spec_runner(Engine.from_pretrained(target), prompts, n, outputs=reference)()
-    modes = []
-    for m in runners:
-        tps = statistics.median(rates[m])
-        row: dict[str, Any] = {
-            "name": m,
-            "tokens_per_s": tps,
-            "speedup_vs_plain": tps / plain,
-            "acceptance_rate": None,
-            "mean_accepted_length": None,
-            "predicted_speedup": None,
-            "repeats": rates[m],
-            "fixed_k": sweep_modes.get(m, head_sweep.get(m)),
-        }
-        if m in outputs:  # spec vs the target alone in this dtype (1.0 in float32), and vs the float32 target
-            row["match_vs_plain"] = match_rate(outputs[m], outputs["plain"])
-            row["match_vs_float32"] = match_rate(outputs[m], reference)
-        if m in sinks:
-            pos = aggregate_positions(sinks[m])
-            row["per_position_acceptance"], row["per_position_requests"] = pos["acceptance"], pos["requests"]
-        if m in sweep_modes or m in head_sweep:
-            st = engines[m].stats()
-            row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
-        if (m in SPEC_MODES or m in lookup_modes) and m in engines:
-            st, eng = engines[m].stats(), engines[m]
-            row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
-            row["token_acceptance"] = st["token_acceptance"]
-            if st["token_acceptance"] is not None and eng.costs is not None:
-                acc = st["token_acceptance"]  # the cost model's per-token a (accepted / drafted is biased low)
-                k = best_k(min(acc, 0.999), eng.costs, 1, eng.policy.k_max)
-                row["predicted_speedup"] = expected_speedup(acc, k, eng.costs)
-                row["costs"] = eng.costs.to_dict()
-        if m in hf_counts and m != "hf-plain":
-            c = hf_counts[m]
-            row["draft_forwards_per_target_forward"] = c["draft"] / max(1, c["target"])
-        modes.append(row)
-    sweep_result = sweep_summary(modes, sweep_modes, sinks, costs)
-    spec_info = engines["specmix-model"].info if "specmix-model" in engines else {}  # the draft model's settings
-    print_table(modes)
-    result = {
-        "modes": modes,
-        "pair": {"target": str(target), "draft": None if draft is None else str(draft)},
-        "settings": {
-            "max_new_tokens": n,
-            "repeats": a.repeats,
-            "k": a.k,
-            "prompts": prompts,
-            "threads": torch.get_num_threads(),
-            "greedy": True,
-            "dtype": dt,
-            "draft_dtype": spec_info.get("draft_dtype"),
-            "attention": engines["plain"].info["attention"],
-            "cpu_linear_kernel": engines["plain"].info.get("cpu_linear_kernel"),
-            "cpu_decode_step": spec_info.get("cpu_decode_step"),
-            **{
-                k: spec_info.get(k)
-                for k in ("target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")
-            },
-            "batch": 1,
-            "sweep_k": sweep,
+    return rates
+
+
+def _spec_figures(eng: Engine) -> dict[str, Any]:
+    """A drafter mode's acceptance, its per-token acceptance and, with measured costs, the cost model's
+    predicted speedup at the K it would choose."""
+    st = eng.stats()
+    row: dict[str, Any] = {"acceptance_rate": st["acceptance_rate"], "mean_accepted_length": st["mean_accepted_length"]}
+    row["token_acceptance"] = st["token_acceptance"]
+    if st["token_acceptance"] is not None and eng.costs is not None:
+        acc = st["token_acceptance"]  # the cost model's per-token a (accepted / drafted is biased low)
+        k = best_k(min(acc, 0.999), eng.costs, 1, eng.policy.k_max)
+        row["predicted_speedup"] = expected_speedup(acc, k, eng.costs)
+        row["costs"] = eng.costs.to_dict()
+    return row
+
+
+def _row(
+    m: str, rates: dict[str, list[float]], modes: _Modes, runs: _Runs, reference: list[list[int]]
+) -> dict[str, Any]:
+    """The table's row of mode ``m``: tokens/s and speedup (medians), output match, acceptance."""
+    tps = statistics.median(rates[m])
+    row: dict[str, Any] = {
+        "name": m,
+        "tokens_per_s": tps,
+        "speedup_vs_plain": tps / statistics.median(rates["plain"]),
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "predicted_speedup": None,
+        "repeats": rates[m],
+        "fixed_k": modes.sweep.get(m, modes.head_sweep.get(m)),
+    }
+    if m in runs.outputs:  # spec vs the target alone in this dtype (1.0 in float32), and vs the float32 target
+        row["match_vs_plain"] = match_rate(runs.outputs[m], runs.outputs["plain"])
+        row["match_vs_float32"] = match_rate(runs.outputs[m], reference)
+    if m in runs.sinks:
+        pos = aggregate_positions(runs.sinks[m])
+        row["per_position_acceptance"], row["per_position_requests"] = pos["acceptance"], pos["requests"]
+    if m in modes.sweep or m in modes.head_sweep:
+        st = modes.engines[m].stats()
+        row["acceptance_rate"], row["mean_accepted_length"] = st["acceptance_rate"], st["mean_accepted_length"]
+    if (m in SPEC_MODES or m in modes.lookup) and m in modes.engines:
+        row.update(_spec_figures(modes.engines[m]))
+    if m in runs.hf_counts and m != "hf-plain":
+        c = runs.hf_counts[m]
+        row["draft_forwards_per_target_forward"] = c["draft"] / max(1, c["target"])
+    return row
+
+
+def _settings(a: argparse.Namespace, modes: _Modes, prompts: list[str], sweep: list[int]) -> dict[str, Any]:
+    """The result's settings: the run's options and the kernels the engines chose."""
+    spec_info = modes.engines["specmix-model"].info if "specmix-model" in modes.engines else {}  # the draft model's
+    plain = modes.engines["plain"].info
+    return {
+        "max_new_tokens": a.max_new_tokens,
+        "repeats": a.repeats,
+        "k": a.k,
+        "prompts": prompts,
+        "threads": torch.get_num_threads(),
+        "greedy": True,
+        "dtype": a.dtype,
+        "draft_dtype": spec_info.get("draft_dtype"),
+        "attention": plain["attention"],
+        "cpu_linear_kernel": plain.get("cpu_linear_kernel"),
+        "cpu_decode_step": spec_info.get("cpu_decode_step"),
+        **{
+            k: spec_info.get(k)
+            for k in ("target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")
         },
+        "batch": 1,
+        "sweep_k": sweep,
+    }
+
+
+def bench(a: argparse.Namespace) -> int:
+    sweep = parse_sweep(a)
+    if a.plot is not None:
+        require_matplotlib("--plot")  # before any benchmarking
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target, draft, root = _pair(a)
+    prompts = load_prompts(a, root)
+    modes = _engines(a, target, draft, sweep)
+    runs = _runs(a, modes, target, draft, prompts)
+    rates = _measure(a, modes, runs)
+    reference = runs.outputs["plain"]  # greedy outputs of the target alone, in --dtype
+    if a.dtype != "float32":  # ... and of the float32 target, which the reduced precision is measured against
+        reference = []
+        spec_runner(Engine.from_pretrained(target), prompts, a.max_new_tokens, outputs=reference)()
+    rows = [_row(m, rates, modes, runs, reference) for m in runs.runners]
+    sweep_result = sweep_summary(rows, modes.sweep, runs.sinks, modes.costs)
+    print_table(rows)
+    result = {
+        "modes": rows,
+        "pair": {"target": str(target), "draft": None if draft is None else str(draft)},
+        "settings": _settings(a, modes, prompts, sweep),
         "sweep": sweep_result,
     }
     from engine.core.files import write_bytes_atomic, write_json_atomic

@@ -20,29 +20,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import hashlib
 import logging
-import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import engine
 from engine import Engine
-from engine.api.options import KernelOptions, Limits, LoadWindowConfig, PrecisionConfig, runtime_to_profile
-from engine.api.profile import PROFILE_SCHEMA_VERSION, model_ref, weight_hashes
+from engine.api.options import PrecisionConfig
+from engine.api.profile import FfnChoice, GateAttempt, QualityFigures, QualityGates, Speculation
 from engine.build.calibrate import calibrate
 from engine.build.planner import DEFAULT_KLD_BUDGET, DEFAULT_MIN_TOP1
+from engine.build.profile import PassedGate, ProfileInputs, make_profile, write_profile
 from engine.build.quality import compare_models, load_eval_ids
-from engine.build.report import build_report_files
 from engine.core.cli import run_tool
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError
-from engine.core.files import write_bytes_atomic, write_json_atomic
-from engine.spec_decode.heads.checkpoint import is_head_dir, read_head_config
+from engine.core.files import write_bytes_atomic
+from engine.spec_decode.heads.config import is_head_dir, read_head_config
 from quant.catalog import gpu_for_device_name, lookup_gpu
 from quant.plan import make_plan
 from quant.plan_schema import DEFAULT_PRECISION
@@ -120,11 +118,11 @@ def resolve_gpu(name: str) -> dict[str, Any]:
     return lookup_gpu(name)
 
 
-def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
-    """Model directories, texts and the profile's model name; the demo pair when no models are given."""
+def resolve_inputs(a: argparse.Namespace, gpu: dict[str, Any], device: str) -> ProfileInputs:
+    """Model directories, texts, the profile's name and the gate's bounds; the demo pair when no models are given."""
     if a.draft is not None and a.target is None:
         raise InvalidConfigError("--draft needs --target (without both: the demo pair)")
-    demo = None
+    demo, max_eval_tokens = None, a.max_eval_tokens
     if a.target is None:
         from engine.demo.pair import demo_pair
 
@@ -142,7 +140,7 @@ def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
             raise InvalidConfigError(f"--eval-text is required: the default {WIKITEXT_TEST} is missing")
         eval_path = a.eval_text or WIKITEXT_TEST
         if a.eval_text is None and a.max_eval_tokens is None:
-            a.max_eval_tokens = TARGET_ONLY_EVAL_TOKENS
+            max_eval_tokens = TARGET_ONLY_EVAL_TOKENS
         calib_path = a.calib_text or default_calib_text()
     else:
         target, draft, name = a.target, a.draft, a.target.resolve().name.lower()
@@ -157,16 +155,20 @@ def resolve_inputs(a: argparse.Namespace) -> dict[str, Any]:
             raise InvalidConfigError(f"--{what} {path}: unreadable ({e.__class__.__name__}: {e})") from None
     if hashlib.sha256(texts["eval-text"].encode()).digest() == hashlib.sha256(texts["calib-text"].encode()).digest():
         raise InvalidConfigError("--calib-text is the eval text: calibration must never use the eval text")
-    return {
-        "target": Path(target),
-        "draft": None if draft is None else Path(draft),
-        "name": name,
-        "demo": demo,
-        "eval_path": Path(eval_path),
-        "calib_path": Path(calib_path),
-        "eval_text": texts["eval-text"],
-        "calib_text": texts["calib-text"],
-    }
+    return ProfileInputs(
+        name=Path(a.out).stem if a.out else f"{gpu['name']}-{name}",
+        gpu=gpu,
+        device=device,
+        target=Path(target),
+        draft=None if draft is None else Path(draft),
+        eval_path=Path(eval_path),
+        eval_text=texts["eval-text"],
+        calib_path=Path(calib_path),
+        calib_text=texts["calib-text"],
+        gates=QualityGates(max_drift=a.max_drift, max_kld=a.max_kld),
+        max_eval_tokens=max_eval_tokens,
+        demo=demo,
+    )
 
 
 def default_calib_text() -> Path:
@@ -206,49 +208,42 @@ def ladder(a: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     return steps[:1] if a.no_fallback else steps
 
 
-def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], device: str) -> tuple[Any, list]:
-    """Try the plans in order; return (the first passing plan or None, every attempt's record)."""
+def run_gate(a: argparse.Namespace, inp: ProfileInputs) -> tuple[PassedGate | None, list[GateAttempt]]:
+    """Try the plans in order; return (the first passing plan or None, every attempt)."""
     # a trained head (specmix-train-draft --kind medusa|eagle) is the draft: the plan's draft part is the head's
-    tcfg = load_config(inp["target"])
-    head = inp["draft"] is not None and is_head_dir(inp["draft"])
-    dcfg = None if inp["draft"] is None or head else load_config(inp["draft"])
-    draft_head = dataclasses.asdict(read_head_config(inp["draft"])) if head else None
-    ref = Engine.from_pretrained(inp["target"], device=device)
-    ids = load_eval_ids(ref.tokenizer, inp["eval_text"], max_tokens=a.max_eval_tokens)
+    tcfg = load_config(inp.target)
+    head = inp.draft is not None and is_head_dir(inp.draft)
+    dcfg = None if inp.draft is None or head else load_config(inp.draft)
+    draft_head = dataclasses.asdict(read_head_config(inp.draft)) if head else None
+    ref = Engine.from_pretrained(inp.target, device=inp.device)
+    ids = load_eval_ids(ref.tokenizer, inp.eval_text, max_tokens=inp.max_eval_tokens)
     context = min(512, tcfg.max_position_embeddings)
     attempts = []
     for label, kw in ladder(a):
         kw = dict(kw)
         search = kw.pop("search", False)
-        plan = make_plan(gpu, tcfg, dcfg, device=device, draft_head=draft_head, **kw)
+        plan = make_plan(inp.gpu, tcfg, dcfg, device=inp.device, draft_head=draft_head, **kw)
         record = None
         if search and plan.target.families["ffn"].quantized:
             from engine.build.planner import search_plan
 
             plan, record = search_plan(
-                inp["target"],
+                inp.target,
                 plan,
-                inp["calib_text"],
-                gpu,
-                device=device,
+                inp.calib_text,
+                inp.gpu,
+                device=inp.device,
                 kld_budget=a.plan_kld_budget,
                 min_top1=a.plan_min_top1,
-                draft_dir=None if dcfg is None else inp["draft"],  # no draft model: no draft part to plan
+                draft_dir=None if dcfg is None else inp.draft,  # no draft model: no draft part to plan
             )
         ffn = plan.target.families["ffn"]
-        precision = PrecisionConfig(dataclasses.replace(plan, draft=None), inp["calib_text"])
-        planned = Engine.from_pretrained(inp["target"], device=device, precision=precision)
+        precision = PrecisionConfig(dataclasses.replace(plan, draft=None), inp.calib_text)
+        planned = Engine.from_pretrained(inp.target, device=inp.device, precision=precision)
         rep = compare_models(ref.logits, planned.logits, ids, context, progress=not a.quiet)
-        ok = rep.passes(a.max_drift, a.max_kld)
-        attempts.append(
-            {
-                "plan": label,
-                "ffn": {"storage": ffn.storage, "kernel": ffn.kernel},
-                **rep.to_dict(),
-                "passed": ok,
-                **({"search": record} if record else {}),
-            }
-        )
+        ok = rep.passes(inp.gates.max_drift, inp.gates.max_kld)
+        figures = QualityFigures.from_dict(rep.to_dict(), "quality")
+        attempts.append(GateAttempt(label, FfnChoice(ffn.storage, ffn.kernel), figures, ok, record or None))
         log.info(
             "gate %s: dPPL %+.4f, KLD %.5f, top-1 %.4f -> %s",
             label,
@@ -258,7 +253,7 @@ def run_gate(a: argparse.Namespace, inp: dict[str, Any], gpu: dict[str, Any], de
             "pass" if ok else "fail",
         )
         if ok:
-            return (plan, rep, context, len(ids)), attempts
+            return PassedGate(plan, figures, tuple(attempts)), attempts
     return None, attempts
 
 
@@ -266,10 +261,9 @@ def build(a: argparse.Namespace) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidConfigError("--device cuda: no CUDA device on this machine; use --device cpu")
-    gpu = resolve_gpu(a.gpu)
-    inp = resolve_inputs(a)
-    out = a.out or PROFILES / f"{gpu['name']}-{inp['name']}.json"
-    passed, attempts = run_gate(a, inp, gpu, device)
+    inp = resolve_inputs(a, resolve_gpu(a.gpu), device)
+    out = Path(a.out or PROFILES / f"{inp.name}.json")
+    passed, attempts = run_gate(a, inp)
     if passed is None:
         print(summary_table(attempts), file=sys.stderr)
         print(
@@ -278,106 +272,42 @@ def build(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    plan, rep, context, n_tokens = passed
-    d = inp["draft"]
+    d = inp.draft
     drafter = "ngram" if d is None else read_head_config(d).kind if is_head_dir(d) else "model"
-    spec = calibrate(inp["target"], d, plan, inp["calib_text"], device=device, drafter=drafter, lookup=a.prompt_lookup)
-    profile = make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a)
-    report = build_report_files(profile, Path(out))  # rendered before anything is written
-    write_json_atomic(Path(out), profile)
-    for path, data in report.items():
-        if data is not None:
-            write_bytes_atomic(path, data)
-        elif path.exists():  # a plot of an older build would not match this profile
-            log.info("removing the stale plot %s (this build has none)", path)
-            path.unlink()
+    spec = calibrate(inp.target, d, passed.plan, inp.calib_text, device=device, drafter=drafter, lookup=a.prompt_lookup)
+    written = write_profile(make_profile(inp, passed, spec), out)
     print(summary_table(attempts))
-    fp16 = f" (fp16 draft {spec['acceptance_fp16_draft']:.3f})" if "acceptance_fp16_draft" in spec else ""
-    print(
-        f"speculation: {spec['drafter']} K={spec['k']} in [{spec['k_min']}, {spec['k_max']}], acceptance "
-        f"{spec['acceptance']:.3f}{fp16}, c={spec['c']:.3f}, "
-        f"predicted speedup {spec['predicted_speedup']:.2f}x"
-    )
+    print(speculation_line(spec))
     print(f"wrote {out}")
-    print("wrote " + ", ".join(str(p) for p, d in report.items() if d is not None))
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
-def _model_config(model_dir: Path) -> dict[str, Any]:
-    """A checkpoint's ModelConfig, or a trained head's config (engine/spec_decode/heads/checkpoint.py)."""
-    if is_head_dir(model_dir):
-        return dataclasses.asdict(read_head_config(model_dir))
-    return load_config(model_dir).to_dict()
-
-
-def make_profile(gpu, device, inp, plan, rep, attempts, spec, context, n_tokens, a) -> dict[str, Any]:
-    m = plan.memory
-    ref = lambda p: model_ref(p, inp["demo"])
-    validated = (
-        torch.cuda.get_device_name() if device == "cuda" else f"cpu: {platform.processor() or platform.machine()}"
+def speculation_line(spec: Speculation) -> str:
+    cfg, m = spec.config, spec.measured
+    fp16 = f" (fp16 draft {m.acceptance_fp16_draft:.3f})" if m.acceptance_fp16_draft is not None else ""
+    c = f"{cfg.costs.c:.3f}" if cfg.costs is not None else "-"
+    return (
+        f"speculation: {cfg.drafter} K={cfg.k} in [{cfg.k_min}, {cfg.resolved_k_max}], acceptance "
+        f"{m.acceptance:.3f}{fp16}, c={c}, predicted speedup {m.predicted_speedup:.2f}x"
     )
-    return {
-        "schema_version": PROFILE_SCHEMA_VERSION,
-        "name": Path(a.out).stem if a.out else f"{gpu['name']}-{inp['name']}",
-        "gpu": gpu,
-        "validated_on": validated,
-        "device": device,
-        "models": {
-            role: None
-            if inp[role] is None
-            else {"path": ref(inp[role]), "sha256": weight_hashes(inp[role]), "config": _model_config(inp[role])}
-            for role in ("target", "draft")
-        },
-        "precision": plan.precision,
-        "plan": plan.to_dict(),
-        "memory": {
-            "target": {"bytes": m.target_weight_bytes, "fp16_bytes": m.target_fp16_bytes},
-            "draft": {"bytes": m.draft_weight_bytes, "fp16_bytes": m.draft_fp16_bytes}
-            if inp["draft"] is not None
-            else None,
-            "kv_cache_bytes": m.kv_cache_bytes,
-            "budget_bytes": m.budget_bytes,
-            "max_batch": m.max_batch,
-            "max_seq_len": m.max_seq_len,
-        },
-        "quality": {
-            **{k: v for k, v in rep.to_dict().items()},
-            "context": context,
-            "max_tokens": a.max_eval_tokens,
-            "eval_text": ref(inp["eval_path"]),
-            "eval_text_sha256": hashlib.sha256(inp["eval_text"].encode()).hexdigest(),
-            "gates": {"max_drift": a.max_drift, "max_kld": a.max_kld},
-            "attempts": attempts,
-        },
-        "calibration": {
-            "text": ref(inp["calib_path"]),
-            "sha256": hashlib.sha256(inp["calib_text"].encode()).hexdigest(),
-        },
-        "speculation": spec,
-        # how the engine runs the plan: CUDA graphs where the profile's device is a GPU (never on the
-        # CPU), and the load-aware window (lower K and the batch above this GPU memory use)
-        "runtime": runtime_to_profile(
-            KernelOptions(cuda_graphs=device == "cuda"), Limits(load_window=LoadWindowConfig())
-        ),
-        "versions": {"torch": torch.__version__, "specmix": engine.__version__},
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
-def summary_table(attempts: list[dict[str, Any]]) -> str:
+def summary_table(attempts: Sequence[GateAttempt]) -> str:
     rows = [("plan", "PPL ref", "PPL", "dPPL (95% CI)", "KLD mean", "KLD p99", "top-1", "gate")]
     for t in attempts:
-        lo, hi = t["drift_ci95"]
+        f = t.figures
+        lo, hi = f.drift_ci95
         rows.append(
             (
-                t["plan"],
-                f"{t['ppl_ref']:.4f}",
-                f"{t['ppl']:.4f}",
-                f"{t['drift']:+.4f} ({lo:+.4f}, {hi:+.4f})",
-                f"{t['kld_mean']:.5f}",
-                f"{t['kld_p99']:.5f}",
-                f"{t['top1']:.4f}",
-                "pass" if t["passed"] else "FAIL",
+                t.plan,
+                f"{f.ppl_ref:.4f}",
+                f"{f.ppl:.4f}",
+                f"{f.drift:+.4f} ({lo:+.4f}, {hi:+.4f})",
+                f"{f.kld_mean:.5f}",
+                f"{f.kld_p99:.5f}",
+                f"{f.top1:.4f}",
+                "pass" if t.passed else "FAIL",
             )
         )
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

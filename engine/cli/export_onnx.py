@@ -100,61 +100,90 @@ def _prompt(tokenizer: Any, vocab: int) -> Any:
     return torch.tensor([r[:n] for r in rows], dtype=torch.long)
 
 
+def _out_dir(a: argparse.Namespace) -> Path:
+    """--out, else build/onnx/<profile name>."""
+    return a.out if a.out is not None else Path("build") / "onnx" / a.profile.stem
+
+
+def _models(eng: Any, profile: Path) -> dict[str, Any]:
+    """The models to export by role: the target, and the draft when the profile drafts with a model."""
+    models = {"target": eng.target}
+    if eng.draft_model is not None:
+        models["draft"] = eng.draft_model
+    else:
+        log.warning("%s drafts with %r: no draft model to export", profile, eng.info.get("drafter"))
+    return models
+
+
+def _check(a: argparse.Namespace, eng: Any, role: str, model: Any, path: Path, ref_dir: Any) -> dict[str, Any]:
+    """The parity of ``role``'s graph at ``path`` with specmix's ``model`` (engine/export/onnx_export.py), its
+    quantization error against the unquantized checkpoint ``ref_dir``, and whether it passes; logged."""
+    from engine.core.checkpoint import load_model
+    from engine.export.onnx_export import OnnxStep, decode_parity, module_parity
+
+    ref = load_model(ref_dir, "float32", "cpu")
+    prompt = _prompt(eng.tokenizer, model.config.vocab_size)
+    rep = decode_parity(model, OnnxStep(path), prompt, a.steps, reference=ref, verify=4, floor=True)
+    mods = module_parity(model, prompt)
+    ok = rep.passed(a.max_rel) and mods["max_rel"] <= a.max_rel and mods["quantized_activations_differing"] == 0
+    log.info(
+        "%s: %d quantized modules on specmix's inputs: max rel diff %.3g, %d of %d quantized activations differ",
+        role,
+        mods["modules"],
+        mods["max_rel"],
+        mods["quantized_activations_differing"],
+        mods["quantized_activations"],
+    )
+    log.info(
+        "%s: |onnx - specmix| max %.3g mean %.3g; quantization error max %.3g mean %.3g; one-ulp floor "
+        "max %.3g mean %.3g",
+        role,
+        rep.max_abs,
+        rep.mean_abs,
+        rep.ref_max_abs,
+        rep.ref_mean_abs,
+        rep.floor_max_abs,
+        rep.floor_mean_abs,
+    )
+    return {**rep.to_dict(), "modules": mods, "passed": ok}
+
+
+def _parity_check(a: argparse.Namespace, parity: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest's account of the parity check (what, the rule, passed); None with --no-check."""
+    if a.no_check:
+        return None
+    return {
+        "what": f"prefill of {len(PROMPTS)} prompts, {a.steps} greedy decode steps and one 4-token verify "
+        "step: onnxruntime CPU vs specmix as planned (max/mean), specmix as planned vs unquantized "
+        "(ref_*: the quantization error), specmix as planned vs itself with its embedding and RMSNorm "
+        "outputs moved one ulp (floor_*: its float32 rounding sensitivity)",
+        "modules": "each quantized Linear alone as an ONNX graph fed the inputs it sees in a specmix "
+        "prefill: worst output diff relative to the output scale, quantized activations that "
+        "differ from specmix's",
+        "rule": f"(max_rel <= {a.max_rel:g}, or max_abs <= ref_max_abs and mean_abs <= 0.2 ref_mean_abs) "
+        f"and modules.max_rel <= {a.max_rel:g} and no quantized activation differs",
+        "passed": all(p["passed"] for p in parity.values()),
+    }
+
+
 def export(a: argparse.Namespace) -> dict[str, Any]:
     """Export (and check) the profile's models; returns the manifest written."""
     import onnx  # noqa: F401  (fail early, before loading models, when the extra is missing)
 
     from engine import Engine
-    from engine.core.checkpoint import load_model
     from engine.core.files import write_json_atomic
-    from engine.export.onnx_export import (
-        IR_VERSION,
-        OPSET,
-        OnnxStep,
-        decode_parity,
-        export_step,
-        module_parity,
-    )
+    from engine.export.onnx_export import IR_VERSION, OPSET, export_step
 
     eng = Engine.from_profile(a.profile)
-    out = a.out if a.out is not None else Path("build") / "onnx" / a.profile.stem
-    models = {"target": eng.target}
-    if eng.draft_model is not None:
-        models["draft"] = eng.draft_model
-    else:
-        log.warning("%s drafts with %r: no draft model to export", a.profile, eng.info.get("drafter"))
+    out = _out_dir(a)
+    models = _models(eng, a.profile)
     dirs = {"target": eng.info["target_dir"], "draft": eng.info["draft_dir"]}
     graphs, parity = {}, {}
     for role, model in models.items():
         path = out / f"{role}.onnx"
         graphs[role] = export_step(model, path)
-        if a.no_check:
-            continue
-        ref = load_model(dirs[role], "float32", "cpu")
-        prompt = _prompt(eng.tokenizer, model.config.vocab_size)
-        rep = decode_parity(model, OnnxStep(path), prompt, a.steps, reference=ref, verify=4, floor=True)
-        mods = module_parity(model, prompt)
-        ok = rep.passed(a.max_rel) and mods["max_rel"] <= a.max_rel and mods["quantized_activations_differing"] == 0
-        parity[role] = {**rep.to_dict(), "modules": mods, "passed": ok}
-        log.info(
-            "%s: %d quantized modules on specmix's inputs: max rel diff %.3g, %d of %d quantized activations differ",
-            role,
-            mods["modules"],
-            mods["max_rel"],
-            mods["quantized_activations_differing"],
-            mods["quantized_activations"],
-        )
-        log.info(
-            "%s: |onnx - specmix| max %.3g mean %.3g; quantization error max %.3g mean %.3g; one-ulp floor "
-            "max %.3g mean %.3g",
-            role,
-            rep.max_abs,
-            rep.mean_abs,
-            rep.ref_max_abs,
-            rep.ref_mean_abs,
-            rep.floor_max_abs,
-            rep.floor_mean_abs,
-        )
+        if not a.no_check:
+            parity[role] = _check(a, eng, role, model, path, dirs[role])
     import onnxruntime
 
     manifest = {
@@ -164,23 +193,10 @@ def export(a: argparse.Namespace) -> dict[str, Any]:
         "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         "cache": "the caller keeps it: feed present.{i}.* back as past_key_values.{i}.*; slot = position, "
         "rows share past_seq; a rollback slices present to the accepted length (axis 2)",
-        "precision": eng.profile.get("precision") if eng.profile else None,
+        "precision": eng.profile.precision if eng.profile else None,
         "graphs": graphs,
         "parity": parity or None,
-        "parity_check": None
-        if a.no_check
-        else {
-            "what": f"prefill of {len(PROMPTS)} prompts, {a.steps} greedy decode steps and one 4-token verify "
-            "step: onnxruntime CPU vs specmix as planned (max/mean), specmix as planned vs unquantized "
-            "(ref_*: the quantization error), specmix as planned vs itself with its embedding and RMSNorm "
-            "outputs moved one ulp (floor_*: its float32 rounding sensitivity)",
-            "modules": "each quantized Linear alone as an ONNX graph fed the inputs it sees in a specmix "
-            "prefill: worst output diff relative to the output scale, quantized activations that "
-            "differ from specmix's",
-            "rule": f"(max_rel <= {a.max_rel:g}, or max_abs <= ref_max_abs and mean_abs <= 0.2 ref_mean_abs) "
-            f"and modules.max_rel <= {a.max_rel:g} and no quantized activation differs",
-            "passed": all(p["passed"] for p in parity.values()),
-        },
+        "parity_check": _parity_check(a, parity),
     }
     write_json_atomic(out / "manifest.json", manifest)
     return manifest

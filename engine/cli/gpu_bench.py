@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from engine.core.config import ModelConfig
+from engine.core.forward import CachedForward, ForwardCall
 from engine.core.model import KVCache, Transformer
 from engine.kernels.cudagraphs import GraphedForward
 from quant.linear import FP8Linear, Int8Linear
@@ -136,7 +137,7 @@ class Timer:
 
 
 def step_fn(
-    fwd: Callable[..., torch.Tensor],
+    fwd: CachedForward,
     cfg: ModelConfig,
     batch: int,
     T: int,
@@ -149,7 +150,8 @@ def step_fn(
     pos = (context + torch.arange(T, device=device)).expand(batch, T).contiguous()
     idx = torch.arange(T, device=device).expand(batch, T).contiguous()
     start = context if aligned else None  # the eager engine passes start for an aligned batch
-    return lambda: fwd(toks, pos, cache, context + T, None, logits_idx=idx, start=start)
+    call = ForwardCall(toks, pos, cache, context + T, None, idx, None, start)
+    return lambda: fwd.run(call).logits
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

@@ -5,10 +5,10 @@
     python tools/perplexity.py --profile P.json --eval-text wiki.test.raw --max-tokens 20000 --json
 
 Runs the profile's planned target and its unquantized (FP16) reference on the same fixed
-windows (llama.cpp style: context = the profile's, else 512 or the model's maximum if
-smaller; stride half the context; the second half of each window scored, the first window
-whole) and prints PPL +/- error for both, dPPL with its 95% interval (per-window
-differences), mean and p99 KL divergence (reference -> planned) and top-1 agreement.
+windows (llama.cpp style: context = the profile's quality.context; stride half the context;
+the second half of each window scored, the first window whole) and prints PPL +/- error for
+both, dPPL with its 95% interval (per-window differences), mean and p99 KL divergence
+(reference -> planned) and top-1 agreement.
 
 Bounds default to the profile's gates (quality.gates); --max-drift / --max-kld override.
 Eval text defaults to the profile's own (quality.eval_text).
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import Engine
-from engine.api.profile import engine_options
+from engine.api.profile import Profile, engine_options
 from engine.core.cli import OneLineParser, run_tool
 from engine.core.errors import ProfileError
 
@@ -85,57 +85,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _field(prof: dict[str, Any], path: str) -> Any:
-    """prof['quality'][...] by a dotted path; ProfileError naming the file and the field when missing."""
-    cur: Any = prof
-    for key in path.split("."):
-        if not isinstance(cur, dict) or key not in cur:
-            raise ProfileError(f"{prof.get('_path', 'profile')}: field {path} is missing")
-        cur = cur[key]
-    return cur
-
-
-def _number(prof: dict[str, Any], path: str) -> float:
-    v = _field(prof, path)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProfileError(f"{prof.get('_path', 'profile')}: field {path}={v!r} is invalid: allowed a number")
-    return float(v)
-
-
 def evaluate(a: argparse.Namespace) -> dict[str, Any]:
     """Recompute the figures; the result dict of the JSON output (``exit_code`` included)."""
     from engine.api.profile import load_profile, resolve_eval_text
     from engine.build.quality import (
         compare_models,
-        default_context,
         load_eval_ids,
         read_eval_text,
         text_sha256,
     )
 
-    prof = load_profile(a.profile)
-    max_drift = a.max_drift if a.max_drift is not None else _number(prof, "quality.gates.max_drift")
-    max_kld = a.max_kld if a.max_kld is not None else _number(prof, "quality.gates.max_kld")
+    prof = load_profile(a.profile)  # a typed Profile: every field the check reads is there, of its type
+    quality = prof.quality
+    max_drift = a.max_drift if a.max_drift is not None else quality.gates.max_drift
+    max_kld = a.max_kld if a.max_kld is not None else quality.gates.max_kld
     eval_path = a.eval_text if a.eval_text is not None else resolve_eval_text(prof)
     text = read_eval_text(eval_path)
     sha = text_sha256(text)
-    quality = _field(prof, "quality")
-    if not isinstance(quality, dict):
-        raise ProfileError(f"{prof.get('_path', 'profile')}: field quality is invalid: allowed a JSON object")
-    recorded_max, ctx_rec = quality.get("max_tokens"), quality.get("context")
+    recorded_max, ctx_rec = quality.max_tokens, quality.figures.context
     for key, v in (("max_tokens", recorded_max), ("context", ctx_rec)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
-            raise ProfileError(
-                f"{prof.get('_path', 'profile')}: field quality.{key}={v!r} is invalid: allowed an int >= 2 or null"
-            )
+        if v is not None and v < 2:
+            raise ProfileError(f"{prof.where}: field quality.{key}={v!r} is invalid: allowed an int >= 2 or null")
     max_tokens = a.max_tokens if a.max_tokens is not None else recorded_max
-    same_text = sha == _field(prof, "quality.eval_text_sha256")
+    same_text = sha == quality.eval_text_sha256
     comparable = same_text and max_tokens == recorded_max
-    recorded = (
-        {"ppl_ref": _number(prof, "quality.ppl_ref"), "ppl": _number(prof, "quality.ppl")} if comparable else None
-    )
+    recorded = {"ppl_ref": quality.figures.ppl_ref, "ppl": quality.figures.ppl} if comparable else None
     planned, reference = engines_for_profile(prof, a.device)
-    context = ctx_rec if ctx_rec is not None else default_context(reference.config.max_position_embeddings)
+    context = ctx_rec
     ids = load_eval_ids(reference.tokenizer, text, max_tokens=max_tokens)
     rep = compare_models(reference.logits, planned.logits, ids, context, progress=not a.quiet)
     reproduced: bool | None = None
@@ -206,7 +182,7 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def engines_for_profile(prof: dict[str, Any], device: str | None = None) -> tuple[Any, Any]:
+def engines_for_profile(prof: Profile, device: str | None = None) -> tuple[Any, Any]:
     """(the profile's planned engine, the unquantized reference engine of its target)."""
     kw = engine_options(prof, device)
     planned = Engine.from_pretrained(**kw)

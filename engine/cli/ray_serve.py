@@ -12,7 +12,7 @@ the target ``max_batch`` (a full batch; ``max_ongoing_requests`` is two batches,
 Serve's router, where a new replica can take them). Health checks ask the engine (``check_health``:
 a stalled or repeatedly failing decode round restarts the replica); on scale-down Serve stops routing
 to the replica and waits up to ``graceful_shutdown_timeout_s`` for its running requests to finish.
-Replicas report acceptance and load as Serve metrics (engine/server/ray_metrics.py).
+Replicas report the engine's metrics (acceptance, tokens, load) as Serve metrics (engine/server/ray_metrics.py).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class SpecmixReplica:
 
     async def _report(self) -> None:
         while True:
-            self.metrics.update(self.engine.scheduler.snapshot())
+            self.metrics.update(self.engine.metric_samples())
             await asyncio.sleep(self.opts.metrics_period_s)
 
     def check_health(self) -> None:
@@ -218,20 +218,20 @@ class SpecmixReplica:
         """This replica's id, its Serve metric values and the engine's stats (through a deployment handle)."""
         return {
             "replica": self.replica_id,
-            "metrics": self.metrics.update(self.engine.scheduler.snapshot()),
+            "metrics": self.metrics.update(self.engine.metric_samples()),
             "engine": {k: v for k, v in self.engine.stats().items() if k != "memory"},
         }
 
     def __del__(self) -> None:
         if hasattr(self, "_reporter"):
             self._reporter.cancel()
-            snap = self.engine.scheduler.snapshot()
+            st = self.engine.stats()
             log.info(
                 "replica %s stops: %d requests finished, %d running, %d waiting",
                 self.replica_id,
-                snap["totals"].requests,
-                snap["running"],
-                snap["waiting"],
+                st["requests"],
+                st["running"],
+                st["waiting"],
             )
 
 
@@ -277,4 +277,4 @@ def build_app(args: dict[str, Any]) -> Application:
 
     opts = args if isinstance(args, RayServeOptions) else RayServeOptions.from_args(dict(args))
     prof = load_profile(opts.profile, check_weights=False)
-    return SpecmixReplica.options(**deployment_options(opts, prof["device"])).bind(replica_args(opts))
+    return SpecmixReplica.options(**deployment_options(opts, prof.device)).bind(replica_args(opts))

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.spec_decode.registry import DRAFTERS, Loads
+
 log = logging.getLogger("specmix.serve")
 
 GENERATION_KEYS = {
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--drafter",
         default=None,
-        choices=["model", "medusa", "eagle", "ngram", "early-exit"],
+        choices=DRAFTERS.names(),
         help="default: the head's kind for a head directory, model for another --draft, else none",
     )
     ap.add_argument("--no-spec", action="store_true", default=None, help="decode plainly (speculation off)")
@@ -101,7 +103,7 @@ SPEC_ARGS = ("draft", "drafter", "no_spec", "k", "k_policy", "prompt_lookup")  #
 
 def _draft_kind(draft: Path | None) -> str | None:
     """The drafter a --draft directory implies: a trained head's kind, else a draft model."""
-    from engine.spec_decode.heads.checkpoint import is_head_dir, read_head_config
+    from engine.spec_decode.heads.config import is_head_dir, read_head_config
 
     if draft is None:
         return None
@@ -136,7 +138,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     )
     eng = Engine.from_pretrained(
         target,
-        draft if drafter in ("model", "medusa", "eagle") else None,
+        draft if drafter is not None and DRAFTERS[drafter].loads is not Loads.NOTHING else None,
         speculation=spec,
         limits=limits,
         device=args.device,
@@ -173,8 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         eng.info.get("prompt_lookup_min") or "off",
         pol.k if pol else None,
         pol.name if pol else None,
-        eng.profile.get("_path") if eng.profile else None,
-        json.dumps(eng.profile.get("plan"))[:200] if eng.profile else None,
+        eng.profile.path if eng.profile else None,
+        json.dumps(eng.profile.plan.to_dict())[:200] if eng.profile else None,
         eng.info.get("dtype"),
     )
     log.info("chat template: %s; generation defaults: %s", "yes" if eng.chat_template else "none", defaults or "none")

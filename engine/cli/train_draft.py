@@ -21,7 +21,7 @@ from pathlib import Path
 
 from engine.core.cli import OneLineParser, run_tool
 from engine.core.errors import InvalidConfigError
-from engine.train.distill import KINDS, VALUE_DTYPES, TrainOptions, train_draft
+from engine.train.distill import KINDS, VALUE_DTYPES, RunOptions, TrainOptions, train_draft
 
 
 def parse_args(argv: list[str] | None) -> object:
@@ -92,16 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=a.seed,
             weight_values=a.weight_values,
         )
-        report = train_draft(
-            a.target,
-            a.out,
-            opts,
-            _text(a.text),
-            device=a.device,
-            progress=not a.quiet,
-            heldout=a.heldout,
-            eval_k=a.eval_k,
-        )
+        text = _text(a.text)
+        run = RunOptions(device=a.device, progress=not a.quiet, heldout=a.heldout, eval_k=a.eval_k)
+        report = train_draft(a.target, a.out, opts, text, run)
         print(json.dumps(report, indent=2))
         return 0
 

@@ -50,9 +50,3 @@ class OverloadedError(EngineError, RuntimeError):
 
 class UnhealthyError(EngineError, RuntimeError):
     """The engine cannot make progress (a stalled round, failing rounds, pending work without a worker)."""
-
-
-def check_range(field: str, value: object, ok: bool, allowed: str) -> None:
-    """Raise InvalidRequestError naming ``field`` and ``allowed`` unless ``ok``."""
-    if not ok:
-        raise InvalidRequestError(f"{field}={value!r} is invalid: allowed {allowed}")

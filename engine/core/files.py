@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +95,15 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON to a temp file beside ``path`` and rename it into place."""
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created when missing) for the block: one builder of a cache entry
+    at a time across processes."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

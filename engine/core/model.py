@@ -6,7 +6,7 @@ so loading is a rename and quantization is a module swap of ``nn.Linear``s:
     embed_tokens, layers[i].{input_layernorm, self_attn.{q,k,v,o}_proj,
     post_attention_layernorm, mlp.{gate,up,down}_proj}, norm, lm_head
 
-The KV cache is static and position-indexed (gpt-fast style): one tensor per
+The KV cache (engine/core/forward.py) is static and position-indexed (gpt-fast style): one tensor per
 k/v of shape [layers, max_batch, kv_heads, max_seq_len, head_dim]. A forward
 writes the new keys at ``input_pos`` and attends over the first ``kv_len``
 slots with a position mask, so each sequence of a ragged batch has its own
@@ -17,15 +17,14 @@ backends and the position mask are in engine/core/attention.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.attention import AttentionFn, _Ctx, position_mask, sdpa_attention
+from engine.core.attention import AttentionBackend, AttentionContext, position_mask, sdpa_attention
 from engine.core.config import ModelConfig
+from engine.core.forward import Features, ForwardCall, ForwardOut, KVCache, StepKernel  # KVCache: also for importers
 
 
 class RMSNorm(nn.Module):
@@ -79,38 +78,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin_folded: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_folded
 
 
-class KVCache:
-    """Static cache: k, v [layers, max_batch, kv_heads, max_seq_len, head_dim]."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        max_batch: int,
-        max_seq_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        n_layers: int | None = None,
-    ) -> None:
-        n = cfg.num_hidden_layers if n_layers is None else n_layers
-        shape = (n, max_batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_batch, self.max_seq_len = max_batch, max_seq_len
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-    def copy_rows(self, src: int, dst: Sequence[int], length: int) -> None:
-        """Copy positions 0..length-1 of row ``src`` (every layer, keys and values) into the rows ``dst``."""
-        assert 0 <= length <= self.max_seq_len, f"length {length} beyond the cache's {self.max_seq_len} positions"
-        if not dst or not length:
-            return
-        idx = torch.tensor(list(dst), dtype=torch.long, device=self.k.device)
-        for t in (self.k, self.v):
-            t[:, idx, :, :length] = t[:, src : src + 1, :, :length]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -124,7 +91,13 @@ class Attention(nn.Module):
         self.qkv: FusedLinear | None = None  # q/k/v as one GEMM (fuse_projections)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn, cache: tuple[Tensor, Tensor] | None, ctx: _Ctx
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attn: AttentionBackend,
+        cache: tuple[Tensor, Tensor] | None,
+        ctx: AttentionContext,
     ) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
@@ -137,23 +110,23 @@ class Attention(nn.Module):
             k = apply_rope(self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)
             v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         if cache is None:
-            o = attn_fn(q, k, v, ctx.mask, True)
+            o = attn(q, k, v, ctx.mask, True)
         else:
             kc, vc = cache  # [max_batch, Hkv, S, D]
             if ctx.start is not None:  # rows 0..B-1 all write start..start+T-1: a slice copy
                 kc[:B, :, ctx.start : ctx.start + T] = k
                 vc[:B, :, ctx.start : ctx.start + T] = v
             else:  # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
+                assert ctx.rows is not None
                 kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
                 vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
-            with_cache = getattr(attn_fn, "with_cache", None)  # flash-attn reads the cache in place (backends.py)
-            o = None if with_cache is None else with_cache(q, kc, vc, ctx, self.window)
+            o = attn.with_cache(q, kc, vc, ctx, self.window)  # a backend that reads the cache in place
             if o is None:
-                if ctx.rows_are_prefix:
+                if ctx.rows_are_prefix or ctx.rows is None:
                     ks, vs = kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len]
                 else:
                     ks, vs = kc[ctx.rows, :, : ctx.kv_len], vc[ctx.rows, :, : ctx.kv_len]
-                o = attn_fn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, False)
+                o = attn(q, ks.to(q.dtype), vs.to(q.dtype), ctx.mask, False)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -231,9 +204,15 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttentionFn, cache: tuple[Tensor, Tensor] | None, ctx: _Ctx
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attn: AttentionBackend,
+        cache: tuple[Tensor, Tensor] | None,
+        ctx: AttentionContext,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_fn, cache, ctx)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, cache, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -248,15 +227,14 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.attn_fn: AttentionFn = sdpa_attention
+        self.attn_fn: AttentionBackend = sdpa_attention
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
-        self.layer_step: Any = None  # the cached forward as one C++ call (engine/kernels/cpu_decode.py)
+        self.layer_step: StepKernel | None = None  # the cached forward as one C++ call (engine/kernels/cpu_decode.py)
 
-    def use_kernels(self, attention: AttentionFn | None = None, step: Any = None) -> None:
+    def use_kernels(self, attention: AttentionBackend | None = None, step: StepKernel | None = None) -> None:
         """The one hook for the kernels layer (engine/kernels/backends.py chooses them; the engine's builder
         calls this where it builds the model): ``attention`` replaces the attention backend when given;
-        ``step``, a callable with ``DecodeStep``'s signature, runs every cached no-grad fp32 forward in one
-        call (None: PyTorch's layers)."""
+        ``step`` runs every cached no-grad fp32 forward it takes in one call (None: PyTorch's layers)."""
         if attention is not None:
             self.attn_fn = attention
         self.layer_step = step
@@ -279,6 +257,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def forward(
         self,
         tokens: Tensor,  # [B,T] int64
@@ -289,59 +271,66 @@ class Transformer(nn.Module):
         logits_idx: Tensor | None = None,  # [B] -> logits [B,V]; [B,J] -> [B,J,V]: positions to score
         n_layers: int | None = None,  # run only the first n layers (early-exit drafting)
         start: int | None = None,  # promise: rows is None and input_pos[b] == start..start+T-1 for every b
-        return_hidden: bool = False,  # also return the final-norm output (the LM head's input) of those positions
-        hidden_all: bool = False,  # with return_hidden: the features of every position [B,T,H], not only the scored
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor:
         """Logits [B,T,V] (or only the positions in logits_idx). Without a cache: a plain causal forward.
-        With ``return_hidden``: (logits, features [..., H]), the features the draft heads read (spec/heads.py).
+        ``run`` takes the same as a ``ForwardCall`` and can return features too."""
+        return self.run(ForwardCall(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers, start)).logits
+
+    def run(self, call: ForwardCall) -> ForwardOut:
+        """The forward of ``call``: on the step kernel where it takes the call, else PyTorch's layers.
 
         ``start`` lets the cache path skip index scatters and gathers: the new keys go in with a
         slice copy, the rotary table is sliced, and a single-token step needs no mask.
         """
-        B, T = tokens.shape
-        if input_pos is None:
-            input_pos = torch.arange(T, device=tokens.device).expand(B, T)
         step = self.layer_step
-        if cache is not None and step is not None and step.takes(tokens, cache):
-            assert kv_len is not None, "kv_len is required with a cache"
-            if hidden_all and return_hidden:  # the step scores the rows whose features it returns: all of them
-                every = torch.arange(T, device=tokens.device).expand(B, T)
-                lg, h = step(tokens, input_pos, rows, cache, kv_len, n_layers, every, True)
-                return _scored(lg, logits_idx), h
-            return step(tokens, input_pos, rows, cache, kv_len, n_layers, logits_idx, return_hidden)
-        x = self.embed_tokens(tokens)
-        window = self.config.sliding_window
-        if cache is None:
-            cos, sin = rope_cos_sin(self.inv_freq, input_pos, x.dtype)
-            mask = position_mask(input_pos, T, window) if window is not None and window < T else None
-            ctx = _Ctx(input_pos, None, True, T, mask)  # type: ignore[arg-type]
-        else:
-            assert kv_len is not None, "kv_len is required with a cache"
-            cos_t, sin_t = self.rope_table(cache.max_seq_len, x.dtype)
-            if start is not None:
-                assert rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"
-                cos, sin = cos_t[None, None, start : start + T], sin_t[None, None, start : start + T]
-                # one query that sees every key needs no mask; a block gets its mask built once here,
-                # shared by every layer (not rebuilt by the attention function in each of them)
-                full = T == 1 and (window is None or kv_len <= window)
-                mask = None if full else position_mask(input_pos, kv_len, window)
-                ctx = _Ctx(input_pos, None, True, kv_len, mask, start)  # type: ignore[arg-type]
-            else:
-                cos, sin = cos_t[input_pos][:, None], sin_t[input_pos][:, None]
-                prefix = rows is None
-                if rows is None:
-                    rows = torch.arange(B, device=tokens.device)
-                ctx = _Ctx(input_pos, rows, prefix, kv_len, position_mask(input_pos, kv_len, window))
-        layers = self.layers if n_layers is None else self.layers[:n_layers]
+        if call.cache is not None and step is not None and step.takes(call):
+            assert call.kv_len is not None, "kv_len is required with a cache"
+            return step.run(call)
+        x = self.embed_tokens(call.tokens)
+        cos, sin, ctx = self._context(call, x.dtype)
+        layers = self.layers if call.n_layers is None else self.layers[: call.n_layers]
         for i, layer in enumerate(layers):
-            c = None if cache is None else (cache.k[i], cache.v[i])
+            c = None if call.cache is None else (call.cache.k[i], call.cache.v[i])
             x = layer(x, cos, sin, self.attn_fn, c, ctx)
-        if hidden_all and return_hidden:
+        if call.features is Features.ALL:
             h = self.norm(x)
-            return self.lm_head(_scored(h, logits_idx)), h
-        x = _scored(x, logits_idx)
-        h = self.norm(x)
-        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
+            return ForwardOut(self.lm_head(_scored(h, call.logits_idx)), h)
+        h = self.norm(_scored(x, call.logits_idx))
+        return ForwardOut(self.lm_head(h), h if call.features is Features.SCORED else None)
+
+    def greedy_draft(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor | None:
+        """``steps`` greedy drafts in one call (``StepKernel.greedy``) where the step kernel takes ``call``;
+        None: the caller runs the steps."""
+        step = self.layer_step
+        if call.cache is None or step is None or not step.takes(call):
+            return None
+        return step.greedy(call, last, steps, vocab)
+
+    def _context(self, call: ForwardCall, dtype: torch.dtype) -> tuple[Tensor, Tensor, AttentionContext]:
+        """The rotary tables of the call's positions and the attention context its layers share."""
+        B, T = call.tokens.shape
+        dev, window = call.tokens.device, self.config.sliding_window
+        pos = call.pos if call.pos is not None else torch.arange(T, device=dev).expand(B, T)
+        if call.cache is None:
+            cos, sin = rope_cos_sin(self.inv_freq, pos, dtype)
+            mask = position_mask(pos, T, window) if window is not None and window < T else None
+            return cos, sin, AttentionContext(pos, None, True, T, mask)
+        kv_len = call.kv_len
+        assert kv_len is not None, "kv_len is required with a cache"
+        cos_t, sin_t = self.rope_table(call.cache.max_seq_len, dtype)
+        start = call.start
+        if start is not None:
+            assert call.rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"
+            # one query that sees every key needs no mask; a block gets its mask built once here,
+            # shared by every layer (not rebuilt by the attention function in each of them)
+            full = T == 1 and (window is None or kv_len <= window)
+            mask = None if full else position_mask(pos, kv_len, window)
+            ctx = AttentionContext(pos, None, True, kv_len, mask, start)
+            return cos_t[None, None, start : start + T], sin_t[None, None, start : start + T], ctx
+        prefix = call.rows is None
+        rows = torch.arange(B, device=dev) if call.rows is None else call.rows
+        ctx = AttentionContext(pos, rows, prefix, kv_len, position_mask(pos, kv_len, window))
+        return cos_t[pos][:, None], sin_t[pos][:, None], ctx
 
 
 def _scored(x: Tensor, idx: Tensor | None) -> Tensor:

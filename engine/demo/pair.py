@@ -8,16 +8,14 @@ the end under a lock: a killed build leaves no pair.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from engine.core.files import file_lock
 from engine.demo.recipe import DemoRecipe, get_recipe, pair_dir
 from engine.demo.train import build_pair as _train
 
@@ -31,7 +29,7 @@ def demo_pair(
     final = pair_dir(size, cache_dir)
     if force or not (final / "report.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
-        with _lock(final.parent / f".{final.name}.lock"):
+        with file_lock(final.parent / f".{final.name}.lock"):
             if force and final.exists():
                 shutil.rmtree(final)
             if not (final / "report.json").is_file():
@@ -43,16 +41,6 @@ def demo_report(size: str = "demo", cache_dir: str | Path | None = None) -> dict
     """The build report of a pair (builds it when missing)."""
     target, _ = demo_pair(size, cache_dir, progress=False)
     return json.loads((target.parent / "report.json").read_text(encoding="utf-8"))
-
-
-@contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build_atomic(size: str, final: Path, progress: bool) -> None:

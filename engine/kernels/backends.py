@@ -10,12 +10,11 @@ Every probe reads a ``HardwareFacts`` (what the machine has). ``probe_hardware``
 asks the machine; tests build the facts themselves (``facts_for_gpu`` turns a
 catalog entry into the facts of that GPU), so no import is monkeypatched.
 
-Attention backends share the model's ``attn_fn`` API (engine/core/model.py). Both
+Attention backends are ``AttentionBackend``s (engine/core/attention.py). All
 align ``causal=True`` bottom-right when there are fewer queries than keys (query
-i of T sees keys <= S - T + i), as flash-attn does. flash-attn adds one
-documented extension: ``attn_fn.with_cache(q, k_cache, v_cache, ctx, window)``
-reads the whole static cache in place with per-row lengths (``cache_seqlens``
-from the forward's positions, ``cache_batch_idx`` from its rows), so a ragged
+i of T sees keys <= S - T + i), as flash-attn does. flash-attn's
+``with_cache(q, k_cache, v_cache, ctx, window)`` reads the whole static cache in place
+with per-row lengths (``cache_seqlens`` from the forward's positions, ``cache_batch_idx`` from its rows), so a ragged
 batch needs no gather and no mask; it returns None when the block does not fit
 that form and the model then uses the masked call.
 """
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.core.attention import AttentionFn, math_attention, sdpa_attention
+from engine.core.attention import AttentionBackend, AttentionContext, math_attention, sdpa_attention
 from engine.core.errors import KernelUnavailableError
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ def choose_attention(facts: HardwareFacts) -> str:
     return "flash-attn-2" if ok else "sdpa"
 
 
-def select_attention(name: str, device: torch.device | str, facts: HardwareFacts | None = None) -> AttentionFn:
+def select_attention(name: str, device: torch.device | str, facts: HardwareFacts | None = None) -> AttentionBackend:
     """The attention function for ``name`` (or ``auto``) on ``device``; KernelUnavailableError if it cannot run."""
     f = facts or probe_hardware(device)
     if name == "auto":
@@ -128,11 +127,13 @@ FlashKernel = Callable[..., Tensor]
 
 
 class FlashAttention:
-    """flash-attn 2 behind the model's attn_fn API (flash_attn is imported on first use).
+    """flash-attn 2 as an ``AttentionBackend`` (flash_attn is imported on first use).
 
     ``kernels`` maps ``"func"`` / ``"with_kvcache"`` to callables with flash-attn's signatures;
     None imports flash_attn. Tests pass a pure-PyTorch reference to check the layout logic.
     """
+
+    name = "flash-attn-2"
 
     def __init__(self, kernels: dict[str, FlashKernel] | None = None) -> None:
         self._kernels = kernels
@@ -149,7 +150,9 @@ class FlashAttention:
         out = self._kernel("func")(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return out.transpose(1, 2)
 
-    def with_cache(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: Any, window: int | None) -> Tensor | None:
+    def with_cache(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: AttentionContext, window: int | None
+    ) -> Tensor | None:
         """Attention of q [B,H,T,D] over the cache rows [max_batch,Hkv,S,D] (new keys already written).
 
         Row b's real positions are pos[b,0] .. pos[b,0]+n_b-1 (n_b <= T; padding queries are
@@ -161,7 +164,7 @@ class FlashAttention:
         if ctx.kv_len + T > S or q.dtype != k_cache.dtype or (q.is_cuda and q.dtype not in FLASH_DTYPES):
             return None
         seqlens = (ctx.pos[:, 0] + T).clamp(max=S).to(torch.int32)  # padding rows (pos = scratch) clamp
-        batch_idx = None if ctx.rows_are_prefix else ctx.rows.to(torch.int32)
+        batch_idx = None if ctx.rows_are_prefix or ctx.rows is None else ctx.rows.to(torch.int32)
         win = (window - 1, 0) if window is not None else (-1, -1)
         out = self._kernel("with_kvcache")(
             q.transpose(1, 2),

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.core.attention import sdpa_attention
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import KernelUnavailableError
-from engine.core.model import FusedLinear, KVCache, Transformer
+from engine.core.model import Features, ForwardCall, ForwardOut, FusedLinear, Transformer
 from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
     amx_status,
@@ -110,8 +109,8 @@ def decode_step_reason(model: Transformer) -> str | None:
             f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on "
             f"{model.norm.weight.device.type})"
         )
-    if model.attn_fn is not sdpa_attention:
-        return f"the model's attention backend is {getattr(model.attn_fn, '__name__', model.attn_fn)!r}, not sdpa"
+    if model.attn_fn.name != "sdpa":
+        return f"the model's attention backend is {model.attn_fn.name!r}, not sdpa"
     cfg = model.config
     if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
         return "needs heads divisible by kv heads and an even head_dim"
@@ -178,63 +177,70 @@ class DecodeStep:
         self._empty = torch.empty(0, dtype=torch.long)
         self._empty_f = torch.empty(0)
 
-    def takes(self, tokens: Tensor, cache: KVCache) -> bool:
-        """Whether this call (tokens [B,T]) goes through the kernel: a fp32 cache and no autograd."""
-        return cache.k.dtype == torch.float32 and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
+    def takes(self, call: ForwardCall) -> bool:
+        """Whether this call goes through the kernel: a fp32 cache and no autograd."""
+        cache = call.cache
+        return (
+            cache is not None
+            and cache.k.dtype == torch.float32
+            and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
+        )
 
-    def __call__(
-        self,
-        tokens: Tensor,
-        pos: Tensor,
-        rows: Tensor | None,
-        cache: KVCache,
-        kv_len: int,
-        n_layers: int | None,
-        logits_idx: Tensor | None,
-        return_hidden: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """tokens, pos [B,T]; rows [B] cache rows (None: 0..B-1) -> logits [B,T,V] ([B,V] / [B,J,V] at
-        logits_idx [B] / [B,J]), like ``Transformer.forward`` (with ``return_hidden``: and the final-norm outputs)."""
+    def run(self, call: ForwardCall) -> ForwardOut:
+        """The forward of ``call`` (``Transformer.run``'s result): logits [B,T,V] ([B,V] / [B,J,V] at logits_idx
+        [B] / [B,J]) and, with ``call.features``, the final-norm outputs of the scored rows (every row: ALL)."""
+        if call.features is Features.ALL:  # the kernel scores the rows whose features it returns: all of them
+            B, T = call.tokens.shape
+            every = torch.arange(T, device=call.tokens.device).expand(B, T)
+            lg, h = self._forward(call, every, True)
+            idx = call.logits_idx
+            b = torch.arange(B)
+            return ForwardOut(lg if idx is None else lg[b, idx] if idx.dim() == 1 else lg[b[:, None], idx], h)
+        want = call.features is Features.SCORED
+        lg, h = self._forward(call, call.logits_idx, want)
+        return ForwardOut(lg, h if want else None)
+
+    def _forward(self, call: ForwardCall, idx: Tensor | None, hidden: bool) -> tuple[Tensor, Tensor]:
+        cache = call.cache
+        assert cache is not None and call.kv_len is not None
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
-        hidden = torch.empty(1) if return_hidden else self._empty_f
+        h = torch.empty(1) if hidden else self._empty_f
         logits = self.impl.forward(
-            tokens,
-            pos,
-            self._empty if rows is None else rows,
-            self._empty if logits_idx is None else logits_idx,
-            kv_len,
-            self.n_layers if n_layers is None else n_layers,
+            call.tokens,
+            self._pos(call),
+            self._empty if call.rows is None else call.rows,
+            self._empty if idx is None else idx,
+            call.kv_len,
+            self.n_layers if call.n_layers is None else call.n_layers,
             cache.k,
             cache.v,
             cos,
             sin,
-            hidden,
+            h,
         )
-        return (logits, hidden) if return_hidden else logits
+        return logits, h
 
-    def greedy(
-        self,
-        tokens: Tensor,
-        pos: Tensor,
-        rows: Tensor | None,
-        cache: KVCache,
-        kv_len: int,
-        n_layers: int | None,
-        last: Tensor,
-        steps: int,
-        vocab: int,
-    ) -> Tensor:
-        """Greedy drafting in one call: this forward scored at ``last`` [B], then ``steps`` - 1 one-token
+    @staticmethod
+    def _pos(call: ForwardCall) -> Tensor:
+        if call.pos is not None:
+            return call.pos
+        B, T = call.tokens.shape
+        return torch.arange(T).expand(B, T)
+
+    def greedy(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor:
+        """Greedy drafting in one call: ``call`` scored at ``last`` [B], then ``steps`` - 1 one-token
         forwards, each on the previous argmax over the first ``vocab`` logits -> the argmaxes [B, steps]
-        (what calling ``__call__`` and ``argmax`` in a loop returns, without the Python between steps)."""
+        (what ``run`` and ``argmax`` in a loop return, without the Python between steps)."""
+        cache = call.cache
+        assert cache is not None and call.kv_len is not None
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
         return self.impl.greedy(
-            tokens,
-            pos,
-            self._empty if rows is None else rows,
+            call.tokens,
+            self._pos(call),
+            self._empty if call.rows is None else call.rows,
             last,
-            kv_len,
-            self.n_layers if n_layers is None else n_layers,
+            call.kv_len,
+            self.n_layers if call.n_layers is None else call.n_layers,
             cache.k,
             cache.v,
             cos,
@@ -291,7 +297,7 @@ def step_info(models: dict[str, Transformer | None]) -> dict[str, Any]:
     ``<name>_step_amx`` (on AMX tiles), both None where the model has no step."""
     info: dict[str, Any] = {}
     for name, m in models.items():
-        step = getattr(m, "layer_step", None)
+        step = None if m is None else m.layer_step
         info[f"{name}_step_weights"] = None if step is None else str(step.weight_dtype).replace("torch.", "")
         info[f"{name}_step_amx"] = None if step is None else step.amx
     return info

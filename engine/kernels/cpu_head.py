@@ -59,8 +59,8 @@ def head_kernel_reason(tensors: list[Tensor | None]) -> str | None:
 
 
 class EagleKernel:
-    """An EAGLE-style head's step in one C++ call; ``__call__`` has the signature of the drafter's ``step``
-    (and of a step runner: ``static`` is empty for eagle), ``greedy`` drafts k tokens in one call."""
+    """An EAGLE-style head's step in one C++ call; ``__call__`` has the signature of the drafter's ``step``,
+    ``greedy`` drafts k tokens in one call."""
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class EagleKernel:
         ws.append(torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().contiguous())
         self.impl = cpu_kernels().EagleStep(ws, eps)
 
-    def __call__(self, f: Tensor, tok: Tensor, static: tuple[object, ...] = ()) -> tuple[Tensor, Tensor]:
+    def __call__(self, f: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
         """(features [B, H], the tokens they precede [B]) -> (the next features, their logits [B, V'])."""
         return self.impl.step(f.float().contiguous(), tok.long().contiguous())
 
@@ -94,8 +94,8 @@ class EagleKernel:
 
 
 class MedusaKernel:
-    """Medusa heads' step in one C++ call; ``__call__`` is the drafter's ``step`` as a runner (``static`` = (n,)),
-    ``greedy`` the first n heads' argmaxes in one call."""
+    """Medusa heads' step in one C++ call; ``__call__`` has the drafter's ``step`` signature, ``greedy`` the first n
+    heads' argmaxes in one call."""
 
     def __init__(
         self, weight: Tensor, bias: Tensor, lm_weight: Tensor, vocab_ids: Tensor | None, vocab: int, store: torch.dtype
@@ -106,9 +106,9 @@ class MedusaKernel:
         w = weight.detach().to(store).contiguous()
         self.impl = cpu_kernels().MedusaStep(w, bias.detach().contiguous(), lm_weight.detach().contiguous(), ids, vocab)
 
-    def __call__(self, f: Tensor, static: tuple[int, ...]) -> Tensor:
-        """Features [B, H] -> the first n = static[0] heads' logits [B, n, V']."""
-        return self.impl.step(f.float().contiguous(), static[0])
+    def __call__(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' logits [B, n, V']."""
+        return self.impl.step(f.float().contiguous(), n)
 
     def greedy(self, f: Tensor, n: int) -> Tensor:
         """Features [B, H] -> the first n heads' greedy drafts [B, n], ids of the full vocabulary."""
@@ -116,7 +116,8 @@ class MedusaKernel:
 
 
 def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:
-    """The LM head's scorer (engine/spec_decode/heads/checkpoint.py ``draft_lm_head``) on the few-row GEMM, same fp32 weight."""
+    """The LM head's scorer (engine/spec_decode/heads/modules.py ``draft_lm_head``) on the few-row GEMM, same
+    fp32 weight."""
     w = scorer.weight
     if type(scorer) is nn.Linear and _fp32_cpu(w) and small_gemm_status() is None:
         return SmallGemmLinear(scorer)

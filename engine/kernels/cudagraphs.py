@@ -1,9 +1,9 @@
 """CUDA graphs for the decode loop's cached forwards (target verify, draft steps).
 
-``GraphedForward`` wraps a Transformer: calling it is the model's cached forward,
-replayed from a captured graph when the call fits one; every other attribute is
-the model's, so the loop (``loop.target``) and a drafter (``drafter.model``) use
-it unchanged. ``graph_forwards(target, draft, k_max, buckets)`` makes the wrappers the engine's builder installs.
+``GraphedForward`` wraps a Transformer as a ``CachedForward`` (engine/core/forward.py): its ``run`` is the
+model's cached forward, replayed from a captured graph when the call fits one, so the loop
+(``loop.target``) and a drafter (``drafter.model``) use it in place of the model.
+``graph_forwards(target, draft, k_max, buckets)`` makes the wrappers the engine's builder installs.
 
 A graph is keyed by (batch bucket, T, logits_idx shape, kv bucket, row layout,
 n_layers) and captured lazily on first use:
@@ -24,11 +24,11 @@ n_layers) and captured lazily on first use:
   loop would need one graph per (bucket, K, sampling set-up) and the top-k/top-p
   branches are chosen on the host per batch; the step graph serves every K.
 
-A verify that returns the target's features too (``return_hidden``, for a head drafter) has graphs of
+A verify that returns the target's features too (``Features.SCORED``, for a head drafter) has graphs of
 its own (``hidden`` in the key); the head's step is graphed by engine/kernels/head_graphs.py.
 
 A call that fits no graph (no cache, prefill wider than ``max_tokens``, a batch
-above the largest bucket or the cache's rows, every position's features: ``hidden_all``)
+above the largest bucket or the cache's rows, every position's features: ``Features.ALL``)
 runs eagerly and is counted. A new cache (the scheduler grows it between rounds) drops the graphs. ``emulate=True``
 runs the same static padded forward without capturing (what the CPU tests check).
 Graphs share one memory pool; outputs are cloned right after replay, so a later
@@ -47,8 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError
-from engine.core.model import KVCache, Transformer
+from engine.core.model import Features, ForwardCall, ForwardOut, KVCache, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class GraphKey:
     kv: int
     prefix: bool  # rows 0..B-1 (no rows tensor: no gather of the cache)
     n_layers: int | None
-    hidden: bool = False  # return_hidden: (logits, features), for the drafters of trained heads
+    hidden: bool = False  # Features.SCORED: logits and features, for the drafters of trained heads
 
 
 @dataclass
@@ -115,7 +116,7 @@ class _Static:
         self.pos = torch.zeros(B, T, dtype=torch.long, device=device)
         self.rows = None if key.prefix else torch.zeros(B, dtype=torch.long, device=device)
         self.idx = None if key.idx is None else torch.zeros(B, *key.idx, dtype=torch.long, device=device)
-        self.out: Tensor | tuple[Tensor, Tensor] | None = None
+        self.out: ForwardOut | None = None
         self.graph: Any = None  # torch.cuda.CUDAGraph
 
 
@@ -146,91 +147,66 @@ class GraphedForward:
         self._graphs: OrderedDict[GraphKey, _Static] = OrderedDict()
         self._cache_id: tuple[int, ...] | None = None
 
-    def __getattr__(self, name: str) -> Any:  # the wrapped model's attributes (config, norm, ...)
-        if name == "_model":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
     @property
     def model(self) -> Transformer:
         return self._model
 
+    @property
+    def config(self) -> ModelConfig:
+        return self._model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._model.dtype
+
     # ------------------------------------------------------------ the call
-    def key_for(
-        self,
-        tokens: Tensor,
-        input_pos: Tensor | None,
-        cache: KVCache | None,
-        kv_len: int | None,
-        rows: Tensor | None,
-        logits_idx: Tensor | None,
-        n_layers: int | None,
-        return_hidden: bool = False,
-    ) -> GraphKey | None:
+    def key_for(self, call: ForwardCall) -> GraphKey | None:
         """The graph a call would replay, or None (eager)."""
-        if cache is None or input_pos is None or kv_len is None:
+        cache = call.cache
+        if cache is None or call.pos is None or call.kv_len is None or call.features is Features.ALL:
             return None
-        B, T = tokens.shape
+        B, T = call.tokens.shape
         bb = batch_bucket(B, self.buckets)
         if bb is None or bb > cache.max_batch or T > self.max_tokens:
             return None
-        idx = None if logits_idx is None else tuple(logits_idx.shape[1:])
-        return GraphKey(bb, T, idx, kv_bucket(kv_len, cache.max_seq_len), rows is None, n_layers, return_hidden)
+        idx = None if call.logits_idx is None else tuple(call.logits_idx.shape[1:])
+        hidden = call.features is Features.SCORED
+        kv = kv_bucket(call.kv_len, cache.max_seq_len)
+        return GraphKey(bb, T, idx, kv, call.rows is None, call.n_layers, hidden)
 
-    def __call__(
-        self,
-        tokens: Tensor,
-        input_pos: Tensor | None = None,
-        cache: KVCache | None = None,
-        kv_len: int | None = None,
-        rows: Tensor | None = None,
-        logits_idx: Tensor | None = None,
-        n_layers: int | None = None,
-        start: int | None = None,
-        return_hidden: bool = False,
-        hidden_all: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        # every position's features (a prefill for the attention head) has no graph: eager, counted
-        key = (
-            None
-            if hidden_all
-            else self.key_for(tokens, input_pos, cache, kv_len, rows, logits_idx, n_layers, return_hidden)
-        )
+    def run(self, call: ForwardCall) -> ForwardOut:
+        """``call`` replayed from its graph (captured on first use), or run eagerly (counted) when it fits none;
+        every position's features (a prefill for the attention head) have no graph."""
+        key = self.key_for(call)
         if key is None:
             self.stats.eager_calls += 1
-            return self._model(
-                tokens,
-                input_pos,
-                cache,
-                kv_len,
-                rows,
-                logits_idx=logits_idx,
-                n_layers=n_layers,
-                start=start,
-                return_hidden=return_hidden,
-                hidden_all=hidden_all,
-            )
-        assert cache is not None and input_pos is not None
-        self._check_cache(cache)
+            return self._model.run(call)
+        assert call.cache is not None and call.pos is not None
+        self._check_cache(call.cache)
         g = self._graphs.get(key)
         fresh = g is None
         if g is None:
             g = self._graphs[key] = _Static(key, self.device)
         else:
             self._graphs.move_to_end(key)
-        self._fill(g, tokens, input_pos, rows, logits_idx, cache.max_seq_len - 1)
+        self._fill(g, call, call.cache.max_seq_len - 1)
         if self.emulate:
-            out = self._forward(g, cache, key)
+            out = self._forward(g, call.cache, key)
             if fresh:
                 self._count_capture(0.0)
         else:
             if fresh:
-                self._capture(g, cache, key)
+                self._capture(g, call.cache, key)
             g.graph.replay()
             out = g.out
         self.stats.replays += 1  # emulated: the same static forward, run eagerly
         assert out is not None
-        return cut_rows(out, tokens.shape[0])
+        n = call.tokens.shape[0]
+        return ForwardOut(out.logits[:n].clone(), None if out.features is None else out.features[:n].clone())
+
+    def greedy_draft(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor | None:
+        """The model's one-call greedy drafting where its step kernel runs (never on CUDA): graphs replay steps."""
+        return self._model.greedy_draft(call, last, steps, vocab)
 
     # ------------------------------------------------------------ internals
     def _check_cache(self, cache: KVCache) -> None:
@@ -248,26 +224,26 @@ class GraphedForward:
         self.stats.graphs = 0
 
     @staticmethod
-    def _fill(g: _Static, tokens: Tensor, pos: Tensor, rows: Tensor | None, idx: Tensor | None, scratch: int) -> None:
-        B = tokens.shape[0]
-        g.tokens[:B].copy_(tokens)
+    def _fill(g: _Static, call: ForwardCall, scratch: int) -> None:
+        B = call.tokens.shape[0]
+        assert call.pos is not None
+        g.tokens[:B].copy_(call.tokens)
         g.tokens[B:].zero_()
-        g.pos[:B].copy_(pos)
+        g.pos[:B].copy_(call.pos)
         g.pos[B:].fill_(scratch)  # padding rows write the scratch slot, which no real query reads
         if g.rows is not None:
-            assert rows is not None
-            g.rows[:B].copy_(rows)
+            assert call.rows is not None
+            g.rows[:B].copy_(call.rows)
             g.rows[B:].zero_()
         if g.idx is not None:
-            assert idx is not None
-            g.idx[:B].copy_(idx)
+            assert call.logits_idx is not None
+            g.idx[:B].copy_(call.logits_idx)
             g.idx[B:].zero_()
 
     @torch.no_grad()
-    def _forward(self, g: _Static, cache: KVCache, key: GraphKey) -> Tensor | tuple[Tensor, Tensor]:
-        return self._model(
-            g.tokens, g.pos, cache, key.kv, g.rows, logits_idx=g.idx, n_layers=key.n_layers, return_hidden=key.hidden
-        )
+    def _forward(self, g: _Static, cache: KVCache, key: GraphKey) -> ForwardOut:
+        features = Features.SCORED if key.hidden else Features.NONE
+        return self._model.run(ForwardCall(g.tokens, g.pos, cache, key.kv, g.rows, g.idx, key.n_layers, None, features))
 
     def _count_capture(self, seconds: float) -> None:
         self.stats.captures += 1

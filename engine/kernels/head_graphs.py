@@ -1,9 +1,10 @@
 """CUDA graphs for a trained draft head's step (engine/spec_decode/drafters/heads.py).
 
-``GraphedStep(fn, device, buckets)`` wraps a batch-first function of tensors, the drafter's
-per-step computation: for eagle ``(feature [B, H], token [B]) -> (next feature, scores over the
-draft vocabulary)`` (the head's forward on the token's embedding, then the shared LM head's rows),
-for medusa ``(feature [B, H], n) -> scores [B, n, V']`` (``n`` a static argument). A call is
+``GraphedStep(fn, device, buckets, n_static=0)`` wraps a batch-first function of tensors, the drafter's
+per-step computation, and is called like it: for eagle ``(feature [B, H], token [B]) -> (next feature,
+scores over the draft vocabulary)`` (the head's forward on the token's embedding, then the shared LM
+head's rows), for medusa ``(feature [B, H], n) -> scores [B, n, V']`` (``n`` its one static argument:
+``n_static=1``, the trailing arguments that are not tensors). A call is
 replayed from the graph of its key (batch bucket, static arguments, the inputs' shapes after the
 batch dimension and dtypes), captured on first use; padding rows get zero inputs and their outputs
 are cut off. A batch above the largest bucket runs eagerly and is counted. A head keeps no cache,
@@ -52,7 +53,7 @@ class _StaticStep:
 
 
 class GraphedStep:
-    """``fn(*tensors, *static)`` from CUDA graphs per batch bucket (see the module doc)."""
+    """``fn(*tensors, *static)`` from CUDA graphs per batch bucket (see the module doc), called as ``fn``."""
 
     def __init__(
         self,
@@ -64,13 +65,14 @@ class GraphedStep:
         max_graphs: int = DEFAULT_MAX_GRAPHS,
         pool: Any = None,
         name: str = "head step",
+        n_static: int = 0,
     ) -> None:
         if not emulate and device.type != "cuda":
             raise InvalidConfigError(
                 f"CUDA graphs of the {name} need a CUDA device, not {device.type!r} "
                 "(emulate=True runs the static step eagerly)"
             )
-        self.fn, self.device, self.emulate, self.name = fn, device, emulate, name
+        self.fn, self.device, self.emulate, self.name, self.n_static = fn, device, emulate, name, n_static
         self.buckets = check_buckets(list(batch_buckets), "batch_buckets")
         self.max_graphs = max_graphs
         self.pool = pool if pool is not None or emulate else torch.cuda.graph_pool_handle()
@@ -84,7 +86,10 @@ class GraphedStep:
             return None
         return StepKey(bb, tuple(static), tuple((tuple(x.shape[1:]), x.dtype) for x in inputs))
 
-    def __call__(self, *inputs: Tensor, static: tuple[Any, ...] = ()) -> Any:
+    def __call__(self, *args: Any) -> Any:
+        """``fn(*args)``: its tensors, then its ``n_static`` static arguments."""
+        cut = len(args) - self.n_static
+        inputs, static = args[:cut], tuple(args[cut:])
         key = self.key_for(inputs, static)
         if key is None:
             self.stats.eager_calls += 1

@@ -108,7 +108,6 @@ class Request:
         self._listeners: list[Callable[[], None]] = []
         self.submitted_at = time.perf_counter()
         self._times: list[tuple[float, int]] = []  # (when, how many tokens) of each delivery with tokens
-        self.seq: Seq | None = None  # the worker's sequence while running
 
     # ------------------------------------------------------------ caller side
     def cancel(self) -> None:
@@ -203,7 +202,7 @@ class Request:
                 self.cancel()
 
     # ------------------------------------------------------------ worker side
-    def _deliver(
+    def deliver(
         self,
         tokens: Sequence[int],
         logprobs: Sequence[TokenLogprob] = (),

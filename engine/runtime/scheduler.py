@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,13 +44,33 @@ from engine.runtime.request import Completion, Request, RequestFailedError, Tota
 from engine.runtime.telemetry import LoadGovernor
 from engine.runtime.window import BatchWindow
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
-from engine.spec_decode.loop import DecodeLoop
+from engine.spec_decode.loop import NO_CAP, DecodeLoop, KCaps
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
 log = logging.getLogger(__name__)
 
-NO_CAP = 1 << 30  # DecodeLoop.k_cap when nothing lowers K
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """How much one scheduler takes on."""
+
+    max_batch: int
+    """Sequences decoded at once (rows of the KV cache)."""
+    max_waiting: int
+    """Requests queued beyond the running batch; more get OverloadedError."""
+    max_seq_len: int
+    """Longest request (prompt + max_new_tokens) the cache may grow to."""
+    idle_exit_s: float = 0.5
+    """The worker exits after this long without work (the next submission restarts it)."""
+
+
+@dataclass
+class _Running:
+    """A request in the running batch and its sequence (the worker's)."""
+
+    request: Request
+    seq: Seq
 
 
 class Scheduler:
@@ -58,28 +79,26 @@ class Scheduler:
     def __init__(
         self,
         loop: DecodeLoop,
+        limits: SchedulerLimits,
         *,
         policy: KPolicy | None,
         costs: Callable[[], Costs | None],
         device: torch.device,
-        max_batch: int,
-        max_waiting: int,
-        max_seq_len: int,
         governor: LoadGovernor | None = None,
         window: BatchWindow | None = None,
-        idle_exit_s: float = 0.5,
     ) -> None:
         """``loop`` runs the rounds; ``policy`` (None: plain decoding) and ``costs`` (called once, when the
         first cost-model controller is made) build each sequence's K controller; ``governor`` is the load
         window (None: no caps)."""
         self.loop, self.tokenizer, self.policy, self._costs, self.device = loop, loop.tokenizer, policy, costs, device
-        self.max_batch, self.max_waiting, self.max_seq_len = max_batch, max_waiting, max_seq_len
-        self.idle_exit_s = idle_exit_s
+        self.max_batch, self.max_waiting, self.max_seq_len = limits.max_batch, limits.max_waiting, limits.max_seq_len
+        max_batch = limits.max_batch
+        self.idle_exit_s = limits.idle_exit_s
         self.k_max = policy.k_max if policy is not None else 0
         self.totals = Totals()
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []  # the worker's; read elsewhere only for len()
+        self._running: list[_Running] = []  # the worker's; read elsewhere only for len()
         self._reserved = 0  # rows held by running requests (under the lock)
         self._free_rows = list(range(max_batch))  # a heap: low rows first keep the batch a row prefix
         self._thread: threading.Thread | None = None
@@ -88,6 +107,7 @@ class Scheduler:
         self.governor = governor
         self.window = window  # the batch window: a greedy batch speculates or not, as measured rounds say
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
+        self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
         self._round_started: float | None = None  # monotonic start of the round in progress
         self._failed_streak = 0  # rounds that raised since the last one that did not
@@ -130,7 +150,7 @@ class Scheduler:
 
     def running_requests(self) -> list[Request]:
         """A copy of the running batch (for gauges)."""
-        return list(self._running)
+        return [r.request for r in self._running]
 
     def running(self) -> int:
         return len(self._running)
@@ -160,13 +180,19 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled_waiting()
             admitted = self._admit()
-        for r in admitted:
-            self._running.append(r)
+        first: dict[tuple[int, ...], Seq] = {}  # the first sequence of each prompt admitted: it prefills for the rest
+        for r, row in admitted:
             try:
-                self._start(r)
+                s = self._start(r, row, first.get(tuple(r.prompt)))
             except Exception as e:  # noqa: BLE001 - e.g. measuring costs failed: fail it, keep serving
                 log.exception("could not start a request")
-                self._retire(r, RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
+                self._free(row)
+                with self._lock:
+                    self.totals.failed += 1
+                r.deliver([], error=RequestFailedError(f"request could not start: {type(e).__name__}: {e}"))
+                continue
+            first.setdefault(tuple(r.prompt), s)
+            self._running.append(_Running(r, s))
         if not self._running:
             return False
         self._round()
@@ -203,14 +229,13 @@ class Scheduler:
                     self._thread = None
 
     def _cancel_all(self) -> None:
-        for r in list(self._waiting) + self._running:
-            r._cancelled = True
+        for r in list(self._waiting) + [x.request for x in self._running]:
+            r.cancel()
         with self._lock:
             self._drop_cancelled_waiting()
-        for r in list(self._running):
-            assert r.seq is not None
-            r.seq.finish("cancelled")
-            self._retire(r)
+        for x in list(self._running):
+            x.seq.finish("cancelled")
+            self._retire(x)
 
     def _drop_cancelled_waiting(self) -> None:
         if any(r.cancelled for r in self._waiting):
@@ -218,10 +243,9 @@ class Scheduler:
                 self._waiting.remove(r)
                 self._finish_unstarted(r)
 
-    def _admit(self) -> list[Request]:
+    def _admit(self) -> list[tuple[Request, int]]:
         """Pop waiting requests into free rows (under the lock); the cache grows only when idle."""
-        admitted: list[Request] = []
-        first: dict[tuple[int, ...], Seq] = {}  # the first admitted sequence of each prompt: it prefills for the rest
+        admitted: list[tuple[Request, int]] = []
         while self._waiting and self._free_rows and self._reserved < self.batch_cap:
             r = self._waiting[0]
             need = self.need(r.prompt, r.params)
@@ -235,57 +259,51 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail the request, keep serving
                     log.exception("could not allocate the KV cache for %d positions", need)
                     self._waiting.popleft()
-                    r._deliver([], error=RequestFailedError(f"KV cache allocation failed: {type(e).__name__}: {e}"))
+                    r.deliver([], error=RequestFailedError(f"KV cache allocation failed: {type(e).__name__}: {e}"))
                     continue
             self._waiting.popleft()
-            row = heapq.heappop(self._free_rows)
-            key = tuple(r.prompt)
-            gen = torch.Generator(device=self.device)
-            r.seq = Seq(prompt=r.prompt, params=r.params, generator=gen, row=row, prefill_from=first.get(key))
-            first.setdefault(key, r.seq)
             self._reserved += 1
-            admitted.append(r)
+            admitted.append((r, heapq.heappop(self._free_rows)))
         return admitted
 
-    def _start(self, r: Request) -> None:
-        """Seed the sequence's generator and build its K controller (outside the lock: costs may be measured)."""
-        assert r.seq is not None
-        sp = r.params
-        r.seq.generator.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        pol = self.policy
-        if pol is not None:  # costs are measured (once) only for the cost-model policy
-            r.seq.k_ctl = KController(pol, self._costs() if pol.name == "cost-model" else None)
+    def _start(self, r: Request, row: int, sibling: Seq | None) -> Seq:
+        """The request's sequence in ``row``: its seeded generator and K controller (outside the lock: costs may be
+        measured); ``sibling``: the first admitted sequence of the same prompt, whose prefill it shares."""
+        sp, pol = r.params, self.policy
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+        # costs are measured (once) only for the cost-model policy
+        k_ctl = None if pol is None else KController(pol, self._costs() if pol.name == "cost-model" else None)
+        return Seq(prompt=r.prompt, params=sp, generator=gen, row=row, k_ctl=k_ctl, prefill_from=sibling)
+
+    def _free(self, row: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free_rows, row)
+            self._reserved -= 1
+            self._lock.notify_all()
 
     def _round(self) -> None:
-        for r in [r for r in self._running if r.cancelled]:
-            assert r.seq is not None
-            r.seq.finish("cancelled")
-            self._retire(r)
+        for x in [x for x in self._running if x.request.cancelled]:
+            x.seq.finish("cancelled")
+            self._retire(x)
         if not self._running:
             return
-        k_cap = NO_CAP
         if self.governor is not None:  # GPU memory pressure lowers K and the admitted batch, never fails
-            k_cap, self.batch_cap = self.governor.poll()
-        self._running.sort(key=lambda r: r.seq.row if r.seq else 0)
-        seqs = [r.seq for r in self._running if r.seq is not None]
+            self.k_cap, self.batch_cap = self.governor.poll()
+        self._running.sort(key=lambda x: x.seq.row)
+        seqs = [x.seq for x in self._running]
         windowed = self.window is not None and len(seqs) > 1 and all(s.params.greedy for s in seqs)
         prefill = windowed and any(s.tlen < len(s.prompt) for s in seqs)  # costs the same either way: not measured
         speculate = self.window.choose(len(seqs)) if windowed and self.window is not None else True
-        self.loop.k_cap, self.loop.greedy_k_cap = k_cap, NO_CAP if speculate else 0
+        caps = KCaps(all=self.k_cap, greedy=NO_CAP if speculate else 0)
         t0 = time.perf_counter()
         self._round_started = time.monotonic()
         try:
             if self.on_round is not None:
                 self.on_round()
-            events = self.loop.step(seqs)
+            events = self.loop.step(seqs, caps)
         except Exception as e:  # noqa: BLE001 - the one place: fail this round's requests, keep serving
-            log.exception("decode round over %d sequences failed; ending their requests", len(seqs))
-            with self._lock:
-                self.totals.round_failures += 1
-                self._failed_streak += 1
-            err = f"generation failed in a decode round: {type(e).__name__}: {e}"
-            for r in list(self._running):
-                self._retire(r, RequestFailedError(err))
+            self._round_failed(e, len(seqs))
             return
         finally:
             self._round_started = None
@@ -297,20 +315,31 @@ class Scheduler:
             self.totals.seconds += dt
             self.totals.target_forwards += 1
             self.totals.window_plain_rounds += not speculate
-        by_seq = {id(s): toks for s, toks in events}
-        for r in list(self._running):
-            assert r.seq is not None
-            new = by_seq.get(id(r.seq), [])
-            if r.seq.finished:
-                self._retire(r, new=new)
-            elif new:
-                r._deliver(new, r.seq.logprobs[-len(new) :] if r.seq.logprobs is not None else ())
+        self._hand_out(events)
 
-    def _retire(self, r: Request, error: EngineError | None = None, new: Sequence[int] = ()) -> None:
+    def _round_failed(self, e: Exception, n: int) -> None:
+        log.exception("decode round over %d sequences failed; ending their requests", n, exc_info=e)
+        with self._lock:
+            self.totals.round_failures += 1
+            self._failed_streak += 1
+        err = f"generation failed in a decode round: {type(e).__name__}: {e}"
+        for x in list(self._running):
+            self._retire(x, RequestFailedError(err))
+
+    def _hand_out(self, events: list[tuple[Seq, list[int]]]) -> None:
+        """Each request its new tokens; a finished one leaves the batch."""
+        by_seq = {id(s): toks for s, toks in events}
+        for x in list(self._running):
+            new = by_seq.get(id(x.seq), [])
+            if x.seq.finished:
+                self._retire(x, new=new)
+            elif new:
+                x.request.deliver(new, x.seq.logprobs[-len(new) :] if x.seq.logprobs is not None else ())
+
+    def _retire(self, x: _Running, error: EngineError | None = None, new: Sequence[int] = ()) -> None:
         """Leave the batch: free the row, account, hand the caller its completion (or error)."""
-        s = r.seq
-        assert s is not None
-        self._running.remove(r)
+        s = x.seq
+        self._running.remove(x)
         with self._lock:
             heapq.heappush(self._free_rows, s.row)
             self._reserved -= 1
@@ -320,7 +349,7 @@ class Scheduler:
                 self.totals.failed += 1
             self._lock.notify_all()
         lps = s.logprobs[-len(new) :] if new and s.logprobs is not None and error is None else ()
-        r._deliver(list(new), lps, final=None if error else s, error=error)
+        x.request.deliver(list(new), lps, final=None if error else s, error=error)
 
     def _completion(self, s: Seq) -> Completion:
         return Completion(
@@ -335,7 +364,7 @@ class Scheduler:
     def _finish_unstarted(self, r: Request) -> None:
         self.totals.requests += 1
         self.totals.finished["cancelled"] += 1
-        r._deliver(
+        r.deliver(
             [], completion=Completion(text="", token_ids=[], finish_reason="cancelled", prompt_token_ids=r.prompt)
         )
 

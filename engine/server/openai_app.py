@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI
@@ -40,6 +41,8 @@ from engine.server.openai_protocol import (
     usage,
 )
 from engine.server.prometheus import ServeMetrics
+from engine.server.served_engine import ServedEngine
+from engine.spec_decode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 class Choice:
     """One running request seen from the event loop: its new tokens, its text so far, its end."""
 
-    def __init__(self, engine: Any, req: Request, index: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: ServedEngine, req: Request, index: int, loop: asyncio.AbstractEventLoop) -> None:
         self.req, self.index, self.loop, self.tok = req, index, loop, engine.tokenizer
         self.event = asyncio.Event()
         self.decoder = engine.tokenizer.decode_stream()
@@ -106,7 +109,11 @@ class OpenAIServer:
     """The state behind the routes: the engine, its served name, defaults and metrics."""
 
     def __init__(
-        self, engine: Any, model_name: str, defaults: dict[str, Any] | None = None, metrics: ServeMetrics | None = None
+        self,
+        engine: ServedEngine,
+        model_name: str,
+        defaults: dict[str, Any] | None = None,
+        metrics: ServeMetrics | None = None,
     ) -> None:
         self.engine, self.model_name, self.defaults = engine, model_name, dict(defaults or {})
         self.metrics = metrics or ServeMetrics(engine, model_name)
@@ -122,9 +129,7 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    def _params(self, req: ParsedRequest, prompt_len: int, seed: int | None) -> Any:
-        from engine.spec_decode.sampling import SamplingParams
-
+    def _params(self, req: ParsedRequest, prompt_len: int, seed: int | None) -> SamplingParams:
         kw = dict(req.sampling, seed=seed, logprobs=req.logprobs)
         if "max_new_tokens" not in kw:  # chat without max_tokens: the rest of the context
             kw["max_new_tokens"] = max(1, self.engine.max_seq_len - prompt_len)
@@ -146,7 +151,7 @@ class OpenAIServer:
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, entries: list[Any], chat: bool, offset: int) -> dict[str, Any] | None:
+    def logprobs_body(self, entries: list[Any], chat: bool, offset: int) -> dict[str, Any] | None:
         if chat:
             return chat_logprobs(entries, self.token_text)
         return completion_logprobs(entries, self.token_text, offset)
@@ -166,7 +171,7 @@ class OpenAIServer:
             item: dict[str, Any] = {
                 "index": c.index,
                 "finish_reason": _openai_finish(c.finish_reason),
-                "logprobs": self._logprobs(lps, chat, 0) if req.logprobs is not None else None,
+                "logprobs": self.logprobs_body(lps, chat, 0) if req.logprobs is not None else None,
             }
             if chat:
                 item["message"] = {"role": "assistant", "content": text}
@@ -182,93 +187,106 @@ class OpenAIServer:
             "usage": usage(prompt_tokens, n_out),
         }
 
-    async def stream(
-        self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
-    ) -> AsyncIterator[str]:
+    def stream(self, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int) -> AsyncIterator[str]:
         """Server-sent events: one chunk per update of a choice, then usage (when asked), then [DONE]."""
-        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        queue: asyncio.Queue[tuple[Choice, str, list[Any], bool] | BaseException] = asyncio.Queue()
+        return EventStream(self, req, chat, choices, prompt_tokens).events()
 
-        async def pump(c: Choice) -> None:
-            try:
-                async for piece, lps in c.updates():
-                    await queue.put((c, piece, lps, False))
-                self.metrics.observe(c.req)
-                await queue.put((c, "", [], True))
-            except (EngineError, ApiError) as e:
-                await queue.put(e)
 
-        def chunk(c: Choice, piece: str, lps: list[Any], finish: str | None, first: bool) -> str:
-            lp = None
-            if req.logprobs is not None and lps:
-                lp = self._logprobs(lps, chat, len(c.text) - len(piece))
-            if chat:
-                delta: dict[str, Any] = (
-                    {"role": "assistant", "content": piece}
-                    if first
-                    else ({"content": piece} if piece or not finish else {})
-                )
-                ch: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": finish}
-            body: dict[str, Any] = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model_name,
-                "choices": [ch],
-            }
-            if req.include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+Update = tuple[Choice, str, list[Any], bool]  # a choice, its text piece, its logprob entries, whether it ended
 
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        started: set[int] = set()
+
+class EventStream:
+    """The server-sent events of one streamed request (its chunks share one id and creation time)."""
+
+    def __init__(
+        self, server: OpenAIServer, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
+    ) -> None:
+        self.server, self.req, self.chat, self.choices, self.prompt_tokens = server, req, chat, choices, prompt_tokens
+        self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    async def events(self) -> AsyncIterator[str]:
+        """Every choice's chunks as they come, then [DONE]; a client that goes away cancels what still runs."""
+        queue: asyncio.Queue[Update | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(c, queue)) for c in self.choices]
         try:
-            left = len(choices)
-            while left:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    err = item if isinstance(item, ApiError) else ApiError(500, str(item), "server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                    break
-                c, piece, lps, end = item
-                first = chat and c.index not in started
-                started.add(c.index)
-                if end:
-                    left -= 1
-                    try:
-                        fin = _openai_finish(c.finish_reason)
-                    except ApiError as e:
-                        yield f"data: {json.dumps(e.body())}\n\n"
-                        break
-                    yield chunk(c, "", [], fin, first)
-                elif piece or lps or first:
-                    yield chunk(c, piece, lps, None, first)
-            else:
-                if req.include_usage:
-                    n_out = sum(len(c.req.tokens_so_far()) for c in choices)
-                    yield (
-                        "data: "
-                        + json.dumps(
-                            {
-                                "id": rid,
-                                "object": obj,
-                                "created": created,
-                                "model": self.model_name,
-                                "choices": [],
-                                "usage": usage(prompt_tokens, n_out),
-                            }
-                        )
-                        + "\n\n"
-                    )
+            async with aclosing(self._relay(queue)) as relay:
+                async for event in relay:
+                    yield event
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or an error ended the stream): free what still runs
-            for c in choices:
+            for c in self.choices:
                 c.cancel()
             for t in tasks:
                 t.cancel()
+
+    async def _pump(self, c: Choice, queue: asyncio.Queue[Update | BaseException]) -> None:
+        try:
+            async for piece, lps in c.updates():
+                await queue.put((c, piece, lps, False))
+            self.server.metrics.observe(c.req)
+            await queue.put((c, "", [], True))
+        except (EngineError, ApiError) as e:
+            await queue.put(e)
+
+    async def _relay(self, queue: asyncio.Queue[Update | BaseException]) -> AsyncIterator[str]:
+        """Chunks until every choice ended, then the usage chunk (when asked); an error event ends it early."""
+        started: set[int] = set()
+        left = len(self.choices)
+        while left:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                err = item if isinstance(item, ApiError) else ApiError(500, str(item), "server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
+                return
+            c, piece, lps, end = item
+            first = self.chat and c.index not in started
+            started.add(c.index)
+            if end:
+                left -= 1
+                try:
+                    fin = _openai_finish(c.finish_reason)
+                except ApiError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    return
+                yield self._chunk(c, "", [], fin, first)
+            elif piece or lps or first:
+                yield self._chunk(c, piece, lps, None, first)
+        if self.req.include_usage:
+            yield self._usage()
+
+    def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.server.model_name,
+            "choices": choices,
+        }
+
+    def _chunk(self, c: Choice, piece: str, lps: list[Any], finish: str | None, first: bool) -> str:
+        lp = None
+        if self.req.logprobs is not None and lps:
+            lp = self.server.logprobs_body(lps, self.chat, len(c.text) - len(piece))
+        if self.chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": piece}
+                if first
+                else ({"content": piece} if piece or not finish else {})
+            )
+            ch: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            ch = {"index": c.index, "text": piece, "logprobs": lp, "finish_reason": finish}
+        body = self._body([ch])
+        if self.req.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _usage(self) -> str:
+        n_out = sum(len(c.req.tokens_so_far()) for c in self.choices)
+        body = self._body([])
+        body["usage"] = usage(self.prompt_tokens, n_out)
+        return f"data: {json.dumps(body)}\n\n"
 
 
 def engine_error(e: EngineError) -> ApiError:
@@ -281,17 +299,61 @@ def engine_error(e: EngineError) -> ApiError:
     return ApiError(500, str(e), "server_error")
 
 
-def create_app(server: OpenAIServer) -> FastAPI:
-    """The FastAPI application serving ``server``."""
-    app = FastAPI(title="specmix", docs_url=None, redoc_url=None)
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    def error_response(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(exc.status_code, str(exc.detail), type_))
+async def _parse(server: OpenAIServer, http: HttpRequest, chat: bool) -> ParsedRequest:
+    raw = await http.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    return parse(body, chat, server.defaults)
+
+
+async def _complete_unless_gone(
+    server: OpenAIServer, http: HttpRequest, req: ParsedRequest, chat: bool, choices: list[Choice], prompt_tokens: int
+) -> Any:
+    """The non-streaming answer, or 499 when the client goes away first (its requests are cancelled)."""
+    task = asyncio.ensure_future(server.complete(req, chat, choices, prompt_tokens))
+    try:
+        while not task.done():  # a client that goes away cancels its requests
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await http.is_disconnected():
+                task.cancel()
+                for c in choices:
+                    c.cancel()
+                return JSONResponse({}, status_code=499)
+        return task.result()
+    except EngineError as e:
+        raise engine_error(e) from None
+    finally:
+        for c in choices:
+            c.cancel()
+
+
+async def _handle(server: OpenAIServer, http: HttpRequest, chat: bool) -> Any:
+    """One completion or chat completion request: parsed, queued, answered (streamed or whole)."""
+    try:
+        req = await _parse(server, http, chat)
+        try:
+            choices, prompt_tokens = server.submit(req, chat, asyncio.get_running_loop())
+        except EngineError as e:
+            raise engine_error(e) from None
+        if req.stream:
+            return StreamingResponse(
+                server.stream(req, chat, choices, prompt_tokens),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await _complete_unless_gone(server, http, req, chat, choices, prompt_tokens)
+    except ApiError as e:
+        return _error_response(e)
+
+
+def _add_info_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """``/health``, ``/v1/models``, ``/metrics``."""
 
     @app.get("/health")
     async def health() -> Any:
@@ -303,66 +365,38 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "specmix",
-                    "max_model_len": server.engine.max_seq_len,
-                }
-            ],
+        model = {
+            "id": server.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "specmix",
+            "max_model_len": server.engine.max_seq_len,
         }
+        return {"object": "list", "data": [model]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         body, ctype = server.metrics.exposition()
         return PlainTextResponse(body, media_type=ctype)
 
-    async def handle(http: HttpRequest, chat: bool) -> Any:
-        try:
-            raw = await http.body()
-            try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            req = parse(body, chat, server.defaults)
-            try:
-                choices, prompt_tokens = server.submit(req, chat, asyncio.get_running_loop())
-            except EngineError as e:
-                raise engine_error(e) from None
-            if req.stream:
-                return StreamingResponse(
-                    server.stream(req, chat, choices, prompt_tokens),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
-                )
-            task = asyncio.ensure_future(server.complete(req, chat, choices, prompt_tokens))
-            try:
-                while not task.done():  # a client that goes away cancels its requests
-                    await asyncio.wait([task], timeout=0.5)
-                    if not task.done() and await http.is_disconnected():
-                        task.cancel()
-                        for c in choices:
-                            c.cancel()
-                        return JSONResponse({}, status_code=499)
-                return task.result()
-            except EngineError as e:
-                raise engine_error(e) from None
-            finally:
-                for c in choices:
-                    c.cancel()
-        except ApiError as e:
-            return error_response(e)
+
+def create_app(server: OpenAIServer) -> FastAPI:
+    """The FastAPI application serving ``server``."""
+    app = FastAPI(title="specmix", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HttpRequest, exc: HTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status_code, str(exc.detail), type_))
+
+    _add_info_routes(app, server)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Any:
-        return await handle(http, chat=False)
+        return await _handle(server, http, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Any:
-        return await handle(http, chat=True)
+        return await _handle(server, http, chat=True)
 
     return app

@@ -19,12 +19,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.model import KVCache, Transformer
 from engine.spec_decode.adaptive import Costs
+
+if TYPE_CHECKING:
+    from engine.spec_decode.drafter import Drafter
 
 
 def cached_forward(
@@ -38,34 +41,24 @@ def cached_forward(
     toks = torch.randint(0, model.config.vocab_size, (batch, n_tokens), device=dev)
     pos = (context + torch.arange(n_tokens, device=dev)).expand(batch, n_tokens)
     idx = torch.arange(n_tokens, device=dev).expand(batch, n_tokens)
-    return lambda: model(toks, pos, cache, context + n_tokens, None, logits_idx=idx, n_layers=n_layers, start=context)
+    return lambda: model(toks, pos, cache, context + n_tokens, None, idx, n_layers, context)
 
 
 @torch.no_grad()
 def measure_costs(
     target: Transformer,
-    draft: Transformer | None,
+    draft_step: Callable[[], object] | None,
     *,
     k_max: int = 8,
-    draft_layers: int | None = None,
     batch: int = 1,
     reps: int = 7,
-    draft_fn: Callable[[], object] | None = None,
 ) -> Costs:
-    """c and v(K) for K in 1..k_max. ``draft`` None with draft_layers: early exit; ``draft_fn``: one step of
-    another drafter (a head: spec/head_drafters.py); none of them: n-gram (c = 0)."""
+    """c and v(K) for K in 1..k_max. ``draft_step``: one draft step (``Drafter.cost_step``); None: drafting
+    costs nothing measurable (n-gram, c = 0)."""
     dev = target.norm.weight.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     step = cached_forward(target, 1, batch=batch)
     verify = {k: cached_forward(target, k + 1, batch=batch) for k in range(1, k_max + 1)}
-    if draft_fn is not None:
-        dstep: Callable[[], object] | None = draft_fn
-    elif draft is not None:
-        dstep = cached_forward(draft, 1, batch=batch)
-    elif draft_layers is not None:
-        dstep = cached_forward(target, 1, batch=batch, n_layers=draft_layers)
-    else:
-        dstep = None
 
     def timed(fn: Callable[[], object]) -> float:
         sync()
@@ -74,17 +67,16 @@ def measure_costs(
         sync()
         return time.perf_counter() - t0
 
-    fns = [step, *verify.values()] + ([dstep] if dstep is not None else [])
-    for fn in fns:  # warm-up
+    for fn in [step, *verify.values()] + ([draft_step] if draft_step is not None else []):  # warm-up
         fn()
     cs, cold, vs = [], [], {k: [] for k in verify}
     for _ in range(reps):
         t1 = timed(step)
         for k, fn in verify.items():
             vs[k].append(timed(fn) / t1)
-        if dstep is not None:  # after the largest verify, as in a round: a cold step, then a warm one
-            first = timed(dstep)
-            cs.append(timed(dstep) / t1)
+        if draft_step is not None:  # after the largest verify, as in a round: a cold step, then a warm one
+            first = timed(draft_step)
+            cs.append(timed(draft_step) / t1)
             cold.append(first / t1)
     extra = max(0.0, statistics.median(cold) - statistics.median(cs)) if cs else 0.0
     v: dict[int, float] = {}
@@ -95,22 +87,6 @@ def measure_costs(
     return Costs(c=statistics.median(cs) if cs else 0.0, v=v)
 
 
-def drafter_costs(
-    target: Transformer, drafter: Any, draft_model: Transformer | None, k_max: int, batch: int = 1, reps: int = 7
-) -> Costs:
-    """``measure_costs`` for the engine's drafter at ``batch`` sequences: a draft model's step, the early-exit
-    layers, a trained head's step (its ``step_fn``) or the n-gram drafter's nothing."""
-    from engine.spec_decode.drafters.base import EarlyExitDrafter
-
-    drafter = getattr(drafter, "inner", drafter)  # prompt lookup first (spec/lookup.py): the inner's step
-    layers = drafter.n_layers if isinstance(drafter, EarlyExitDrafter) else None
-    step_fn = getattr(drafter, "step_fn", None)  # a head's step (spec/head_drafters.py)
-    return measure_costs(
-        target,
-        draft_model,
-        k_max=k_max,
-        draft_layers=layers,
-        batch=batch,
-        reps=reps,
-        draft_fn=step_fn(batch) if step_fn is not None else None,
-    )
+def drafter_costs(target: Transformer, drafter: Drafter, k_max: int, batch: int = 1, reps: int = 7) -> Costs:
+    """``measure_costs`` for the engine's drafter at ``batch`` sequences (its ``cost_step``)."""
+    return measure_costs(target, drafter.cost_step(batch), k_max=k_max, batch=batch, reps=reps)

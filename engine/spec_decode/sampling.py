@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engine.core.errors import InvalidConfigError, InvalidRequestError
+from engine.core.errors import InvalidRequestError
 from engine.spec_decode.penalties import Penalties
 
 # torch.Generator.manual_seed accepts exactly this range
@@ -136,15 +136,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator on ``device`` seeded with ``seed``; None (global RNG) when unseeded."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(seed)
-    return g
-
-
 def params_to_tensors(
     params_list: Sequence[SamplingParams], device: torch.device | str
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -216,38 +207,6 @@ def sample_from_probs(probs: Tensor, noise: Tensor) -> Tensor:
     """
     tiny = torch.finfo(torch.float32).tiny
     return torch.argmax(probs.float() / noise.float().clamp_min(tiny), dim=-1)
-
-
-def _check_generator(i: int, g: torch.Generator | None, device: torch.device) -> None:
-    if g is not None and g.device.type != device.type:
-        raise InvalidConfigError(
-            f"generators[{i}] lives on {g.device}, but the noise is drawn on {device}: "
-            f"allowed a generator on {device.type} or None"
-        )
-
-
-def draw_noise(generators: Sequence[torch.Generator | None], V: int, device: torch.device | str) -> Tensor:
-    """Exp(1) noise [N, V] float32, row i drawn from generators[i] (None = global RNG)."""
-    dev = torch.device(device)
-    rows = []
-    for i, g in enumerate(generators):
-        _check_generator(i, g, dev)
-        rows.append(torch.empty(V, dtype=torch.float32, device=dev).exponential_(generator=g))
-    if not rows:
-        return torch.empty(0, V, dtype=torch.float32, device=dev)
-    return torch.stack(rows)
-
-
-def draw_uniforms(generators: Sequence[torch.Generator | None], n: int, device: torch.device | str) -> Tensor:
-    """Uniforms [N, n] float32 in [0, 1), row i drawn from generators[i] (None = global RNG)."""
-    dev = torch.device(device)
-    rows = []
-    for i, g in enumerate(generators):
-        _check_generator(i, g, dev)
-        rows.append(torch.rand(n, dtype=torch.float32, device=dev, generator=g))
-    if not rows:
-        return torch.empty(0, n, dtype=torch.float32, device=dev)
-    return torch.stack(rows)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,6 @@ class Seq:
     k_ctl: KController | None = None
     tokens: list[int] = field(default_factory=list)
     tlen: int = 0
-    dlen: int = 0
     finished: bool = False
     finish_reason: str | None = None
     stop_cut: int | None = None  # where a stop string (or a stop token's text) starts in the generated text
@@ -79,18 +78,11 @@ class Seq:
     decoder: Any = None  # its tokenizers DecodeStream
     stop_token: bool = False  # ended by a stop_token_ids token: its text is not part of the output
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
-    # the target's feature (final-norm output) at the position that scored the last committed token, kept
-    # for drafters that read it (spec/head_drafters.py: ``needs_features``); None before the first verify
-    feature: Any = None
-    # for a drafter that reads every position's feature (``needs_all_features``: the EAGLE head with attention):
-    # the target's features of the committed positions from hlen on that it has not read yet, in chunks of [m, H]
-    new_features: list[Any] = field(default_factory=list)
-    hlen: int = 0
     # prefill sharing (spec/loop.py): the sequence of the same prompt whose prefill this one waits for (it
     # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
     # (logits, feature | None) at the prompt's last position, which score its first round
     prefill_from: Seq | None = None
-    first_scores: Any = None
+    first_scores: tuple[Tensor, Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from engine.core.forward import Features, ForwardCall
+
 log = logging.getLogger(__name__)
 
 
@@ -141,7 +143,8 @@ def label(
     g = max(1, group_tokens // T)
     for i in tqdm(range(0, N, g), desc="target labels", disable=not progress, leave=False):
         x = tokens[i : i + g].to(dev)
-        logits, h = target(x, return_hidden=True)
+        out = target.run(ForwardCall(x, features=Features.SCORED))
+        logits, h = out.logits, out.features
         top = logits.float().log_softmax(-1).topk(topk, dim=-1)
         vals[i : i + g], idx[i : i + g] = top.values.half().cpu(), top.indices.int().cpu()
         if feats is not None:

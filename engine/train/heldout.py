@@ -22,13 +22,14 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
-from engine.spec_decode.heads.checkpoint import draft_features
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.spec_decode.heads.modules import draft_features
+from engine.spec_decode.registry import DRAFTERS
 from engine.train.data import DistillData, generate, label, prompt_starts
 
 log = logging.getLogger(__name__)
 
-EVAL_KINDS = ("model", "medusa", "eagle")
+EVAL_KINDS = DRAFTERS.trainable()  # the kinds specmix-train-draft trains (engine/spec_decode/registry.py)
 
 
 class DistillOptions(Protocol):

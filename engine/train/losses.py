@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.spec_decode.heads.checkpoint import draft_features
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.spec_decode.heads.modules import draft_features
 from engine.train.data import DistillData
 
 

@@ -12,20 +12,21 @@ predicts better keeps its rounds.
 
 The choice reads only committed tokens and past rounds, never this round's random draws, so the exact
 rejection rule keeps the target's distribution: a copied draft's p is one-hot at the copied token. When every
-row of a round copies, the wrapped drafter does not run; its state catches up the next time it drafts (a
-draft model's cache from ``Seq.dlen``, the attention head's from ``Seq.hlen``).
+row of a round copies, the wrapped drafter does not run; its state catches up the next time it drafts (it is
+told it did not draft: ``Committed.drafted``).
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
-from engine.spec_decode.drafters.base import DraftBatch, Drafter, NGramDrafter
+from engine.spec_decode.drafter import Committed, DraftBatch, Drafter, SeqStates
+from engine.spec_decode.drafters.ngram import NGramDrafter
+from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
     from engine.spec_decode.seq import Seq
@@ -42,6 +43,8 @@ class _Record:
     inner: float = 0.0
     inner_rounds: int = 0  # the drafter's rounds counted in ``inner`` (copies are preferred only after one)
     untaken: list[tuple[int, list[int]]] = field(default_factory=list)  # (where, a copy the drafter's round left)
+    # this round: (its copy or [], whether it took the copy, the inner's drafts for it, whether the inner ran)
+    round: tuple[list[int], bool, int, bool] | None = None
 
     def settle(self, tokens: list[int]) -> None:
         """Count each untaken copy whose outcome the committed tokens now tell: its first mismatch, or all of it."""
@@ -62,80 +65,80 @@ def _cut(copy: list[int], k: int, vocab: int) -> list[int]:
     return copy[: next((i for i, t in enumerate(copy) if t >= vocab), len(copy))]
 
 
+def copies_drafted_better(rec: _Record) -> bool:
+    """Copies have drafted better for this sequence, once the drafter has had a round (the drafter first)."""
+    return rec.inner_rounds > 0 and rec.copy > rec.inner
+
+
 class LookupFirst:
     """Copies where a lookup finds one and copies have drafted better than ``inner``; ``inner`` elsewhere."""
 
-    def __init__(self, inner: Drafter, n_min: int, n_max: int = 3) -> None:
-        self.inner = inner
+    def __init__(
+        self, inner: Drafter, n_min: int, n_max: int = 3, rule: Callable[[_Record], bool] = copies_drafted_better
+    ) -> None:
+        """``rule``: whether a sequence's record prefers its copy (tests fix it: every copy taken)."""
+        self.inner, self.prefers_copy = inner, rule
         self.ngram = NGramDrafter(n_max=max(n_max, n_min), n_min=n_min)
-        self.probabilistic = inner.probabilistic
-        # the loop's questions to a head drafter (engine/spec_decode/drafters/heads.py) are the inner's
-        self.needs_features: bool = getattr(inner, "needs_features", False)
-        self.needs_all_features: bool = getattr(inner, "needs_all_features", False)
-        self._records: weakref.WeakKeyDictionary[Seq, _Record] = weakref.WeakKeyDictionary()
-        # this round, by the row's id(seq): (its copy or [], whether it took the copy, the inner's drafts for it,
-        # whether the inner ran)
-        self._round: dict[int, tuple[list[int], bool, int, bool]] = {}
+        self.probabilistic, self.features, self.max_drafts = inner.probabilistic, inner.features, inner.max_drafts
+        self._records = SeqStates(_Record)
 
     @torch.no_grad()
-    def propose(self, batch: DraftBatch) -> tuple[Tensor, Tensor | None, list[int] | None]:
+    def propose(self, batch: DraftBatch) -> Proposal:
         seqs, k = batch.seqs, batch.k
-        ks = batch.ks or [k] * len(seqs)  # each row's own K_b: its copy is never longer, whatever the batch
-        recs = [self._records.setdefault(s, _Record()) for s in seqs]
+        recs = [self._records(s) for s in seqs]
         for s, r in zip(seqs, recs):
             r.settle(s.tokens)
-        found = [self.ngram.lookup(s.tokens, kb) for s, kb in zip(seqs, ks)]
+        # each row's own K_b: its copy is never longer, whatever the batch
+        found = [self.ngram.lookup(s.tokens, kb) for s, kb in zip(seqs, batch.ks)]
         take = [bool(c) and self.prefers_copy(r) for c, r in zip(found, recs)]
-        dev = batch.target_cache.k.device
         ran = not all(take)
         if ran:
-            drafts, probs, num_inner = self.inner.propose(batch)
-            num = list(num_inner) if num_inner is not None else [k] * len(seqs)
-            drafts = drafts.clone()
+            inner = self.inner.propose(batch)
+            drafts, probs, num = inner.tokens.clone(), inner.probs, inner.row_counts()
             # a row the drafter has nothing for (a head before the row's first feature) takes its copy
             take = [t or (bool(c) and not n) for t, c, n in zip(take, found, num)]
         else:
-            drafts, probs = torch.zeros(len(seqs), k, dtype=torch.long), None
-            num = [0] * len(seqs)
+            drafts, probs, num = torch.zeros(len(seqs), k, dtype=torch.long), None, [0] * len(seqs)
         # a drafter may propose fewer than k (Medusa: one per head); a token outside the common vocabulary has
         # no p, so a copy stops before it (and, left empty, is not taken)
         found = [_cut(c, drafts.shape[1], batch.vocab) for c in found]
         copies = [c if t else [] for c, t in zip(found, take)]
-        take = [bool(c) for c in copies]
-        self._round = {id(s): (c, t, n, ran) for s, c, t, n in zip(seqs, found, take, num)}
+        for r, c, n in zip(recs, found, num):
+            r.round = (c, False, n, ran)
         for b, c in enumerate(copies):
             if not c:
                 continue
+            recs[b].round = (found[b], True, num[b], ran)
             drafts[b, : len(c)] = torch.tensor(c, dtype=torch.long)
             num[b] = len(c)
             if probs is not None:  # p of a copied token: one-hot (a deterministic draft)
                 probs[b] = 0
                 probs[b, torch.arange(len(c)), torch.tensor(c)] = 1
-        return drafts.to(dev), probs, (None if all(n == k for n in num) else num)
+        return Proposal.chain(drafts.to(batch.device), probs, None if all(n == k for n in num) else num)
 
-    @staticmethod
-    def prefers_copy(rec: _Record) -> bool:
-        """Copies have drafted better for this sequence, once the drafter has had a round (the drafter first)."""
-        return rec.inner_rounds > 0 and rec.copy > rec.inner
-
-    def after_verify(self, seq: Seq, n_before: int, accepted: int, k: int) -> None:
-        row = self._round.pop(id(seq), None)
-        if row is None:
-            return
-        copy, took, n_inner, ran = row
+    def commit(self, seq: Seq, outcome: Committed) -> None:
         rec = self._records.get(seq)
-        if rec is not None and took:
-            rec.copy += ALPHA * (accepted - rec.copy)
-        elif rec is not None and n_inner:
-            rec.inner += ALPHA * (accepted - rec.inner)
+        row = None if rec is None else rec.round
+        if rec is None or row is None:  # no round of ours (the round drafted nothing): the inner keeps its state
+            self.inner.commit(seq, replace(outcome, drafted=False))
+            return
+        rec.round = None
+        copy, took, n_inner, ran = row
+        if took:
+            rec.copy += ALPHA * (outcome.accepted - rec.copy)
+        elif n_inner:
+            rec.inner += ALPHA * (outcome.accepted - rec.inner)
             rec.inner_rounds += 1
             if copy:
-                rec.untaken.append((n_before, copy))
-        if ran:  # the inner drafted for this row: its state holds its own drafts, not a copy's
-            self.inner.after_verify(seq, n_before, 0 if took else accepted, k)
+                rec.untaken.append((outcome.n_before, copy))
+        # the inner's state holds its own drafts, not a copy's
+        self.inner.commit(seq, replace(outcome, accepted=0 if took else outcome.accepted, drafted=ran))
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         self.inner.ensure_cache(max_batch, max_seq_len)
 
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         self.inner.share_prefill(src, dst, length)
+
+    def cost_step(self, batch: int) -> Callable[[], object] | None:
+        return self.inner.cost_step(batch)  # the cost model keeps the drafter's c

@@ -24,15 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.attention import _Ctx, position_mask, sdpa_attention
+from engine.core.attention import AttentionContext, position_mask, sdpa_attention
 from engine.core.config import ModelConfig
 from engine.core.model import Block, KVCache, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def head_model_config(target_cfg: ModelConfig, head_cfg: Any) -> ModelConfig:
-    """The decoder layers' shape from the head's config (engine/spec_decode/heads/checkpoint.py ``HeadConfig``: layers, MLP width
-    (0: the hidden size), heads, key/value heads, head size) and the target's rotary settings and biases; no
-    sliding window."""
+    """The decoder layers' shape from the head's config (``HeadConfig``: layers, MLP width (0: the hidden size),
+    heads, key/value heads, head size) and the target's rotary settings and biases; no sliding window."""
     return replace(
         target_cfg,
         num_hidden_layers=head_cfg.layers,
@@ -48,7 +47,7 @@ class EagleAttnHead(nn.Module):
     """(features f [B, T, H], embeddings of the next tokens e [B, T, H]) at positions -> next features."""
 
     def __init__(self, mcfg: ModelConfig, cfg: Any = None) -> None:
-        """``mcfg``: the layers' shape (``head_model_config``); ``cfg``: the head's config (engine/spec_decode/heads/checkpoint.py)."""
+        """``mcfg``: the layers' shape (``head_model_config``); ``cfg``: the head's config (``HeadConfig``)."""
         super().__init__()
         H = mcfg.hidden_size
         self.mcfg, self.cfg = mcfg, cfg
@@ -112,7 +111,7 @@ class EagleAttnHead(nn.Module):
         prefix = rows is None
         if rows is None:
             rows = torch.arange(B, device=x.device)
-        ctx = _Ctx(pos, rows, prefix, kv_len, position_mask(pos, kv_len, None))
+        ctx = AttentionContext(pos, rows, prefix, kv_len, position_mask(pos, kv_len, None))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, sdpa_attention, (cache.k[i], cache.v[i]), ctx)
         return self.out_norm(x)

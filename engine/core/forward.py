@@ -1,0 +1,133 @@
+"""What one forward of the decoder takes and returns, the static KV cache it reads and writes, and the
+contracts of the parts that run forwards: a step kernel (engine/kernels/cpu_decode.py) and a cached forward
+(a ``Transformer``, engine/core/model.py, or its CUDA-graphed wrapper, engine/kernels/cudagraphs.py)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from engine.core.config import ModelConfig
+
+
+class KVCache:
+    """Static cache: k, v [layers, max_batch, kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_batch: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        n_layers: int | None = None,
+    ) -> None:
+        n = cfg.num_hidden_layers if n_layers is None else n_layers
+        shape = (n, max_batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def copy_rows(self, src: int, dst: Sequence[int], length: int) -> None:
+        """Copy positions 0..length-1 of row ``src`` (every layer, keys and values) into the rows ``dst``."""
+        assert 0 <= length <= self.max_seq_len, f"length {length} beyond the cache's {self.max_seq_len} positions"
+        if not dst or not length:
+            return
+        idx = torch.tensor(list(dst), dtype=torch.long, device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, idx, :, :length] = t[:, src : src + 1, :, :length]
+
+
+class Features(enum.Enum):
+    """Which final-norm outputs (the LM head's inputs: the features draft heads read) a forward returns."""
+
+    NONE = "none"
+    SCORED = "scored"  # of the scored positions, shaped like the logits: [B, H] or [B, J, H]
+    ALL = "all"  # of every position [B, T, H] (logits still only of the scored ones)
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """One forward of the decoder: what ``Transformer.run`` (and its kernels and graphs) take."""
+
+    tokens: Tensor
+    """[B, T] int64 token ids."""
+    pos: Tensor | None = None
+    """[B, T] int64 positions; None: 0..T-1."""
+    cache: KVCache | None = None
+    """The static KV cache written at ``pos`` and attended over; None: a plain causal forward."""
+    kv_len: int | None = None
+    """Cache slots attended over (> every position of the batch); required with a cache."""
+    rows: Tensor | None = None
+    """[B] int64 cache rows of the batch; None: rows 0..B-1."""
+    logits_idx: Tensor | None = None
+    """Positions to score: [B] -> logits [B, V], [B, J] -> [B, J, V]; None: every position [B, T, V]."""
+    n_layers: int | None = None
+    """Run only the first n layers (early-exit drafting), then the final norm and the LM head."""
+    start: int | None = None
+    """A promise: rows is None and pos[b] == start..start+T-1 for every b (slice writes, no gather)."""
+    features: Features = Features.NONE
+    """Also return final-norm outputs (``ForwardOut.features``)."""
+
+
+@dataclass(frozen=True)
+class ForwardOut:
+    """A forward's logits and, when asked, its features."""
+
+    logits: Tensor
+    features: Tensor | None = None
+
+
+class StepKernel(Protocol):
+    """A model's cached forward as one call (engine/kernels/cpu_decode.py ``DecodeStep``): the same inputs
+    and results as PyTorch's layers for the calls it ``takes``."""
+
+    weight_dtype: torch.dtype
+    amx: bool
+
+    def takes(self, call: ForwardCall) -> bool:
+        """Whether this call runs on the kernel."""
+        ...
+
+    def run(self, call: ForwardCall) -> ForwardOut:
+        """The forward of ``call``."""
+        ...
+
+    def greedy(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor:
+        """Greedy drafting in one call: ``call`` scored at ``last`` [B], then ``steps`` - 1 one-token steps on
+        the argmax over the first ``vocab`` logits -> the argmaxes [B, steps]."""
+        ...
+
+
+class CachedForward(Protocol):
+    """What the decode loop and the drafters call a model through: a ``Transformer`` or its CUDA-graphed
+    wrapper (engine/kernels/cudagraphs.py)."""
+
+    config: ModelConfig
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (a KV cache for it holds this dtype)."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are."""
+        ...
+
+    def run(self, call: ForwardCall) -> ForwardOut:
+        """The forward of ``call``."""
+        ...
+
+    def greedy_draft(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor | None:
+        """``steps`` greedy drafts in one call where a step kernel runs ``call``, else None."""
+        ...

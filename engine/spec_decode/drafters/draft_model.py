@@ -1,0 +1,161 @@
+"""A small draft model with its own static KV cache, proposing by sampling its own distribution."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from engine.core.forward import CachedForward, ForwardCall, KVCache
+from engine.spec_decode.costs import cached_forward
+from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, SeqStates
+from engine.spec_decode.proposal import Proposal
+from engine.spec_decode.sampling import sample_from_probs
+
+if TYPE_CHECKING:
+    from engine.core.model import Transformer
+    from engine.spec_decode.seq import Seq
+
+
+def catch_up_batch(
+    seqs: list[Seq], starts: list[int], scratch_pos: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Right-padded tokens [B,T] of seq.tokens[start:], their positions [B,T] (padding -> scratch),
+    the last real index per row [B], and kv_len (1 + the largest real position)."""
+    chunks = [s.tokens[st:] for s, st in zip(seqs, starts)]
+    T = max(len(c) for c in chunks)
+    toks = torch.zeros(len(seqs), T, dtype=torch.long)
+    pos = torch.full((len(seqs), T), scratch_pos, dtype=torch.long)
+    for b, (c, st) in enumerate(zip(chunks, starts)):
+        toks[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        pos[b, : len(c)] = torch.arange(st, st + len(c))
+    last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.long)
+    kv_len = max(st + len(c) for c, st in zip(chunks, starts))
+    return toks.to(device), pos.to(device), last.to(device), kv_len
+
+
+@dataclass
+class _Fed:
+    """Committed tokens whose keys and values are in the drafter's cache (the rest are fed next round)."""
+
+    dlen: int = 0
+
+
+class ModelDrafter:
+    """A draft model (or the target's first layers: engine/spec_decode/drafters/early_exit.py)."""
+
+    probabilistic = True
+    features = FeatureNeed.NONE
+    max_drafts: int | None = None
+
+    def __init__(self, model: CachedForward, module: Transformer, n_layers: int | None = None) -> None:
+        """``model``: its forward (CUDA-graphed when graphs are on); ``module``: the model itself (cache shape
+        and dtype, costs); ``n_layers``: run only the first n layers."""
+        self.model, self.module, self.n_layers = model, module, n_layers
+        self.cache: KVCache | None = None
+        self._fed = SeqStates(_Fed)
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> ModelDrafter:
+        assert ctx.draft_model is not None and ctx.draft_module is not None, "the entry loads a draft model"
+        return cls(ctx.draft_model, ctx.draft_module)
+
+    def cached_length(self, seq: Seq) -> int:
+        """Committed tokens of ``seq`` whose keys and values are in the draft cache."""
+        return self._fed(seq).dlen
+
+    def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
+        """(Re)allocate the draft's own static cache when it is missing or too small."""
+        c = self.cache
+        if c is None or c.max_batch < max_batch or c.max_seq_len != max_seq_len:
+            w = self.module.embed_tokens.weight
+            dtype = w.dtype if w.is_floating_point() else torch.float16
+            self.cache = KVCache(self.module.config, max_batch, max_seq_len, dtype, w.device)
+
+    def _start(self, seq: Seq) -> int:
+        return self._fed(seq).dlen
+
+    def _cache(self, batch: DraftBatch) -> KVCache:
+        assert self.cache is not None, "ensure_cache first"
+        return self.cache
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        seqs, V = batch.seqs, batch.vocab
+        starts = [self._start(s) for s in seqs]
+        toks, pos, last, kv_len = catch_up_batch(seqs, starts, batch.scratch_pos, batch.device)
+        cache = self._cache(batch)
+        n_tok = [len(s.tokens) for s in seqs]
+        greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
+        aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
+        call = ForwardCall(toks, pos, cache, kv_len, batch.rows, last, self.n_layers, starts[0] if aligned else None)
+        if greedy:  # the C++ step drafts all k in one call where it runs this model
+            head = ForwardCall(toks, pos, cache, kv_len, batch.rows, None, self.n_layers)
+            drafts = self.model.greedy_draft(head, last, batch.k, V)
+            if drafts is not None:
+                self._fed_all(seqs)
+                return Proposal.chain(drafts)
+        logits = self.model.run(call).logits
+        drafts, probs = self._steps(batch, logits, cache, kv_len, n_tok, aligned)
+        self._fed_all(seqs)
+        return Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
+
+    def _steps(
+        self, batch: DraftBatch, logits: Tensor, cache: KVCache, kv_len: int, n_tok: list[int], aligned: bool
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The k drafts from the catch-up pass's logits [B, V]: one one-token step per later draft."""
+        greedy, V = batch.processing.mode == "greedy", batch.vocab
+        next_pos = torch.tensor(n_tok, device=batch.device)  # where d1 goes
+        drafts: list[Tensor] = []
+        probs: list[Tensor] = []
+        for i in range(batch.k):
+            if greedy:
+                d = logits[:, :V].argmax(-1)
+            else:
+                # penalties count this round's earlier drafts too
+                prev = torch.stack(drafts, 1) if drafts and batch.processing.penalties is not None else None
+                p = batch.processing.probs_at(logits[:, None, :V], prev, i)[:, 0]
+                assert batch.noise is not None
+                d = sample_from_probs(p, batch.noise[:, i])
+                probs.append(p)
+            drafts.append(d)
+            if i + 1 < batch.k:
+                kv_len += 1
+                start = n_tok[0] + i if aligned else None
+                step = ForwardCall(
+                    d[:, None],
+                    (next_pos + i)[:, None],
+                    cache,
+                    kv_len,
+                    batch.rows,
+                    torch.zeros_like(d),
+                    self.n_layers,
+                    start,
+                )
+                logits = self.model.run(step).logits
+        return drafts, probs
+
+    def _fed_all(self, seqs: list[Seq]) -> None:
+        for s in seqs:
+            self._fed(s).dlen = len(s.tokens)
+
+    def commit(self, seq: Seq, outcome: Committed) -> None:
+        if not outcome.drafted:  # it did not run for this row: its cache catches up when it next drafts
+            return
+        # fed: the committed tokens, then d1..d_{k-1}; the accepted ones stay valid
+        self._fed(seq).dlen = outcome.n_before + min(outcome.accepted, outcome.k - 1)
+
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        """Copy the draft cache's prompt positions but the last (fed again: its logits draft d1)."""
+        n = min(self._fed(src).dlen, length - 1)
+        if self.cache is None or n <= 0:
+            return
+        self.cache.copy_rows(src.row, [s.row for s in dst], n)
+        for s in dst:
+            self._fed(s).dlen = n
+
+    def cost_step(self, batch: int) -> Callable[[], object] | None:
+        return cached_forward(self.module, 1, batch=batch)

@@ -1,0 +1,164 @@
+"""The EAGLE head with attention (engine/spec_decode/heads/eagle_attn.py): its own static KV cache, by position.
+
+A round first runs the entries of the positions committed since the last (the target's features the round
+hands it: ``FeatureNeed.ALL``, with the tokens after them) into the cache; the last one's output scores the
+first draft. Each later draft is one entry more, on the head's own feature. Entries past the committed ones
+are overwritten by the next round's, so a rejection needs nothing undone. CUDA graphs of its step are not
+built: its step writes its own cache at per-row positions, so asking for graphs fails at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from engine.core.errors import InvalidConfigError
+from engine.core.forward import KVCache
+from engine.core.model import fuse_projections
+from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, LoadedHead, SeqStates
+from engine.spec_decode.drafters.head_base import HeadDrafter
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.spec_decode.proposal import Proposal
+
+if TYPE_CHECKING:
+    from engine.core.model import Transformer
+    from engine.spec_decode.seq import Seq
+
+
+class AttnStepKernel(Protocol):
+    """The head's layers, output norm and scores on a kernel (engine/kernels/cpu_head.py ``AttnHeadKernel``)."""
+
+    def __call__(
+        self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Entries x [B, T, H] at positions pos [B, T] in cache rows ``rows`` -> (scores [B, V'], features [B, H])
+        of each row's entry ``last`` [B]."""
+        ...
+
+
+@dataclass
+class _Entries:
+    """The head's view of a sequence: ``hlen`` entries in its cache, the target's features after them."""
+
+    hlen: int = 0
+    pending: list[Tensor] = field(default_factory=list)  # [m, H] chunks of positions hlen.. (not yet read)
+
+
+class EagleAttnDrafter(HeadDrafter):
+    """Decoder layers over the sequence's features, drafting through a KV cache of its own."""
+
+    head: EagleAttnHead
+    features = FeatureNeed.ALL
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> EagleAttnDrafter:
+        if ctx.kernels.cuda_graphs:
+            raise InvalidConfigError(
+                "CUDA graphs of the EAGLE head with attention are not built: cuda_graphs=False for this head"
+            )
+        head, plain, _ = cls.scorer_for(ctx)
+        fuse_projections(head.module)  # q/k/v and gate/up as one GEMM each, as the target's (the kernel's layout)
+        kernel = ctx.kernels.attn_head_step(head.module, plain)
+        d = cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain))
+        d._kernel = kernel
+        return d
+
+    def __init__(self, head: LoadedHead, target: Transformer, scorer: nn.Module) -> None:
+        super().__init__(head, target, scorer)
+        self.cache: KVCache | None = None
+        self._kernel: AttnStepKernel | None = None
+        self._entries = SeqStates(_Entries)
+
+    def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
+        c = self.cache
+        if c is None or c.max_batch < max_batch or c.max_seq_len != max_seq_len:
+            self.cache = self.head.new_cache(max_batch, max_seq_len, self.head_weight.device)
+
+    def commit(self, seq: Seq, outcome: Committed) -> None:
+        if outcome.features is not None:  # the committed positions' features, from hlen + the pending on
+            self._entries(seq).pending.append(outcome.features)
+
+    def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
+        # the features of the prompt but its last position (which each gets from the shared first scores)
+        st = self._entries(src)
+        assert st.hlen == 0 and st.pending
+        prompt = torch.cat(st.pending)[: length - 1]
+        for s in dst:
+            self._entries.put(s, _Entries(0, [prompt]))
+
+    def _catch_up(self, batch: DraftBatch) -> tuple[Tensor, Tensor, Tensor, list[int], list[bool]]:
+        """Each row's entries committed since its last round -> (features f [B, W, H], the next tokens [B, W],
+        positions [B, W] (padding: the scratch slot), each row's last entry, which rows have any)."""
+        seqs, H, scratch = batch.seqs, self.cfg.hidden_size, batch.scratch_pos
+        states = [self._entries(s) for s in seqs]
+        new = [torch.cat(st.pending) if st.pending else None for st in states]
+        new = [n if n is not None and len(n) else None for n in new]  # [m, H] per row, None: nothing to run
+        width = max([len(n) for n in new if n is not None], default=1)
+        B = len(seqs)
+        f = torch.zeros(B, width, H, dtype=self.head_weight.dtype, device=batch.device)
+        nxt = torch.zeros(B, width, dtype=torch.long)
+        pos = torch.full((B, width), scratch, dtype=torch.long)
+        last = [0] * B
+        for b, (s, st, n) in enumerate(zip(seqs, states, new)):
+            if n is not None:
+                m = len(n)
+                f[b, :m] = n
+                nxt[b, :m] = torch.tensor(s.tokens[st.hlen + 1 : st.hlen + m + 1])
+                pos[b, :m] = torch.arange(st.hlen, st.hlen + m)
+                last[b] = m - 1
+                st.hlen, st.pending = st.hlen + m, []
+        return f, nxt.to(batch.device), pos.to(batch.device), last, [n is not None for n in new]
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        assert self.cache is not None, "ensure_cache first"
+        f, nxt, pos, last, have = self._catch_up(batch)
+        hlens = [self._entries(s).hlen for s in batch.seqs]
+        # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
+        kv_len = min(max([h + batch.k for h, on in zip(hlens, have) if on], default=1), self.cache.max_seq_len)
+        last_t = torch.tensor(last, device=batch.device)
+        logits, g = self._step(f, self.target.embed_tokens(nxt), pos, kv_len, batch.rows, last_t)
+        scratch = batch.scratch_pos
+        at = torch.tensor([h if on else scratch for h, on in zip(hlens, have)], device=batch.device)  # next entry's
+        drafts: list[Tensor] = []
+        probs: list[Tensor] = []
+        zero = torch.zeros_like(last_t)
+        for j in range(batch.k):
+            tok, p = self._draw(logits, batch, drafts)
+            drafts.append(tok)
+            if p is not None:
+                probs.append(p)
+            if j + 1 < batch.k:  # the entry (g, this draft) at the next position
+                e = self.target.embed_tokens(tok)[:, None]
+                logits, g = self._step(g[:, None], e, at[:, None], kv_len, batch.rows, zero)
+                at = torch.where(at == scratch, at, at + 1)
+        return self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
+
+    def _step(
+        self, f: Tensor, e: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Entries (features f, next tokens' embeddings e [B, T, H]) at pos [B, T] into the cache -> (scores over
+        the draft vocabulary [B, V'], predicted features [B, H]) of each row's entry ``last`` [B]: on the C++
+        kernel or PyTorch's layers."""
+        assert self.cache is not None
+        if self._kernel is not None:
+            return self._kernel(self.head.entries(f, e), pos, rows, self.cache, kv_len, last)
+        out = self.head(f, e, pos, self.cache, kv_len, rows)
+        g = out[torch.arange(len(out), device=out.device), last]
+        return self.scores(g), g
+
+    def cost_step(self, batch: int) -> Callable[[], object] | None:
+        """One draft entry at position 64 of a warm cache of its own (the head's per-draft work)."""
+        w = self.head_weight
+        drafter = EagleAttnDrafter(self.loaded, self.target, self.lm_head)
+        drafter._kernel = self._kernel
+        drafter.cache = self.head.new_cache(batch, 128, w.device)  # the engine's cache stays as it is
+        f = torch.randn(batch, 1, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        e = self.target.embed_tokens(torch.zeros(batch, 1, dtype=torch.long, device=w.device))
+        pos = torch.full((batch, 1), 64, dtype=torch.long, device=w.device)
+        last = torch.zeros(batch, dtype=torch.long, device=w.device)
+        return lambda: drafter._step(f, e, pos, 65, None, last)[0].argmax(-1)

@@ -1,0 +1,78 @@
+"""Medusa heads: head i proposes draft i + 1 from the same feature, one chain, all drafts at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
+from engine.spec_decode.drafters.head_base import HeadDrafter
+from engine.spec_decode.proposal import Proposal
+
+if TYPE_CHECKING:
+    from engine.core.model import Transformer
+
+
+class MedusaStepKernel(Protocol):
+    """Medusa's step on a kernel (engine/kernels/cpu_head.py ``MedusaKernel``)."""
+
+    def __call__(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
+        ...
+
+    def greedy(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' greedy drafts [B, n], ids of the full vocabulary."""
+        ...
+
+
+class MedusaDrafter(HeadDrafter):
+    """Head i proposes draft i + 1 from the feature of the last committed token."""
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> MedusaDrafter:
+        head, plain, scorer = cls.scorer_for(ctx)
+        d = cls(head, ctx.target_module, scorer)
+        graphed = ctx.kernels.graph_step(d.step, "medusa head step", 1)
+        if graphed is not None:  # (graphs capture the PyTorch step)
+            d.runner = graphed
+            return d
+        kernel = ctx.kernels.medusa_step(head.module, plain, head.vocab_ids, head.config.vocab_size)
+        if kernel is not None:
+            d.runner, d.greedy = kernel, kernel.greedy
+        return d
+
+    def __init__(self, head: LoadedHead, target: Transformer, scorer: nn.Module) -> None:
+        super().__init__(head, target, scorer)
+        self.runner: Callable[[Tensor, int], Tensor] = self.step
+        self.greedy: Callable[[Tensor, int], Tensor] | None = None  # all k greedy drafts in one call
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> Proposal:
+        f, have = self._features(batch.seqs, batch.device)
+        k = min(batch.k, self.cfg.num_heads)
+        if batch.processing.mode == "greedy" and self.greedy is not None:
+            return self._result(self.greedy(f, k), [], have, k, batch.k)
+        logits = self.runner(f, k)  # [B, k, V']
+        drafts: list[Tensor] = []
+        probs: list[Tensor] = []
+        for i in range(k):
+            d, p = self._draw(logits[:, i], batch, drafts)
+            drafts.append(d)
+            if p is not None:
+                probs.append(p)
+        return self._result(torch.stack(drafts, 1), probs, have, k, batch.k)
+
+    def step(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
+        return self.scores(self.head(f, n))
+
+    def cost_step(self, batch: int) -> Callable[[], object] | None:
+        w = self.head_weight
+        f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        greedy = self.greedy
+        if greedy is not None:  # a draft step as greedy rounds run it
+            return lambda: greedy(f, 1)
+        return lambda: self.runner(f, 1).argmax(-1)

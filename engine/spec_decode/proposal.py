@@ -1,0 +1,72 @@
+"""What a drafter proposes: a draft tree per row of the batch. A chain is the one-branch tree.
+
+Node n of row b is the token ``tokens[b, n]``; its parent is ``parents[b, n]`` (-1: the root, the row's last
+committed token), so its depth is one more than its parent's; ``probs[b, n]`` is the draft distribution it was
+drawn from (None: one-hot at the token, a deterministic drafter). Rows may have fewer nodes than the batch's
+widest (``counts``); entries past a row's count are padding. Nodes are in topological order (a parent before
+its children), which every chain is. The verify pass (engine/spec_decode/verify.py) scores chains; tree
+verification (one pass over every branch with a tree attention mask) is not built yet and is refused there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A batch's draft trees (chains unless ``parents`` is given)."""
+
+    tokens: Tensor
+    """[B, N] int64 draft token ids, node n of row b (padding past ``counts[b]``)."""
+    probs: Tensor | None = None
+    """[B, N, V] float32 draft distribution of each node (after the target's processing); None: one-hot."""
+    counts: list[int] | None = None
+    """Nodes per row (<= N); None: N for every row."""
+    parents: Tensor | None = None
+    """[B, N] int64 parent node of each node (-1: the root); None: a chain, node n's parent is n - 1."""
+
+    @classmethod
+    def chain(cls, tokens: Tensor, probs: Tensor | None = None, counts: list[int] | None = None) -> Proposal:
+        """K drafts per row in order: d_1 .. d_K, each the child of the one before."""
+        return cls(tokens, probs, counts)
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device) -> Proposal:
+        """No drafts for any row."""
+        return cls(torch.zeros(rows, 0, dtype=torch.long, device=device), None, [0] * rows)
+
+    @property
+    def width(self) -> int:
+        """N: nodes of the widest row."""
+        return self.tokens.shape[1]
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def row_counts(self) -> list[int]:
+        """Nodes per row."""
+        return list(self.counts) if self.counts is not None else [self.width] * self.tokens.shape[0]
+
+    def depth(self) -> Tensor:
+        """[B, N] int64 depth of each node (1: a child of the root)."""
+        B, N = self.tokens.shape
+        if self.parents is None:
+            return torch.arange(1, N + 1, device=self.tokens.device).expand(B, N)
+        depth = torch.zeros(B, N, dtype=torch.long, device=self.tokens.device)
+        for n in range(N):  # parents come first: their depth is known
+            p = self.parents[:, n]
+            depth[:, n] = torch.where(p < 0, 1, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1)
+        return depth
+
+    def cut(self, ks: list[int]) -> Proposal:
+        """The chain cut to at most ks[b] drafts per row (and to the widest of them)."""
+        assert self.is_chain, "cutting a tree by depth is not defined"
+        counts = [min(k, n) for k, n in zip(ks, self.row_counts())]
+        width = max(counts, default=0)
+        probs = None if self.probs is None else self.probs[:, :width]
+        return Proposal(self.tokens[:, :width], probs, counts)

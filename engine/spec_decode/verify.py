@@ -1,0 +1,135 @@
+"""The verify pass of a round: ONE target forward over each row's uncached tokens plus its drafts.
+
+Rows are padded to the widest; when some rows prefill (more than one uncached token) beside rows that decode,
+the two groups run as two passes, each at its own width, so a 40-token prompt does not make every decoding row
+compute 40 positions. The pass scores K+1 positions per row, from the last committed token on, and returns the
+target's features when the drafter reads them (a prefill round for a drafter of every position's features
+returns every column's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.core.errors import InvalidConfigError
+from engine.core.forward import CachedForward, Features, ForwardCall, KVCache
+from engine.spec_decode.drafter import FeatureNeed
+from engine.spec_decode.proposal import Proposal
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """One round's verify inputs."""
+
+    tokens: Tensor  # [B, T] catch-up tokens then drafts, padded
+    pos: Tensor  # [B, T] their positions (padding: the scratch slot)
+    idx: Tensor  # [B, K+1] the scored columns (a row whose prompt was copied, catch 0: column 0, re-scored)
+    catch: list[int]  # uncached committed tokens per row
+    ks: list[int]  # drafts per row
+    tlens: list[int]  # cached tokens per row
+    rows: Tensor | None  # [B] cache rows (None: 0..B-1)
+    row_ids: list[int]  # the same as ints
+    aligned: bool  # rows 0..B-1 at one length, no padding: slice writes
+    features: FeatureNeed  # what the drafter reads
+
+    @property
+    def width(self) -> int:
+        """T: the padded token count."""
+        return self.tokens.shape[1]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The target's scores of the round."""
+
+    logits: Tensor  # [B, K+1, V] at the scored columns
+    features: Tensor | None  # [B, K+1, H] at the scored columns (a drafter that reads features)
+    prefix: Tensor | None  # [B, T, H] every column's (FeatureNeed.ALL and a row that prefills), else None
+    catch: list[int]  # uncached committed tokens per row (prefix's columns before the scored ones)
+
+
+def verify_batch(
+    tokens: list[list[int]], tlens: list[int], proposal: Proposal, rows: list[int], scratch: int, need: FeatureNeed
+) -> VerifyBatch:
+    """The verify inputs of rows with committed ``tokens`` (``tlens`` of them cached) and ``proposal``'s chains."""
+    if not proposal.is_chain:
+        raise InvalidConfigError("draft trees are not verified yet: a drafter must propose chains (Proposal.chain)")
+    dev = proposal.tokens.device
+    B, kmax, ks = len(tokens), proposal.width, proposal.row_counts()
+    catch = [len(t) - n for t, n in zip(tokens, tlens)]
+    T = max(catch) + kmax
+    toks = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.full((B, T), scratch, dtype=torch.long)
+    for b, (t, n) in enumerate(zip(tokens, tlens)):
+        toks[b, : catch[b]] = torch.tensor(t[n:], dtype=torch.long)
+        pos[b, : catch[b] + ks[b]] = torch.arange(n, n + catch[b] + ks[b])
+    toks, pos = toks.to(dev), pos.to(dev)
+    catch_t = torch.tensor(catch, dtype=torch.long, device=dev)
+    if kmax:
+        toks.scatter_(1, catch_t[:, None] + torch.arange(kmax, device=dev), proposal.tokens)
+    idx = ((catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)).clamp_(min=0)  # [B, K+1]
+    prefix_rows = rows == list(range(B))
+    aligned = prefix_rows and len(set(tlens)) == 1 and all(c + k == T for c, k in zip(catch, ks))
+    row_t = None if prefix_rows else torch.tensor(rows, device=dev)
+    return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, aligned, need)
+
+
+def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
+    """The target's scores [B, K+1, V] (and features [B, K+1, H] for a drafter that reads them; for one of every
+    position's and a row that prefills, also every column's [B, T, H]): one pass, or two when prefilling rows
+    beside decoding rows would pad the decoding rows to a prompt's width."""
+    B, T, kmax = len(vb.catch), vb.width, vb.idx.shape[1] - 1
+    wide = [b for b in range(B) if vb.catch[b] > 1]
+    narrow = [b for b in range(B) if vb.catch[b] <= 1]
+    t_narrow = max((vb.catch[b] for b in narrow), default=0) + kmax
+    if wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B:
+        return _two_passes(target, cache, vb, wide, narrow)
+    kv_len = max(n + c + k for n, c, k in zip(vb.tlens, vb.catch, vb.ks))
+    every = vb.features is FeatureNeed.ALL and max(vb.catch) > 1  # a row prefills: the prompt's features too
+    want = Features.ALL if every else Features.SCORED if vb.features is not FeatureNeed.NONE else Features.NONE
+    start = vb.tlens[0] if vb.aligned else None
+    out = target.run(ForwardCall(vb.tokens, vb.pos, cache, kv_len, vb.rows, vb.idx, None, start, want))
+    if every:
+        assert out.features is not None
+        return Scores(out.logits, _at(out.features, vb.idx), out.features, vb.catch)
+    return Scores(out.logits, out.features, None, vb.catch)
+
+
+def _two_passes(target: CachedForward, cache: KVCache, vb: VerifyBatch, wide: list[int], narrow: list[int]) -> Scores:
+    """The prefilling rows (``wide``) and the decoding rows (``narrow``), each pass at its own width."""
+    B, T, kmax, dev = len(vb.catch), vb.width, vb.idx.shape[1] - 1, vb.tokens.device
+    every = vb.features is FeatureNeed.ALL  # (the wide group prefills)
+    logits: Tensor | None = None
+    feats: Tensor | None = None
+    prefix: Tensor | None = None
+    for g in (wide, narrow):
+        sel = torch.tensor(g, device=dev)
+        t_g = max(vb.catch[b] for b in g) + kmax
+        kv_len = max(vb.tlens[b] + vb.catch[b] + vb.ks[b] for b in g)
+        g_rows = torch.tensor([vb.row_ids[b] for b in g], device=dev)
+        want = Features.NONE if vb.features is FeatureNeed.NONE else Features.SCORED
+        want = Features.ALL if every and g is wide else want
+        call = ForwardCall(vb.tokens[sel, :t_g], vb.pos[sel, :t_g], cache, kv_len, g_rows, vb.idx[sel], features=want)
+        out = target.run(call)
+        lg, ft = out.logits, out.features
+        if want is Features.ALL:
+            assert ft is not None
+            prefix = ft.new_zeros(B, T, ft.shape[-1])
+            prefix[sel, :t_g] = ft
+            ft = _at(ft, vb.idx[sel])
+        if logits is None:
+            logits = lg.new_empty(B, *lg.shape[1:])
+            feats = None if ft is None else ft.new_empty(B, *ft.shape[1:])
+        logits[sel] = lg
+        if feats is not None:
+            feats[sel] = ft
+    assert logits is not None
+    return Scores(logits, feats, prefix, vb.catch)
+
+
+def _at(x: Tensor, idx: Tensor) -> Tensor:
+    """x [B, T, H] at the columns idx [B, J] -> [B, J, H]."""
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
