@@ -12,7 +12,8 @@ from .apply import apply_plan, collect_activation_stats, model_weight_bytes
 from .catalog import known_gpus, load_catalog, lookup_gpu
 from .linear import FP8Embedding, FP8Linear, Int8Linear
 from .matmul_kernels import KERNELS, kernel_available, require_kernel
-from .plan import PlanDoesNotFitError, make_plan
+from .memory import PlanDoesNotFitError
+from .plan import make_plan
 from .plan_schema import DEFAULT_PRECISION, ModelPlan, PrecisionPlan
 
 __all__ = [

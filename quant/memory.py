@@ -24,6 +24,17 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.core.config import ModelConfig
+from engine.core.errors import InvalidConfigError
+
+from .plan_schema import MemoryPlan
+
+BUDGET_FRACTION = 0.8  # of the GPU's memory for weights, KV cache and workspace
+MIN_SEQ_LEN = 256
+SEQ_STEP = 256
+
+
+class PlanDoesNotFitError(InvalidConfigError):
+    """Even batch 1 at the minimum sequence length exceeds the memory budget."""
 
 
 class FamilyPlan(Protocol):
@@ -116,3 +127,66 @@ def workspace_bytes(cfgs: list[ModelConfig], batch: int, seq_len: int) -> int:
 def total_bytes(weights: int, cfgs: list[ModelConfig], batch: int, seq_len: int) -> int:
     kv = batch * seq_len * sum(kv_bytes_per_token(c) for c in cfgs)
     return weights + kv + workspace_bytes(cfgs, batch, seq_len)
+
+
+def fit(
+    memory_bytes: int, cfgs: list[ModelConfig], weights: int, max_batch: int, max_seq_len: int, gpu: str
+) -> tuple[int, int, list[str]]:
+    """(max_batch, max_seq_len, notes) within the budget: batch lowered first, then the length."""
+    budget = int(memory_bytes * BUDGET_FRACTION)
+    notes: list[str] = []
+    if total_bytes(weights, cfgs, max_batch, max_seq_len) <= budget:
+        return max_batch, max_seq_len, notes
+    for b in range(max_batch - 1, 0, -1):
+        if total_bytes(weights, cfgs, b, max_seq_len) <= budget:
+            notes.append(f"max_batch lowered {max_batch} -> {b} to fit {BUDGET_FRACTION:.0%} of {gpu} memory")
+            return b, max_seq_len, notes
+    L = (max_seq_len - 1) // SEQ_STEP * SEQ_STEP
+    while L >= MIN_SEQ_LEN:
+        if total_bytes(weights, cfgs, 1, L) <= budget:
+            notes.append(
+                f"max_batch lowered {max_batch} -> 1 and max_seq_len {max_seq_len} -> {L} to fit "
+                f"{BUDGET_FRACTION:.0%} of {gpu} memory"
+            )
+            return 1, L, notes
+        L -= SEQ_STEP
+    need = total_bytes(weights, cfgs, 1, min(MIN_SEQ_LEN, max_seq_len))
+    raise PlanDoesNotFitError(
+        f"gpu={gpu}: the plan does not fit: weights {weights} B + KV cache and workspace at batch 1, "
+        f"seq_len {min(MIN_SEQ_LEN, max_seq_len)} need {need} B; the budget is {budget} B "
+        f"({BUDGET_FRACTION:.0%} of {memory_bytes} B)"
+    )
+
+
+def memory_plan(
+    gpu: str,
+    memory_bytes: int,
+    cfgs: list[ModelConfig],
+    target: tuple[int, int],
+    draft: tuple[int, int],
+    requested: tuple[int, int],
+) -> MemoryPlan:
+    """The memory plan, for the GPU in fp16, with batch and length lowered (``fit``) to the budget.
+    ``target``, ``draft``: (planned weight bytes, fp16 weight bytes); ``requested``: (max_batch, max_seq_len)."""
+    weights = target[0] + draft[0]
+    b, L, adj = fit(memory_bytes, cfgs, weights, requested[0], requested[1], gpu)
+    kv_tok = sum(kv_bytes_per_token(c) for c in cfgs)
+    return MemoryPlan(
+        memory_bytes=memory_bytes,
+        budget_fraction=BUDGET_FRACTION,
+        budget_bytes=int(memory_bytes * BUDGET_FRACTION),
+        target_weight_bytes=target[0],
+        target_fp16_bytes=target[1],
+        draft_weight_bytes=draft[0],
+        draft_fp16_bytes=draft[1],
+        kv_bytes_per_token=kv_tok,
+        kv_cache_bytes=b * L * kv_tok,
+        workspace_bytes=workspace_bytes(cfgs, b, L),
+        workspace_formula=WORKSPACE_FORMULA,
+        total_bytes=total_bytes(weights, cfgs, b, L),
+        max_batch=b,
+        max_seq_len=L,
+        requested_max_batch=requested[0],
+        requested_max_seq_len=requested[1],
+        adjustments=adj,
+    )

@@ -44,20 +44,11 @@ from .plan_schema import (
     DEFAULT_PRECISION,
     FAMILIES,
     FamilyPlan,
-    MemoryPlan,
     ModelPlan,
     PrecisionPlan,
     validate_precision,
 )
 from .smooth import DEFAULT_ALPHA
-
-BUDGET_FRACTION = 0.8
-MIN_SEQ_LEN = 256
-SEQ_STEP = 256
-
-
-class PlanDoesNotFitError(InvalidConfigError):
-    """Even batch 1 at the minimum sequence length exceeds the memory budget."""
 
 
 def _shape(cfg: ModelConfig) -> dict[str, Any]:
@@ -113,34 +104,6 @@ def _int8_family(kernel: str, alpha: float | None, group_size: int | None = None
         s["outlier_threshold"] = LLM_INT8_THRESHOLD
         s["activations"] += f"; columns with |x| > {LLM_INT8_THRESHOLD} in fp16"
     return FamilyPlan("int8", kernel, s, "main_model.ffn = int8")
-
-
-def _fit(
-    memory_bytes: int, cfgs: list[ModelConfig], weights: int, max_batch: int, max_seq_len: int, gpu: str
-) -> tuple[int, int, list[str]]:
-    budget = int(memory_bytes * BUDGET_FRACTION)
-    notes: list[str] = []
-    if mem.total_bytes(weights, cfgs, max_batch, max_seq_len) <= budget:
-        return max_batch, max_seq_len, notes
-    for b in range(max_batch - 1, 0, -1):
-        if mem.total_bytes(weights, cfgs, b, max_seq_len) <= budget:
-            notes.append(f"max_batch lowered {max_batch} -> {b} to fit {BUDGET_FRACTION:.0%} of {gpu} memory")
-            return b, max_seq_len, notes
-    L = (max_seq_len - 1) // SEQ_STEP * SEQ_STEP
-    while L >= MIN_SEQ_LEN:
-        if mem.total_bytes(weights, cfgs, 1, L) <= budget:
-            notes.append(
-                f"max_batch lowered {max_batch} -> 1 and max_seq_len {max_seq_len} -> {L} to fit "
-                f"{BUDGET_FRACTION:.0%} of {gpu} memory"
-            )
-            return 1, L, notes
-        L -= SEQ_STEP
-    need = mem.total_bytes(weights, cfgs, 1, min(MIN_SEQ_LEN, max_seq_len))
-    raise PlanDoesNotFitError(
-        f"gpu={gpu}: the plan does not fit: weights {weights} B + KV cache and workspace at batch 1, "
-        f"seq_len {min(MIN_SEQ_LEN, max_seq_len)} need {need} B; the budget is {budget} B "
-        f"({BUDGET_FRACTION:.0%} of {memory_bytes} B)"
-    )
 
 
 @dataclass(frozen=True)
@@ -298,43 +261,6 @@ def _draft_bytes(
     return 0, 0
 
 
-def _memory_plan(
-    gpu: _Gpu,
-    target_cfg: ModelConfig,
-    target: ModelPlan,
-    draft_cfg: ModelConfig | None,
-    draft_bytes: tuple[int, int],
-    max_batch: int,
-    max_seq_len: int,
-) -> MemoryPlan:
-    """The memory plan, always for the GPU in fp16: batch and length lowered (by _fit) to the budget."""
-    cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
-    tw = mem.weight_bytes(target_cfg, target, compute_bytes=2)
-    dw, draft_fp16 = draft_bytes
-    memory_bytes = gpu.entry["memory_bytes"]
-    b, L, adj = _fit(memory_bytes, cfgs, tw + dw, max_batch, max_seq_len, gpu.name)
-    kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
-    return MemoryPlan(
-        memory_bytes=memory_bytes,
-        budget_fraction=BUDGET_FRACTION,
-        budget_bytes=int(memory_bytes * BUDGET_FRACTION),
-        target_weight_bytes=tw,
-        target_fp16_bytes=mem.fp16_weight_bytes(target_cfg),
-        draft_weight_bytes=dw,
-        draft_fp16_bytes=draft_fp16,
-        kv_bytes_per_token=kv_tok,
-        kv_cache_bytes=b * L * kv_tok,
-        workspace_bytes=mem.workspace_bytes(cfgs, b, L),
-        workspace_formula=mem.WORKSPACE_FORMULA,
-        total_bytes=mem.total_bytes(tw + dw, cfgs, b, L),
-        max_batch=b,
-        max_seq_len=L,
-        requested_max_batch=max_batch,
-        requested_max_seq_len=max_seq_len,
-        adjustments=adj,
-    )
-
-
 # the planner's public entry point: its 9 options are keyword-only, and every caller passes them by keyword
 def make_plan(
     gpu: dict[str, Any],
@@ -380,9 +306,10 @@ def make_plan(
     int8 = _int8_family(int8_kernel, smoothquant_alpha, group_size)
     target, more = _target_plan(target_cfg, precision["main_model"]["ffn"], int8, g, dt)
     notes += more
-    memory = _memory_plan(
-        g, target_cfg, target, draft_cfg, _draft_bytes(draft_cfg, draft, head), max_batch, max_seq_len
-    )
+    cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
+    weights = (mem.weight_bytes(target_cfg, target, compute_bytes=2), mem.fp16_weight_bytes(target_cfg))
+    draft_bytes = _draft_bytes(draft_cfg, draft, head)
+    memory = mem.memory_plan(g.name, g.entry["memory_bytes"], cfgs, weights, draft_bytes, (max_batch, max_seq_len))
     return PrecisionPlan(
         gpu=name,
         device=device,
@@ -418,29 +345,10 @@ def with_target_choices(
     new.target.modules = copy.deepcopy(modules)
     m = new.memory
     cfgs = [target_cfg] + ([draft_cfg] if draft_cfg is not None else [])
-    tw = mem.weight_bytes(target_cfg, new.target, compute_bytes=2)
-    b, L, adj = _fit(
-        m.memory_bytes, cfgs, tw + m.draft_weight_bytes, m.requested_max_batch, m.requested_max_seq_len, new.gpu
+    weights = (mem.weight_bytes(target_cfg, new.target, compute_bytes=2), m.target_fp16_bytes)
+    requested = (m.requested_max_batch, m.requested_max_seq_len)
+    new.memory = mem.memory_plan(
+        new.gpu, m.memory_bytes, cfgs, weights, (m.draft_weight_bytes, m.draft_fp16_bytes), requested
     )
-    kv_tok = sum(mem.kv_bytes_per_token(c) for c in cfgs)
-    new.memory = MemoryPlan(
-        memory_bytes=m.memory_bytes,
-        budget_fraction=m.budget_fraction,
-        budget_bytes=m.budget_bytes,
-        target_weight_bytes=tw,
-        target_fp16_bytes=m.target_fp16_bytes,
-        draft_weight_bytes=m.draft_weight_bytes,
-        draft_fp16_bytes=m.draft_fp16_bytes,
-        kv_bytes_per_token=kv_tok,
-        kv_cache_bytes=b * L * kv_tok,
-        workspace_bytes=mem.workspace_bytes(cfgs, b, L),
-        workspace_formula=m.workspace_formula,
-        total_bytes=mem.total_bytes(tw + m.draft_weight_bytes, cfgs, b, L),
-        max_batch=b,
-        max_seq_len=L,
-        requested_max_batch=m.requested_max_batch,
-        requested_max_seq_len=m.requested_max_seq_len,
-        adjustments=adj,
-    )
-    new.notes = [n for n in new.notes if n not in m.adjustments] + [note] + adj
+    new.notes = [n for n in new.notes if n not in m.adjustments] + [note] + new.memory.adjustments
     return new

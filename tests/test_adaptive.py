@@ -118,9 +118,10 @@ def test_token_acceptance_counts_tested_positions_only():
 def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
     from engine.core.checkpoint import load_model
     from engine.spec_decode.costs import measure_costs
+    from engine.spec_decode.drafters.draft_model import ModelDrafter
 
     target, draft = (load_model(d, torch.float32, "cpu") for d in (ckpt_dir, draft_dir))
-    costs = measure_costs(target, draft, k_max=6, reps=2)
+    costs = measure_costs(target, ModelDrafter(draft, draft).cost_step(1), k_max=6, reps=2)
     v = [costs.v[k] for k in range(1, 7)]
     assert all(b >= a for a, b in zip(v, v[1:])), v
     assert costs.c > 0 and v[0] > 0

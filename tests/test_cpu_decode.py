@@ -5,15 +5,18 @@ name the reason; the engine's greedy output is unchanged by it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from util import make_checkpoint
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, SpeculationConfig
-from engine.core.attention import sdpa_attention
+from engine.core.attention import math_attention, sdpa_attention
 from engine.core.checkpoint import load_model
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
+from engine.core.forward import Features, ForwardCall
 from engine.core.model import KVCache, fuse_projections
 from engine.kernels.cpu_decode import (
     DecodeStep,
@@ -64,6 +67,18 @@ def _both(m, *args, **kw):
     return got, want
 
 
+def _both_runs(m, call: ForwardCall, cache_ref: KVCache):
+    """(kernel ForwardOut, PyTorch ForwardOut) of the same call on equal caches (``call.cache``, ``cache_ref``)."""
+    with torch.no_grad():
+        got = m.run(call)
+        step, m.layer_step = m.layer_step, None
+        try:
+            want = m.run(dataclasses.replace(call, cache=cache_ref))
+        finally:
+            m.layer_step = step
+    return (got.logits, got.features), (want.logits, want.features)
+
+
 def test_ragged_padded_rerowed_call_matches_the_pytorch_layers(model):
     B, S = 3, 64
     c1, c2 = _prefilled(model, B, S), _prefilled(model, B, S)
@@ -92,9 +107,8 @@ def test_hidden_states_of_the_scored_rows_match(model):
     toks = torch.tensor([[5, 6, 7], [8, 9, 10]])
     pos = torch.tensor([[12, 13, 14], [12, 13, S - 1]])
     idx = torch.tensor([[0, 2], [0, 1]])
-    (got, h), (want, h_ref) = _both(
-        model, toks, pos, kv_len=15, logits_idx=idx, return_hidden=True, cache=c1, cache_ref=c2
-    )
+    call = ForwardCall(toks, pos, c1, kv_len=15, logits_idx=idx, features=Features.SCORED)
+    (got, h), (want, h_ref) = _both_runs(model, call, c2)
     assert h.shape == h_ref.shape == (B, 2, model.config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
@@ -125,25 +139,21 @@ def test_greedy_drafting_in_one_call_equals_the_step_loop(model):
     step = model.layer_step
     for n_layers in (None, 1):
         with torch.no_grad():
-            got = step.greedy(toks, pos, rows, c1, kv_len, n_layers, last, k, V)
-            logits, want = step(toks, pos, rows, c2, kv_len, n_layers, last), []
+            got = step.greedy(ForwardCall(toks, pos, c1, kv_len, rows, n_layers=n_layers), last, k, V)
+            logits, want = step.run(ForwardCall(toks, pos, c2, kv_len, rows, last, n_layers)).logits, []
             nxt = torch.tensor([n + r for n, r in zip(lens, real)])
             for i in range(k):
                 want.append(logits[:, :V].argmax(-1))
                 if i + 1 < k:
-                    logits = step(
-                        want[-1][:, None],
-                        (nxt + i)[:, None],
-                        rows,
-                        c2,
-                        kv_len + i + 1,
-                        n_layers,
-                        torch.zeros(B, dtype=torch.long),
-                    )
+                    one = ForwardCall(
+                        want[-1][:, None], (nxt + i)[:, None], c2, kv_len + i + 1, rows,
+                        torch.zeros(B, dtype=torch.long), n_layers,
+                    )  # fmt: skip
+                    logits = step.run(one).logits
         assert torch.equal(got, torch.stack(want, 1)) and got.shape == (B, k)
         assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
     with pytest.raises(RuntimeError, match="greedy: steps >= 1"):
-        step.greedy(toks, pos, rows, c1, kv_len, None, last, 0, V)
+        step.greedy(ForwardCall(toks, pos, c1, kv_len, rows), last, 0, V)
 
 
 def test_a_block_equals_one_token_steps_bit_for_bit(model):
@@ -177,15 +187,15 @@ def test_autograd_and_other_cache_dtypes_go_to_the_pytorch_forward(model):
     step = model.layer_step
     x = torch.zeros(1, 100, dtype=torch.long)
     cache = KVCache(model.config, 1, 64, torch.float32, "cpu")
-    assert step.takes(x, cache)
+    assert step.takes(ForwardCall(x, cache=cache))
     with torch.enable_grad():
         model.norm.weight.requires_grad_(True)
         try:
-            assert not step.takes(x[:, :1], cache)  # training: autograd needs the PyTorch ops
+            assert not step.takes(ForwardCall(x[:, :1], cache=cache))  # training: autograd needs the PyTorch ops
         finally:
             model.norm.weight.requires_grad_(False)
     half = KVCache(model.config, 1, 64, torch.bfloat16, "cpu")
-    assert not step.takes(x[:, :1], half)
+    assert not step.takes(ForwardCall(x[:, :1], cache=half))
 
 
 def test_refusals_name_the_reason(tmp_path):
@@ -193,7 +203,7 @@ def test_refusals_name_the_reason(tmp_path):
     m = load_model(path, torch.float32)
     assert "not fused" in decode_step_reason(m)  # before fuse_projections
     fuse_projections(m)
-    m.attn_fn = lambda *a: None
+    m.attn_fn = math_attention
     assert "attention backend" in decode_step_reason(m)
     with pytest.raises(KernelUnavailableError, match="attention backend"):
         DecodeStep(m)
@@ -244,7 +254,7 @@ def test_16_bit_weights_widen_exactly(tmp_path, dtype):
     def logits(dtype):  # (the AVX-512 kernel: AMX tiles add up in another order, tests/test_amx_gemm.py)
         cache = KVCache(m.config, 2, 32, torch.float32, "cpu")
         with torch.no_grad():
-            return DecodeStep(m, dtype, amx=False)(toks, pos, None, cache, 5, None, None)
+            return DecodeStep(m, dtype, amx=False).run(ForwardCall(toks, pos, cache, 5)).logits
 
     raw32, raw16 = logits(torch.float32), logits(dtype)
     assert not torch.equal(raw32, raw16)

@@ -15,6 +15,7 @@ from util import PROMPTS, TEXT, assert_greedy_grid
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig
 from engine.core.errors import InvalidConfigError
+from engine.core.forward import Features, ForwardCall
 from engine.core.tokenizer import Tokenizer
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.spec_decode.heads.checkpoint import load_head, save_head
@@ -47,7 +48,7 @@ def test_unrolled_rounds_equal_the_cached_rounds(ckpt_dir, tmp_path):
     tokens = torch.tensor(eng.tokenizer.encode(TEXT[:200]))[None]  # [1, n]
     n, depth = tokens.shape[1], 4
     with torch.no_grad():
-        feats = target(tokens, return_hidden=True)[1].float()  # [1, n, H]
+        feats = target.run(ForwardCall(tokens, features=Features.SCORED)).features.float()  # [1, n, H]
         emb = target.embed_tokens(tokens[:, 1:]).float()  # the token after each position
         g = head.unrolled(feats[:, :-1], emb, depth)  # [1, depth, n - 1, H]
         for root in (0, 5, n - 1 - depth):
@@ -235,7 +236,7 @@ def test_attention_config_of_another_shape_refused(ckpt_dir, attn_head, tmp_path
 
 @pytest.mark.parametrize("cpu_pack", [True, False], ids=["cpu-kernel", "pytorch"])
 def test_hidden_all_returns_every_position_and_scores_only_the_asked(ckpt_dir, cpu_pack):
-    """``Transformer.forward(hidden_all=True)``: the features of every position of a cached pass, the logits of
+    """``ForwardCall(features=Features.ALL)``: the features of every position of a cached pass, the logits of
     ``logits_idx`` only; both equal to what scoring every position returns."""
     from engine.core.model import KVCache
 
@@ -247,9 +248,12 @@ def test_hidden_all_returns_every_position_and_scores_only_the_asked(ckpt_dir, c
     idx = torch.tensor([[T - 3, T - 2, T - 1], [0, 1, 2]])
     with torch.no_grad():
         cache = KVCache(t.config, B, 64, torch.float32, "cpu")
-        lg, h = t(toks, pos, cache, T, None, logits_idx=idx, return_hidden=True, hidden_all=True)
+        out = t.run(ForwardCall(toks, pos, cache, T, None, logits_idx=idx, features=Features.ALL))
+        lg, h = out.logits, out.features
         every = torch.arange(T).expand(B, T)
-        ref_lg, ref_h = t(toks, pos, KVCache(t.config, B, 64, torch.float32, "cpu"), T, None, every, return_hidden=True)
+        ref_cache = KVCache(t.config, B, 64, torch.float32, "cpu")
+        ref = t.run(ForwardCall(toks, pos, ref_cache, T, None, every, features=Features.SCORED))
+        ref_lg, ref_h = ref.logits, ref.features
     assert h.shape == (B, T, t.config.hidden_size) and lg.shape == (B, 3, t.config.vocab_size)
     torch.testing.assert_close(h, ref_h)
     torch.testing.assert_close(lg, ref_lg.gather(1, idx[..., None].expand(-1, -1, lg.shape[-1])))

@@ -27,6 +27,7 @@ from engine.api.runtime import RuntimeSettings, parse_runtime, runtime_settings
 from engine.core.attention import math_attention as engine_math_attention
 from engine.core.attention import sdpa_attention
 from engine.core.errors import InvalidConfigError, KernelUnavailableError, ProfileError
+from engine.core.forward import ForwardCall
 from engine.core.model import KVCache
 from engine.kernels.backends import (
     FlashAttention,
@@ -111,7 +112,7 @@ def test_sdpa_lower_right_dense_mask_and_math_agree(T, S, heads):
 
 def test_flash_adapter_with_reference_kernel_matches_sdpa_in_the_cache():
     """Ragged rows (different offsets, explicit cache rows, padding) through with_cache == the masked path."""
-    from engine.core.attention import _Ctx, position_mask
+    from engine.core.attention import AttentionContext, position_mask
 
     g = torch.Generator().manual_seed(3)
     H, Hkv, D, S, T = 4, 2, 16, 32, 4
@@ -119,12 +120,12 @@ def test_flash_adapter_with_reference_kernel_matches_sdpa_in_the_cache():
     q = torch.randn(3, H, T, D, generator=g)
     rows = torch.tensor([4, 1, 2])
     pos = torch.tensor([[5, 6, 7, 8], [11, 12, S - 1, S - 1], [0, 1, 2, 3]])  # row 1: two padding queries
-    ctx = _Ctx(pos, rows, False, 13, position_mask(pos, 13, None))
+    ctx = AttentionContext(pos, rows, False, 13, position_mask(pos, 13, None))
     out = FlashAttention(REF_FLASH).with_cache(q, kc, vc, ctx, None)
     want = sdpa_attention(q, kc[rows, :, :13], vc[rows, :, :13], ctx.mask, False)
     real = pos < S - 1
     torch.testing.assert_close(out.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
-    ctx_long = _Ctx(pos, rows, False, S - 2, position_mask(pos, S - 2, None))
+    ctx_long = AttentionContext(pos, rows, False, S - 2, position_mask(pos, S - 2, None))
     assert FlashAttention(REF_FLASH).with_cache(q, kc, vc, ctx_long, None) is None  # would pass the end: masked
 
 
@@ -255,10 +256,10 @@ def test_batches_outside_the_buckets_run_eagerly(pair):
     assert _ids(eng.generate(PROMPTS[:3], GREEDY)) == _ids(ref.generate(PROMPTS[:3], GREEDY))
     cache = eng.loop.cache
     one = torch.zeros(1, 1, dtype=torch.long)
-    assert t_runner.key_for(one.expand(3, 1), one.expand(3, 1), cache, 9, None, None, None) is None  # 3 > 2
-    assert t_runner.key_for(one.expand(2, 1), one.expand(2, 1), cache, 9, None, None, None) is not None
+    assert t_runner.key_for(ForwardCall(one.expand(3, 1), one.expand(3, 1), cache, 9)) is None  # 3 > 2
+    assert t_runner.key_for(ForwardCall(one.expand(2, 1), one.expand(2, 1), cache, 9)) is not None
     T = t_runner.max_tokens + 1  # k_max + 3
-    assert t_runner.key_for(one.expand(2, T), one.expand(2, T), cache, 9, None, None, None) is None
+    assert t_runner.key_for(ForwardCall(one.expand(2, T), one.expand(2, T), cache, 9)) is None
     assert t_runner.stats.eager_calls > 0 and t_runner.stats.replays > 0  # batch 3 eager, 2 and 1 graphed
 
 
@@ -336,7 +337,7 @@ def test_memory_pressure_lowers_k_and_batch_instead_of_failing(pair):
     gov = eng.scheduler.governor
     gov.interval_s = 0.0
     seen = []
-    eng.scheduler.on_round = lambda: seen.append((eng.loop.k_cap, eng.scheduler.running()))
+    eng.scheduler.on_round = lambda: seen.append((eng.scheduler.k_cap, eng.scheduler.running()))
     outs = eng.generate(PROMPTS, GREEDY)
     assert _ids(outs) == _ids(ref.generate(PROMPTS, GREEDY))
     st = eng.stats()["load_window"]

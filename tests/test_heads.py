@@ -24,7 +24,9 @@ from engine.kernels.cpu_head import (
     head_store_dtype,
     scorer_on_kernel,
 )
-from engine.spec_decode.drafters.heads import HEAD_DRAFTERS
+from engine.spec_decode.drafter import LoadedHead
+from engine.spec_decode.drafters.eagle import EagleDrafter
+from engine.spec_decode.drafters.medusa import MedusaDrafter
 from engine.spec_decode.heads.checkpoint import load_head, save_head
 from engine.spec_decode.heads.config import HeadConfig, target_fingerprint
 from engine.spec_decode.heads.modules import draft_lm_head, init_head
@@ -126,7 +128,7 @@ def test_eagle_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
         for m in ref_module.modules():
             if type(m) is torch.nn.Linear:
                 m.weight.copy_(m.weight.to(store).float())
-    ref = HEAD_DRAFTERS["eagle"](ref_module, cfg, ids, target)
+    ref = EagleDrafter(LoadedHead(ref_module, cfg, ids), target, draft_lm_head(target, ids))
     f, tok = torch.randn(3, cfg.hidden_size), torch.tensor([5, 17, 2])
     with torch.no_grad():
         for got, want in zip(kernel(f, tok), ref.step(f, tok)):
@@ -161,10 +163,10 @@ def test_medusa_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
     ref_module = copy.deepcopy(module)
     with torch.no_grad():
         ref_module.weight.copy_(ref_module.weight.bfloat16().float())
-    ref = HEAD_DRAFTERS["medusa"](ref_module, cfg, ids, target)
+    ref = MedusaDrafter(LoadedHead(ref_module, cfg, ids), target, draft_lm_head(target, ids))
     f = torch.randn(2, cfg.hidden_size)
     with torch.no_grad():
-        logits = kernel(f, (3,))
+        logits = kernel(f, 3)
         torch.testing.assert_close(logits, ref.step(f, 3), rtol=1e-4, atol=1e-4)
         best = logits.argmax(-1)
         assert torch.equal(kernel.greedy(f, 3), best if ids is None else ids[best])

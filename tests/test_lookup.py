@@ -18,7 +18,9 @@ from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.model import KVCache
+from engine.spec_decode.drafter import Committed, FeatureNeed
 from engine.spec_decode.drafters.lookup import LookupFirst
+from engine.spec_decode.proposal import Proposal
 from quant.plan_io import plan_from_dict
 
 
@@ -102,7 +104,7 @@ def test_draft_cache_holds_the_committed_tokens(ckpt_dir, draft_dir, monkeypatch
 
     def propose(batch):
         for s in batch.seqs:
-            n = s.dlen
+            n = inner.cached_length(s)
             if n:
                 ref = KVCache(draft.config, 1, inner.cache.max_seq_len, inner.cache.k.dtype, "cpu")
                 with torch.no_grad():
@@ -199,6 +201,8 @@ class Fixed:
     """A greedy drafter of known drafts: the next k tokens of ``truth``, or wrong ones."""
 
     probabilistic = True
+    features = FeatureNeed.NONE
+    max_drafts = None
 
     def __init__(self, truth: list[int], right: bool, empty_first: bool = False) -> None:
         self.truth, self.right, self.proposed, self.after = truth, right, [], []
@@ -208,10 +212,11 @@ class Fixed:
         n = len(batch.seqs[0].tokens)
         self.proposed.append(n)
         drafts = torch.tensor([self.truth[n : n + batch.k] if self.right else [0] * batch.k])
-        return drafts, None, ([0] if self.empty_first and len(self.proposed) == 1 else None)
+        return Proposal.chain(drafts, None, [0] if self.empty_first and len(self.proposed) == 1 else None)
 
-    def after_verify(self, seq, n_before, accepted, k):
-        self.after.append((n_before, accepted))
+    def commit(self, seq, outcome):
+        if outcome.drafted:  # the rounds it ran
+            self.after.append((outcome.n_before, outcome.accepted))
 
 
 def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, k: int = 4) -> list[int]:
@@ -225,11 +230,12 @@ def run_rounds(drafter: LookupFirst, truth: list[int], start: int, rounds: int, 
     for _ in range(rounds):
         n = len(seq.tokens)
         starts.append(n)
-        batch = SimpleNamespace(seqs=[seq], k=k, ks=[k], vocab=100, target_cache=SimpleNamespace(k=torch.zeros(1)))
-        drafts, _, num = drafter.propose(batch)
+        batch = SimpleNamespace(seqs=[seq], k=k, ks=[k], vocab=100, device=torch.device("cpu"))
+        proposal = drafter.propose(batch)
+        drafts, num = proposal.tokens, proposal.counts
         d = drafts[0, : (num or [k])[0]].tolist()
         a = next((i for i, (x, t) in enumerate(zip(d, truth[n:])) if x != t), len(d))
-        drafter.after_verify(seq, n, a, k)
+        drafter.commit(seq, Committed(n, a, k, True))
         seq.tokens += truth[n : n + a + 1]
     return starts
 
@@ -264,13 +270,15 @@ class Uniform:
     """A probabilistic drafter over a vocabulary of ``vocab`` tokens: token 0 with p uniform, k per row."""
 
     probabilistic = True
+    features = FeatureNeed.NONE
+    max_drafts = None
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
     def propose(self, batch):
         B, k = len(batch.seqs), batch.k
-        return torch.zeros(B, k, dtype=torch.long), torch.full((B, k, self.vocab), 1 / self.vocab), None
+        return Proposal.chain(torch.zeros(B, k, dtype=torch.long), torch.full((B, k, self.vocab), 1 / self.vocab))
 
 
 def test_a_copy_fits_the_rows_k_and_the_drafters_vocabulary():
@@ -284,8 +292,9 @@ def test_a_copy_fits_the_rows_k_and_the_drafters_vocabulary():
     seqs = [Seq(t, SamplingParams(temperature=1.0), torch.Generator()) for t in rows]
     d = LookupFirst(Uniform(8), 2)
     d.prefers_copy = lambda rec: True
-    batch = SimpleNamespace(seqs=seqs, k=4, ks=[2, 4, 4, 4, 4], vocab=8, target_cache=SimpleNamespace(k=torch.zeros(1)))
-    drafts, probs, num = d.propose(batch)  # the last row has no copy: the drafter runs, p is needed
+    batch = SimpleNamespace(seqs=seqs, k=4, ks=[2, 4, 4, 4, 4], vocab=8, device=torch.device("cpu"))
+    proposal = d.propose(batch)  # the last row has no copy: the drafter runs, p is needed
+    drafts, probs, num = proposal.tokens, proposal.probs, proposal.counts
     assert num == [2, 4, 1, 4, 4]
     assert drafts[0, :2].tolist() == [3, 4] and drafts[1].tolist() == [3, 4, 5, 6] and drafts[2, 0] == 3
     for b in (3, 4):

@@ -33,9 +33,13 @@ def test_wheel_holds_the_catalog_and_the_kernel_sources(wheel: Path) -> None:
     assert {"small_gemm.cpp", "amx_gemm.cpp", "decode_layers.cpp", "bindings.cpp", "decode.h"} <= csrc
     for pkg in (
         "engine/core",
-        "engine/spec",
+        "engine/spec_decode",
+        "engine/spec_decode/drafters",
+        "engine/spec_decode/heads",
         "engine/kernels",
-        "engine/serve",
+        "engine/runtime",
+        "engine/server",
+        "engine/train",
         "engine/api",
         "engine/build",
         "engine/demo",

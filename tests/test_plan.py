@@ -15,7 +15,8 @@ from quant.catalog import (
     load_catalog,
     lookup_gpu,
 )
-from quant.plan import PlanDoesNotFitError, make_plan
+from quant.memory import PlanDoesNotFitError
+from quant.plan import make_plan
 from quant.plan_io import load_plan, plan_from_dict, plan_from_json
 from quant.plan_schema import DEFAULT_PRECISION, PrecisionPlan
 

@@ -14,12 +14,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.core.errors import EngineError, InvalidRequestError
+from engine.core.errors import EngineError, InvalidConfigError, InvalidRequestError
+from engine.spec_decode.randomness import RoundNoise
 from engine.spec_decode.sampling import (
     SamplingParams,
-    draw_noise,
-    draw_uniforms,
-    make_generator,
     params_to_tensors,
     process_logits,
     sample_from_probs,
@@ -220,26 +218,46 @@ def test_sample_never_picks_zero_probability_even_with_zero_noise() -> None:
     assert sample_from_probs(probs, noise).tolist()[1] in (1, 2)
 
 
-def test_draw_noise_and_uniforms_follow_each_rows_generator() -> None:
-    gens = [make_generator(11, "cpu"), None, make_generator(12, "cpu")]
-    noise = draw_noise(gens, 9, "cpu")
-    assert noise.shape == (3, 9) and noise.dtype == torch.float32 and (noise >= 0).all()
-    ref0 = torch.empty(9).exponential_(generator=torch.Generator().manual_seed(11))
-    ref2 = torch.empty(9).exponential_(generator=torch.Generator().manual_seed(12))
-    assert torch.equal(noise[0], ref0) and torch.equal(noise[2], ref2)
-    # a row's draws do not depend on its neighbours
-    again = draw_noise([make_generator(12, "cpu")], 9, "cpu")
-    assert torch.equal(again[0], ref2)
-    u = draw_uniforms([make_generator(5, "cpu"), None], 4, "cpu")
-    assert u.shape == (2, 4) and ((u >= 0) & (u < 1)).all()
-    assert torch.equal(u[0], torch.rand(4, generator=torch.Generator().manual_seed(5)))
-    assert make_generator(None, "cpu") is None
-    assert draw_noise([], 5, "cpu").shape == (0, 5)
+def _gen(seed: int, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def test_round_noise_follows_each_rows_generator_in_draw_order() -> None:
+    # row 0 seeded, K=2; row 1 greedy (draws nothing); row 2 seeded, K=1
+    noise = RoundNoise.draw([_gen(11), None, _gen(12)], [2, 2, 1], [True, False, True], 9, "cpu")
+    assert noise.draft.shape == (3, 2, 9) and noise.uniforms.shape == (3, 2) and noise.final.shape == (3, 9)
+    assert noise.draft.dtype == torch.float32
+    ref = _gen(11)  # the documented order: K draft vectors, K uniforms, then the final vector
+    d0 = torch.empty(2, 9).exponential_(generator=ref)
+    u0 = torch.empty(2).uniform_(generator=ref)
+    f0 = torch.empty(9).exponential_(generator=ref)
+    assert torch.equal(noise.draft[0], d0) and torch.equal(noise.uniforms[0], u0) and torch.equal(noise.final[0], f0)
+    # a greedy row draws nothing and keeps the neutral values
+    assert (noise.draft[1] == 1).all() and (noise.uniforms[1] == 0.5).all() and (noise.final[1] == 1).all()
+    # a row's draws do not depend on its neighbours or on the batch's widest K
+    alone = RoundNoise.draw([_gen(12)], [1], [True], 9, "cpu")
+    assert torch.equal(alone.draft[0, :1], noise.draft[2, :1]) and torch.equal(alone.final[0], noise.final[2])
+    assert (noise.draft[2, 1:] == 1).all() and (noise.uniforms[2, 1:] == 0.5).all()
+    assert ((noise.uniforms[0] >= 0) & (noise.uniforms[0] < 1)).all()
+    empty = RoundNoise.draw([], [], [], 5, "cpu")
+    assert empty.final.shape == (0, 5) and empty.draft.shape == (0, 0, 5)
+    cut = noise.cut(1)
+    assert cut.draft.shape == (3, 1, 9) and torch.equal(cut.final, noise.final)
+
+
+def test_round_noise_refuses_a_generator_on_another_device() -> None:
+    with pytest.raises(InvalidConfigError, match="generators\\[0\\]"):
+        RoundNoise.draw([_FakeDeviceGen()], [1], [True], 4, "cpu")  # type: ignore[list-item]
+
+
+class _FakeDeviceGen:
+    """Stands for a CUDA generator on a CPU-only machine: only its device is read before the refusal."""
+
+    device = torch.device("cuda")
 
 
 def test_exp_noise_is_exponential() -> None:
-    g = make_generator(0, "cpu")
-    noise = draw_noise([g], 50_000, "cpu")[0].double().numpy()
+    noise = RoundNoise.draw([_gen(0)], [0], [True], 50_000, "cpu").final[0].double().numpy()
     # Exp(1): P(E > x) = exp(-x); compare bin counts
     edges = np.array([0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, math.inf])
     counts = np.histogram(noise, edges)[0]
@@ -254,7 +272,8 @@ def test_process_logits_cuda_matches_cpu_without_sync() -> None:
     t, k, p = params_to_tensors([SamplingParams(temperature=c[0], top_k=c[1], top_p=c[2]) for c in COMBOS], "cpu")
     ref = process_logits(logits, t, k, p)
     args = [x.cuda() for x in (logits, t, k, p)]
-    noise = draw_noise([make_generator(1, "cuda")] + [None] * (len(COMBOS) - 1), 300, "cuda")
+    n = len(COMBOS)
+    noise = RoundNoise.draw([_gen(1, "cuda")] + [None] * (n - 1), [0] * n, [True] * n, 300, "cuda").final
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

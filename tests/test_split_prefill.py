@@ -5,6 +5,7 @@ for every drafter, and the split happens."""
 from __future__ import annotations
 
 import pytest
+from util import CountedForward
 
 from engine import Engine, SamplingParams
 from engine.api.options import SpeculationConfig
@@ -19,14 +20,9 @@ def test_a_prefill_beside_decoding_rows_splits_and_keeps_outputs(ckpt_dir, draft
     eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=spec)
     params = SamplingParams(max_new_tokens=24)
     solo = [eng.generate([p], params)[0].token_ids for p in [*SHORT, LONG]]
-    widths: list[tuple[int, int]] = []
-    forward = eng.loop.target
-
-    def counted(toks, *args, **kwargs):  # the target passes of each round: (rows, width)
-        widths.append(tuple(toks.shape))
-        return forward(toks, *args, **kwargs)
-
+    counted = CountedForward(eng.loop.target)  # the target passes of each round: (rows, width)
     eng.loop.target = counted
+    widths = counted.widths
     reqs = [eng.submit(p, params) for p in SHORT]
     rounds = {"n": 0}
 
@@ -52,14 +48,9 @@ def test_a_row_starting_from_a_shared_prefill_beside_a_new_prompt(ckpt_dir):
     solo = [eng.generate([SHORT[1]], p)[0].token_ids for p in params] + [
         eng.generate([LONG], SamplingParams(max_new_tokens=6))[0].token_ids
     ]
-    widths: list[tuple[int, int]] = []
-    forward = eng.loop.target
-
-    def counted(toks, *args, **kwargs):
-        widths.append(tuple(toks.shape))
-        return forward(toks, *args, **kwargs)
-
+    counted = CountedForward(eng.loop.target)
     eng.loop.target = counted
+    widths = counted.widths
     reqs = eng.submit_many([SHORT[1], SHORT[1]], params)  # admitted together: the first prefills for both
     rounds = {"n": 0}
 

@@ -177,3 +177,27 @@ def int8_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xq, xs = quantize_int8_rowwise(x)
     wq, ws = quantize_int8_rowwise(w)
     return int_mm(xq, wq).float() * xs[:, None] * ws[None, :]
+
+
+class CountedForward:
+    """A ``CachedForward`` (engine/core/forward.py) that records the shape [rows, width] of each pass it runs
+    through the model it wraps."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.config = inner, inner.config
+        self.widths: list[tuple[int, int]] = []
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def run(self, call: Any) -> Any:
+        self.widths.append(tuple(call.tokens.shape))
+        return self.inner.run(call)
+
+    def greedy_draft(self, call: Any, last: torch.Tensor, steps: int, vocab: int) -> torch.Tensor | None:
+        return self.inner.greedy_draft(call, last, steps, vocab)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from engine.api.engine import Engine
 from engine.api.options import PrecisionConfig, SpeculationConfig
-from engine.api.profile import Probe, Speculation, SpeculationCalibration
+from engine.api.profile_sections import Probe, Speculation, SpeculationCalibration
 from engine.core.tokenizer import Tokenizer
 from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
+from engine.spec_decode.registry import Loads
 from engine.spec_decode.sampling import SamplingParams
 from quant.plan_schema import PrecisionPlan
 
@@ -65,9 +66,9 @@ def calibrate(
     lookup: int | None = None,
     probe: ProbeOptions = ProbeOptions(),
 ) -> Speculation:
-    """The profile's speculation section: a draft model, a trained head (drafter "medusa" / "eagle": its K is
-    capped at its heads) or, with no draft, the n-gram drafter (drafter "ngram", draft_dir None). A draft model, and a
-    head the plan quantizes (eagle's FP8 Linears), are also measured unquantized (``acceptance_fp16_draft``).
+    """The profile's speculation section for any drafter of the registry: a draft model, a trained head (its K is
+    capped at its heads) or one with no draft (n-gram: draft_dir None). A draft model, and a head the plan
+    quantizes (eagle's FP8 Linears), are also measured unquantized (``acceptance_fp16_draft``).
     ``lookup``: prompt lookup first (``SpeculationConfig.prompt_lookup_min``), measured and kept with it."""
     spec = SpeculationConfig(
         drafter=drafter, k=probe.k_probe, k_policy="constant", k_max=probe.k_search, prompt_lookup_min=lookup
@@ -79,11 +80,12 @@ def calibrate(
     a = acceptance(planned, prompts, probe.max_new_tokens)
     a16: float | None = None
     quantized_head = plan.draft is not None and any(f.quantized for f in plan.draft.all_plans())
-    if drafter == "model" or (drafter in ("medusa", "eagle") and quantized_head):
+    loads = spec.registry[drafter].loads
+    if loads is Loads.DRAFT_MODEL or (loads is Loads.HEAD and quantized_head):
         fp16 = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
         fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device, precision=fp16)
         a16 = acceptance(fp16_draft, prompts, probe.max_new_tokens)
-    elif drafter in ("medusa", "eagle"):
+    elif loads is Loads.HEAD:
         a16 = a  # the head is not quantized (medusa): the same run
     costs = planned.costs
     assert costs is not None and planned.policy is not None

@@ -15,23 +15,9 @@ from typing import Any
 import torch
 
 import engine
-from engine.api.profile import (
-    PROFILE_SCHEMA_VERSION,
-    CalibrationText,
-    GateAttempt,
-    Memory,
-    ModelRecord,
-    Models,
-    Profile,
-    Quality,
-    QualityFigures,
-    QualityGates,
-    Speculation,
-    Versions,
-    WeightBytes,
-    model_ref,
-    weight_hashes,
-)
+from engine.api.profile import PROFILE_SCHEMA_VERSION, Profile, Versions, model_ref, weight_hashes
+from engine.api.profile_quality import GateAttempt, Quality, QualityFigures, QualityGates
+from engine.api.profile_sections import CalibrationText, Memory, ModelRecord, Models, Speculation, WeightBytes
 from engine.api.runtime import RuntimeSettings
 from engine.build.report import build_report_files
 from engine.core.config import load_config

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.api.profile import Profile, Quality, QualityFigures, QualityGates
+from engine.api.profile import Profile
+from engine.api.profile_quality import Quality, QualityFigures, QualityGates
 from engine.build.plots import INSTALL_HINT, draw_profile, matplotlib_available, profile_series
 from quant.plan_schema import PrecisionPlan
 

@@ -41,14 +41,10 @@ from engine.cli.bench_modes import hf_runner, match_rate, print_table, spec_runn
 from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
 from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
+from engine.spec_decode.registry import DRAFTERS, DrafterEntry, Loads
 
-SPEC_MODES = {
-    "specmix-model": "model",
-    "specmix-ngram": "ngram",
-    "specmix-early-exit": "early-exit",
-    "specmix-medusa": "medusa",
-    "specmix-eagle": "eagle",
-}  # the heads' modes need --medusa / --eagle
+SPEC_MODES = {f"specmix-{e.name}": e for e in DRAFTERS}  # one mode per drafter; a head's needs --<its name>
+HEAD_KINDS = tuple(e.name for e in DRAFTERS if e.loads is Loads.HEAD)
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
 DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
 DTYPES = ("float32", "bfloat16")
@@ -58,16 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path)
     p.add_argument("--draft", type=Path)
-    p.add_argument(
-        "--medusa",
-        type=Path,
-        help="trained Medusa heads (specmix-train-draft --kind medusa): adds the specmix-medusa mode",
-    )
-    p.add_argument(
-        "--eagle",
-        type=Path,
-        help="a trained EAGLE-style head (specmix-train-draft --kind eagle): adds the specmix-eagle mode",
-    )
+    for kind in HEAD_KINDS:
+        p.add_argument(
+            f"--{kind}",
+            type=Path,
+            dest=kind.replace("-", "_"),
+            help=f"a trained {kind} head (specmix-train-draft --kind {kind}): adds the specmix-{kind} mode",
+        )
     p.add_argument("--demo-size", default="demo")
     p.add_argument("--prompts", type=Path, help="one prompt per line (default: 4 from the demo held-out text)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -185,36 +178,48 @@ def _pair(a: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
     return target, draft, target.parent
 
 
+def _heads(a: argparse.Namespace) -> dict[str, Path | None]:
+    """The trained head given for each head kind (--<kind>), or None."""
+    return {kind: vars(a)[kind.replace("-", "_")] for kind in HEAD_KINDS}
+
+
+def _draft_arg(entry: DrafterEntry, draft: Path | None, heads: dict[str, Path | None]) -> tuple[bool, Path | None]:
+    """(whether the mode can run, the ``draft`` argument its engine takes)."""
+    if entry.loads is Loads.DRAFT_MODEL:
+        return draft is not None, draft
+    if entry.loads is Loads.HEAD:
+        return heads[entry.name] is not None, heads[entry.name]
+    return True, None
+
+
 def _spec_engines(a: argparse.Namespace, target: Path, draft: Path | None, opts: dict[str, Any]) -> dict[str, Engine]:
     """The plain engine and one per drafter mode the pair and the heads given allow."""
     engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, **opts)}
-    heads = {"medusa": a.medusa, "eagle": a.eagle}
-    for mode, drafter in SPEC_MODES.items():
-        if (drafter in heads and heads[drafter] is None) or (drafter == "model" and draft is None):
-            continue
-        engines[mode] = Engine.from_pretrained(
-            target,
-            draft if drafter == "model" else heads.get(drafter),
-            speculation=SpeculationConfig(drafter=drafter, k=a.k),
-            **opts,
-        )
+    heads = _heads(a)
+    for mode, entry in SPEC_MODES.items():
+        runs, arg = _draft_arg(entry, draft, heads)
+        if runs:
+            spec = SpeculationConfig(drafter=entry.name, k=a.k)
+            engines[mode] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
     return engines
 
 
 def _lookup_engines(
     a: argparse.Namespace, target: Path, draft: Path | None, opts: dict[str, Any], engines: dict[str, Engine]
 ) -> dict[str, str]:
-    """Adds to ``engines`` a <mode>+lookup mode per drafter mode but n-gram (with --prompt-lookup):
+    """Adds to ``engines`` a <mode>+lookup mode per drafter mode that lookup may wrap (with --prompt-lookup):
     prompt lookup first, then the mode's drafter; returns {lookup mode: its base mode}."""
-    heads = {"medusa": a.medusa, "eagle": a.eagle}
+    heads = _heads(a)
     lookup_modes = {}
-    for mode, drafter in SPEC_MODES.items():
-        if a.prompt_lookup is None or drafter == "ngram" or mode not in engines:
+    for mode, entry in SPEC_MODES.items():
+        if a.prompt_lookup is None or not entry.lookup_first or mode not in engines:
             continue
-        spec = SpeculationConfig(drafter=drafter, k=a.k, prompt_lookup_min=a.prompt_lookup, costs=engines[mode].costs)
+        spec = SpeculationConfig(
+            drafter=entry.name, k=a.k, prompt_lookup_min=a.prompt_lookup, costs=engines[mode].costs
+        )
         lookup_modes[f"{mode}+lookup"] = mode
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
-            target, draft if drafter == "model" else heads.get(drafter), speculation=spec, **opts
+            target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
     return lookup_modes
 
@@ -232,7 +237,7 @@ def _engines(a: argparse.Namespace, target: Path, draft: Path | None, sweep: lis
             target, draft, speculation=SpeculationConfig(k=k, k_policy="constant", costs=costs), **opts
         )
     head_sweep: dict[str, int] = {}  # fixed K for the heads: kept out of the draft model's sweep summary
-    for kind, head_dir in {"medusa": a.medusa, "eagle": a.eagle}.items():
+    for kind, head_dir in _heads(a).items():
         for k in sweep if head_dir is not None else []:
             head_sweep[f"specmix-{kind}-k{k}"] = k
             spec = SpeculationConfig(drafter=kind, k=k, k_policy="constant", costs=engines[f"specmix-{kind}"].costs)

@@ -31,7 +31,8 @@ import torch
 
 from engine import Engine
 from engine.api.options import PrecisionConfig
-from engine.api.profile import FfnChoice, GateAttempt, QualityFigures, QualityGates, Speculation
+from engine.api.profile_quality import FfnChoice, GateAttempt, QualityFigures, QualityGates
+from engine.api.profile_sections import Speculation
 from engine.build.calibrate import calibrate
 from engine.build.planner import DEFAULT_KLD_BUDGET, DEFAULT_MIN_TOP1
 from engine.build.profile import PassedGate, ProfileInputs, make_profile, write_profile

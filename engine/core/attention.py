@@ -64,7 +64,7 @@ class SdpaAttention:
     bottom-right as in flash-attn (query i of T sees keys <= S - T + i): a verify block at a cache offset
     passes no dense mask, so SDPA can pick its flash kernel (torch.nn.attention.bias.causal_lower_right)."""
 
-    name = "sdpa"
+    name = "sdpa_attention"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         gqa = q.shape[1] != k.shape[1]
@@ -97,7 +97,7 @@ class MathAttention:
     block over more, masked, keys (tests/test_cpu_linear.py); SDPA's fused kernel does not give that.
     GQA: q is viewed as [B, Hkv, H/Hkv, T, D] against k [B, Hkv, 1, S, D] (broadcast by matmul)."""
 
-    name = "math"
+    name = "math_attention"
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         B, H, T, D = q.shape

@@ -109,8 +109,8 @@ def decode_step_reason(model: Transformer) -> str | None:
             f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on "
             f"{model.norm.weight.device.type})"
         )
-    if model.attn_fn.name != "sdpa":
-        return f"the model's attention backend is {model.attn_fn.name!r}, not sdpa"
+    if model.attn_fn.name != "sdpa_attention":
+        return f"the model's attention backend is {model.attn_fn.name!r}, not sdpa_attention"
     cfg = model.config
     if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
         return "needs heads divisible by kv heads and an even head_dim"
