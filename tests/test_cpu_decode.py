@@ -101,7 +101,7 @@ def test_ragged_padded_rerowed_call_matches_the_pytorch_layers(model):
 
 
 def test_hidden_states_of_the_scored_rows_match(model):
-    """return_hidden (the draft heads' features): the final-norm outputs of the scored rows, [B, J, H]."""
+    """features=SCORED (the draft heads' features): the final-norm outputs of the scored rows, [B, J, H]."""
     B, S = 2, 64
     c1, c2 = _prefilled(model, B, S), _prefilled(model, B, S)
     toks = torch.tensor([[5, 6, 7], [8, 9, 10]])

@@ -122,9 +122,8 @@ class Engine:
                 raise InvalidConfigError(f"{name}={v!r:.60} is invalid: allowed a {typ.__name__}")
         if precision is not None and not isinstance(precision, PrecisionConfig):
             raise InvalidConfigError(f"precision={precision!r:.60} is invalid: allowed a PrecisionConfig or None")
-        dev = resolve_device(device)
-        parts = assemble(target, draft, speculation, precision, kernels, dev, dtype)
-        return cls(parts, limits, costs=speculation.costs, batch_window=speculation.batch_window)
+        parts = assemble(target, draft, speculation, precision, kernels, resolve_device(device), dtype)
+        return cls(parts, limits, speculation.costs, None, speculation.batch_window)
 
     @classmethod
     def from_profile(
@@ -144,13 +143,21 @@ class Engine:
         record beside the weights (engine/core/files.py), re-hashing only files that changed; ``full_check``
         re-hashes all.
         """
-        from engine.api.profile import engine_options, load_profile
+        from engine.api.profile import load_profile
 
-        prof = load_profile(path, full_check=full_check)
-        opts = engine_options(prof, device, limits or Limits())
-        eng = cls.from_pretrained(**opts)
-        eng.profile = prof
-        return eng
+        return cls.for_profile(load_profile(path, full_check=full_check), device, limits=limits)
+
+    @classmethod
+    def for_profile(
+        cls, prof: Profile, device: str | torch.device | None = None, *, limits: Limits | None = None
+    ) -> Engine:
+        """The engine a profile already loaded (``engine.api.profile.load_profile``) describes."""
+        from engine.api.profile import engine_options
+
+        o = engine_options(prof, device, limits or Limits())
+        spec: SpeculationConfig = o["speculation"]
+        parts = assemble(o["target"], o["draft"], spec, o["precision"], o["kernels"], o["device"], None)
+        return cls(parts, o["limits"], spec.costs, prof, spec.batch_window)
 
     # ------------------------------------------------------------------ costs
     @property

@@ -185,8 +185,7 @@ def format_report(r: dict[str, Any]) -> str:
 def engines_for_profile(prof: Profile, device: str | None = None) -> tuple[Any, Any]:
     """(the profile's planned engine, the unquantized reference engine of its target)."""
     kw = engine_options(prof, device)
-    planned = Engine.from_pretrained(**kw)
-    planned.profile = prof
+    planned = Engine.for_profile(prof, device)
     reference = Engine.from_pretrained(kw["target"], device=kw["device"])
     return planned, reference
 

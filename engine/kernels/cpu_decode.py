@@ -4,7 +4,7 @@ Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic (t
 is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings). ``DecodeStep``
 runs the same forward (embedding; per layer RMSNorm, fused q/k/v, rotary, the static KV cache,
 causal attention, o_proj, RMSNorm, fused gate/up, SiLU, down; final norm and LM head on the scored
-rows) in one call. ``Transformer.forward`` uses it when installed (``model.layer_step``) for every
+rows) in one call. ``Transformer.run`` uses it when installed (``Transformer.use_kernels(step=...)``) for every
 call with a fp32 cache and no autograd, prompts included: a decode step often carries a new
 sequence's prompt beside the others' tokens, and one path for all of them keeps every row's result
 independent of what else is in the batch (the PyTorch forward rounds a large batch differently). The

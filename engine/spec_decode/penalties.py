@@ -90,16 +90,16 @@ class Penalties:
         ]
         banned = bag(stops) > 0
 
-        def col(name: str) -> Tensor:
-            return torch.tensor([float(getattr(p, name)) for _, _, p in rows], dtype=torch.float32, device=dev)
+        def col(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev)
 
         short = torch.tensor([max(0, p.min_tokens - len(g)) for _, g, p in rows], dtype=torch.long, device=dev)
         return cls(
             counts,
             prompt_seen,
-            col("repetition_penalty"),
-            col("presence_penalty"),
-            col("frequency_penalty"),
+            col([p.repetition_penalty for _, _, p in rows]),
+            col([p.presence_penalty for _, _, p in rows]),
+            col([p.frequency_penalty for _, _, p in rows]),
             short,
             banned,
             use_rep,

@@ -107,8 +107,7 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not _is_real(rp) or not math.isfinite(float(rp)) or rp <= 0:
             raise _refuse("repetition_penalty", rp, "a finite float > 0 (1 = disabled)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
+        for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
             if not _is_real(v) or not -2.0 <= float(v) <= 2.0:
                 raise _refuse(name, v, "a float in [-2, 2] (0 = disabled)")
         ids = self.stop_token_ids
@@ -125,8 +124,10 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
             raise _refuse("logprobs", lp, "None or an int in [0, 20] (the top alternatives per token)")
-        for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            object.__setattr__(self, name, float(getattr(self, name)))
+        for name, v in (("min_p", mp), ("repetition_penalty", rp)):
+            object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "presence_penalty", float(self.presence_penalty))
+        object.__setattr__(self, "frequency_penalty", float(self.frequency_penalty))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "min_tokens", int(mt))
 

@@ -1,4 +1,4 @@
-// The draft heads' steps (engine/spec/heads.py, scored by the target's LM head) for the few rows of a draft
+// The draft heads' steps (engine/spec_decode/heads/modules.py, scored by the target's LM head) for the few rows of a draft
 // round, in fp32 on the CPU, as one C++ call instead of ~20 PyTorch ops.
 //
 // EagleStep:

@@ -63,14 +63,15 @@ class EagleAttnDrafter(HeadDrafter):
         head, plain, _ = cls.scorer_for(ctx)
         fuse_projections(head.module)  # q/k/v and gate/up as one GEMM each, as the target's (the kernel's layout)
         kernel = ctx.kernels.attn_head_step(head.module, plain)
-        d = cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain))
-        d._kernel = kernel
-        return d
+        return cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain), kernel)
 
-    def __init__(self, head: LoadedHead, target: Transformer, scorer: nn.Module) -> None:
+    def __init__(
+        self, head: LoadedHead, target: Transformer, scorer: nn.Module, kernel: AttnStepKernel | None = None
+    ) -> None:
+        """``kernel``: the head's layers as one C++ step (None: PyTorch's layers)."""
         super().__init__(head, target, scorer)
         self.cache: KVCache | None = None
-        self._kernel: AttnStepKernel | None = None
+        self._kernel = kernel
         self._entries = SeqStates(_Entries)
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
@@ -154,8 +155,7 @@ class EagleAttnDrafter(HeadDrafter):
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         """One draft entry at position 64 of a warm cache of its own (the head's per-draft work)."""
         w = self.head_weight
-        drafter = EagleAttnDrafter(self.loaded, self.target, self.lm_head)
-        drafter._kernel = self._kernel
+        drafter = EagleAttnDrafter(self.loaded, self.target, self.lm_head, self._kernel)
         drafter.cache = self.head.new_cache(batch, 128, w.device)  # the engine's cache stays as it is
         f = torch.randn(batch, 1, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
         e = self.target.embed_tokens(torch.zeros(batch, 1, dtype=torch.long, device=w.device))
