@@ -28,9 +28,9 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from engine.api.profile_quality import QualityFigures
 from engine.core.errors import EngineError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -86,34 +87,14 @@ def eval_windows(n_tokens: int, context: int) -> list[tuple[int, int, int]]:
     return out
 
 
-@dataclass
-class QualityReport:
-    """Figures of a test model against a reference on the same windows (see the module doc)."""
-
-    ppl_ref: float
-    ppl: float
-    drift: float
-    drift_ci95: tuple[float, float]
-    ppl_ref_err: float
-    ppl_err: float
-    kld_mean: float
-    kld_err: float
-    kld_p99: float
-    top1: float
-    top1_err: float
-    tokens: int
-    windows: int
-    context: int
-    method: str  # unit of the drift interval: "windows" or "tokens"
+@dataclass(frozen=True)
+class QualityReport(QualityFigures):
+    """Figures of a test model against a reference on the same windows (see the module doc); a profile keeps
+    the passing plan's as its ``quality`` (``QualityFigures``, engine/api/profile_quality.py)."""
 
     def passes(self, max_drift: float, max_kld: float) -> bool:
         """|drift| <= max_drift and kld_mean <= max_kld (False when a figure is NaN)."""
         return bool(abs(self.drift) <= max_drift and self.kld_mean <= max_kld)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["drift_ci95"] = [float(x) for x in self.drift_ci95]
-        return d
 
 
 _T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157)
