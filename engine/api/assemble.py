@@ -253,11 +253,8 @@ def choose_model_kernels(
 def parts_from_models(models: Models, spec: SpeculationConfig, kernels: KernelOptions, dev: torch.device) -> Parts:
     """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy."""
     entry = drafter_entry(models.draft_model if models.head is None else models.head, spec)
-    k_max, k = spec.resolved_k_max, spec.k
     most = None if models.head is None else models.head.config.max_drafts  # medusa: one draft per head
-    if most is not None:
-        k_max = min(k_max, most)
-        k = min(k, k_max)
+    k_max = spec.resolved_k_max if most is None else min(spec.resolved_k_max, most)
     target_fwd: CachedForward = models.target
     draft_fwd: CachedForward | None = models.draft_model
     graphs: list[GraphedForward | GraphedStep] = []
@@ -267,18 +264,29 @@ def parts_from_models(models: Models, spec: SpeculationConfig, kernels: KernelOp
         target_fwd, draft_fwd = tg, (dg if dg is not None else models.draft_model)
         graphs = [tg] + ([dg] if dg is not None else [])
     chooser = DraftKernelChooser(
-        dev, models.cpu_kernels, kernels.draft_step_weights, kernels.cuda_graphs, kernels.batch_buckets,
-        kernels.emulate_graphs, graphs[0].pool if graphs else None,
+        device=dev, cpu_kernels=models.cpu_kernels, store=kernels.draft_step_weights, cuda_graphs=kernels.cuda_graphs,
+        batch_buckets=kernels.batch_buckets, emulate=kernels.emulate_graphs, pool=graphs[0].pool if graphs else None,
     )  # fmt: skip
     drafter = None
     if entry is not None:
-        options = spec.drafter_options(entry)
-        ctx = DrafterContext(target_fwd, models.target, chooser, draft_fwd, models.draft_model, models.head, options)
+        ctx = DrafterContext(
+            target=target_fwd, target_module=models.target, kernels=chooser, draft_model=draft_fwd,
+            draft_module=models.draft_model, head=models.head, options=spec.drafter_options(entry),
+        )  # fmt: skip
         drafter = build_drafter(entry, ctx, spec.prompt_lookup_min)
     graphs += chooser.graphs
-    policy = KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max) if drafter else None
+    policy = None if drafter is None else k_policy(spec, drafter)
     lookup = spec.prompt_lookup_min if drafter is not None else None
     info = {**models.info, **chooser.chosen, "drafter": entry.name if drafter else None, "prompt_lookup_min": lookup}
-    vocab = models.vocab or models.target.config.vocab_size
-    return Parts(models.target, models.tokenizer, models.draft_model, drafter, policy, vocab, dev, target_fwd,
-                 graphs, info)  # fmt: skip
+    return Parts(
+        target=models.target, tokenizer=models.tokenizer, draft_model=models.draft_model, drafter=drafter,
+        policy=policy, vocab=models.vocab or models.target.config.vocab_size, device=dev, target_forward=target_fwd,
+        graphs=graphs, info=info,
+    )  # fmt: skip
+
+
+def k_policy(spec: SpeculationConfig, drafter: Drafter) -> KPolicy:
+    """The K policy of ``spec``, K capped at the most drafts a round of ``drafter`` can use (Medusa: its heads)."""
+    k_max = spec.resolved_k_max if drafter.max_drafts is None else min(spec.resolved_k_max, drafter.max_drafts)
+    k = min(spec.k, k_max)
+    return KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max)

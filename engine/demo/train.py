@@ -106,7 +106,7 @@ def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str =
             "generated_tokens": drep["generated_tokens"],
             "gen_s": drep["gen_s"],
             "label_s": drep["label_s"],
-            "greedy_rounds_k5": drep["heldout"],  # simulated on 8 held-out greedy continuations (distill_eval)
+            "greedy_rounds_k5": drep["heldout"],  # 8 held-out greedy continuations (train/heldout.py)
         }
         ev = evaluate_pair(target, draft, held_ids, recipe.eval_ctx)
         report["target"]["heldout_ppl"] = ev["target_ppl"]

@@ -133,7 +133,7 @@ class FlashAttention:
     None imports flash_attn. Tests pass a pure-PyTorch reference to check the layout logic.
     """
 
-    name = "flash_attention"
+    name = "FlashAttention"  # the name engines have reported for it
 
     def __init__(self, kernels: dict[str, FlashKernel] | None = None) -> None:
         self._kernels = kernels

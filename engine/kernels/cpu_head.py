@@ -19,12 +19,13 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from engine.core.model import rope_cos_sin
+from engine.core.config import ModelConfig
+from engine.core.model import RMSNorm, rope_cos_sin
 from engine.kernels.cpu_decode import WEIGHT_DTYPES, layer_weights, step_weight_dtype
 from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
 
@@ -71,7 +72,7 @@ class EagleKernel:
         eps: float,
         store: torch.dtype,
     ) -> None:
-        """``weights``: the head's own tensors in the kernel's order (engine/spec_decode/heads/checkpoint.py
+        """``weights``: the head's own tensors in the kernel's order (engine/spec_decode/heads/modules.py
         ``EagleHead.kernel_weights``: embed_norm, fc, per block norm, gate_up, down, then out_norm; 2-D ones are
         GEMM weights, copied to ``store``); ``embed`` the target's embedding [V, H], ``lm_weight`` the LM head's
         rows [V', H] (fp32, shared), ``vocab_ids`` [V'] or None."""
@@ -124,6 +125,23 @@ def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:
     return scorer
 
 
+class AttnHeadLayers(Protocol):
+    """The EAGLE head with attention as its kernel reads it (engine/spec_decode/heads/eagle_attn.py)."""
+
+    mcfg: ModelConfig
+    """The shape of its decoder layers."""
+    layers: nn.ModuleList
+    """Its decoder layers (the core model's ``Block``)."""
+    out_norm: RMSNorm
+    """Its output norm."""
+    inv_freq: Tensor
+    """Its rotary frequencies, fp32."""
+
+    def kernel_weights(self) -> list[Tensor | None]:
+        """The GEMM weights a C++ step would copy (None: a quantized Linear)."""
+        ...
+
+
 class AttnHeadKernel:
     """The EAGLE head with attention's decoder layers, output norm and scores in one C++ call: the decode step's
     kernel (engine/kernels/csrc/decode_layers.cpp ``forward_x``) on the entries x [B, T, H] the drafter projects
@@ -131,16 +149,16 @@ class AttnHeadKernel:
     ``store`` (``layer_weights``: q/k/v and gate/up fused first, ``fuse_projections``); the LM head's rows stay
     the target's fp32 weight."""
 
-    def __init__(self, head: nn.Module, lm_weight: Tensor, store: torch.dtype) -> None:
+    def __init__(self, head: AttnHeadLayers, lm_weight: Tensor, store: torch.dtype) -> None:
         ws = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)
-        mcfg = head.mcfg  # type: ignore[union-attr]
+        mcfg = head.mcfg
         H = mcfg.hidden_size
         ws += [torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous()]  # (no embedding read)
         self.impl = cpu_kernels().DecodeModel(
             ws, mcfg.num_attention_heads, mcfg.num_key_value_heads, 0, mcfg.rms_norm_eps, False
         )
         self.n_layers = mcfg.num_hidden_layers
-        self._inv_freq = head._inv_freq  # type: ignore[union-attr]
+        self._inv_freq = head.inv_freq
         self._rope: tuple[Tensor, Tensor] | None = None
 
     def __call__(

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from engine.kernels.cpu_head import (
     AttnHeadKernel,
+    AttnHeadLayers,
     EagleKernel,
     MedusaKernel,
     head_kernel_reason,
@@ -56,6 +57,11 @@ class DraftKernelChooser:
         """The LM head rows on the few-row GEMM where the CPU kernels run and graphs are off."""
         return scorer_on_kernel(scorer) if self.cpu_kernels and not self.cuda_graphs else scorer
 
+    def attn_head_scorer(self, scorer: nn.Linear) -> nn.Module:
+        """The LM head rows the attention head's PyTorch layers score with: the few-row GEMM wherever it runs the
+        fp32 weight (this head has no CUDA graphs to keep PyTorch's op for)."""
+        return scorer_on_kernel(scorer)
+
     def graph_step(self, fn: Callable[..., Any], name: str, n_static: int = 0) -> GraphedStep | None:
         if not self.cuda_graphs:
             return None
@@ -84,12 +90,12 @@ class DraftKernelChooser:
         assert w is not None and b is not None
         return MedusaKernel(w, b, scorer.weight, vocab_ids, vocab, store)
 
-    def attn_head_step(self, head: nn.Module, scorer: nn.Linear) -> AttnHeadKernel | None:
+    def attn_head_step(self, head: AttnHeadLayers, scorer: nn.Linear) -> AttnHeadKernel | None:
         why = None if self.cpu_kernels else "the target is not on the CPU kernels"
-        mlps = [layer.mlp for layer in head.layers]  # type: ignore[union-attr]
+        mlps = [layer.mlp for layer in head.layers]
         if any(m.bias is not None for mlp in mlps for m in (mlp.gate_proj, mlp.up_proj)):
             why = why or "the kernel has no gate/up bias (mlp_bias)"
-        ws = head.kernel_weights()  # type: ignore[operator]
+        ws = head.kernel_weights()
         why = why or head_kernel_reason([*ws, scorer.weight])
         if why is not None:
             log.info("the eagle head's layers stay on PyTorch: %s", why)

@@ -1,4 +1,4 @@
-"""CUDA graphs for a trained draft head's step (engine/spec_decode/drafters/heads.py).
+"""CUDA graphs for a trained draft head's step (engine/spec_decode/drafters/medusa.py, eagle.py).
 
 ``GraphedStep(fn, device, buckets, n_static=0)`` wraps a batch-first function of tensors, the drafter's
 per-step computation, and is called like it: for eagle ``(feature [B, H], token [B]) -> (next feature,

@@ -7,7 +7,7 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
 2. admits waiting requests in FIFO order into free rows (at most ``max_batch``
    run at once); requests of the same prompt admitted together (the ``n``
    samples of one prompt, submitted together) share one prefill: the first
-   prefills, the others wait for it and start from a copy (spec/loop.py);
+   prefills, the others wait for it and start from a copy (engine/spec_decode/loop.py);
 3. runs ONE ``DecodeLoop.step`` over every running sequence (a request that
    joined this round has its prefill in the same round as the others' decode);
 4. hands each request its new tokens; a finished request leaves and frees its row.

@@ -43,6 +43,7 @@ from engine.server.openai_protocol import (
 from engine.server.prometheus import ServeMetrics
 from engine.server.served_engine import ServedEngine
 from engine.spec_decode.sampling import SamplingParams
+from engine.spec_decode.seq import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Choice:
         except RuntimeError:  # the loop has closed: nobody listens any more
             pass
 
-    async def updates(self) -> AsyncIterator[tuple[str, list[Any]]]:
+    async def updates(self) -> AsyncIterator[tuple[str, list[TokenLogprob]]]:
         """(text piece, logprob entries) as tokens arrive; ends when the request does."""
         stops = self.req.params.stop
         while True:
@@ -151,7 +152,7 @@ class OpenAIServer:
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def logprobs_body(self, entries: list[Any], chat: bool, offset: int) -> dict[str, Any] | None:
+    def logprobs_body(self, entries: list[TokenLogprob], chat: bool, offset: int) -> dict[str, Any] | None:
         if chat:
             return chat_logprobs(entries, self.token_text)
         return completion_logprobs(entries, self.token_text, offset)
@@ -192,7 +193,7 @@ class OpenAIServer:
         return EventStream(self, req, chat, choices, prompt_tokens).events()
 
 
-Update = tuple[Choice, str, list[Any], bool]  # a choice, its text piece, its logprob entries, whether it ended
+Update = tuple[Choice, str, list[TokenLogprob], bool]  # a choice, its text piece, its logprob entries, whether it ended
 
 
 class EventStream:
@@ -264,7 +265,7 @@ class EventStream:
             "choices": choices,
         }
 
-    def _chunk(self, c: Choice, piece: str, lps: list[Any], finish: str | None, first: bool) -> str:
+    def _chunk(self, c: Choice, piece: str, lps: list[TokenLogprob], finish: str | None, first: bool) -> str:
         lp = None
         if self.req.logprobs is not None and lps:
             lp = self.server.logprobs_body(lps, self.chat, len(c.text) - len(piece))

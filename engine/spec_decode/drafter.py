@@ -29,7 +29,9 @@ from engine.spec_decode.sampling import RowProcessing
 if TYPE_CHECKING:
     from engine.core.model import Transformer
     from engine.spec_decode.heads.config import HeadConfig
+    from engine.spec_decode.heads.eagle_attn import EagleAttnHead
     from engine.spec_decode.seq import Seq
+    from engine.spec_decode.step_kernels import AttnStepKernel, EagleStepKernel, MedusaStepKernel
 
 
 class FeatureNeed(enum.Enum):
@@ -86,15 +88,14 @@ class Committed:
 class Drafter(Protocol):
     """A drafter: see the module docstring."""
 
-    probabilistic: bool
-    """Draws drafts from distributions (p in the acceptance rule); False: deterministic, p is one-hot."""
     features: FeatureNeed
     """Which target features ``commit`` receives."""
     max_drafts: int | None
     """The most drafts a round can use (Medusa: one per head); None: no limit."""
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        """Drafts for every row (a chain of at most ``batch.k``; fewer where it has fewer)."""
+        """Drafts for every row (a chain of at most ``batch.k``; fewer where it has fewer), with the distributions
+        they were drawn from after the target's processing (``Proposal.probs``; None: deterministic, one-hot)."""
         ...
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
@@ -155,20 +156,26 @@ class DraftKernels(Protocol):
 
     def eagle_step(
         self, head: nn.Module, embed: Tensor, scorer: nn.Linear, vocab_ids: Tensor | None, eps: float
-    ) -> Any:
-        """An EAGLE head's step (``EagleStepKernel``, engine/spec_decode/drafters/eagle.py) or None."""
+    ) -> EagleStepKernel | None:
+        """An EAGLE head's step on a kernel, or None."""
         ...
 
-    def medusa_step(self, head: nn.Module, scorer: nn.Linear, vocab_ids: Tensor | None, vocab: int) -> Any:
-        """Medusa heads' step (``MedusaStepKernel``, engine/spec_decode/drafters/medusa.py) or None."""
+    def medusa_step(
+        self, head: nn.Module, scorer: nn.Linear, vocab_ids: Tensor | None, vocab: int
+    ) -> MedusaStepKernel | None:
+        """Medusa heads' step on a kernel, or None."""
         ...
 
-    def attn_head_step(self, head: nn.Module, scorer: nn.Linear) -> Any:
-        """The attention head's layers (``AttnStepKernel``, engine/spec_decode/drafters/eagle_attn.py) or None."""
+    def attn_head_step(self, head: EagleAttnHead, scorer: nn.Linear) -> AttnStepKernel | None:
+        """The attention head's layers, output norm and scores on a kernel, or None."""
         ...
 
     def scorer(self, scorer: nn.Linear) -> nn.Module:
         """The LM head rows a head scores with, on the fastest kernel of the same weight."""
+        ...
+
+    def attn_head_scorer(self, scorer: nn.Linear) -> nn.Module:
+        """The LM head rows the attention head's PyTorch layers score with, on the fastest kernel of the weight."""
         ...
 
     def graph_step(self, fn: Callable[..., Any], name: str, n_static: int = 0) -> StepFn | None:

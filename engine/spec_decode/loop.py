@@ -164,8 +164,8 @@ class DecodeLoop:
         rows = None if row_ids == list(range(len(row_ids))) else torch.tensor(row_ids, device=dev)
         draft_noise = None if plan.noise is None else plan.noise.draft
         batch = DraftBatch(
-            plan.seqs, rows, plan.processing, kmax, plan.ks, draft_noise, self.vocab, self.cache.max_seq_len - 1,
-            self.cache, dev,
+            seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
+            vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
         )  # fmt: skip
         return self.drafter.propose(batch).cut(plan.ks)
 

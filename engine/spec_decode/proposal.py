@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.core.errors import InvalidConfigError
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -65,7 +67,8 @@ class Proposal:
 
     def cut(self, ks: list[int]) -> Proposal:
         """The chain cut to at most ks[b] drafts per row (and to the widest of them)."""
-        assert self.is_chain, "cutting a tree by depth is not defined"
+        if not self.is_chain:
+            raise InvalidConfigError("draft trees are not verified yet: a drafter must propose chains (Proposal.chain)")
         counts = [min(k, n) for k, n in zip(ks, self.row_counts())]
         width = max(counts, default=0)
         probs = None if self.probs is None else self.probs[:, :width]

@@ -78,7 +78,7 @@ class Seq:
     decoder: Any = None  # its tokenizers DecodeStream
     stop_token: bool = False  # ended by a stop_token_ids token: its text is not part of the output
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
-    # prefill sharing (spec/loop.py): the sequence of the same prompt whose prefill this one waits for (it
+    # prefill sharing (loop.py): the sequence of the same prompt whose prefill this one waits for (it
     # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
     # (logits, feature | None) at the prompt's last position, which score its first round
     prefill_from: Seq | None = None

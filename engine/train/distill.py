@@ -273,8 +273,9 @@ def _distill_data(
         seqs, gen_s = generate(
             eng, prompts, opts.gen_len, opts.temperature, opts.seed, run.progress, greedy_share=opts.greedy_share
         )
-        data = label(eng.target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, run.progress)
-        data.gen_seconds = gen_s
+        data = replace(
+            label(eng.target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, run.progress), gen_seconds=gen_s
+        )
         data.save(data_path)
     held = None
     if run.heldout:

@@ -47,7 +47,6 @@ class _Fed:
 class ModelDrafter:
     """A draft model (or the target's first layers: engine/spec_decode/drafters/early_exit.py)."""
 
-    probabilistic = True
     features = FeatureNeed.NONE
     max_drafts: int | None = None
 

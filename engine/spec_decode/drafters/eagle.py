@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -14,18 +14,6 @@ from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
     from engine.core.model import Transformer
-
-
-class EagleStepKernel(Protocol):
-    """The head's step on a kernel (engine/kernels/cpu_head.py ``EagleKernel``)."""
-
-    def __call__(self, f: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
-        """(features [B, H], the tokens they precede [B]) -> (the next features, their logits [B, V'])."""
-        ...
-
-    def greedy(self, f: Tensor, tok: Tensor, k: int) -> Tensor:
-        """k greedy drafts from (features [B, H], tokens [B]) -> [B, k] ids of the full vocabulary."""
-        ...
 
 
 class EagleDrafter(HeadDrafter):

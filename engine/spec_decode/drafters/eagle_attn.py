@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -23,21 +23,11 @@ from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, Fe
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.proposal import Proposal
+from engine.spec_decode.step_kernels import AttnStepKernel
 
 if TYPE_CHECKING:
     from engine.core.model import Transformer
     from engine.spec_decode.seq import Seq
-
-
-class AttnStepKernel(Protocol):
-    """The head's layers, output norm and scores on a kernel (engine/kernels/cpu_head.py ``AttnHeadKernel``)."""
-
-    def __call__(
-        self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int, last: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Entries x [B, T, H] at positions pos [B, T] in cache rows ``rows`` -> (scores [B, V'], features [B, H])
-        of each row's entry ``last`` [B]."""
-        ...
 
 
 @dataclass
@@ -63,7 +53,9 @@ class EagleAttnDrafter(HeadDrafter):
         head, plain, _ = cls.scorer_for(ctx)
         fuse_projections(head.module)  # q/k/v and gate/up as one GEMM each, as the target's (the kernel's layout)
         kernel = ctx.kernels.attn_head_step(head.module, plain)
-        return cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain), kernel)
+        return cls(
+            head, ctx.target_module, plain if kernel is not None else ctx.kernels.attn_head_scorer(plain), kernel
+        )
 
     def __init__(
         self, head: LoadedHead, target: Transformer, scorer: nn.Module, kernel: AttnStepKernel | None = None

@@ -40,7 +40,6 @@ class _LastFeature:
 class HeadDrafter:
     """Features in, drafts and their distributions out (the head kinds subclass it)."""
 
-    probabilistic = True
     features = FeatureNeed.LAST
 
     def __init__(self, head: LoadedHead, target: Transformer, scorer: nn.Module) -> None:

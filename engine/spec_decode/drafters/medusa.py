@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -14,18 +14,6 @@ from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
     from engine.core.model import Transformer
-
-
-class MedusaStepKernel(Protocol):
-    """Medusa's step on a kernel (engine/kernels/cpu_head.py ``MedusaKernel``)."""
-
-    def __call__(self, f: Tensor, n: int) -> Tensor:
-        """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
-        ...
-
-    def greedy(self, f: Tensor, n: int) -> Tensor:
-        """Features [B, H] -> the first n heads' greedy drafts [B, n], ids of the full vocabulary."""
-        ...
 
 
 class MedusaDrafter(HeadDrafter):

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 class NGramDrafter:
     """Deterministic drafts (p one-hot): a copy of what followed the context's latest match, fewer than k or none."""
 
-    probabilistic = False
     features = FeatureNeed.NONE
     max_drafts: int | None = None
 

@@ -55,12 +55,12 @@ class EagleAttnHead(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.layers = nn.ModuleList(Block(mcfg) for _ in range(mcfg.num_hidden_layers))
         self.out_norm = RMSNorm(H, mcfg.rms_norm_eps)
-        self._inv_freq = rope_inv_freq(mcfg)  # fp32 (not a buffer: a cast of the head to fp16 leaves it)
+        self.inv_freq = rope_inv_freq(mcfg)  # fp32 (not a buffer: a cast of the head to fp16 leaves it)
 
     def _rope(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if self._inv_freq.device != pos.device:
-            self._inv_freq = self._inv_freq.to(pos.device)
-        return rope_cos_sin(self._inv_freq, pos, dtype)
+        if self.inv_freq.device != pos.device:
+            self.inv_freq = self.inv_freq.to(pos.device)
+        return rope_cos_sin(self.inv_freq, pos, dtype)
 
     def init_weights(self, target_norm: Tensor, g: torch.Generator) -> None:
         """fc near [I, 0] (the entry starts as its feature), small random layers whose outputs start at 0

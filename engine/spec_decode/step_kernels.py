@@ -1,0 +1,45 @@
+"""What a trained head's drafter needs from a kernel of its step (the kernels layer satisfies these without
+importing them: engine/kernels/cpu_head.py ``EagleKernel``, ``MedusaKernel``, ``AttnHeadKernel``)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from engine.core.forward import KVCache
+
+
+class EagleStepKernel(Protocol):
+    """The head's step on a kernel (engine/kernels/cpu_head.py ``EagleKernel``)."""
+
+    def __call__(self, f: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
+        """(features [B, H], the tokens they precede [B]) -> (the next features, their logits [B, V'])."""
+        ...
+
+    def greedy(self, f: Tensor, tok: Tensor, k: int) -> Tensor:
+        """k greedy drafts from (features [B, H], tokens [B]) -> [B, k] ids of the full vocabulary."""
+        ...
+
+
+class MedusaStepKernel(Protocol):
+    """Medusa's step on a kernel (engine/kernels/cpu_head.py ``MedusaKernel``)."""
+
+    def __call__(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
+        ...
+
+    def greedy(self, f: Tensor, n: int) -> Tensor:
+        """Features [B, H] -> the first n heads' greedy drafts [B, n], ids of the full vocabulary."""
+        ...
+
+
+class AttnStepKernel(Protocol):
+    """The head's layers, output norm and scores on a kernel (engine/kernels/cpu_head.py ``AttnHeadKernel``)."""
+
+    def __call__(
+        self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Entries x [B, T, H] at positions pos [B, T] in cache rows ``rows`` -> (scores [B, V'], features [B, H])
+        of each row's entry ``last`` [B]."""
+        ...
