@@ -259,16 +259,3 @@ class KernelOptions:
         object.__setattr__(self, "batch_buckets", check_buckets(self.batch_buckets, "kernels.batch_buckets"))
         if self.emulate_graphs and not self.cuda_graphs:
             raise InvalidConfigError("kernels.emulate_graphs=True needs kernels.cuda_graphs=True")
-
-
-def runtime_to_profile(kernels: KernelOptions, limits: Limits) -> dict[str, Any]:
-    """The profile's ``runtime`` section for these options."""
-    lw = limits.load_window
-    return {
-        "cuda_graphs": {"enabled": kernels.cuda_graphs, "batch_buckets": list(kernels.batch_buckets)},
-        "load_window": {
-            "enabled": lw is not None,
-            "memory_threshold": (lw or LoadWindowConfig()).memory_threshold,
-            "resume_below": (lw or LoadWindowConfig()).resume_below,
-        },
-    }

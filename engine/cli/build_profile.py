@@ -36,7 +36,7 @@ from engine.api.profile_sections import Speculation
 from engine.build.calibrate import calibrate
 from engine.build.planner import DEFAULT_KLD_BUDGET, DEFAULT_MIN_TOP1
 from engine.build.profile import PassedGate, ProfileInputs, make_profile, write_profile
-from engine.build.quality import compare_models, load_eval_ids
+from engine.build.quality import compare_models, default_context, load_eval_ids
 from engine.core.cli import run_tool
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError
@@ -218,7 +218,7 @@ def run_gate(a: argparse.Namespace, inp: ProfileInputs) -> tuple[PassedGate | No
     draft_head = dataclasses.asdict(read_head_config(inp.draft)) if head else None
     ref = Engine.from_pretrained(inp.target, device=inp.device)
     ids = load_eval_ids(ref.tokenizer, inp.eval_text, max_tokens=inp.max_eval_tokens)
-    context = min(512, tcfg.max_position_embeddings)
+    context = default_context(tcfg.max_position_embeddings)
     attempts = []
     for label, kw in ladder(a):
         kw = dict(kw)
