@@ -253,14 +253,14 @@ def choose_model_kernels(
 def parts_from_models(models: Models, spec: SpeculationConfig, kernels: KernelOptions, dev: torch.device) -> Parts:
     """Parts over models already built (kernels chosen): CUDA graphs when asked, the drafter, the K policy."""
     entry = drafter_entry(models.draft_model if models.head is None else models.head, spec)
-    most = None if models.head is None else models.head.config.max_drafts  # medusa: one draft per head
-    k_max = spec.resolved_k_max if most is None else min(spec.resolved_k_max, most)
     target_fwd: CachedForward = models.target
     draft_fwd: CachedForward | None = models.draft_model
     graphs: list[GraphedForward | GraphedStep] = []
     if kernels.cuda_graphs:
-        tg, dg = graph_forwards(models.target, models.draft_model, k_max if entry else 0, kernels.batch_buckets,
-                                emulate=kernels.emulate_graphs)  # fmt: skip
+        k_max = spec.resolved_k_max if entry else 0  # (a graph is captured on first use: a larger bound costs nothing)
+        tg, dg = graph_forwards(
+            models.target, models.draft_model, k_max, kernels.batch_buckets, emulate=kernels.emulate_graphs
+        )
         target_fwd, draft_fwd = tg, (dg if dg is not None else models.draft_model)
         graphs = [tg] + ([dg] if dg is not None else [])
     chooser = DraftKernelChooser(

@@ -57,11 +57,6 @@ class DraftKernelChooser:
         """The LM head rows on the few-row GEMM where the CPU kernels run and graphs are off."""
         return scorer_on_kernel(scorer) if self.cpu_kernels and not self.cuda_graphs else scorer
 
-    def attn_head_scorer(self, scorer: nn.Linear) -> nn.Module:
-        """The LM head rows the attention head's PyTorch layers score with: the few-row GEMM wherever it runs the
-        fp32 weight (this head has no CUDA graphs to keep PyTorch's op for)."""
-        return scorer_on_kernel(scorer)
-
     def graph_step(self, fn: Callable[..., Any], name: str, n_static: int = 0) -> GraphedStep | None:
         if not self.cuda_graphs:
             return None

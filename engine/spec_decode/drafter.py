@@ -171,11 +171,8 @@ class DraftKernels(Protocol):
         ...
 
     def scorer(self, scorer: nn.Linear) -> nn.Module:
-        """The LM head rows a head scores with, on the fastest kernel of the same weight."""
-        ...
-
-    def attn_head_scorer(self, scorer: nn.Linear) -> nn.Module:
-        """The LM head rows the attention head's PyTorch layers score with, on the fastest kernel of the weight."""
+        """The LM head rows a head scores with: on the few-row GEMM where the CPU kernels run and CUDA graphs are off
+        (graphs capture PyTorch's op; ``cpu_pack=False`` keeps PyTorch's), else as it is."""
         ...
 
     def graph_step(self, fn: Callable[..., Any], name: str, n_static: int = 0) -> StepFn | None:

@@ -50,6 +50,11 @@ class Proposal:
     def is_chain(self) -> bool:
         return self.parents is None
 
+    def require_chain(self) -> None:
+        """InvalidConfigError for a tree: tree verification is not built yet."""
+        if not self.is_chain:
+            raise InvalidConfigError("draft trees are not verified yet: a drafter must propose chains (Proposal.chain)")
+
     def row_counts(self) -> list[int]:
         """Nodes per row."""
         return list(self.counts) if self.counts is not None else [self.width] * self.tokens.shape[0]
@@ -67,8 +72,7 @@ class Proposal:
 
     def cut(self, ks: list[int]) -> Proposal:
         """The chain cut to at most ks[b] drafts per row (and to the widest of them)."""
-        if not self.is_chain:
-            raise InvalidConfigError("draft trees are not verified yet: a drafter must propose chains (Proposal.chain)")
+        self.require_chain()
         counts = [min(k, n) for k, n in zip(ks, self.row_counts())]
         width = max(counts, default=0)
         probs = None if self.probs is None else self.probs[:, :width]

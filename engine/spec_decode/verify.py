@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.core.errors import InvalidConfigError
 from engine.core.forward import CachedForward, Features, ForwardCall, KVCache
 from engine.spec_decode.drafter import FeatureNeed
 from engine.spec_decode.proposal import Proposal
@@ -55,8 +54,7 @@ def verify_batch(
     tokens: list[list[int]], tlens: list[int], proposal: Proposal, rows: list[int], scratch: int, need: FeatureNeed
 ) -> VerifyBatch:
     """The verify inputs of rows with committed ``tokens`` (``tlens`` of them cached) and ``proposal``'s chains."""
-    if not proposal.is_chain:
-        raise InvalidConfigError("draft trees are not verified yet: a drafter must propose chains (Proposal.chain)")
+    proposal.require_chain()
     dev = proposal.tokens.device
     B, kmax, ks = len(tokens), proposal.width, proposal.row_counts()
     catch = [len(t) - n for t, n in zip(tokens, tlens)]

@@ -53,9 +53,7 @@ class EagleAttnDrafter(HeadDrafter):
         head, plain, _ = cls.scorer_for(ctx)
         fuse_projections(head.module)  # q/k/v and gate/up as one GEMM each, as the target's (the kernel's layout)
         kernel = ctx.kernels.attn_head_step(head.module, plain)
-        return cls(
-            head, ctx.target_module, plain if kernel is not None else ctx.kernels.attn_head_scorer(plain), kernel
-        )
+        return cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain), kernel)
 
     def __init__(
         self, head: LoadedHead, target: Transformer, scorer: nn.Module, kernel: AttnStepKernel | None = None
