@@ -48,6 +48,13 @@ def make_tokenizer(out: Path, vocab_size: int = 300) -> None:
         show_progress=False,
     )
     tok.train_from_iterator([TEXT], trainer)
+    if tok.get_vocab_size() > vocab_size:  # fewer rows than the byte alphabet: keep the first vocab_size ids
+        kept = {t: i for t, i in tok.get_vocab().items() if i < vocab_size}
+        special = [t for t in ["<|endoftext|>"] if t in kept]
+        tok = Tokenizer(models.BPE(kept, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(special)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
 

@@ -199,6 +199,7 @@ def load_models(
     info = {"target_dir": str(target_dir), "draft_dir": None if draft_dir is None else str(draft_dir)}
     info["dtype"] = str(dt).replace("torch.", "")
     models = Models(target, tok, vocab=target.config.vocab_size, info=info)
+    check_vocab_fits(tok, target.config.vocab_size, f"target {target_dir}")
     if entry is None or entry.loads is not Loads.DRAFT_MODEL:
         return models
     assert draft_dir is not None
@@ -211,9 +212,23 @@ def load_models(
             f"draft tokenizer has {dtok.vocab_size} tokens (model vocab {draft.config.vocab_size}), "
             f"target has {tok.vocab_size} (model vocab {target.config.vocab_size})"
         )
+    check_vocab_fits(tok, draft.config.vocab_size, f"draft {draft_dir}")
     models.draft_model = draft
     models.vocab = min(target.config.vocab_size, draft.config.vocab_size)
     return models
+
+
+def check_vocab_fits(tok: Tokenizer, rows: int, what: str) -> None:
+    """Every id the tokenizer can produce (added tokens included) must have an embedding row in ``what``.
+
+    Rows past the tokenizer's ids are padding it never emits: a draft with fewer of them than the target is
+    accepted, and logits are cut to the common rows (docs/design.md, section "Vocabularies")."""
+    bound = tok.id_bound()
+    if bound > rows:
+        raise VocabMismatchError(
+            f"{what}: the tokenizer produces ids up to {bound - 1} (added tokens included) but the model has "
+            f"{rows} embedding rows: allowed a tokenizer whose ids are all below the model's vocab_size"
+        )
 
 
 def choose_model_kernels(

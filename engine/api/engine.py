@@ -12,6 +12,7 @@ import torch
 from engine.api.assemble import Parts, assemble, resolve_device
 from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
 from engine.api.profile import Profile
+from engine.api.requests import Prompts, RequestChecks, is_id_list
 from engine.api.runtime import make_governor
 from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.errors import InvalidConfigError, InvalidRequestError, UnhealthyError
@@ -29,7 +30,6 @@ from engine.spec_decode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 __all__ = ["Completion", "Engine", "Prompts"]
 
 
@@ -70,6 +70,8 @@ class Engine:
                 f"limits.max_seq_len={limits.max_seq_len} is invalid: allowed an int in 2..{ctx} (the model's context)"
             )
         self.max_seq_len = limits.max_seq_len if limits.max_seq_len is not None else ctx
+        k_max = self.policy.k_max if self.policy is not None else 0
+        self.requests = RequestChecks(self.tokenizer, self.vocab, ctx, self.max_seq_len, k_max)
         self.loop = DecodeLoop(
             parts.target_forward, parts.tokenizer, parts.drafter, self.config.eos_token_ids, self.vocab
         )
@@ -170,80 +172,18 @@ class Engine:
         return self._costs
 
     # ------------------------------------------------------------------ requests
-    def _prompt_ids(self, prompts: Prompts) -> list[list[int]]:
-        allowed = "a str, a non-empty list of str, or a non-empty list of token-id lists"
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise InvalidRequestError(f"prompts={prompts!r:.80} is invalid: allowed {allowed}")
-        out = []
-        V = self.vocab
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if not p:
-                    raise InvalidRequestError(f"prompts[{i}] is an empty string: a prompt needs >= 1 token")
-                ids = self.tokenizer.encode(p)
-            elif isinstance(p, (list, tuple)):
-                ids = list(p)
-                for j, t in enumerate(ids):
-                    if not isinstance(t, int) or isinstance(t, bool):
-                        raise InvalidRequestError(f"prompts[{i}][{j}]={t!r} is invalid: allowed an int token id")
-                    if not 0 <= t < V:
-                        raise InvalidRequestError(
-                            f"prompts[{i}][{j}]={t} is out of range: allowed token ids 0..{V - 1} (vocab {V})"
-                        )
-            else:
-                raise InvalidRequestError(f"prompts[{i}]={p!r:.80} is invalid: allowed a str or a list of token ids")
-            if not ids:
-                raise InvalidRequestError(f"prompts[{i}] is empty: a prompt needs >= 1 token")
-            out.append(ids)
-        return out
-
-    def _params(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams()] * n
-        if isinstance(params, SamplingParams):
-            return [params] * n
-        if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
-            if len(params) != n:
-                raise InvalidRequestError(
-                    f"params has {len(params)} entries for {n} prompts: allowed one SamplingParams or one per prompt"
-                )
-            return list(params)
-        raise InvalidRequestError(f"params={params!r:.80} is invalid: allowed a SamplingParams or a list of them")
-
-    def _validate(self, prompts: Prompts, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
-        """Prompt ids and per-prompt params, refusing what cannot fit the context or the cache."""
-        ids = self._prompt_ids(prompts)
-        plist = self._params(params, len(ids))
-        ctx, lim = self.config.max_position_embeddings, self.max_seq_len
-        for i, (p, sp) in enumerate(zip(ids, plist)):
-            n = len(p) + sp.max_new_tokens
-            if n > ctx:  # drafts never pass prompt + max_new_tokens - 1: K is capped by what remains
-                raise InvalidRequestError(
-                    f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = "
-                    f"{n}, beyond the model's context of {ctx} tokens"
-                )
-            if n > lim:
-                k = self.scheduler.k_max
-                raise InvalidRequestError(
-                    f"prompts[{i}] has {len(p)} tokens + max_new_tokens {sp.max_new_tokens} = {n}, beyond the "
-                    f"engine's max_seq_len={lim} (the KV cache holds max_seq_len + k_max {k} + 2 positions per row)"
-                )
-        return ids, plist
-
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue one prompt; the handle has ``result()``, ``cancel()``, ``done()`` and iterates text pieces.
 
         Raises InvalidRequestError for a bad request, OverloadedError when the wait queue is full.
         """
-        ids, plist = self._validate([prompt] if not _is_id_list(prompt) else [list(prompt)], params)
+        ids, plist = self.requests.check([prompt] if not is_id_list(prompt) else [list(prompt)], params)
         return self.scheduler.submit(ids, plist)[0]
 
     def submit_many(self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams]) -> list[Request]:
         """Queue several prompts together (all or none: OverloadedError when they do not all fit)."""
-        ids, plist = self._validate([p if isinstance(p, str) else list(p) for p in prompts], list(params))
+        ids, plist = self.requests.check([p if isinstance(p, str) else list(p) for p in prompts], list(params))
         return self.scheduler.submit(ids, plist)
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -278,7 +218,7 @@ class Engine:
         finish_reason is "stop", "length", or "error" (NaN/inf logits in that sequence);
         a failed round raises RequestFailedError (an EngineError).
         """
-        ids, plist = self._validate(prompts, params)
+        ids, plist = self.requests.check(prompts, params)
         reqs = self.scheduler.submit(ids, plist, drive=True)
         try:
             self.scheduler.drive(reqs)  # rounds run in this thread (see Scheduler.drive)
@@ -317,22 +257,16 @@ class Engine:
     def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
         """Target logits [B, T, V] (as planned, fp32) for equal-length token lists, no cache."""
         if isinstance(token_ids, torch.Tensor):
-            ids = token_ids
+            ids = self.requests.token_tensor(token_ids)
         else:
             rows = (
-                self._prompt_ids([list(r) for r in token_ids])
+                self.requests.prompt_ids([list(r) for r in token_ids])
                 if isinstance(token_ids, (list, tuple))
-                else self._prompt_ids(token_ids)
+                else self.requests.prompt_ids(token_ids)
             )
             if len({len(r) for r in rows}) != 1:
                 raise InvalidRequestError("token_ids rows have different lengths: allowed equal-length rows")
-            ids = torch.tensor(rows, dtype=torch.long)
-        if ids.dim() != 2:
-            raise InvalidRequestError(f"token_ids has shape {tuple(ids.shape)}: allowed [B, T]")
-        if ids.shape[1] > self.config.max_position_embeddings:
-            raise InvalidRequestError(
-                f"token_ids has {ids.shape[1]} tokens, beyond the context of {self.config.max_position_embeddings}"
-            )
+            ids = self.requests.token_tensor(torch.tensor(rows, dtype=torch.long))
         return self.target(ids.to(self.device)).float()
 
     def check_health(self, stall_s: float = 120.0, max_failed_rounds: int = 3) -> None:
@@ -394,7 +328,3 @@ def _module_bytes(m: torch.nn.Module) -> int:
             seen.add(id(t))
             n += t.numel() * t.element_size()
     return n
-
-
-def _is_id_list(p: object) -> bool:
-    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)

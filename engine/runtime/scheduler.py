@@ -18,8 +18,10 @@ only grows, and only between rounds when no sequence is running: a request
 longer than the cache waits at the head of the queue until the batch drains
 (FIFO, so it is never starved). Memory is proportional to the real lengths, and
 a request beyond ``max_seq_len`` (default: the model's context) is refused at
-submission. A round that raises ends the requests in it with
-``RequestFailedError``; the worker logs it and keeps serving. The worker exits
+submission. A round that raises changes no sequence (engine/spec_decode/loop.py): it is re-run one prefill
+family at a time, and only the requests whose rows fail alone end with ``RequestFailedError``; the others
+go on as if nothing happened. The worker logs it and keeps serving; health turns unhealthy only after rounds
+in which no request could run. The worker exits
 after ``idle_exit_s`` without work (so an unused Engine can be collected) and
 is restarted by the next submission; at interpreter exit it cancels what is
 left and ends between rounds (it is not a daemon, so no torch op is cut off).
@@ -298,40 +300,69 @@ class Scheduler:
         caps = KCaps(all=self.k_cap, greedy=NO_CAP if speculate else 0)
         t0 = time.perf_counter()
         self._round_started = time.monotonic()
+        rounds, clean = 1, True
         try:
             if self.on_round is not None:
                 self.on_round()
             events = self.loop.step(seqs, caps)
-        except Exception as e:  # noqa: BLE001 - the one place: fail this round's requests, keep serving
-            self._round_failed(e, len(seqs))
-            return
+        except Exception as e:  # noqa: BLE001 - the one place: isolate the rows that fail, keep serving
+            events, rounds = self._isolate(seqs, caps, e)
+            clean = windowed = False  # rounds of parts of the batch: not a measurement of the batch
         finally:
             self._round_started = None
         dt = time.perf_counter() - t0
         if windowed and not prefill and self.window is not None:
             self.window.record(len(seqs), speculate, sum(len(toks) for _, toks in events), dt)
         with self._lock:
-            self._failed_streak = 0
+            if clean:
+                self._failed_streak = 0
             self.totals.seconds += dt
-            self.totals.target_forwards += 1
+            self.totals.target_forwards += rounds
             self.totals.window_plain_rounds += not speculate
         self._hand_out(events)
 
-    def _round_failed(self, e: Exception, n: int) -> None:
-        log.exception("decode round over %d sequences failed; ending their requests", n, exc_info=e)
+    def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
+        """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a
+        sequence with those waiting for its prefill), so that only the rows that fail alone end with an error.
+        The streak of failed rounds (health) grows only when no family could run: a fault of the engine."""
+        families: dict[int, list[Seq]] = {}
+        for s in seqs:
+            families.setdefault(id(s.prefill_from or s), []).append(s)
+        why = f"{type(e).__name__}: {e}"
+        log.warning("a decode round over %d sequences raised (%s); re-running it by family", len(seqs), why)
+        events: list[tuple[Seq, list[int]]] = []
+        ok, failed = 0, []
+        for fam in families.values() if len(families) > 1 else ():
+            try:
+                events += self.loop.step(fam, caps)
+                ok += 1
+            except Exception as e2:  # noqa: BLE001 - this family fails alone
+                failed.append((fam, e2))
+        if len(families) == 1:
+            failed.append((seqs, e))
         with self._lock:
-            self.totals.round_failures += 1
-            self._failed_streak += 1
-        err = f"generation failed in a decode round: {type(e).__name__}: {e}"
-        for x in list(self._running):
-            self._retire(x, RequestFailedError(err))
+            self.totals.round_failures += len(failed)
+            self._failed_streak = 0 if ok else self._failed_streak + 1
+        for fam, err in failed:
+            self._fail_seqs(fam, err)
+        return events, max(1, ok)
+
+    def _fail_seqs(self, seqs: list[Seq], e: Exception) -> None:
+        log.error("a decode round over %d sequences failed; ending their requests", len(seqs), exc_info=e)
+        err = RequestFailedError(f"generation failed in a decode round: {type(e).__name__}: {e}")
+        ids = {id(s) for s in seqs}
+        for x in [x for x in self._running if id(x.seq) in ids]:
+            self.loop.clear_row(x.seq.row)
+            self._retire(x, err)
 
     def _hand_out(self, events: list[tuple[Seq, list[int]]]) -> None:
         """Each request its new tokens; a finished one leaves the batch."""
         by_seq = {id(s): toks for s, toks in events}
         for x in list(self._running):
             new = by_seq.get(id(x.seq), [])
-            if x.seq.finished:
+            if x.seq.failure is not None:
+                self._retire(x, RequestFailedError(f"generation failed for this request: {x.seq.failure}"))
+            elif x.seq.finished:
                 self._retire(x, new=new)
             elif new:
                 x.request.deliver(new, x.seq.logprobs[-len(new) :] if x.seq.logprobs is not None else ())

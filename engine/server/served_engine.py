@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from tokenizers.decoders import DecodeStream
-
+    from engine.core.tokenizer import TextStream
     from engine.runtime.metrics import Sample
     from engine.runtime.request import Request
     from engine.spec_decode.sampling import SamplingParams
@@ -19,11 +18,11 @@ class ServedTokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
         """A fresh incremental decoder, fed with ``step``."""
         ...
 
-    def step(self, stream: DecodeStream, ids: int | list[int]) -> str | None:
+    def step(self, stream: TextStream, ids: int | list[int]) -> str | None:
         """The text ``ids`` complete after what ``stream`` has seen (None when none yet)."""
         ...
 

@@ -15,7 +15,12 @@ round). A round (``DecodeLoop.step``) is five steps:
    the drafter told what was committed (``Committed``), a shared prefill handed on.
 
 Fault isolation: a row whose scored target logits hold NaN or inf ends with finish_reason "error" (a logged
-warning); the others continue. ``inject_nan`` (a test hook: Seq -> bool) poisons the logits of the rows it picks.
+warning); the others continue. A row whose own step raises (its commit: stop checks, detokenization, its drafter's
+bookkeeping) ends alone with ``Seq.failure`` set. Steps 1-4 are batched and change no sequence: when one raises,
+the generators' states are restored and the exception propagates, so the round can be re-run without the rows
+that caused it (the scheduler re-runs it one prefill family at a time; engine/runtime/scheduler.py). Test hooks:
+``inject_nan`` (Seq -> bool) poisons the logits of the rows it picks; ``inject_fault`` ((Seq, stage) -> bool)
+raises in the batched verify ("verify") or in the row's commit ("commit") for the rows it picks.
 
 Prefill sharing: a sequence whose ``prefill_from`` names another of the same prompt (the scheduler admits the n
 samples of one prompt together) takes no part in rounds until that one's first round has prefilled the prompt;
@@ -33,6 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,10 +65,10 @@ class KCaps:
     """Caps on this round's K, set by the serving layer."""
 
     all: int = NO_CAP
-    """Every row's K (the load window lowers it under GPU memory pressure)."""
+    """The K of every row but seeded sampled ones (the load window lowers it under GPU memory pressure). A sampled
+    row's K decides which random draws it makes: capping a seeded one would make its tokens depend on the load."""
     greedy: int = NO_CAP
-    """Greedy rows' K (the batch window: 0 in a round it runs plainly). A sampled row's K decides which random
-    draws it makes, so capping it would make a seed's output depend on the rest of the batch."""
+    """Greedy rows' K (the batch window: 0 in a round it runs plainly)."""
 
 
 @dataclass
@@ -90,6 +96,16 @@ class Verdict:
     last_features: Tensor | None  # [B, H] the feature that scored each row's new last token
 
 
+class _Steps(NamedTuple):
+    """Steps 1-4's results, which step 5 commits row by row."""
+
+    plan: RoundPlan
+    proposal: Proposal
+    scores: Scores
+    verdict: Verdict
+    ks: list[int]  # drafts per row in the proposal
+
+
 class DecodeLoop:
     """One speculative round at a time over the sequences given (the scheduler owns which)."""
 
@@ -102,6 +118,7 @@ class DecodeLoop:
         self.stops = StopChecker(tokenizer, eos_ids)
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
+        self.inject_fault: Callable[[Seq, str], bool] | None = None  # test hook: raise for the rows it picks
 
     def ensure_cache(self, rows: int, positions: int, k_max: int) -> KVCache:
         """A cache with >= rows rows and room for `positions` + K headroom + the scratch slot."""
@@ -120,10 +137,13 @@ class DecodeLoop:
         return self.cache
 
     def k_for(self, s: Seq, caps: KCaps) -> int:
+        """Row K: its controller's, within what remains and the caps. A seeded sampled row is never capped: its K
+        decides which random draws it makes, and its tokens must not depend on the batch or the memory pressure."""
         if self.drafter is None or s.k_ctl is None:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)
-        cap = min(caps.all, caps.greedy) if s.params.greedy else caps.all
+        sp = s.params
+        cap = min(caps.all, caps.greedy) if sp.greedy else NO_CAP if sp.seed is not None else caps.all
         return max(0, min(s.k_ctl.k, remaining - 1, cap))
 
     @torch.no_grad()
@@ -134,10 +154,16 @@ class DecodeLoop:
         if not active:
             return []
         assert self.cache is not None, "ensure_cache first"
-        plan = self.plan(active, caps, waiting)
-        proposal = self.draft(plan)
-        scores = self.verify(plan, proposal)
-        verdict = self.accept(plan, proposal, scores)
+        states = [(s.generator, s.generator.get_state()) for s in active if not s.params.greedy]
+        try:
+            plan = self.plan(active, caps, waiting)
+            proposal = self.draft(plan)
+            scores = self.verify(plan, proposal)
+            verdict = self.accept(plan, proposal, scores)
+        except Exception:
+            for g, st in states:  # the round's draws are undone: a re-run draws them again
+                g.set_state(st)
+            raise
         return self.commit(plan, proposal, scores, verdict)
 
     def plan(self, active: list[Seq], caps: KCaps, waiting: dict[int, list[Seq]]) -> RoundPlan:
@@ -183,12 +209,12 @@ class DecodeLoop:
         else:
             scores = verify(self.target, self.cache, vb)
         for b, s in enumerate(plan.seqs):
+            if self.inject_fault is not None and self.inject_fault(s, "verify"):
+                raise RuntimeError(f"injected fault in the verify pass (cache row {s.row})")
             if s.first_scores is not None:
                 scores.logits[b, 0] = s.first_scores[0]
                 if scores.features is not None:
                     scores.features[b, 0] = s.first_scores[1]
-                s.first_scores = None
-            s.stats.prefill_tokens += max(0, len(s.prompt) - s.tlen)
         return scores
 
     def accept(self, plan: RoundPlan, proposal: Proposal, scores: Scores) -> Verdict:
@@ -219,31 +245,46 @@ class DecodeLoop:
         self, plan: RoundPlan, proposal: Proposal, scores: Scores, verdict: Verdict
     ) -> list[tuple[Seq, list[int]]]:
         """Step 5: each row's committed tokens, its drafter told, a shared prefill handed on."""
+        steps = _Steps(plan, proposal, scores, verdict, proposal.row_counts())
         events: list[tuple[Seq, list[int]]] = []
-        ran = self.drafter is not None and max(plan.ks) > 0  # the drafter proposed this round
-        ks = proposal.row_counts()
         for b, s in enumerate(plan.seqs):
+            s.first_scores = None
+            s.stats.prefill_tokens += max(0, len(s.prompt) - s.tlen)
             if verdict.bad[b]:
-                self._fail_row(s)
+                self._fail_row(s, "non-finite target logits")
                 events.append((s, []))
                 continue
-            new = verdict.tokens[b]
-            n_before, a = len(s.tokens), len(new) - 1
-            s.tlen = n_before + a
-            if self.drafter is not None:
-                feats = self._features_for(b, a, proposal, scores, verdict)
-                self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats))
-            if id(s) in plan.waiting:
-                self._share_prefill(s, plan.waiting[id(s)], scores, b)
-            s.stats.record(ks[b], a)
-            if s.k_ctl is not None and ks[b] > 0:
-                s.k_ctl.update(ks[b], a)
-            kept = self.stops.cut(s, new)
-            if s.logprobs is not None:
-                s.logprobs.extend(verdict.logprobs[b][: len(kept)])
-            s.tokens.extend(kept)
-            events.append((s, kept))
+            try:
+                events.append((s, self._commit_row(b, s, steps)))
+            except Exception as e:  # noqa: BLE001 - this row's own step failed: it ends alone, the others go on
+                log.exception("the commit of cache row %d raised: ending its request alone", s.row)
+                s.failure = f"{type(e).__name__}: {e}"
+                self._fail_row(s, s.failure)
+                events.append((s, []))
         return events
+
+    def _commit_row(self, b: int, s: Seq, steps: _Steps) -> list[int]:
+        """Row b's accepted run committed: lengths, its drafter told, a shared prefill handed on, stops cut."""
+        plan, verdict = steps.plan, steps.verdict
+        if self.inject_fault is not None and self.inject_fault(s, "commit"):
+            raise RuntimeError(f"injected fault in the commit of cache row {s.row}")
+        new, k = verdict.tokens[b], steps.ks[b]
+        n_before, a = len(s.tokens), len(verdict.tokens[b]) - 1
+        s.tlen = n_before + a
+        if self.drafter is not None:
+            ran = max(plan.ks) > 0  # the drafter proposed this round
+            feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
+            self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats))
+        if id(s) in plan.waiting:
+            self._share_prefill(s, plan.waiting[id(s)], steps.scores, b)
+        s.stats.record(k, a)
+        if s.k_ctl is not None and k > 0:
+            s.k_ctl.update(k, a)
+        kept = self.stops.cut(s, new)
+        if s.logprobs is not None:
+            s.logprobs.extend(verdict.logprobs[b][: len(kept)])
+        s.tokens.extend(kept)
+        return kept
 
     def _features_for(self, b: int, a: int, proposal: Proposal, scores: Scores, verdict: Verdict) -> Tensor | None:
         """The target's features row b's drafter reads after accepting ``a`` drafts (``FeatureNeed``)."""
@@ -259,20 +300,24 @@ class DecodeLoop:
             return new
         return None
 
-    def _fail_row(self, s: Seq) -> None:
+    def _fail_row(self, s: Seq, why: str) -> None:
         log.warning(
-            "non-finite target logits in the row of a %d-token sequence (cache row %d) after "
-            "%d generated tokens: ending it with finish_reason 'error'",
+            "%s in the row of a %d-token sequence (cache row %d) after %d generated tokens: "
+            "ending it with finish_reason 'error'",
+            why,
             len(s.prompt),
             s.row,
             len(s.generated),
         )
         s.finish("error")
-        # its keys/values may be non-finite too: a later sequence in this row must not read them
-        # (the math attention reads a bucket of slots past kv_len, masked, and 0 * NaN is NaN)
-        assert self.cache is not None
-        self.cache.k[:, s.row].zero_()
-        self.cache.v[:, s.row].zero_()
+        self.clear_row(s.row)
+
+    def clear_row(self, row: int) -> None:
+        """Zero a cache row whose keys/values may be non-finite: a later sequence in it must not read them
+        (the math attention reads a bucket of slots past kv_len, masked, and 0 * NaN is NaN)."""
+        if self.cache is not None:
+            self.cache.k[:, row].zero_()
+            self.cache.v[:, row].zero_()
 
     def _share_prefill(self, src: Seq, dst: list[Seq], scores: Scores, b: int) -> None:
         """``src`` has prefilled its prompt this round: its keys/values of the prompt go into the rows of ``dst``

@@ -14,7 +14,6 @@ needs no host synchronisation and is invariant to the scale of ``probs``.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,18 +27,31 @@ from engine.spec_decode.penalties import Penalties
 # torch.Generator.manual_seed accepts exactly this range
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+# float32 is what the round computes in: a positive value must stay a normal float32 (not 0, not inf)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
+_F32_MAX = float(torch.finfo(torch.float32).max)
+# top-k above the vocabulary acts as the vocabulary: larger values are stored as this (an int32 fits any vocabulary)
+TOP_K_MAX = 2**31 - 1
+# logits are divided or multiplied by the repetition penalty: bounded so that finite logits stay finite
+_REP_MIN, _REP_MAX = 1e-6, 1e6
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_real(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+def _real(v: object) -> float | None:
+    """``v`` as a float when it is a real number that a float holds (not bool, not an int beyond float), else None."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
 
 
 def _refuse(name: str, value: object, allowed: str) -> InvalidRequestError:
-    return InvalidRequestError(f"SamplingParams.{name}={value!r} is invalid: allowed {allowed}")
+    return InvalidRequestError(f"SamplingParams.{name}={value!r:.80} is invalid: allowed {allowed}")
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,16 @@ class SamplingParams:
         mnt = self.max_new_tokens
         if not _is_int(mnt) or mnt < 1:
             raise _refuse("max_new_tokens", mnt, "an int >= 1")
-        t = self.temperature
-        if not _is_real(t) or not math.isfinite(float(t)) or t < 0:
-            raise _refuse("temperature", t, "a finite float >= 0 (0 = greedy)")
+        t = _real(self.temperature)
+        if t is None or not (t == 0.0 or _F32_TINY <= t <= _F32_MAX):
+            allowed = f"0 (greedy) or a float in [{_F32_TINY:.6g}, {_F32_MAX:.6g}] (float32)"
+            raise _refuse("temperature", self.temperature, allowed)
         k = self.top_k
         if not _is_int(k) or k < 0:
-            raise _refuse("top_k", k, "an int >= 0 (0 = disabled)")
-        p = self.top_p
-        if not _is_real(p) or not (0.0 < float(p) <= 1.0):  # NaN fails the comparison
-            raise _refuse("top_p", p, "a float in (0, 1] (1 = disabled)")
+            raise _refuse("top_k", k, "an int >= 0 (0 = disabled; values above the vocabulary act as it)")
+        p = _real(self.top_p)
+        if p is None or not (0.0 < p <= 1.0):  # NaN fails the comparison
+            raise _refuse("top_p", self.top_p, "a float in (0, 1] (1 = disabled)")
         s = self.seed
         if s is not None and (not _is_int(s) or not _SEED_MIN <= s <= _SEED_MAX):
             raise _refuse("seed", s, f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]")
@@ -94,21 +107,23 @@ class SamplingParams:
                 raise _refuse(f"stop[{i}]", item, "a non-empty str")
         self._check_controls()
         object.__setattr__(self, "max_new_tokens", int(mnt))
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_k", int(k))
-        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_k", min(int(k), TOP_K_MAX))
+        object.__setattr__(self, "top_p", p)
         object.__setattr__(self, "seed", None if s is None else int(s))
         object.__setattr__(self, "stop", tuple(stop))
 
     def _check_controls(self) -> None:
-        mp = self.min_p
-        if not _is_real(mp) or not 0.0 <= float(mp) <= 1.0:
-            raise _refuse("min_p", mp, "a float in [0, 1] (0 = disabled)")
-        rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(float(rp)) or rp <= 0:
-            raise _refuse("repetition_penalty", rp, "a finite float > 0 (1 = disabled)")
+        mp = _real(self.min_p)
+        if mp is None or not (mp == 0 or _F32_TINY <= mp <= 1.0):
+            raise _refuse("min_p", self.min_p, f"0 (disabled) or a float in [{_F32_TINY:.6g}, 1] (float32)")
+        rp = _real(self.repetition_penalty)
+        if rp is None or not _REP_MIN <= rp <= _REP_MAX:
+            allowed = f"a float in [{_REP_MIN:g}, {_REP_MAX:g}] (1 = disabled)"
+            raise _refuse("repetition_penalty", self.repetition_penalty, allowed)
         for name, v in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
-            if not _is_real(v) or not -2.0 <= float(v) <= 2.0:
+            f = _real(v)
+            if f is None or not -2.0 <= f <= 2.0:
                 raise _refuse(name, v, "a float in [-2, 2] (0 = disabled)")
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
@@ -124,8 +139,8 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
             raise _refuse("logprobs", lp, "None or an int in [0, 20] (the top alternatives per token)")
-        for name, v in (("min_p", mp), ("repetition_penalty", rp)):
-            object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "min_p", mp)
+        object.__setattr__(self, "repetition_penalty", rp)
         object.__setattr__(self, "presence_penalty", float(self.presence_penalty))
         object.__setattr__(self, "frequency_penalty", float(self.frequency_penalty))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))

@@ -75,9 +75,10 @@ class Seq:
     stop_cut: int | None = None  # where a stop string (or a stop token's text) starts in the generated text
     stats: SeqStats = field(default_factory=SeqStats)
     text: str = ""  # the generated text so far, decoded incrementally (only with stop strings)
-    decoder: Any = None  # its tokenizers DecodeStream
+    decoder: Any = None  # its TextStream (engine/core/tokenizer.py)
     stop_token: bool = False  # ended by a stop_token_ids token: its text is not part of the output
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
+    failure: str | None = None  # why its own step raised (it ended alone with finish_reason "error")
     # prefill sharing (loop.py): the sequence of the same prompt whose prefill this one waits for (it
     # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
     # (logits, feature | None) at the prompt's last position, which score its first round
