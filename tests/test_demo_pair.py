@@ -1,4 +1,5 @@
-"""Checks on the full demo pair, run when the specmix cache holds it.
+"""Checks on the full demo pair, run when the specmix cache holds it (``slow``), and on how the cache
+directory of a pair is built, replaced and recovered (fast: a stand-in build copies the test pair).
 
 CI does not build the pair (about 9 minutes on 2 AVX2 cores, beside a 12-minute suite), so these
 tests skip, saying so, on a machine that has not built it: `python tools/make_demo_models.py`
@@ -9,6 +10,9 @@ tests/test_demo.py, tests/test_profile.py and the speculation tests.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -17,17 +21,15 @@ from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.build.calibrate import acceptance, calib_prompts
 from engine.build.quality import compare_models, load_eval_ids
 from engine.core.config import load_config
+from engine.core.files import sha256_file
+from engine.demo.pair import demo_pair
+from engine.demo.recipe import pair_dir
 from quant.catalog import lookup_gpu
 from quant.plan import make_plan
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def demo():
-    from engine.demo.pair import demo_pair
-    from engine.demo.recipe import pair_dir
-
     if not (pair_dir("demo") / "report.json").is_file():
         pytest.skip(f"the full demo pair is not built in {pair_dir('demo').parent} (python tools/make_demo_models.py)")
     target, draft = demo_pair("demo", progress=False)
@@ -45,6 +47,7 @@ def plan(demo):
     return make_plan(lookup_gpu("a100"), load_config(demo["target"]), load_config(demo["draft"]), device="cpu")
 
 
+@pytest.mark.slow
 def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
     plain = Engine.from_pretrained(demo["target"])
     prompts = calib_prompts(plain.tokenizer, demo["heldout"], n=6, prompt_len=24)
@@ -63,6 +66,7 @@ def test_greedy_speculation_equals_plain_on_the_demo_pair(demo):
             assert eng.stats()["acceptance_rate"] > 0.3  # a broken cache or position gives ~0.05
 
 
+@pytest.mark.slow
 def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
     ref = Engine.from_pretrained(demo["target"])
     planned = Engine.from_pretrained(
@@ -75,6 +79,7 @@ def test_planned_target_is_close_to_its_unquantized_self(demo, plan):
     assert abs(rep.drift) <= 0.3
 
 
+@pytest.mark.slow
 def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
     spec = SpeculationConfig(k=4, k_policy="constant")
     fp8 = Engine.from_pretrained(
@@ -90,3 +95,95 @@ def test_fp8_draft_accepts_within_two_points_of_the_fp16_draft(demo, plan):
     prompts = calib_prompts(fp8.tokenizer, demo["calib"], n=24)
     a8, a16 = acceptance(fp8, prompts, 48), acceptance(fp16, prompts, 48)
     assert abs(a8 - a16) <= 0.02, (a8, a16)
+
+
+class StandIn:
+    """A stand-in for the pair's build (``engine.demo.pair.build_pair``): the test pair copied in, then
+    report.json (the build's last file) naming the build's number; counts its calls."""
+
+    def __init__(self, target: Path, draft: Path) -> None:
+        self.target, self.draft, self.calls = target, draft, 0
+
+    def __call__(self, recipe, out: Path, progress: bool = True, size: str = "custom") -> dict:
+        self.calls += 1
+        shutil.copytree(self.target, out / "target")
+        shutil.copytree(self.draft, out / "draft")
+        report = {"size": size, "build": self.calls}
+        (out / "report.json").write_text(json.dumps(report), encoding="utf-8")
+        return report
+
+
+@pytest.fixture
+def stand_in(monkeypatch, ckpt_dir, draft_dir) -> StandIn:
+    build = StandIn(ckpt_dir, draft_dir)
+    monkeypatch.setattr("engine.demo.pair.build_pair", build)
+    return build
+
+
+def _files(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): sha256_file(p) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _greedy(target: Path, draft: Path) -> list[list[int]]:
+    eng = Engine.from_pretrained(target, draft, speculation=SpeculationConfig(k=3, k_policy="constant"))
+    return [o.token_ids for o in eng.generate(["The quick brown fox", "def f(x):"], SamplingParams(max_new_tokens=12))]
+
+
+def _leftovers(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_forced_rebuild_that_fails_keeps_the_old_pair(stand_in, monkeypatch, tmp_path):
+    """force=True builds beside the old pair: a failure in the training (the real build, its target's training
+    step made to raise) leaves the old pair's files as they were and usable; a later call builds nothing."""
+    import engine.demo.pair as pair_module
+    from engine.demo.train import build_pair as real_build
+
+    target, draft = demo_pair("tiny", tmp_path, progress=False)
+    before, ref = _files(target.parent), _greedy(target, draft)
+
+    def fail(*args, **kw):
+        raise RuntimeError("injected: the training step failed")
+
+    monkeypatch.setattr(pair_module, "build_pair", real_build)
+    monkeypatch.setattr("engine.demo.train._train_target", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        demo_pair("tiny", tmp_path, progress=False, force=True)
+    assert _files(target.parent) == before and _leftovers(tmp_path) == []
+    monkeypatch.setattr(pair_module, "build_pair", stand_in)
+    assert demo_pair("tiny", tmp_path, progress=False) == (target, draft) and stand_in.calls == 1
+    assert _greedy(target, draft) == ref
+
+
+def test_forced_rebuild_replaces_the_pair_once_complete(stand_in, tmp_path):
+    target, _ = demo_pair("tiny", tmp_path, progress=False)
+    assert demo_pair("tiny", tmp_path, progress=False, force=True)[0] == target
+    assert json.loads((target.parent / "report.json").read_text())["build"] == 2
+    assert _leftovers(tmp_path) == []
+
+
+def test_stale_pair_directory_and_staging_leftovers_are_rebuilt_once(stand_in, tmp_path):
+    """A pair directory without report.json (an older or killed build) and a half-written staging directory
+    are removed, the pair is built once, and later calls find it."""
+    final = pair_dir("tiny", tmp_path)
+    (final / "target").mkdir(parents=True)
+    (final / "target" / "config.json").write_text("{}", encoding="utf-8")
+    staging = final.parent / f".{final.name}.tmp-999999"
+    (staging / "draft").mkdir(parents=True)
+    for _ in range(2):
+        target, draft = demo_pair("tiny", tmp_path, progress=False)
+        assert target == final / "target" and (final / "report.json").is_file()
+    assert stand_in.calls == 1 and _leftovers(tmp_path) == []
+    assert _files(target) == _files(stand_in.target)
+    assert _greedy(target, draft) == _greedy(stand_in.target, stand_in.draft)
+
+
+def test_pair_moved_aside_by_an_interrupted_swap_is_restored(stand_in, tmp_path):
+    """A rebuild killed between moving the old pair aside and renaming the new one in: the next call puts the
+    complete old pair back instead of training again."""
+    target, _ = demo_pair("tiny", tmp_path, progress=False)
+    final = target.parent
+    aside = final.parent / f".{final.name}.old-999999"
+    final.rename(aside)
+    assert demo_pair("tiny", tmp_path, progress=False)[0] == target
+    assert stand_in.calls == 1 and (final / "report.json").is_file() and _leftovers(tmp_path) == []

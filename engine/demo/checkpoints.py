@@ -1,8 +1,9 @@
-"""Saving a demo model as a Hugging Face checkpoint directory (config, safetensors, tokenizer files)."""
+"""Saving a demo model as a Hugging Face checkpoint directory (safetensors, tokenizer files, config last)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.core.config import ModelConfig
+from engine.core.files import write_checkpoint_files
 from engine.core.model import Transformer
 from engine.demo.recipe import EOS_TOKEN
 
@@ -49,35 +51,39 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(model: Transformer, tok: Any, out: Path) -> None:
-    """An HF directory: config.json, model.safetensors ("model."-prefixed), tokenizer files, generation_config."""
+    """An HF directory: model.safetensors ("model."-prefixed), tokenizer files, generation_config, and config.json
+    written last (``write_checkpoint_files``: a directory whose config is there holds complete files)."""
     cfg = model.config
-    out.mkdir(parents=True)
     tensors = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         key = name if name.startswith("lm_head.") else f"model.{name}"
         tensors[key] = t.detach().to(torch.float32).contiguous().clone()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(out / "config.json", hf_config(cfg))
     eos = cfg.eos_token_ids[0]
-    _write_json(out / "generation_config.json", {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos})
-    tok.save(str(out / "tokenizer.json"))
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": EOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "unk_token": None,
-            "add_bos_token": False,
-            "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg.max_position_embeddings,
-        },
-    )
-    _write_json(out / "special_tokens_map.json", {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN})
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg.max_position_embeddings,
+    }
+    files: dict[str, Callable[[Path], Any]] = {
+        "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+        "generation_config.json": _json_writer({"bos_token_id": cfg.bos_token_id, "eos_token_id": eos}),
+        "tokenizer.json": lambda p: tok.save(str(p)),
+        "tokenizer_config.json": _json_writer(tok_cfg),
+        "special_tokens_map.json": _json_writer({"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN}),
+    }
+    write_checkpoint_files(out, files, "config.json", _json_text(hf_config(cfg)))
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+def _json_text(obj: Any) -> str:
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def _json_writer(obj: Any) -> Callable[[Path], None]:
+    return lambda path: path.write_text(_json_text(obj), encoding="utf-8")

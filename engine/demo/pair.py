@@ -2,38 +2,30 @@
 
 ``demo_pair(size)`` returns ``(target_dir, draft_dir)``, building them on the CPU when the
 cache lacks them (engine/demo/recipe.py names the directory, engine/demo/train.py trains).
-A build happens in a temporary directory beside the target and is renamed into place at
-the end under a lock: a killed build leaves no pair.
+A build happens under a lock in a staging directory beside the pair's and is renamed into
+place once complete (engine/core/files.py's ``cached_dir``): a killed or failing build
+leaves no pair and keeps an older one (``force=True``) as it was; a leftover pair directory
+without its report.json is removed and built again.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from engine.core.files import file_lock
+from engine.core.files import cached_dir
 from engine.demo.recipe import DemoRecipe, get_recipe, pair_dir
 from engine.demo.train import build_pair as _train
-
-log = logging.getLogger(__name__)
 
 
 def demo_pair(
     size: str = "demo", cache_dir: str | Path | None = None, progress: bool = True, force: bool = False
 ) -> tuple[Path, Path]:
-    """(target_dir, draft_dir) of the demo pair of ``size``, built first when the cache lacks it."""
-    final = pair_dir(size, cache_dir)
-    if force or not (final / "report.json").is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(final.parent / f".{final.name}.lock"):
-            if force and final.exists():
-                shutil.rmtree(final)
-            if not (final / "report.json").is_file():
-                _build_atomic(size, final, progress)
+    """(target_dir, draft_dir) of the demo pair of ``size``, built first when the cache lacks it (``force``:
+    rebuilt; the old pair stays in place until the new one is complete)."""
+    recipe = get_recipe(size)
+    final = cached_dir(pair_dir(size, cache_dir), lambda tmp: build_pair(recipe, tmp, progress, size), _complete, force)
     return final / "target", final / "draft"
 
 
@@ -43,19 +35,9 @@ def demo_report(size: str = "demo", cache_dir: str | Path | None = None) -> dict
     return json.loads((target.parent / "report.json").read_text(encoding="utf-8"))
 
 
-def _build_atomic(size: str, final: Path, progress: bool) -> None:
-    # we hold the lock: any temp dir left beside the target is from a killed build
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):
-        log.warning("removing %s (left by an interrupted build)", stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        build_pair(get_recipe(size), tmp, progress=progress, size=size)
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+def _complete(d: Path) -> bool:
+    """A pair directory is complete once its build wrote report.json (the last file it writes)."""
+    return (d / "report.json").is_file()
 
 
 def build_pair(recipe: DemoRecipe, out: Path, progress: bool = True, size: str = "custom") -> dict[str, Any]:

