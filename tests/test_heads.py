@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import load_model
 from engine.core.errors import DraftMismatchError, InvalidConfigError
+from engine.core.model import Transformer
 from engine.core.tokenizer import Tokenizer
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_head import (
@@ -425,3 +427,80 @@ def test_bench_modes_of_trained_heads(tiny_heads, tmp_path, capsys):
     for name in ("specmix-medusa-k2", "specmix-eagle-k2"):
         assert modes[name]["fixed_k"] == 2 and 1 <= modes[name]["mean_accepted_length"] <= 3
     assert all(m["match_vs_plain"]["identical"] == 1.0 for m in modes.values())
+
+
+def _dir_files(d) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_interrupted_head_save_never_leaves_a_config_beside_other_weights(ckpt_dir, tmp_path, monkeypatch):
+    """Saving a head of another shape over a head: a failure while the weights are written leaves the old head
+    whole (and loadable); a failure before the config is written leaves no config, so the directory is refused
+    as no head, never read as the old config over the new weights. A save that completes loads."""
+    import dataclasses
+
+    import engine.core.files as files
+    import engine.spec_decode.heads.checkpoint as ckpt
+    from engine.core.errors import CheckpointError
+
+    d = random_head(ckpt_dir, tmp_path / "head", "medusa")
+    before = _dir_files(d)
+    eng = Engine.from_pretrained(ckpt_dir)
+    _, cfg, _ = load_head(d, eng.target, eng.tokenizer.vocab(), "medusa")
+    new_cfg = dataclasses.replace(cfg, num_heads=2)
+    new_head = init_head(new_cfg, eng.target, seed=1)
+
+    def partial_then_fail(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)  # a torn write
+        raise OSError("injected: disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "save_file", partial_then_fail)
+        with pytest.raises(OSError, match="injected"):
+            save_head(new_head, new_cfg, None, d)
+    assert _dir_files(d) == before  # the old head as it was, no temp file beside it
+    assert load_head(d, eng.target, eng.tokenizer.vocab(), "medusa")[1] == cfg
+
+    def no_config(path, text):
+        raise OSError("injected: killed before the config")
+
+    with monkeypatch.context() as m:
+        m.setattr(files, "write_text_atomic", no_config)
+        with pytest.raises(OSError, match="injected"):
+            save_head(new_head, new_cfg, None, d)
+    assert sorted(p.name for p in d.iterdir()) == ["model.safetensors"]
+    with pytest.raises(CheckpointError, match="head_config.json is missing"):
+        Engine.from_pretrained(ckpt_dir, d, speculation=spec("medusa"))
+    save_head(new_head, new_cfg, None, d)
+    assert load_head(d, eng.target, eng.tokenizer.vocab(), "medusa")[1] == new_cfg
+
+
+def test_interrupted_draft_model_save_leaves_no_config(ckpt_dir, draft_dir, tmp_path, monkeypatch):
+    """A draft model written over another one: killed before its config.json, the directory has no config (it is
+    refused as no checkpoint) and complete weights; the save run again gives a loadable draft."""
+    import engine.core.files as files
+    from engine.core.errors import CheckpointError
+    from engine.train.distill import draft_model_config, save_draft_model
+
+    out = tmp_path / "draft"
+    shutil.copytree(draft_dir, out)
+    cfg = draft_model_config(load_model(ckpt_dir).config, 1, 64)
+    torch.manual_seed(0)
+    draft = Transformer(cfg)
+
+    def no_config(path, text):
+        raise OSError("injected: killed before the config")
+
+    with monkeypatch.context() as m:
+        m.setattr(files, "write_text_atomic", no_config)
+        with pytest.raises(OSError, match="injected"):
+            save_draft_model(draft, ckpt_dir, out)
+    assert not (out / "config.json").exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_model(out)
+    save_draft_model(draft, ckpt_dir, out)
+    loaded = load_model(out)
+    assert loaded.config.num_hidden_layers == 1 and all(
+        torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values())
+    )

@@ -16,8 +16,8 @@ so an interrupted training resumes without generating again.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from engine.core.files import write_file_atomic
 from engine.core.forward import Features, ForwardCall
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,7 @@ class DistillData:
         return DistillData(**moved)
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        torch.save({k: getattr(self, k) for k in self.__dataclass_fields__}, tmp)
-        os.replace(tmp, path)
+        write_file_atomic(path, functools.partial(torch.save, {k: getattr(self, k) for k in self.__dataclass_fields__}))
 
     @classmethod
     def load(cls, path: Path) -> DistillData:

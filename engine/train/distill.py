@@ -15,10 +15,10 @@ the target's tokenizer).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import InvalidConfigError
-from engine.core.files import write_text_atomic
+from engine.core.files import write_checkpoint_files, write_file_atomic, write_text_atomic
 from engine.spec_decode.heads.checkpoint import save_head
 from engine.spec_decode.heads.config import HeadConfig, target_fingerprint
 from engine.spec_decode.heads.modules import init_head
@@ -177,18 +177,8 @@ def train_loop(
         ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % opts.save_every == 0 and step + 1 < steps:
-            tmp = state_path.with_name(state_path.name + f".tmp-{os.getpid()}")
-            torch.save(
-                {
-                    "module": module.state_dict(),
-                    "opt": opt.state_dict(),
-                    "rng": g.get_state(),
-                    "step": step + 1,
-                    "ema": ema,
-                },
-                tmp,
-            )
-            os.replace(tmp, state_path)
+            state = {"module": module.state_dict(), "opt": opt.state_dict(), "rng": g.get_state()}
+            write_file_atomic(state_path, functools.partial(torch.save, {**state, "step": step + 1, "ema": ema}))
     module.eval()
     return ema
 
@@ -208,18 +198,21 @@ def draft_model_config(target_cfg: Any, layers: int, hidden: int) -> Any:
 
 
 def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
-    """A Hugging Face checkpoint: the target's tokenizer files and config.json with the draft's shape (last)."""
+    """A Hugging Face checkpoint: the target's tokenizer files, the weights, and config.json with the draft's
+    shape written last (``write_checkpoint_files``: a directory whose config is there holds complete files)."""
     from safetensors.torch import save_file
 
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (target_dir / name).is_file():
-            shutil.copyfile(target_dir / name, out / name)
     tensors = {
         ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().cpu().contiguous().clone()
         for k, v in draft.state_dict().items()
         if k != "lm_head.weight"
     }
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    files: dict[str, Callable[[Path], Any]] = {
+        name: functools.partial(shutil.copyfile, target_dir / name)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+        if (target_dir / name).is_file()
+    }
+    files["model.safetensors"] = lambda p: save_file(tensors, str(p), metadata={"format": "pt"})
     raw = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
     c = draft.config
     raw.pop("quantization_config", None)
@@ -233,9 +226,7 @@ def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
         tie_word_embeddings=True,
         torch_dtype="float32",
     )
-    tmp = out / f"config.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "config.json")
+    write_checkpoint_files(out, files, "config.json", json.dumps(raw, indent=2) + "\n")
 
 
 @dataclass(frozen=True)

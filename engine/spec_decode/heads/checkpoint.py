@@ -1,13 +1,12 @@
 """A trained draft head's directory: ``save_head`` writes it, ``load_head`` reads it for a target.
 
-``head_config.json`` (engine/spec_decode/heads/config.py) and ``model.safetensors``; ``load_head`` refuses a head
-of another shape or for another target with ``DraftMismatchError`` naming the mismatch.
+``head_config.json`` (engine/spec_decode/heads/config.py; written last) and ``model.safetensors``; ``load_head``
+refuses a head of another shape or for another target with ``DraftMismatchError`` naming the mismatch.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,23 +15,26 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from engine.core.errors import CheckpointError, DraftMismatchError
-from engine.core.files import write_text_atomic
+from engine.core.files import write_checkpoint_files
 from engine.core.model import Transformer
 from engine.spec_decode.heads.config import HEAD_CONFIG, HeadConfig, check_target, read_head_config
 from engine.spec_decode.heads.modules import init_head
 
 
 def save_head(head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, out: str | Path) -> None:
-    """``out``/model.safetensors and ``out``/head_config.json (written last: a directory without it is no head)."""
-    d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
+    """``out``/model.safetensors, then ``out``/head_config.json: a directory whose config is there holds the
+    weights it describes (``write_checkpoint_files``: the weights are written to a temp file, the old config
+    removed, the weights renamed into place, the config written last)."""
     tensors = {k: v.detach().float().cpu().contiguous().clone() for k, v in head.state_dict().items()}
     if vocab_ids is not None:
         tensors["vocab_ids"] = vocab_ids.detach().long().cpu().contiguous()
-    tmp = d / f"model.safetensors.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt", "specmix_head": cfg.kind})
-    os.replace(tmp, d / "model.safetensors")
-    write_text_atomic(d / HEAD_CONFIG, json.dumps(asdict(cfg), indent=2) + "\n")
+    meta = {"format": "pt", "specmix_head": cfg.kind}
+    write_checkpoint_files(
+        Path(out),
+        {"model.safetensors": lambda p: save_file(tensors, str(p), metadata=meta)},
+        HEAD_CONFIG,
+        json.dumps(asdict(cfg), indent=2) + "\n",
+    )
 
 
 def load_head(
