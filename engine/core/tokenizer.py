@@ -14,39 +14,47 @@ log = logging.getLogger(__name__)
 
 
 class TextStream:
-    """Incremental detokenization that never raises: tokenizers' DecodeStream, reset when it fails.
+    """Incremental detokenization that never raises: tokenizers' DecodeStream until it fails, then a window.
 
-    DecodeStream raises on some byte sequences (a prefix its decoder later rewrites). Then the stream
-    is rebuilt over every id seen so far and the new text is what the whole decode adds to the text
-    already handed out; text handed out is never taken back.
+    DecodeStream raises on some byte sequences (a prefix its decoder later rewrites). From then on the stream
+    decodes a window of the last tokens itself: the text of ``ids[prefix:]`` less that of ``ids[prefix:read]``,
+    held back while it ends in a partial character. Text handed out is never taken back.
     """
+
+    _WINDOW = 5  # tokens of context before the read offset (enough for a byte-level character's 4 bytes)
 
     def __init__(self, tok: _HFTokenizer, skip_special_tokens: bool) -> None:
         self._tok, self._skip = tok, skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
-        self._text = ""  # text handed out so far
-        self.resets = 0  # times the stream was rebuilt
+        self._prefix = self._read = 0  # the window's offsets into _ids: text is handed out up to _read
+        self.resets = 0  # times DecodeStream failed
 
     def step(self, ids: int | list[int]) -> str:
         """The text that ``ids`` complete after those seen before ("" when none yet)."""
         new = [ids] if isinstance(ids, int) else list(ids)
         self._ids.extend(new)
-        try:
-            piece = self._stream.step(self._tok, new) or ""
-        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception; reset and re-decode
-            return self._reset(e)
-        self._text += piece
-        return piece
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._tok, new) or ""
+            except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception: decode by window
+                self.resets += 1
+                log.warning("incremental decoding failed (%s); decoding by window from here", e)
+                self._stream = None
+                self._prefix = max(0, self._read - self._WINDOW)
+            else:
+                if piece:  # DecodeStream hands out the text of every id so far at once
+                    self._read = len(self._ids)
+                return piece
+        return self._window()
 
-    def _reset(self, err: Exception) -> str:
-        self.resets += 1
-        log.warning("incremental decoding failed (%s); re-decoding %d tokens", err, len(self._ids))
-        self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=self._skip)
-        full = self._tok.decode(self._ids, skip_special_tokens=self._skip).rstrip("\ufffd")
-        piece = full[len(self._text) :] if full.startswith(self._text) else ""
-        self._text += piece
-        return piece
+    def _window(self) -> str:
+        before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = max(self._prefix, len(self._ids) - self._WINDOW), len(self._ids)
+        return text[len(before) :]
 
 
 class Tokenizer:

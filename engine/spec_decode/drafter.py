@@ -95,7 +95,11 @@ class Drafter(Protocol):
 
     def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts for every row (a chain of at most ``batch.k``; fewer where it has fewer), with the distributions
-        they were drawn from after the target's processing (``Proposal.probs``; None: deterministic, one-hot)."""
+        they were drawn from after the target's processing (``Proposal.probs``; None: deterministic, one-hot).
+
+        It keeps nothing per sequence that ``commit`` does not confirm: a round that fails after proposing is
+        re-run (the scheduler's fault isolation), and a later round's ``commit`` may say the drafter did not run.
+        Caches may be written at positions no committed entry covers yet."""
         ...
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:

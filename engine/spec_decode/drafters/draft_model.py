@@ -95,11 +95,9 @@ class ModelDrafter:
             head = ForwardCall(toks, pos, cache, kv_len, batch.rows, None, self.n_layers)
             drafts = self.model.greedy_draft(head, last, batch.k, V)
             if drafts is not None:
-                self._fed_all(seqs)
                 return Proposal.chain(drafts)
         logits = self.model.run(call).logits
         drafts, probs = self._steps(batch, logits, cache, kv_len, n_tok, aligned)
-        self._fed_all(seqs)
         return Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
 
     def _steps(
@@ -136,10 +134,6 @@ class ModelDrafter:
                 )
                 logits = self.model.run(step).logits
         return drafts, probs
-
-    def _fed_all(self, seqs: list[Seq]) -> None:
-        for s in seqs:
-            self._fed(s).dlen = len(s.tokens)
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
         if not outcome.drafted:  # it did not run for this row: its cache catches up when it next drafts

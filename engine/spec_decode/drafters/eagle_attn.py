@@ -38,6 +38,11 @@ class _Entries:
     pending: list[Tensor] = field(default_factory=list)  # [m, H] chunks of positions hlen.. (not yet read)
 
 
+def _pending(st: _Entries) -> int:
+    """Entries waiting to be written into the head's cache."""
+    return sum(len(p) for p in st.pending)
+
+
 class EagleAttnDrafter(HeadDrafter):
     """Decoder layers over the sequence's features, drafting through a KV cache of its own."""
 
@@ -70,8 +75,11 @@ class EagleAttnDrafter(HeadDrafter):
             self.cache = self.head.new_cache(max_batch, max_seq_len, self.head_weight.device)
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
+        st = self._entries(seq)
+        if outcome.drafted:  # its proposal caught the head's cache up on the pending entries
+            st.hlen, st.pending = st.hlen + _pending(st), []
         if outcome.features is not None:  # the committed positions' features, from hlen + the pending on
-            self._entries(seq).pending.append(outcome.features)
+            st.pending.append(outcome.features)
 
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         # the features of the prompt but its last position (which each gets from the shared first scores)
@@ -101,14 +109,13 @@ class EagleAttnDrafter(HeadDrafter):
                 nxt[b, :m] = torch.tensor(s.tokens[st.hlen + 1 : st.hlen + m + 1])
                 pos[b, :m] = torch.arange(st.hlen, st.hlen + m)
                 last[b] = m - 1
-                st.hlen, st.pending = st.hlen + m, []
         return f, nxt.to(batch.device), pos.to(batch.device), last, [n is not None for n in new]
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
         assert self.cache is not None, "ensure_cache first"
         f, nxt, pos, last, have = self._catch_up(batch)
-        hlens = [self._entries(s).hlen for s in batch.seqs]
+        hlens = [self._entries(s).hlen + _pending(self._entries(s)) for s in batch.seqs]  # after the catch-up
         # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
         kv_len = min(max([h + batch.k for h, on in zip(hlens, have) if on], default=1), self.cache.max_seq_len)
         last_t = torch.tensor(last, device=batch.device)

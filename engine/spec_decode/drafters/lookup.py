@@ -119,7 +119,9 @@ class LookupFirst:
     def commit(self, seq: Seq, outcome: Committed) -> None:
         rec = self._records.get(seq)
         row = None if rec is None else rec.round
-        if rec is None or row is None:  # no round of ours (the round drafted nothing): the inner keeps its state
+        if rec is None or row is None or not outcome.drafted:  # no round of ours: the inner keeps its state
+            if rec is not None:
+                rec.round = None  # a round that failed after proposing is not this one
             self.inner.commit(seq, replace(outcome, drafted=False))
             return
         rec.round = None
