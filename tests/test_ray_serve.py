@@ -1,17 +1,25 @@
 """specmix replicas on Ray Serve (engine/cli/ray_serve.py): a local Ray instance (2 CPUs), Serve's HTTP proxy
 on 127.0.0.1, the official openai client. One profile of the test pair, built once; the cases share a
-deployment and run in file order (spread, fault, drain, autoscale), then the weight-mismatch case.
+deployment and run in file order (spread, fault, drain idle and beside CPU burners, autoscale), then the
+weight-mismatch case, then the options' checks. The proxy's request timeout and the replicas' drain timeout
+are the ones the deployment's options derive (engine/cli/ray_drain.py), as in a real deployment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,7 +32,7 @@ pytest.importorskip("fastapi")
 
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.api.options import Limits  # noqa: E402
-from engine.cli.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
+from engine.cli.ray_serve import REPLICA_HEADER, RayServeOptions, build_app, timeouts  # noqa: E402
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,8 +42,28 @@ PROMPTS = [f"{i} The quick brown fox" for i in range(N)]
 # what the openai client retries: Serve's proxy answers 500 for a request on a replica that died, and 408 after
 # request_timeout_s for one its router held when the replica died (without the timeout that one would hang)
 RETRYABLE = (408, 500, 502, 503, 504)
-REQUEST_TIMEOUT = 45
-TIMEOUT = 240
+# the test pair's rounds take milliseconds (tens of them beside the CPU burners): 0.1 s is a bound with room
+ROUND_S, MAX_SEQ_LEN, MAX_QUEUED = 0.1, 256, 64  # 64: the drain case queues 48 requests at the proxy
+
+
+def _args(profile: Path, **kw) -> dict:
+    base = {
+        "profile": str(profile),
+        "served_model_name": "m",
+        "max_batch": 4,
+        "max_queued": MAX_QUEUED,
+        "max_seq_len": MAX_SEQ_LEN,
+        "round_s": ROUND_S,
+        "num_cpus": 0.5,
+        "metrics_period_s": 0.5,
+        "health_check_period_s": 1,
+    }
+    return {**base, **kw}
+
+
+LIMITS = timeouts(RayServeOptions.from_args(_args(Path("pair.json"))))
+REQUEST_TIMEOUT = LIMITS.proxy_s  # the proxy's request_timeout_s: (16 + 2) * 256 * 0.1 s
+TIMEOUT = REQUEST_TIMEOUT + 30  # a client waits for the proxy's answer
 
 
 def _wait(cond, what: str, limit: float = 180.0, period: float = 0.5):
@@ -130,19 +158,6 @@ def cluster():
         os.environ.pop("RAY_AUTH_MODE", None)
     else:
         os.environ["RAY_AUTH_MODE"] = old
-
-
-def _args(profile: Path, **kw) -> dict:
-    base = {
-        "profile": str(profile),
-        "served_model_name": "m",
-        "max_batch": 4,
-        "num_cpus": 0.5,
-        "metrics_period_s": 0.5,
-        "health_check_period_s": 1,
-        "graceful_shutdown_timeout_s": 60,
-    }
-    return {**base, **kw}
 
 
 def _replicas(app: str) -> dict[str, int]:
@@ -249,15 +264,33 @@ def _live(app: str) -> set[str]:
     return {a["name"][len(pre) :] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(pre)}
 
 
-def test_scale_down_drains_running_requests(cluster, two, solo, profile):
+@contextmanager
+def cpu_burners(n: int, limit_s: float) -> Iterator[list[subprocess.Popen]]:
+    """``n`` processes that spin on the CPU for at most ``limit_s`` seconds each (ended on exit)."""
+    code = f"import time\nend = time.monotonic() + {limit_s}\nwhile time.monotonic() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("burners", [0, 2], ids=["idle", "beside-2-cpu-burners"])
+def test_scale_down_drains_running_requests(cluster, two, solo, profile, burners):
     """2 -> 1 replicas while both decode: the stopped replica finishes what it runs (graceful shutdown).
     64 requests on 2 replicas of max_batch 4 run in eight waves (the running metric lags the replicas by a
-    scrape, in which fast replicas finish waves); the scale-down comes before half are done."""
+    scrape, in which fast replicas finish waves); the scale-down comes before half are done. Beside two
+    processes spinning on the 2 CPUs every round is slower, and no request is lost either: the timeouts
+    follow the longest request (max_seq_len rounds of round_s), not the machine's speed."""
     long = 200  # the tiny pair's context is 256
     prompts = PROMPTS * 2
     for p in prompts:
         solo(p, long)
-    with ThreadPoolExecutor(len(prompts)) as ex:
+    serve.run(build_app(_args(profile, min_replicas=2, max_replicas=2)), name=APP, route_prefix="/")
+    _wait(lambda: _replicas(APP) == {"RUNNING": 2}, "two replicas")
+    with cpu_burners(burners, TIMEOUT) as load, ThreadPoolExecutor(len(prompts)) as ex:
         futs = [ex.submit(_try, two, p, long) for p in prompts]
         live = _live(APP)
         _wait(
@@ -272,6 +305,7 @@ def test_scale_down_drains_running_requests(cluster, two, solo, profile):
         assert sum(f.done() for f in futs) < len(futs) // 2, "half the requests ended before the scale-down"
         serve.run(build_app(_args(profile, min_replicas=1, max_replicas=1)), name=APP, route_prefix="/")
         results = [f.result() for f in futs]
+        assert all(p.poll() is None for p in load), "a CPU burner ended before the requests did"
     errors = [r for r in results if isinstance(r, openai.APIError)]
     assert not errors, errors
     # both replicas that were decoding answered: the stopped one drained what it ran (the queued rest may go to
@@ -377,3 +411,55 @@ def test_options_and_the_deploy_config():
     ):
         with pytest.raises(InvalidConfigError, match=field):
             RayServeOptions.from_args(args)
+
+
+def test_timeouts_follow_the_longest_request():
+    """Serve's drain and the proxy's request timeout are derived from max_seq_len rounds of round_s and what may
+    wait ahead (engine/cli/ray_drain.py), never fixed; deploy/ray-serve.yaml's proxy timeout covers its args."""
+    import yaml
+
+    from engine.cli.ray_drain import Timeouts
+    from engine.cli.ray_serve import deployment_options
+    from engine.core.errors import InvalidConfigError
+
+    t = Timeouts.of(max_seq_len=100, round_s=0.5, max_batch=4, max_queued=10, proxies=2)
+    assert (t.request_s, t.drain_s, t.proxy_s) == (50, 100, (5 + 2) * 50)  # ceil(2 * 10 / 4) waves ahead
+    base = RayServeOptions(profile="p.json", max_batch=4, max_queued=10, max_seq_len=100, round_s=0.5)
+    slower = timeouts(dataclasses.replace(base, round_s=1.0))
+    assert (slower.drain_s, slower.proxy_s) == (2 * timeouts(base).drain_s, 2 * timeouts(base).proxy_s)
+    opts = deployment_options(base, "cpu")
+    assert opts["graceful_shutdown_timeout_s"] == timeouts(base).drain_s and opts["max_queued_requests"] == 10
+    assert opts["max_ongoing_requests"] == 8  # what drain_s counts: a running batch and as many waiting
+    unset = dataclasses.replace(base, max_seq_len=None)
+    assert timeouts(unset, context=512).request_s == 512 * 0.5  # the target's context
+    for make, field in (
+        (lambda: timeouts(unset), "max_seq_len"),
+        (lambda: timeouts(base, context=64), "max_seq_len=100"),
+        (lambda: RayServeOptions(profile="p", round_s=200.0), "round_s=200.0 is invalid with stall_s=120.0"),
+        (lambda: RayServeOptions.from_args({"profile": "p", "graceful_shutdown_timeout_s": 60}), "unknown"),
+        (lambda: RayServeOptions.from_args({"profile": "p", "max_queued": "0"}), "max_queued"),
+    ):
+        with pytest.raises(InvalidConfigError, match=field):
+            make()
+    cfg = yaml.safe_load((ROOT / "deploy" / "ray-serve.yaml").read_text(encoding="utf-8"))
+    yaml_opts = RayServeOptions.from_args(cfg["applications"][0]["args"])
+    assert cfg["http_options"]["request_timeout_s"] >= timeouts(yaml_opts).proxy_s
+
+
+def test_replica_warns_when_its_rounds_are_slower_than_round_s(caplog):
+    """The replica's check of round_s: its mean busy seconds per round over each metrics period."""
+    from engine.cli.ray_drain import SlowRounds
+
+    watch = SlowRounds(0.1, "r1", every_s=3600)
+    logger = logging.getLogger("ray.serve.specmix")  # Ray's "ray.serve" logger does not propagate to the root
+    logger.addHandler(caplog.handler)
+    try:
+        assert watch.check({}) is None  # no round yet
+        assert watch.check({"specmix_busy_seconds": 1.0, "specmix_rounds": 20}) == pytest.approx(0.05)
+        assert not caplog.records
+        assert watch.check({"specmix_busy_seconds": 4.0, "specmix_rounds": 30}) == pytest.approx(0.3)
+        assert watch.check({"specmix_busy_seconds": 7.0, "specmix_rounds": 40}) == pytest.approx(0.3)
+    finally:
+        logger.removeHandler(caplog.handler)
+    (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]  # once per every_s
+    assert "replica r1" in rec.message and "above round_s=0.1" in rec.message and "raise round_s" in rec.message

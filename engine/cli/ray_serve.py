@@ -9,10 +9,13 @@ FastAPI app as ``specmix-serve`` (engine/server/openai_app.py) through ``@serve.
 response carries the replica's id in the ``x-specmix-replica`` header. A CUDA profile takes one GPU
 per replica, a CPU profile ``num_cpus`` cores. Autoscaling follows ongoing requests per replica with
 the target ``max_batch`` (a full batch; ``max_ongoing_requests`` is two batches, the rest wait at
-Serve's router, where a new replica can take them). Health checks ask the engine (``check_health``:
-a stalled or repeatedly failing decode round restarts the replica); on scale-down Serve stops routing
-to the replica and waits up to ``graceful_shutdown_timeout_s`` for its running requests to finish.
-Replicas report the engine's metrics (acceptance, tokens, load) as Serve metrics (engine/server/ray_metrics.py).
+Serve's router, where a new replica can take them, up to ``max_queued`` per proxy). Health checks ask the
+engine (``check_health``: a stalled or repeatedly failing decode round restarts the replica); on scale-down
+or a restart Serve stops routing to the replica and waits for what it holds to finish. The timeouts, Serve's
+``graceful_shutdown_timeout_s`` and the proxy's ``request_timeout_s``, are derived from the longest request
+a replica may hold (``Timeouts``: ``max_seq_len`` rounds of at most ``round_s`` seconds, times what waits
+ahead), never fixed. Replicas report the engine's metrics (acceptance, tokens, load) as Serve metrics
+(engine/server/ray_metrics.py) and warn when their measured rounds are slower than ``round_s``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from engine.cli.ray_drain import SlowRounds, Timeouts, sequence_bound
 from engine.core.errors import EngineError, InvalidConfigError
 
 log = logging.getLogger("ray.serve.specmix")  # under ray.serve: Serve writes it to the replica's log
@@ -46,6 +50,19 @@ class RayServeOptions:
     """Sequences each replica decodes at once; also the autoscaling target (ongoing requests per replica)."""
     max_waiting: int = 256
     """Requests waiting in a replica's engine beyond its batch (Serve's router queues the rest)."""
+    max_queued: int = 256
+    """Requests each Serve proxy queues for the deployment beyond what its replicas hold (Serve's
+    ``max_queued_requests``); past it the proxy answers 503 at once (clients retry)."""
+    max_seq_len: int | None = None
+    """The longest sequence (prompt + completion) a replica accepts; a longer request is a 400 (default: the
+    target's context, from the profile). With ``round_s`` it bounds the longest request (``Timeouts``)."""
+    round_s: float = 0.5
+    """The slowest a decoding round of a full batch may be, in seconds (the target pass with its drafts and
+    the prefill of requests that join it): the drain and request timeouts are derived from it (``Timeouts``).
+    A replica whose measured rounds are slower logs a warning (raise it)."""
+    proxies: int = 1
+    """Serve proxies that route to the deployment (one per node with ``proxy_location: EveryNode``): the
+    request timeout counts what every proxy may queue ahead of a request."""
     min_replicas: int = 1
     max_replicas: int = 1
     initial_replicas: int | None = None
@@ -57,12 +74,10 @@ class RayServeOptions:
     """CPUs per replica (default 1; on a CPU profile torch uses that many threads)."""
     num_gpus: float | None = None
     """GPUs per replica (default: 1 for a CUDA profile, 0 for a CPU one)."""
-    graceful_shutdown_timeout_s: float = 300.0
-    """How long a replica being stopped may take to finish its running requests."""
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
     stall_s: float = 120.0
-    """A decode round running longer than this makes the replica unhealthy (Serve restarts it)."""
+    """A decode round running longer than this makes the replica unhealthy (Serve restarts it); >= round_s."""
     metrics_period_s: float = 5.0
     """How often a replica updates its Serve metrics."""
     full_check: bool = False
@@ -73,7 +88,7 @@ class RayServeOptions:
             raise InvalidConfigError(f"profile={self.profile!r} is invalid: allowed the path of a profile file")
         if self.device not in (None, "cpu", "cuda"):
             raise InvalidConfigError(f"device={self.device!r} is invalid: allowed cpu, cuda or None")
-        for name in ("max_batch", "max_waiting", "max_replicas"):
+        for name in ("max_batch", "max_waiting", "max_queued", "max_replicas", "proxies"):
             if getattr(self, name) < 1:
                 raise InvalidConfigError(f"{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -93,6 +108,13 @@ class RayServeOptions:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed a number >= 0 or None")
+        if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len >= 2):
+            raise InvalidConfigError(f"max_seq_len={self.max_seq_len!r} is invalid: allowed an int >= 2 or None")
+        if self.round_s > self.stall_s:
+            raise InvalidConfigError(
+                f"round_s={self.round_s} is invalid with stall_s={self.stall_s}: a round that round_s allows "
+                "would fail the health check; allowed round_s <= stall_s"
+            )
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> RayServeOptions:
@@ -129,6 +151,8 @@ REPLICA_FIELDS = (
     "device",
     "max_batch",
     "max_waiting",
+    "max_seq_len",
+    "round_s",
     "num_cpus",
     "stall_s",
     "metrics_period_s",
@@ -173,7 +197,7 @@ class SpecmixReplica:
 
         self.opts = opts = RayServeOptions(**args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        limits = Limits(max_batch=opts.max_batch, max_waiting=opts.max_waiting)
+        limits = Limits(max_batch=opts.max_batch, max_waiting=opts.max_waiting, max_seq_len=opts.max_seq_len)
         try:
             self.engine = Engine.from_profile(
                 opts.profile, device=opts.device, limits=limits, full_check=opts.full_check
@@ -206,8 +230,9 @@ class SpecmixReplica:
         return app
 
     async def _report(self) -> None:
+        rounds = SlowRounds(self.opts.round_s, self.replica_id)
         while True:
-            self.metrics.update(self.engine.metric_samples())
+            rounds.check(self.metrics.update(self.engine.metric_samples()))
             await asyncio.sleep(self.opts.metrics_period_s)
 
     def check_health(self) -> None:
@@ -240,8 +265,20 @@ def _stem(path: str) -> str:
     return name[:-5] if name.endswith(".json") else name
 
 
-def deployment_options(opts: RayServeOptions, profile_device: str) -> dict[str, Any]:
-    """Serve's options for the deployment: resources, autoscaling (target max_batch), health, drain."""
+def timeouts(opts: RayServeOptions, context: int | None = None) -> Timeouts:
+    """The deployment's timeouts (engine/cli/ray_drain.py); ``context``: the target's, bounding ``max_seq_len``."""
+    return Timeouts.of(
+        max_seq_len=sequence_bound(opts.max_seq_len, context),
+        round_s=opts.round_s,
+        max_batch=opts.max_batch,
+        max_queued=opts.max_queued,
+        proxies=opts.proxies,
+    )
+
+
+def deployment_options(opts: RayServeOptions, profile_device: str, context: int | None = None) -> dict[str, Any]:
+    """Serve's options for the deployment: resources, autoscaling (target max_batch), health, queue and drain
+    (``graceful_shutdown_timeout_s`` from ``Timeouts``; ``context``: the target's, when ``max_seq_len`` is None)."""
     cuda = (opts.device or profile_device) == "cuda"
     gpus = opts.num_gpus if opts.num_gpus is not None else (1 if cuda else 0)
     actor: dict[str, Any] = {"num_cpus": opts.num_cpus if opts.num_cpus is not None else 1, "num_gpus": gpus}
@@ -256,25 +293,39 @@ def deployment_options(opts: RayServeOptions, profile_device: str) -> dict[str, 
     }  # Serve wants look-back > interval
     if opts.initial_replicas is not None:
         auto["initial_replicas"] = opts.initial_replicas
+    drain_s = timeouts(opts, context).drain_s
     return {
         "ray_actor_options": actor,
         "autoscaling_config": auto,
         "max_ongoing_requests": 2 * opts.max_batch,
+        "max_queued_requests": opts.max_queued,
         "health_check_period_s": opts.health_check_period_s,
         "health_check_timeout_s": opts.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": opts.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": min(2.0, opts.graceful_shutdown_timeout_s),
+        "graceful_shutdown_timeout_s": drain_s,
+        "graceful_shutdown_wait_loop_s": min(2.0, drain_s),
     }
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve application (``import_path: engine.cli.ray_serve:build_app``).
 
-    The profile is read here without its weights (the driver need not hold them) for its device; each
-    replica reads it again and checks the weights' hashes where they run.
+    The profile is read here without its weights (the driver need not hold them) for its device and the
+    target's context; each replica reads it again and checks the weights' hashes where they run. The derived
+    timeouts are logged: the proxy's ``request_timeout_s`` (``http_options``) should be at least ``proxy_s``.
     """
     from engine.api.profile import load_profile
 
     opts = args if isinstance(args, RayServeOptions) else RayServeOptions.from_args(dict(args))
     prof = load_profile(opts.profile, check_weights=False)
-    return SpecmixReplica.options(**deployment_options(opts, prof.device)).bind(replica_args(opts))
+    context = int(prof.models.target.config["max_position_embeddings"])
+    t = timeouts(opts, context)
+    log.info(
+        "specmix on Serve: requests up to %d tokens at most %g s per round: a request runs <= %.0f s, a replica "
+        "drains in <= %.0f s (graceful_shutdown_timeout_s); set http_options.request_timeout_s >= %.0f",
+        sequence_bound(opts.max_seq_len, context),
+        opts.round_s,
+        t.request_s,
+        t.drain_s,
+        t.proxy_s,
+    )
+    return SpecmixReplica.options(**deployment_options(opts, prof.device, context)).bind(replica_args(opts))
