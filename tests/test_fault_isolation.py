@@ -104,6 +104,32 @@ def test_a_row_that_raises_ends_alone_and_the_others_equal_their_solo_runs(eng, 
     assert eng.generate([poison], jobs[1][1])[0].token_ids == solo[1]
 
 
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "lookup+model", "medusa", "eagle", "eagle-attn"])
+def test_every_drafter_reruns_a_failed_round_exactly(ckpt_dir, draft_dir, tmp_path, kind):
+    """The drafters keep nothing from a proposal whose round failed: the re-run rows equal their solo runs."""
+    from test_heads import random_head
+
+    if kind in ("medusa", "eagle", "eagle-attn"):
+        head = random_head(ckpt_dir, tmp_path / "h", kind.split("-")[0], attention=kind == "eagle-attn")
+        eng = Engine.from_pretrained(ckpt_dir, head, speculation=SpeculationConfig(drafter=kind.split("-")[0], k=3))
+    elif kind == "lookup+model":
+        eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, prompt_lookup_min=1))
+    else:
+        eng = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter=kind, k=3))
+    jobs = _jobs()
+    want = [eng.generate([p], sp)[0].token_ids for p, sp in jobs]
+    poison = jobs[3][0]
+    eng.loop.inject_fault = lambda s, where: where == "verify" and s.prompt == poison and len(s.generated) >= 5
+    try:
+        reqs = eng.submit_many([p for p, _ in jobs], [sp for _, sp in jobs])
+        with pytest.raises(RequestFailedError):
+            reqs[3].result(timeout=TIMEOUT)
+        got = [r.result(timeout=TIMEOUT).token_ids for r in reqs[:3]]
+    finally:
+        eng.loop.inject_fault = None
+    assert got == want[:3]
+
+
 def test_rounds_where_nothing_runs_make_the_engine_unhealthy(eng):
     """A fault of the engine itself fails every row, even alone: health says so after 3 such rounds."""
     eng.loop.inject_fault = lambda s, where: where == "verify"
