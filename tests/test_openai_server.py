@@ -9,7 +9,9 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +21,10 @@ httpx = pytest.importorskip("httpx")
 
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.api.options import Limits, SpeculationConfig  # noqa: E402
+from engine.server.access import AccessOptions  # noqa: E402
+from engine.server.limits import RequestLimits  # noqa: E402
 from engine.server.openai_app import OpenAIServer, create_app  # noqa: E402
+from engine.server.served_engine import ServedEngine  # noqa: E402
 
 TIMEOUT = 120
 TEMPLATE = (
@@ -32,12 +37,19 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 class Live:
     """A uvicorn server in a thread on a free port of 127.0.0.1."""
 
-    def __init__(self, engine: Engine, name: str = "m", defaults: dict | None = None) -> None:
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(OpenAIServer(engine, name, defaults)), host="127.0.0.1", port=0, log_level="warning"
-            )
-        )
+    def __init__(
+        self,
+        engine: ServedEngine,
+        name: str = "m",
+        defaults: dict | None = None,
+        limits: RequestLimits | None = None,
+        access: AccessOptions | None = None,
+        api_key: str = "none",
+        wrap: Callable[[Any], Any] | None = None,
+    ) -> None:
+        app = create_app(OpenAIServer(engine, name, defaults, limits=limits), access)
+        app = app if wrap is None else wrap(app)  # an ASGI middleware of the test's
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         end = time.monotonic() + 30
@@ -46,7 +58,7 @@ class Live:
             time.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=TIMEOUT)
 
     def close(self) -> None:
         self.server.should_exit = True

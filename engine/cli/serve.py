@@ -2,6 +2,7 @@
 
     specmix-serve --profile FILE [--host H] [--port N]
     specmix-serve --target DIR|owner/name [--draft DIR|owner/name] [--k 5] [--k-policy cost-model]
+    specmix-serve ... --api-key KEY (or SPECMIX_API_KEY) [--allowed-origins URL ...] [--max-body-bytes N ...]
 
 Needs the ``serve`` extra (``pip install -e '.[serve]'``: FastAPI, uvicorn, prometheus_client).
 """
@@ -11,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.server.access import AccessOptions
+from engine.server.limits import RequestLimits
 from engine.spec_decode.registry import DRAFTERS, Loads
 
 log = logging.getLogger("specmix.serve")
@@ -95,7 +99,49 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-waiting", type=int, default=256)
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--log-level", default="info")
+    _add_http_args(ap)
     return ap
+
+
+def _add_http_args(ap: argparse.ArgumentParser) -> None:
+    """Access control and the limits of one request (engine/server/access.py, engine/server/limits.py)."""
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send Authorization: Bearer KEY (default: $SPECMIX_API_KEY; unset: no key needed)",
+    )
+    ap.add_argument(
+        "--protect-health-metrics", action="store_true", help="with --api-key, /health and /metrics need the key too"
+    )
+    ap.add_argument(
+        "--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="CORS origins ('*' for any; default: off)"
+    )
+    d = RequestLimits()
+    ap.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="request body size (413 beyond)")
+    ap.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts in one completions request")
+    ap.add_argument("--max-n", type=int, default=d.max_n, help="choices per prompt (n)")
+    ap.add_argument("--max-stop", type=int, default=d.max_stop, help="stop strings per request")
+    ap.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters of one stop string")
+    ap.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="ids in stop_token_ids")
+
+
+def http_options(args: argparse.Namespace) -> tuple[AccessOptions, RequestLimits]:
+    """The app's access options (the key from --api-key, else $SPECMIX_API_KEY) and request limits."""
+    key = args.api_key if args.api_key is not None else os.environ.get("SPECMIX_API_KEY")
+    access = AccessOptions(
+        api_key=key or None,
+        protect_health_metrics=args.protect_health_metrics,
+        allowed_origins=tuple(args.allowed_origins),
+    )
+    limits = RequestLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts,
+        max_n=args.max_n,
+        max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+    )
+    return access, limits
 
 
 SPEC_ARGS = ("draft", "drafter", "no_spec", "k", "k_policy", "prompt_lookup")  # with --target only
@@ -160,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.core.errors import EngineError
 
     try:
+        access, limits = http_options(args)
         eng, name, target_dir = load(args)
         defaults = generation_defaults(target_dir) if args.generation_config == "auto" and target_dir else {}
     except EngineError as e:
@@ -182,7 +229,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("chat template: %s; generation defaults: %s", "yes" if eng.chat_template else "none", defaults or "none")
     if eng.policy is not None and eng.policy.name == "cost-model":
         log.info("K controller costs: c=%.3f", eng.costs.c)  # measured now, not in the first request
-    app = create_app(OpenAIServer(eng, name, defaults))
+    log.info(
+        "API key: %s; CORS origins: %s; limits: %s",
+        ("required" + (" everywhere" if access.protect_health_metrics else " (not on /health, /metrics)"))
+        if access.api_key
+        else "none",
+        ", ".join(access.allowed_origins) or "off",
+        limits,
+    )
+    app = create_app(OpenAIServer(eng, name, defaults, limits=limits), access)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     return 0
 

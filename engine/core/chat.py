@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,10 @@ from engine.core.errors import CheckpointError, InvalidRequestError
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# the errors a template's expressions raise on values of the wrong type (None + str, a dict where it wants a list)
+RENDER_ERRORS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError)
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 3, 60, 60, 6, 4
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -68,6 +73,11 @@ def _pick_template(value: object, where: str) -> str:
     )
 
 
+def _show(v: object) -> str:
+    """A short repr of a caller's value for an error message (bounded in size and nesting)."""
+    return _SHOW.repr(v)
+
+
 def _flatten_content(content: object, i: int) -> str | None:
     """OpenAI message content: a string, None, or a list of text parts (joined)."""
     if content is None or isinstance(content, str):
@@ -77,29 +87,31 @@ def _flatten_content(content: object, i: int) -> str | None:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequestError(
-                    f"messages[{i}].content[{j}]={part!r:.80} is invalid: allowed a text part "
+                    f"messages[{i}].content[{j}]={_show(part)} is invalid: allowed a text part "
                     '{"type": "text", "text": str} (this server serves text models)'
                 )
             parts.append(part["text"])
         return "".join(parts)
     raise InvalidRequestError(
-        f"messages[{i}].content={content!r:.80} is invalid: allowed a string or a list of text parts"
+        f"messages[{i}].content={_show(content)} is invalid: allowed a string or a list of text parts"
     )
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
     """Validate OpenAI-style messages; returns copies with text content as plain strings."""
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError(
-            f"messages={messages!r:.80} is invalid: allowed a non-empty list of {{role, content}} objects"
+            f"messages={_show(messages)} is invalid: allowed a non-empty list of {{role, content}} objects"
         )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise InvalidRequestError(f"messages[{i}]={m!r:.80} is invalid: allowed an object with role and content")
+            raise InvalidRequestError(f"messages[{i}]={_show(m)} is invalid: allowed an object with role and content")
         role = m.get("role")
-        if role not in ROLES:
-            raise InvalidRequestError(f"messages[{i}].role={role!r} is invalid: allowed {', '.join(ROLES)}")
+        if not isinstance(role, str) or role not in ROLES:
+            raise InvalidRequestError(f"messages[{i}].role={_show(role)} is invalid: allowed {', '.join(ROLES)}")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise InvalidRequestError(f"messages[{i}].name={_show(m['name'])} is invalid: allowed a string")
         msg = dict(m)
         msg["content"] = _flatten_content(m.get("content"), i)
         out.append(msg)
@@ -145,13 +157,18 @@ class ChatTemplate:
         """The prompt text of ``messages`` (validated), ending with the assistant's turn header."""
         from jinja2 import TemplateError
 
-        msgs = check_messages(list(messages))
+        msgs = check_messages(messages)
         try:
             return self._template.render(
                 messages=msgs, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra
             )
         except TemplateError as e:  # raise_exception() in the template: the messages break its rules
             raise InvalidRequestError(f"messages are invalid for this model's chat template: {e}") from None
+        except RENDER_ERRORS as e:  # the template's expressions fail on these values (e.g. content null)
+            raise InvalidRequestError(
+                f"messages do not render with this model's chat template ({type(e).__name__}: {_show(str(e))}): "
+                "allowed messages whose fields have the types the template expects (content a string)"
+            ) from None
 
 
 def _tojson(

@@ -8,13 +8,16 @@ Every refusal is an ``ApiError`` carrying the HTTP status and the offending fiel
 
 from __future__ import annotations
 
+import reprlib
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.errors import EngineError
+from engine.core.chat import check_messages
+from engine.core.errors import EngineError, InvalidRequestError
+from engine.server.limits import RequestLimits
 
 # sampling fields shared by both endpoints (value checks happen in SamplingParams, which names the field)
 SAMPLING = (
@@ -44,8 +47,17 @@ CHAT_FIELDS = COMMON + (
     "service_tier",
 )
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
-MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range (SamplingParams.seed)
+NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 3, 60, 60, 6, 4
+
+
+def show(v: object) -> str:
+    """A short repr of a client's value for an error message (bounded in size and depth)."""
+    return _SHOW.repr(v)
 
 
 class ApiError(Exception):
@@ -104,102 +116,178 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _prompts(v: object) -> list[str | list[int]]:
-    allowed = "a string, a list of strings, a list of token ids or a list of token-id lists"
+def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    """An optional int field in lo..hi (None when absent or null)."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        allowed = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
+        raise bad(name, f"{name}={show(v)} is invalid: allowed {allowed}")
+    return v
+
+
+def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...], allowed: str) -> Any:
+    """An optional field of a JSON type (bool is not a number here); None when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return None
+    is_bool = isinstance(v, bool)
+    if not isinstance(v, kind) or (is_bool and bool not in (kind if isinstance(kind, tuple) else (kind,))):
+        raise bad(name, f"{name}={show(v)} is invalid: allowed {allowed}")
+    return v
+
+
+def _prompts(v: object, limits: RequestLimits) -> list[str | list[int]]:
+    allowed = (
+        f"a string, a list of up to {limits.max_prompts} strings, a list of token ids "
+        f"or a list of up to {limits.max_prompts} token-id lists"
+    )
     if isinstance(v, str):
         return [v]
     if isinstance(v, list) and v:
-        if all(isinstance(x, str) for x in v):
-            return list(v)
         if all(_is_int(x) for x in v):
             return [list(v)]
+        if len(v) > limits.max_prompts:
+            raise bad("prompt", f"prompt holds {len(v)} prompts: allowed at most {limits.max_prompts}")
+        if all(isinstance(x, str) for x in v):
+            return list(v)
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in v):
             return [list(x) for x in v]
-    raise bad("prompt", f"prompt={v!r:.80} is invalid: allowed {allowed}")
+    raise bad("prompt", f"prompt={show(v)} is invalid: allowed {allowed}")
 
 
-def _stop(v: object) -> list[str]:
+def _stop(v: object, limits: RequestLimits) -> list[str]:
+    allowed = f"a string or a list of up to {limits.max_stop} strings of 1..{limits.max_stop_chars} characters"
+    stops = [v] if isinstance(v, str) else v
     if v is None:
         return []
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and len(v) <= 4 and all(isinstance(s, str) for s in v):
-        return list(v)
-    raise bad("stop", f"stop={v!r:.80} is invalid: allowed a string or a list of up to 4 strings")
+    if not isinstance(stops, list) or len(stops) > limits.max_stop or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", f"stop={show(v)} is invalid: allowed {allowed}")
+    for s in stops:
+        if not 1 <= len(s) <= limits.max_stop_chars:
+            raise bad("stop", f"stop holds a string of {len(s)} characters: allowed {allowed}")
+    return list(stops)
 
 
-def parse(body: object, chat: bool, defaults: dict[str, Any] | None = None) -> ParsedRequest:
-    """Check a request body's fields and types; the values are checked by SamplingParams later."""
-    if not isinstance(body, dict):
-        raise bad(None, "the request body is invalid: allowed a JSON object")
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        raise bad(unknown[0], f"unknown or unsupported field(s) {', '.join(unknown)}: allowed {', '.join(allowed)}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"model={model!r:.80} is invalid: allowed a string")
+def _stop_token_ids(v: object, limits: RequestLimits) -> list[int] | None:
+    if v is None:
+        return None
+    most = limits.max_stop_token_ids
+    if not isinstance(v, list) or len(v) > most or not all(_is_int(t) and t >= 0 for t in v):
+        raise bad("stop_token_ids", f"stop_token_ids={show(v)} is invalid: allowed a list of up to {most} ids >= 0")
+    return list(v)
+
+
+def _sampling(body: dict[str, Any], n: int, defaults: dict[str, Any] | None, limits: RequestLimits) -> dict[str, Any]:
+    """SamplingParams keyword arguments, each field checked for its JSON type here (SamplingParams checks the
+    values as the round uses them and names the field)."""
     kw: dict[str, Any] = dict(defaults or {})
     kw.setdefault("temperature", 1.0)
-    for name in SAMPLING:
-        if body.get(name) is not None:
-            kw[name] = body[name]
-    kw["stop"] = _stop(body.get("stop"))
-    mt_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = body.get(mt_field)
+    for name in NUMBER_FIELDS:
+        v = _typed(body, name, (int, float), "a number")
+        if v is not None:
+            kw[name] = v
+    for name, v in (
+        ("top_k", _int(body, "top_k", 0)),
+        ("seed", _int(body, "seed", SEED_MIN, SEED_MAX - (n - 1))),  # choice j samples with seed + j
+        ("min_tokens", _int(body, "min_tokens", 0)),
+        ("ignore_eos", _typed(body, "ignore_eos", bool, "true or false")),
+        ("stop_token_ids", _stop_token_ids(body.get("stop_token_ids"), limits)),
+    ):
+        if v is not None:
+            kw[name] = v
+    kw["stop"] = _stop(body.get("stop"), limits)
+    return kw
+
+
+def _max_tokens(body: dict[str, Any], chat: bool, kw: dict[str, Any]) -> None:
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = _int(body, name, 1)
     if mt is not None:
         kw["max_new_tokens"] = mt
     elif not chat:
         kw.setdefault("max_new_tokens", 16)
-    n = body.get("n", 1) if body.get("n") is not None else 1
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise bad("n", f"n={n!r} is invalid: allowed an int in 1..{MAX_N}")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise bad("stream", f"stream={stream!r} is invalid: allowed true or false")
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    """include_usage of stream_options (allowed with stream: true only)."""
     so = body.get("stream_options")
-    include_usage = False
-    if so is not None:
-        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options", f'stream_options={so!r:.80} is invalid: allowed {{"include_usage": bool}}')
-        if not stream:
-            raise bad("stream_options", "stream_options is only allowed with stream: true")
-        include_usage = bool(so.get("include_usage", False))
-    if body.get("logit_bias"):
+    if so is None:
+        return False
+    keys = ("include_usage", "continuous_usage_stats")
+    if not isinstance(so, dict) or set(so) - set(keys) or not all(isinstance(so[k], bool) for k in so):
+        raise bad("stream_options", f'stream_options={show(so)} is invalid: allowed {{"include_usage": bool}}')
+    if not stream:
+        raise bad("stream_options", "stream_options is only allowed with stream: true")
+    return so.get("include_usage", False)
+
+
+def _ignored(body: dict[str, Any]) -> None:
+    """Fields accepted for compatibility and not used, still of their type."""
+    _typed(body, "user", str, "a string")
+    _typed(body, "metadata", dict, "an object")
+    _typed(body, "store", bool, "true or false")
+    _typed(body, "service_tier", str, "a string")
+    _typed(body, "parallel_tool_calls", bool, "true or false")
+    if _typed(body, "logit_bias", dict, "an object"):
         raise bad("logit_bias", "logit_bias is not supported: allowed null or {}")
-    req = ParsedRequest(model=model, sampling=kw, n=n, stream=stream, include_usage=include_usage)
+
+
+def parse(
+    body: object, chat: bool, defaults: dict[str, Any] | None = None, limits: RequestLimits | None = None
+) -> ParsedRequest:
+    """Check a request body's fields, their JSON types and the server's limits (SamplingParams checks the
+    sampling values later)."""
+    lim = limits or RequestLimits()
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body is a JSON {type(body).__name__}: allowed a JSON object")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise bad(unknown[0], f"unknown or unsupported field(s) {', '.join(unknown)}: allowed {', '.join(allowed)}")
+    model = _typed(body, "model", str, "a string")
+    n = _int(body, "n", 1, lim.max_n) or 1
+    stream = _typed(body, "stream", bool, "true or false") or False
+    _ignored(body)
+    kw = _sampling(body, n, defaults, lim)
+    _max_tokens(body, chat, kw)
+    req = ParsedRequest(model=model, sampling=kw, n=n, stream=stream, include_usage=_stream_options(body, stream))
     if chat:
-        lp, top = body.get("logprobs"), body.get("top_logprobs")
-        if lp is not None and not isinstance(lp, bool):
-            raise bad("logprobs", f"logprobs={lp!r} is invalid: allowed true or false")
-        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise bad("top_logprobs", f"top_logprobs={top!r} is invalid: allowed an int in 0..{MAX_TOP_LOGPROBS}")
-        if top is not None and not lp:
-            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
-        req.logprobs = (top or 0) if lp else None
-        if "messages" not in body:
-            raise bad("messages", "messages is missing: allowed a non-empty list of {role, content}")
-        req.messages = body["messages"]
-        agp = body.get("add_generation_prompt", True)
-        if not isinstance(agp, bool):
-            raise bad("add_generation_prompt", f"add_generation_prompt={agp!r} is invalid: allowed true or false")
-        req.add_generation_prompt = agp
+        _chat_fields(body, req)
     else:
-        lp = body.get("logprobs")
-        if lp is not None and (not _is_int(lp) or not 0 <= lp <= 5):
-            raise bad("logprobs", f"logprobs={lp!r} is invalid: allowed null or an int in 0..5")
-        req.logprobs = lp
-        if body.get("echo"):
-            raise bad("echo", "echo is not supported: allowed false")
-        if body.get("suffix") is not None:
-            raise bad("suffix", "suffix is not supported: allowed null")
-        bo = body.get("best_of")
-        if bo is not None and bo != n:
-            raise bad("best_of", f"best_of={bo!r} is invalid: allowed null or equal to n ({n})")
-        if "prompt" not in body:
-            raise bad("prompt", "prompt is missing: allowed a string, a list of strings or token ids")
-        req.prompts = _prompts(body["prompt"])
+        _completion_fields(body, req, lim)
     return req
+
+
+def _chat_fields(body: dict[str, Any], req: ParsedRequest) -> None:
+    lp = _typed(body, "logprobs", bool, "true or false")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not lp:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    req.logprobs = (top or 0) if lp else None
+    if body.get("messages") is None:
+        raise bad("messages", "messages is missing: allowed a non-empty list of {role, content}")
+    try:
+        req.messages = check_messages(body["messages"])
+    except InvalidRequestError as e:
+        raise bad("messages", str(e)) from None
+    agp = _typed(body, "add_generation_prompt", bool, "true or false")
+    req.add_generation_prompt = True if agp is None else agp
+
+
+def _completion_fields(body: dict[str, Any], req: ParsedRequest, limits: RequestLimits) -> None:
+    req.logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if _typed(body, "echo", bool, "true or false"):
+        raise bad("echo", "echo is not supported: allowed false")
+    if body.get("suffix") is not None:
+        raise bad("suffix", "suffix is not supported: allowed null")
+    bo = body.get("best_of")
+    if bo is not None and (not _is_int(bo) or bo != req.n):
+        raise bad("best_of", f"best_of={show(bo)} is invalid: allowed null or equal to n ({req.n})")
+    if body.get("prompt") is None:
+        raise bad("prompt", "prompt is missing: allowed a string, a list of strings or token ids")
+    req.prompts = _prompts(body["prompt"], limits)
 
 
 def seeds(seed: int | None, n: int) -> list[int | None]:
