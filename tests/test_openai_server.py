@@ -21,9 +21,8 @@ httpx = pytest.importorskip("httpx")
 
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.api.options import Limits, SpeculationConfig  # noqa: E402
-from engine.server.access import AccessOptions  # noqa: E402
-from engine.server.limits import RequestLimits  # noqa: E402
 from engine.server.openai_app import OpenAIServer, create_app  # noqa: E402
+from engine.server.options import AccessOptions, RequestLimits  # noqa: E402
 from engine.server.served_engine import ServedEngine  # noqa: E402
 
 TIMEOUT = 120

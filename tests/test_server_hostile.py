@@ -22,7 +22,7 @@ from test_openai_server import TIMEOUT, Live, _chat_checkpoint  # noqa: E402
 
 from engine import Engine  # noqa: E402
 from engine.api.options import Limits, SpeculationConfig  # noqa: E402
-from engine.server.limits import MAX_DEPTH, RequestLimits  # noqa: E402
+from engine.server.options import MAX_DEPTH, RequestLimits  # noqa: E402
 
 # content + strings: None + str is a TypeError (a template that trims or filters would not fail)
 CONCAT_TEMPLATE = (

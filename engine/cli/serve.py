@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.server.access import AccessOptions
-from engine.server.limits import RequestLimits
+from engine.server.options import AccessOptions, RequestLimits
 from engine.spec_decode.registry import DRAFTERS, Loads
 
 log = logging.getLogger("specmix.serve")

@@ -12,46 +12,15 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.core.errors import InvalidConfigError
-
-OPEN_PATHS = ("/health", "/metrics")
-
-
-@dataclass(frozen=True)
-class AccessOptions:
-    """Access control of the app (``create_app(server, access)``; ``specmix-serve`` and the Ray Serve app)."""
-
-    api_key: str | None = None
-    """The key clients send as ``Authorization: Bearer <key>``; None: no key needed."""
-    protect_health_metrics: bool = False
-    """With an api_key, ``/health`` and ``/metrics`` need it too (default: open, for probes and scrapers)."""
-    allowed_origins: tuple[str, ...] = ()
-    """Origins browsers may call from (CORS; ``"*"`` for any); empty: CORS off."""
-
-    def __post_init__(self) -> None:
-        key = self.api_key
-        if key is not None and not (isinstance(key, str) and key and key.isascii() and key.isprintable()):
-            raise InvalidConfigError("api_key is invalid: allowed None or a non-empty string of printable ASCII")
-        if key is not None and " " in key:
-            raise InvalidConfigError("api_key is invalid: allowed a key without spaces")
-        if not isinstance(self.allowed_origins, tuple) or not all(
-            isinstance(o, str) and o for o in self.allowed_origins
-        ):
-            raise InvalidConfigError(
-                f"allowed_origins={self.allowed_origins!r:.80} is invalid: allowed a tuple of origins"
-            )
-
-    def needs_key(self, path: str) -> bool:
-        """Whether a request to ``path`` must carry the key."""
-        if self.api_key is None:
-            return False
-        return self.protect_health_metrics or path not in OPEN_PATHS
+from engine.server.options import AccessOptions
 
 
 def _unauthorized(message: str) -> tuple[dict[str, Any], bytes]:
@@ -98,16 +67,29 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+class JsonCORSMiddleware(CORSMiddleware):
+    """starlette's CORS middleware, a refused preflight answered in OpenAI's error JSON (not plain text)."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        resp = super().preflight_response(request_headers)
+        if resp.status_code != 400:
+            return resp
+        headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
+        reason = bytes(resp.body).decode()
+        allowed = ", ".join(self.allow_origins)
+        body = {"error": {"message": f"{reason}: allowed origins {allowed}", "type": "invalid_request_error"}}
+        body["error"].update(param=None, code="cors_refused")
+        return JSONResponse(body, status_code=400, headers=headers)
+
+
 def add_access(app: FastAPI, options: AccessOptions) -> None:
     """The key check, then CORS around it when origins are allowed (so a 401 carries CORS headers too)."""
     if options.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, options=options)
     if options.allowed_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
         app.add_middleware(
-            CORSMiddleware,
+            JsonCORSMiddleware,
             allow_origins=list(options.allowed_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["*"],
         )

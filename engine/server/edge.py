@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.errors import EngineError, InvalidRequestError, OverloadedError
 from engine.runtime.request import RequestFailedError
-from engine.server.limits import MAX_DEPTH
 from engine.server.openai_protocol import ApiError, param_of
+from engine.server.options import MAX_DEPTH
 
 log = logging.getLogger(__name__)
 

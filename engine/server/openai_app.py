@@ -25,11 +25,11 @@ from starlette.exceptions import HTTPException
 
 from engine.core.errors import EngineError
 from engine.runtime.request import Request
-from engine.server.access import AccessOptions, add_access
+from engine.server.access import add_access
 from engine.server.edge import LastResort, decode_body, engine_error, error_response, read_body
-from engine.server.limits import RequestLimits
 from engine.server.openai_protocol import ApiError, ParsedRequest, now, parse, seeds
 from engine.server.openai_schema import chat_schema, completion_schema, request_body
+from engine.server.options import AccessOptions, RequestLimits
 from engine.server.prometheus import ServeMetrics
 from engine.server.served_engine import ServedEngine
 from engine.server.streaming import Choice, EventStream, EventStreamResponse, Reply, complete

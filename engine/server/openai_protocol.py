@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.core.chat import check_messages
 from engine.core.errors import EngineError, InvalidRequestError
-from engine.server.limits import RequestLimits
+from engine.server.options import RequestLimits
 
 # sampling fields shared by both endpoints (value checks happen in SamplingParams, which names the field)
 SAMPLING = (

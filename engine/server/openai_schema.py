@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.core.chat import ROLES
-from engine.server.limits import RequestLimits
 from engine.server.openai_protocol import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from engine.server.options import RequestLimits
 
 
 def _opt(schema: dict[str, Any]) -> dict[str, Any]:
