@@ -159,8 +159,14 @@ class FP8Linear(_Quantized):
         return _nbytes(self.weight, self.weight_scale, self.bias)
 
 
+RowKernel = Callable[[Tensor, Tensor, Tensor, int], Tensor]
+"""(x [M, K] fp32 contiguous, int8 weight [N, K], float32 scales, group size or 0 per channel) -> x @ w^T [M, N]."""
+
+
 class Int8Linear(_Quantized):
     family = "int8"
+    row_kernel: RowKernel | None = None
+    row_kernel_rows = 0
 
     def __init__(
         self,
@@ -236,6 +242,11 @@ class Int8Linear(_Quantized):
 
     def forward(self, x: Tensor) -> Tensor:
         return self._run(x)
+
+    def use_row_kernel(self, kernel: RowKernel | None, max_rows: int = 0) -> None:
+        """The kernels layer's hook (engine/kernels/cpu_int8.py): kernel w8a16 on the CPU runs fp32 inputs of
+        at most ``max_rows`` rows through ``kernel`` (reading the int8 weight); None removes it."""
+        self.row_kernel, self.row_kernel_rows = kernel, max_rows if kernel is not None else 0
 
     def weight_bytes(self) -> int:
         return _nbytes(self.weight, self.weight_scale, self.smooth, self.bias)

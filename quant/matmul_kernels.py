@@ -11,16 +11,20 @@ each of them on the same data and compare.
                      (CPU; CUDA compute capability >= 8.9)
     fp8/te           transformer-engine te.Linear under fp8_autocast (CUDA >= 8.9)
     fp8/weight-only  FP8 storage dequantized to the compute dtype, then F.linear (anywhere)
-    int8/w8a8        int8 x int8 -> int32 GEMM, per-token dynamic x scales (torch._int_mm on CUDA >= 7.5;
-                     exact float32 GEMMs over chunks of K on the CPU, where _int_mm is
-                     ~30x slower)
+    int8/w8a8        int8 x int8 -> int32 GEMM, per-token dynamic x scales (torch._int_mm: CUDA >= 7.5, and
+                     the CPU, where oneDNN runs it faster than a float GEMM; the decode step's C++
+                     kernel computes the same numbers: engine/kernels/csrc/int8_gemm.cpp)
     int8/llm-int8    bitsandbytes LLM.int8 (int8 matmul + fp16 outlier columns, threshold 6.0)
     int8/w8a16       INT8 weight-only: int8 weights with a float32 scale per output channel or per
-                     group of input channels, activations unquantized (anywhere). CPU: the weight
-                     dequantized once to the compute dtype and kept (as fp8/weight-only; torch's
-                     _weight_int8pack_mm is ~25x slower than its fp32 GEMM at 512 rows on the CPU).
-                     CUDA: torch._weight_int8pack_mm for <= 16 rows of a per-channel weight where
-                     torch has its CUDA kernel; otherwise dequantized on the fly, then F.linear.
+                     group of input channels, activations unquantized (anywhere). CPU: a fp32 input of at
+                     most ``row_kernel_rows`` rows goes to the module's row kernel where the kernels layer
+                     installed one (``Int8Linear.use_row_kernel``: engine/kernels/cpu_int8.py, the C++
+                     few-row GEMM reading the int8 bytes); every other input to ``quant.int8.dequant_linear``
+                     (the weight dequantized a tile at a time into one buffer, a float GEMM per tile). No
+                     dense copy is kept (torch's _weight_int8pack_mm and W8A8 torch._int_mm are slower on
+                     the CPU: docs/performance.md). CUDA: torch._weight_int8pack_mm for <= 16 rows of a
+                     per-channel weight where torch has its CUDA kernel; otherwise dequantized on the fly,
+                     then F.linear.
 
 engine/kernels/backends.py chooses among them; a kernel the machine lacks is a
 KernelUnavailableError naming it and what would provide it, never a fallback.
@@ -44,7 +48,7 @@ from torch import Tensor
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 
 from .fp8 import dequantize_fp8, quantize_fp8_rowwise
-from .int8 import dequantize_int8, dequantize_int8_groupwise, int_mm, quantize_int8_rowwise
+from .int8 import dequant_linear, dequantize_int8, dequantize_int8_groupwise, int_mm, quantize_int8_rowwise
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,7 @@ def _probe_w8a8(device: torch.device) -> tuple[bool, str]:
     if not hasattr(torch, "_int_mm"):
         return False, f"int8 kernel 'w8a8' needs torch._int_mm; torch {torch.__version__} lacks it — use 'llm-int8'"
     if device.type == "cpu":
-        return True, "exact int8 GEMM on the CPU (exact float32 GEMMs over chunks of K; quant.int8.int_mm)"
+        return True, "torch._int_mm (oneDNN) on the CPU; the decode step's C++ W8A8 kernel, same numbers"
     if device.type == "cuda":
         cc = _cc(device)
         if cc >= (7, 5):
@@ -144,7 +148,10 @@ def _has_cuda_int8pack() -> bool:
 
 def _probe_w8a16(device: torch.device) -> tuple[bool, str]:
     if device.type == "cpu":
-        return True, "int8 weights dequantized once to the compute dtype, then F.linear, on the CPU"
+        return True, (
+            "the few-row C++ int8 GEMM where installed (engine/kernels/cpu_int8.py), else int8 weights "
+            "dequantized a tile at a time + GEMM, on the CPU (no dense copy kept)"
+        )
     if device.type == "cuda":
         packed = (
             f"torch._weight_int8pack_mm for <= {W8A16_PACKED_ROWS} rows of per-channel weights, "
@@ -295,18 +302,19 @@ def _w8a16_weight(mod: Any, dtype: torch.dtype) -> Tensor:
     return dequantize_int8_groupwise(mod.weight, mod.weight_scale, mod.group_size, dtype)
 
 
+def _grad(x: Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def _w8a16(mod: Any, x: Tensor) -> Tensor:
     x = _smoothed(mod, x)
     bias = None if mod.bias is None else mod.bias.to(x.dtype)
     if x.device.type == "cpu":
-        # The dequantized weight is bit-identical to a fresh dequantization; the CPU keeps it (see the module doc).
-        key = ("dequant", x.dtype, mod.weight.data_ptr())
-        w = mod.kernel_state.get(key)
-        if w is None:
-            w = _w8a16_weight(mod, x.dtype)
-            mod.kernel_state.clear()
-            mod.kernel_state[key] = w
-        return F.linear(x, w, bias)
+        rk = mod.row_kernel
+        if rk is not None and x.dtype == torch.float32 and x.shape[0] <= mod.row_kernel_rows and not _grad(x):
+            y = rk(x.contiguous(), mod.weight, mod.weight_scale, mod.group_size or 0)
+            return y if bias is None else y.add_(bias)
+        return dequant_linear(x, mod.weight, mod.weight_scale, mod.group_size, bias)
     if x.device.type == "cuda" and mod.group_size is None and x.shape[0] <= W8A16_PACKED_ROWS and _has_cuda_int8pack():
         y = torch._weight_int8pack_mm(x.float().contiguous(), mod.weight, mod.weight_scale)
         return _add_bias(y.to(x.dtype), mod.bias)

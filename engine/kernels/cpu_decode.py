@@ -12,7 +12,9 @@ PyTorch forward is its fallback with the same inputs and outputs (tests run both
 ``DecodeStep.greedy`` drafts k greedy tokens in one call (no Python between the draft steps).
 
 The GEMM weights: fp32 (the model's own tensors) on the small-GEMM kernel (AVX-512 or AVX2), or 16-bit
-copies widened in registers. A model whose weights are all bf16 values (a bf16 checkpoint loaded
+copies widened in registers, or a precision plan's INT8 weights (kernel w8a16) read as int8 by the int8 GEMM
+(engine/kernels/cpu_int8.py: dequantized in registers, the modules' own tensors, no fp32 copy). A model whose
+weights are all bf16 values (a bf16 checkpoint loaded
 in fp32, as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a
 CPU with AMX its GEMMs run on tiles (engine/kernels/csrc/amx_gemm.cpp: fp32 inputs split exactly into
 three bf16 parts, fp32 accumulation), where the rows of a verify pass come almost free.
@@ -25,6 +27,7 @@ steps agree bit for bit.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +42,8 @@ from engine.kernels.cpu_gemm import (
     cpu_kernels,
     small_gemm_status,
 )
+from engine.kernels.cpu_int8 import Int8Weight, fused_int8, int8_gemm_reason, step_int8_reason
+from quant.linear import Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +55,27 @@ log = logging.getLogger(__name__)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _slots(layer: Any) -> dict[str, tuple[Any, tuple[nn.Module, ...]]]:
+    """A decoder layer's 4 GEMMs: name -> (the float module running it or None, the Linears it stands for)."""
+    a, m = layer.self_attn, layer.mlp
+    return {
+        "qkv": (a.qkv, (a.q_proj, a.k_proj, a.v_proj)),
+        "o_proj": (a.o_proj, (a.o_proj,)),
+        "gate_up": (m.gate_up, (m.gate_proj, m.up_proj)),
+        "down_proj": (m.down_proj, (m.down_proj,)),
+    }
+
+
+def _float_gemm(mod: Any, parts: tuple[nn.Module, ...]) -> bool:
+    """The slot runs on a float weight (a fused group, or a lone plain Linear), not on INT8 Linears."""
+    return mod is not None and not isinstance(mod, Int8Linear) and not isinstance(parts[0], Int8Linear)
+
+
 def _gemm_weights(model: Transformer) -> list[Tensor]:
+    """The float GEMM weights of the step (INT8 ones are read as they are)."""
     return [
-        w
-        for layer in model.layers
-        for w in (
-            layer.self_attn.qkv.weight,
-            layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up.weight,
-            layer.mlp.down_proj.weight,
-        )
-    ] + [model.lm_head.weight]  # type: ignore[union-attr]
+        mod.weight for layer in model.layers for mod, parts in _slots(layer).values() if _float_gemm(mod, parts)
+    ] + [model.lm_head.weight]
 
 
 def exact_weight_dtype(model: Transformer) -> torch.dtype:
@@ -115,22 +130,14 @@ def decode_step_reason(model: Transformer) -> str | None:
     if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
         return "needs heads divisible by kv heads and an even head_dim"
     for i, layer in enumerate(model.layers):
-        a, m = layer.self_attn, layer.mlp
-        # (the module, or the unfused Linear standing for a group fuse_projections left alone)
-        parts = {
-            "qkv": (a.qkv, a.q_proj),
-            "o_proj": (a.o_proj, a.o_proj),
-            "gate_up": (m.gate_up, m.gate_proj),
-            "down_proj": (m.down_proj, m.down_proj),
-        }
-        for name, (mod, alone) in parts.items():
-            if mod is None and type(alone) is nn.Linear:
-                return f"layer {i} {name} is not fused (fuse_projections first)"
-            if mod is None or not _plain_weight(mod):
-                return (
-                    f"layer {i} {name} is {type(alone if mod is None else mod).__name__}, not a plain fp32 projection"
-                )
-        if m.gate_up.bias is not None:  # type: ignore[union-attr]
+        for name, (mod, parts) in _slots(layer).items():
+            why = _slot_reason(mod, parts)
+            if why is not None:
+                return f"layer {i} {name} {why}"
+        gate_up = layer.mlp.gate_up
+        if any(p.bias is not None for p in (layer.mlp.gate_proj, layer.mlp.up_proj) if gate_up is None) or (
+            gate_up is not None and gate_up.bias is not None
+        ):
             return f"layer {i} gate_up has a bias"
     if (
         type(model.embed_tokens) is not nn.Embedding
@@ -139,6 +146,28 @@ def decode_step_reason(model: Transformer) -> str | None:
     ):
         return f"the embedding or LM head is not a plain fp32 one ({type(model.lm_head).__name__})"
     return small_gemm_status()
+
+
+def _slot_reason(mod: Any, parts: tuple[nn.Module, ...]) -> str | None:
+    """None when the step can run this GEMM: a plain fp32 weight, or INT8 Linears the int8 GEMM reads."""
+    if isinstance(parts[0], Int8Linear):
+        if len(parts) == 1:
+            why = step_int8_reason(parts[0])
+            return None if why is None else f"is INT8 the step cannot run: {why}"
+        for p in parts:
+            why = int8_gemm_reason(p) if isinstance(p, Int8Linear) else f"mixes {type(p).__name__} with INT8"
+            if why is not None:
+                return f"is INT8 the step cannot read: {why}"
+        groups = {p.group_size for p in parts}  # type: ignore[union-attr]
+        finest = min((g for g in groups if g is not None), default=None)
+        if any(g is not None and finest is not None and g % finest for g in groups):
+            return f"stacks INT8 groups {sorted(groups, key=str)} that do not divide one another"
+        return None
+    if mod is None and type(parts[0]) is nn.Linear:
+        return "is not fused (fuse_projections first)"
+    if mod is None or not _plain_weight(mod):
+        return f"is {type(parts[0] if mod is None else mod).__name__}, not a plain fp32 projection"
+    return None
 
 
 class DecodeStep:
@@ -161,13 +190,14 @@ class DecodeStep:
         self.amx = bool(weight_dtype == torch.bfloat16 and amx is not False and not amx_reason)
         self.model, self.weight_dtype = model, weight_dtype
 
-        weights = layer_weights(model.layers, weight_dtype)
-        weights += [_vec(model.embed_tokens.weight), _vec(model.norm.weight), _mat(model.lm_head.weight, weight_dtype)]
+        sw = layer_weights(model.layers, weight_dtype)
+        sw.add(_vec(model.embed_tokens.weight), _vec(model.norm.weight), _mat(model.lm_head.weight, weight_dtype))
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
+        self.tensors = sw.tensors()  # what the step holds (Engine.stats counts its copies as resident weights)
         # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
         self.impl = cpu_kernels().DecodeModel(
-            weights,
+            *sw.args(),
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.sliding_window or 0,
@@ -258,25 +288,62 @@ def _vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
     return torch.empty(0) if t is None else t.detach()
 
 
-def layer_weights(layers: Any, weight_dtype: torch.dtype) -> list[Tensor]:
+@dataclass
+class StepWeights:
+    """The C++ ``DecodeModel``'s tensors: per tensor an int8 GEMM weight's scales and group size (empty, 0 else)."""
+
+    weights: list[Tensor] = field(default_factory=list)
+    scales: list[Tensor] = field(default_factory=list)
+    smooths: list[Tensor] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+
+    def add(self, *ts: Tensor) -> None:
+        for t in ts:
+            self.add_int8(Int8Weight(t, torch.empty(0), 0, torch.empty(0)))
+
+    def add_int8(self, w: Int8Weight) -> None:
+        self.weights.append(w.q)
+        self.scales.append(w.scale)
+        self.smooths.append(w.smooth)
+        self.groups.append(w.group)
+
+    def args(self) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[int]]:
+        """The C++ ``DecodeModel``'s first four arguments."""
+        return self.weights, self.scales, self.smooths, self.groups
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in self.weights + self.scales + self.smooths if t.numel()]
+
+
+def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.dtype, bias: bool) -> None:
+    """One GEMM slot (and its bias when ``bias``): INT8 Linears stacked as they are, else the float weight."""
+    q = fused_int8(parts) if isinstance(parts[0], Int8Linear) else None
+    if q is not None:
+        sw.add_int8(q)
+        bs = [p.bias for p in parts]  # type: ignore[union-attr]
+        b = None if all(x is None for x in bs) else torch.cat([_vec(x) for x in bs])
+    else:
+        sw.add(_mat(mod.weight, dtype))
+        b = mod.bias
+    if bias:
+        sw.add(_vec(b))
+
+
+def layer_weights(layers: Any, weight_dtype: torch.dtype) -> StepWeights:
     """The decoder layers' tensors in the C++ ``DecodeModel``'s order, 9 per layer: input norm, q/k/v weight and
     bias, o_proj weight and bias, post norm, gate/up weight, down weight and bias (q/k/v and gate/up fused:
-    ``fuse_projections``; GEMM weights in ``weight_dtype``, the rest as they are, a missing bias empty)."""
-    weights: list[Tensor] = []
+    ``fuse_projections``, or INT8 Linears stacked by ``fused_int8``; float GEMM weights in ``weight_dtype``,
+    INT8 ones as they are, the rest as they are, a missing bias empty)."""
+    sw = StepWeights()
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        weights += [
-            _vec(layer.input_layernorm.weight),
-            _mat(a.qkv.weight, weight_dtype),
-            _vec(a.qkv.bias),
-            _mat(a.o_proj.weight, weight_dtype),
-            _vec(a.o_proj.bias),
-            _vec(layer.post_attention_layernorm.weight),
-            _mat(m.gate_up.weight, weight_dtype),
-            _mat(m.down_proj.weight, weight_dtype),
-            _vec(m.down_proj.bias),
-        ]
-    return weights
+        slots = _slots(layer)
+        sw.add(_vec(layer.input_layernorm.weight))
+        _gemm(sw, *slots["qkv"], weight_dtype, True)
+        _gemm(sw, *slots["o_proj"], weight_dtype, True)
+        sw.add(_vec(layer.post_attention_layernorm.weight))
+        _gemm(sw, *slots["gate_up"], weight_dtype, False)
+        _gemm(sw, *slots["down_proj"], weight_dtype, True)
+    return sw
 
 
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | None = None) -> str | None:

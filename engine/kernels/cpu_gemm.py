@@ -47,7 +47,15 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    CSRC / name for name in ("small_gemm.cpp", "amx_gemm.cpp", "decode_layers.cpp", "head_step.cpp", "bindings.cpp")
+    CSRC / name
+    for name in (
+        "small_gemm.cpp",
+        "int8_gemm.cpp",
+        "amx_gemm.cpp",
+        "decode_layers.cpp",
+        "head_step.cpp",
+        "bindings.cpp",
+    )
 ]
 MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (docs/performance.md)
 KERNEL_NAME = "small-gemm-fp32"

@@ -150,13 +150,14 @@ class AttnHeadKernel:
     the target's fp32 weight."""
 
     def __init__(self, head: AttnHeadLayers, lm_weight: Tensor, store: torch.dtype) -> None:
-        ws = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)
+        sw = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)
         mcfg = head.mcfg
         H = mcfg.hidden_size
-        ws += [torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous()]  # (no embedding read)
+        sw.add(torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous())  # (no embedding read)
         self.impl = cpu_kernels().DecodeModel(
-            ws, mcfg.num_attention_heads, mcfg.num_key_value_heads, 0, mcfg.rms_norm_eps, False
-        )
+            *sw.args(), mcfg.num_attention_heads, mcfg.num_key_value_heads, 0,
+            mcfg.rms_norm_eps, False,
+        )  # fmt: skip
         self.n_layers = mcfg.num_hidden_layers
         self._inv_freq = head.inv_freq
         self._rope: tuple[Tensor, Tensor] | None = None

@@ -1,5 +1,6 @@
 """Fast CPU linears by module swap: bf16 on oneDNN-prepacked weights (AMX / AVX512-BF16 kernels), fp32 on
-the small-GEMM kernel (engine/kernels/cpu_gemm.py); ``fast_cpu_linears`` picks one for the model's dtype.
+the small-GEMM kernel (engine/kernels/cpu_gemm.py) and a plan's INT8 Linears on the int8 GEMM
+(engine/kernels/cpu_int8.py); ``fast_cpu_linears`` picks one for the model's dtype.
 
 Why: on an x86 CPU a speculative verify pass is a GEMM of K+1 rows where a decode
 step is a GEMV. PyTorch's default fp32 linear switches kernels between 1 and 2+
@@ -36,6 +37,7 @@ from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
     small_gemm_status,
 )
+from engine.kernels.cpu_int8 import install_int8_row_kernels
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +175,10 @@ def fast_cpu_linears(model: Transformer, device: torch.device, request: bool | N
         if device.type == "cpu":
             log.info("CPU linears stay on PyTorch's kernels: %s", why)
         return 0, None
-    n = pack_linears(model) if kernel == "onednn-bf16" else small_gemm_linears(model)
-    return n, kernel
+    if kernel == "onednn-bf16":
+        return pack_linears(model), kernel
+    # fp32: the float Linears on the small GEMM, a plan's INT8 ones (w8a16) on the int8 GEMM (cpu_int8.py)
+    return small_gemm_linears(model) + install_int8_row_kernels(model), kernel
 
 
 def packed_bytes(model: Transformer) -> int:

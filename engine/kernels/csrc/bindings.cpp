@@ -9,17 +9,25 @@
 #include "amx_gemm.h"
 #include "decode.h"
 #include "head.h"
+#include "int8_gemm.h"
 #include "small_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "fp32 y = x @ w^T for few rows, row-independent rounding",
         py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm", &int8_gemm,
+        "fp32 y = x @ (q * s)^T for few rows, int8 q with scales per row or group, dequantized in registers",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("w8a8_gemm", &w8a8_gemm, "fp32 y = quant.matmul_kernels' w8a8 of x (smooth, per-row int8) and q",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_group_multiple", &int8_group_multiple, "int8_gemm's group sizes: 0 or a multiple of this");
   m.def("amx_status", []() { return amx_status(); }, "'' when AMX tiles run here, else why not");
   m.def("amx_pack", &amx_pack, "bf16 w [N, K] -> the tile order amx_gemm reads");
   m.def("amx_gemm", &amx_gemm, "fp32 y = x @ w^T on AMX tiles, w bf16-valued (packed), row-independent",
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeModel>(m, "DecodeModel")
-      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, bool>())
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &DecodeModel::forward, "fp32 Llama forward for few rows: embedding, layers, norm, head",
            py::call_guard<py::gil_scoped_release>())
       .def("forward_x", &DecodeModel::forward_x, "the same forward from the first layer's inputs [B, T, H]",

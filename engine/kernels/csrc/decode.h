@@ -10,9 +10,13 @@ class DecodeModel {
  public:
   // weights: 9 per layer (input norm, qkv weight, qkv bias or empty, o weight, o bias or empty, post norm,
   // gate_up weight, down weight, down bias or empty), then embed, final norm, head; GEMM weights float32,
-  // float16 or bfloat16, everything else float32. amx: the GEMMs on AMX tiles (bf16 GEMM weights, packed here)
-  DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window, double eps,
-              bool amx);
+  // float16, bfloat16 or int8, everything else float32. scales, smooths, groups: per weight, an int8 GEMM
+  // weight's float32 scales, SmoothQuant factors and group size (0: one scale per output row, -1: W8A8 with
+  // activations quantized per row; int8_gemm.h), empty, empty and 0 for the others.
+  // amx: the 16-bit GEMMs on AMX tiles (bf16 GEMM weights, packed here; int8 ones stay on the int8 kernel)
+  DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
+              std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads, int64_t n_kv,
+              int64_t window, double eps, bool amx);
   // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers;
   // hidden: empty, or a float32 tensor the scored rows' final-norm outputs are written to (its shape becomes
   // the logits' with H in place of V)
@@ -37,7 +41,8 @@ class DecodeModel {
                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                     torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                     torch::Tensor hidden) const;
-  std::vector<torch::Tensor> weights_;
+  std::vector<torch::Tensor> weights_, scales_, smooths_;
+  std::vector<int64_t> groups_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;
   bool amx_;

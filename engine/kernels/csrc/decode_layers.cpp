@@ -17,6 +17,7 @@
 
 #include "amx_gemm.h"
 #include "decode.h"
+#include "int8_gemm.h"
 #include "row_ops.h"
 #include "simd.h"
 #include "small_gemm.h"
@@ -124,10 +125,22 @@ const float* f32(const torch::Tensor& t, const char* what) {
   return t.data_ptr<float>();
 }
 
-// y[M, N] = x[M, K] @ w^T on the model's GEMM kernel: AMX tiles (w packed by amx_pack) or the small GEMM
-void gemm(bool amx, const float* x, const torch::Tensor& w, float* y, int64_t M, int64_t K, int64_t N) {
-  if (amx) return amx_gemm_into(x, w, y, M, K, N);
-  small_gemm_into(x, w, y, M, K, N);
+// One GEMM weight of the step: float (s empty) or int8 with scales s, per row (group 0), per group, or W8A8
+// (group -1: activations quantized per row after the division by smooth, s per output row)
+struct Mat {
+  const torch::Tensor &w, &s, &smooth;
+  int64_t group;
+};
+
+// y[M, N] = x[M, K] @ w^T on the weight's GEMM kernel: int8 weights on the int8 kernels, the others on AMX
+// tiles (w packed by amx_pack) or the small GEMM
+void gemm(bool amx, const float* x, const Mat& w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (w.w.scalar_type() == at::kChar) {
+    if (w.group < 0) return w8a8_gemm_into(x, w.w, w.s, w.smooth, y, M, K, N);
+    return int8_gemm_into(x, w.w, w.s, w.group, y, M, K, N);
+  }
+  if (amx) return amx_gemm_into(x, w.w, y, M, K, N);
+  small_gemm_into(x, w.w, y, M, K, N);
 }
 
 // The layers on x [M, H] in place: pos [M] the position of each row, row [M] its cache row; kc0, vc0 the
@@ -135,18 +148,21 @@ void gemm(bool amx, const float* x, const torch::Tensor& w, float* y, int64_t M,
 // values of every row are written before any row attends, so a row sees the rows before it in the same
 // call (its sequence's earlier tokens).
 void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, const torch::Tensor* weights,
-            bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
+            const torch::Tensor* scales, const torch::Tensor* smooths, const int64_t* groups, bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
             const float* sp, float eps) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
   std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights + 9 * l;
+    const torch::Tensor *s = scales + 9 * l, *sm = smooths + 9 * l;
+    const int64_t* g = groups + 9 * l;
+    auto mat = [&](int j) { return Mat{w[j], s[j], sm[j], g[j]}; };
     float* kc = kc0 + l * layer_kv;
     float* vc = vc0 + l * layer_kv;
     rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
     float* q = qkv.data();
-    gemm(amx, h.data(), w[1], q, d.M, d.H, width);
+    gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
     add_bias(q, w[2], d.M, width);
     for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's position
       const int64_t p = pp[m];
@@ -159,22 +175,29 @@ void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, con
       }
     }
     attend(q, kc, vc, pp, rp, kv_len, d, attn.data());
-    gemm(amx, attn.data(), w[3], y.data(), d.M, d.nh * d.D, d.H);
+    gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
     rms_norm(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
-    gemm(amx, h.data(), w[6], gu.data(), d.M, d.H, 2 * inter);
+    gemm(amx, h.data(), mat(6), gu.data(), d.M, d.H, 2 * inter);
     row_ops::swiglu(gu.data(), act.data(), d.M, inter);
-    gemm(amx, act.data(), w[7], y.data(), d.M, inter, d.H);
+    gemm(amx, act.data(), mat(7), y.data(), d.M, inter, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
   }
 }
 
-void check_matrix(const torch::Tensor& w, int64_t rows, int64_t cols, const char* what) {
+// a GEMM weight: float32/float16/bfloat16, or int8 with its scales (per row: group 0, per group, W8A8: -1)
+void check_matrix(const torch::Tensor& w, const torch::Tensor& s, const torch::Tensor& smooth, int64_t group,
+                  int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(smooth.numel() == 0 || (group < 0 && smooth.numel() == cols && smooth.scalar_type() == at::kFloat &&
+                                      smooth.is_contiguous()), "DecodeModel: ", what, " smooth [", cols,
+              "] float32 with W8A8 only");
+  if (w.scalar_type() == at::kChar) return check_int8_weight(w, s, std::max<int64_t>(group, 0), rows, cols, what);
+  TORCH_CHECK(s.numel() == 0, "DecodeModel: ", what, " has scales but is not int8");
   TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() && w.device().is_cpu() &&
               (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
-              "DecodeModel: ", what, " must be a contiguous float32/float16/bfloat16 CPU matrix [", rows, ", ",
+              "DecodeModel: ", what, " must be a contiguous float32/float16/bfloat16 (or int8) CPU matrix [", rows, ", ",
               cols, "]");
 }
 
@@ -185,10 +208,15 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
 
 }  // namespace
 
-DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, int64_t n_kv, int64_t window,
-                         double eps, bool amx)
-    : weights_(std::move(weights)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps), amx_(amx) {
+DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
+                         std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads,
+                         int64_t n_kv, int64_t window, double eps, bool amx)
+    : weights_(std::move(weights)), scales_(std::move(scales)), smooths_(std::move(smooths)),
+      groups_(std::move(groups)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps), amx_(amx) {
   TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
+  TORCH_CHECK(scales_.size() == weights_.size() && smooths_.size() == weights_.size() &&
+              groups_.size() == weights_.size(),
+              "DecodeModel: a scale tensor and a group size per weight (empty and 0 where not int8)");
   TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
   n_layers_ = static_cast<int64_t>(weights_.size() - 3) / 9;
   const torch::Tensor &embed = weights_[9 * n_layers_], &head = weights_[9 * n_layers_ + 2];
@@ -197,7 +225,8 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, in
   hidden_ = embed.size(1);
   check_vector(weights_[9 * n_layers_ + 1], hidden_, "final norm");
   TORCH_CHECK(head.dim() == 2, "DecodeModel: head [V, H]");
-  check_matrix(head, head.size(0), hidden_, "head");
+  const size_t hi = static_cast<size_t>(9 * n_layers_ + 2);
+  check_matrix(head, scales_[hi], smooths_[hi], groups_[hi], head.size(0), hidden_, "head");
   const torch::Tensor& qkv0 = weights_[1];
   TORCH_CHECK(qkv0.dim() == 2 && qkv0.size(0) % (n_heads + 2 * n_kv) == 0, "DecodeModel: qkv weight rows");
   head_dim_ = qkv0.size(0) / (n_heads + 2 * n_kv);
@@ -206,24 +235,27 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, int64_t n_heads, in
   const int64_t width = (n_heads + 2 * n_kv) * head_dim_;
   for (int64_t l = 0; l < n_layers_; ++l) {  // every weight checked once here, not on each call
     const torch::Tensor* w = weights_.data() + 9 * l;
+    const torch::Tensor *s = scales_.data() + 9 * l, *sm = smooths_.data() + 9 * l;
+    const int64_t* g = groups_.data() + 9 * l;
     check_vector(w[0], hidden_, "input norm");
-    check_matrix(w[1], width, hidden_, "qkv weight");
+    check_matrix(w[1], s[1], sm[1], g[1], width, hidden_, "qkv weight");
     if (w[2].numel()) check_vector(w[2], width, "qkv bias");
-    check_matrix(w[3], hidden_, n_heads * head_dim_, "o_proj weight");
+    check_matrix(w[3], s[3], sm[3], g[3], hidden_, n_heads * head_dim_, "o_proj weight");
     if (w[4].numel()) check_vector(w[4], hidden_, "o_proj bias");
     check_vector(w[5], hidden_, "post norm");
-    check_matrix(w[6], 2 * inter_, hidden_, "gate_up weight");
-    check_matrix(w[7], hidden_, inter_, "down weight");
+    check_matrix(w[6], s[6], sm[6], g[6], 2 * inter_, hidden_, "gate_up weight");
+    check_matrix(w[7], s[7], sm[7], g[7], hidden_, inter_, "down weight");
     if (w[8].numel()) check_vector(w[8], hidden_, "down bias");
   }
   vocab_ = head.size(0);
-  if (amx_) {  // every GEMM weight (bf16) replaced by its tiles: the 4 matrices of each layer and the head
+  if (amx_) {  // every 16-bit GEMM weight (bf16) replaced by its tiles (int8 ones stay on the int8 kernel)
     TORCH_CHECK(amx_status().empty(), "DecodeModel: amx=True, but ", amx_status());
     std::vector<size_t> mats;
     for (int64_t l = 0; l < n_layers_; ++l)
       for (int64_t j : {1, 3, 6, 7}) mats.push_back(static_cast<size_t>(9 * l + j));
     mats.push_back(static_cast<size_t>(9 * n_layers_ + 2));
     for (size_t i : mats) {
+      if (weights_[i].scalar_type() == at::kChar) continue;
       TORCH_CHECK(weights_[i].scalar_type() == at::kBFloat16, "DecodeModel: amx=True needs bfloat16 GEMM weights");
       weights_[i] = amx_pack(weights_[i]);
     }
@@ -289,7 +321,8 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
     TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && row[m] >= 0 && row[m] < d.max_batch,
                 "decode_forward: a position or cache row is out of range");
   }
-  layers(x.data(), pp, row.data(), kv_len, weights_.data(), amx_, n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
+  layers(x.data(), pp, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
+         n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
          static_cast<float>(eps_));
   // the rows to score, final norm and head
@@ -315,7 +348,8 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   for (int64_t r = 0; r < R; ++r)
     rms_norm(x.data() + sel[r] * H, norm.data_ptr<float>(), normed.data() + r * H, 1, H, static_cast<float>(eps_));
   torch::Tensor logits = torch::empty(shape, embed.options());
-  gemm(amx_, normed.data(), head, logits.data_ptr<float>(), R, H, V);
+  const size_t hi = static_cast<size_t>(9 * n_layers_ + 2);
+  gemm(amx_, normed.data(), Mat{head, scales_[hi], smooths_[hi], groups_[hi]}, logits.data_ptr<float>(), R, H, V);
   if (hidden.numel() > 0) {
     TORCH_CHECK(hidden.scalar_type() == at::kFloat, "decode_forward: hidden float32");
     std::vector<int64_t> hshape(shape);

@@ -28,6 +28,9 @@ inline Vec load(const BF16* p) {  // the 16 bits moved to the top of a float: ex
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+inline Vec load(const int8_t* p) {  // int8 weights widened to fp32: exact
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline Vec load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // zeros after n
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline void store_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
@@ -56,6 +59,9 @@ inline Vec load(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpr
 inline Vec load(const BF16* p) {  // the 16 bits moved to the top of a float: exact
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Vec load(const int8_t* p) {  // int8 weights widened to fp32: exact
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec load_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, first(n)); }  // zeros after n
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
@@ -115,7 +121,7 @@ inline Vec exp(Vec x) {
 }
 #endif
 
-// n < LANES 16-bit weights widened to fp32, zeros after
+// n < LANES 16-bit or int8 weights widened to fp32, zeros after
 template <typename W>
 inline Vec load_first(const W* p, int64_t n) {
   W buf[LANES] = {};

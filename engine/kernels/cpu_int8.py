@@ -1,0 +1,151 @@
+"""INT8 weight-only Linears on the CPU's few-row C++ GEMM (engine/kernels/csrc/int8_gemm.cpp), no fp32 copy.
+
+Why: a decode step or a verify pass streams every weight once per call, so its time is the bytes read. The
+kernel reads the int8 weight (a quarter of fp32's bytes, half of bf16's) and dequantizes it in registers
+(q * s in fp32, the very product ``quant.int8`` dequantizes to), then accumulates as the fp32 kernel does:
+its outputs equal ``small_gemm`` on the dequantized weight bit for bit, for any row count (tested), so a
+verify pass equals the one-token steps and every path that reads an INT8 weight computes the same numbers.
+
+Where it runs, by the paths of kernel ``w8a16`` on the CPU (``CPU_INT8_PATHS``, each with its probe):
+
+- ``int8-gemm``: the C++ GEMM, per output channel or per group of a multiple of the vector width (32, 64 and
+  128 on AVX2 and AVX-512): inside the decode step (engine/kernels/cpu_decode.py: decode, verify, prefill and
+  a draft model's steps) and, through ``Int8Linear.use_row_kernel``, for any fp32 input of at most
+  ``MAX_ROWS`` rows outside it.
+- ``dequant-tile``: more rows outside the step (a no-cache forward, the quality gate): ``quant.int8.dequant_linear``
+  dequantizes a tile of output rows at a time into one buffer and runs a float GEMM per tile.
+
+``torch._int_mm`` (W8A8) is faster than both at many rows on this CPU but quantizes the activations, which is
+another model than the one the gate measured for ``w8a16``; it runs the plan's ``w8a8`` kernel
+(``quant.int8.int_mm``). docs/performance.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from engine.kernels.cpu_gemm import MAX_ROWS, cpu_kernels, small_gemm_status
+from quant.int8 import group_count
+from quant.linear import Int8Linear
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuInt8Path:
+    name: str
+    probe: Callable[[Int8Linear], str | None]  # None: it runs this module here, else why not
+    what: str
+
+
+def step_int8_reason(mod: Int8Linear) -> str | None:
+    """None when the decode step's C++ kernels compute this module here (w8a16 on the int8 GEMM; w8a8, whose
+    per-row int8 activations and exact integer sums the C++ W8A8 kernel reproduces), else why not."""
+    if mod.kernel == "w8a8":
+        return _cpu_reason(mod)
+    return int8_gemm_reason(mod)
+
+
+def _cpu_reason(mod: Int8Linear) -> str | None:
+    if mod.weight.device.type != "cpu" or not mod.weight.is_contiguous():
+        return "needs a contiguous CPU weight"
+    return small_gemm_status()
+
+
+def int8_gemm_reason(mod: Int8Linear) -> str | None:
+    """None when the C++ int8 GEMM can read this module's weight with fp32 inputs here (w8a16), else why not."""
+    if mod.kernel != "w8a16":
+        return f"kernel {mod.kernel!r} is not w8a16 (the weight-only kernel)"
+    if mod.smooth is not None:
+        return "SmoothQuant factors divide the input (w8a16 without smoothing only)"
+    why = _cpu_reason(mod)
+    if why is not None:
+        return why
+    mult = cpu_kernels().int8_group_multiple()
+    if mod.group_size is not None and mod.group_size % mult:
+        return f"group size {mod.group_size} is not a multiple of {mult} (the vector width)"
+    return None
+
+
+CPU_INT8_PATHS = (
+    CpuInt8Path("int8-gemm", int8_gemm_reason, "C++ few-row GEMM reading int8 (the decode step; <= MAX_ROWS rows)"),
+    CpuInt8Path("dequant-tile", lambda mod: None, "weight dequantized a tile at a time + float GEMM (many rows)"),
+)
+
+
+def int8_linears(model: nn.Module) -> list[Int8Linear]:
+    return [m for m in model.modules() if isinstance(m, Int8Linear)]
+
+
+def install_int8_row_kernels(model: nn.Module) -> int:
+    """Every Int8Linear of ``model`` that the C++ GEMM can read runs its inputs of at most MAX_ROWS rows on it;
+    returns their number (the others' reasons are logged once per reason)."""
+    n, reasons = 0, set()
+    for mod in int8_linears(model):
+        why = int8_gemm_reason(mod)
+        if why is None:
+            mod.use_row_kernel(cpu_kernels().int8_gemm, MAX_ROWS)
+            n += 1
+        else:
+            mod.use_row_kernel(None)
+            reasons.add(why)
+    for why in sorted(reasons):
+        log.info("INT8 Linears stay on the dequantize-by-tile path: %s", why)
+    return n
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """An int8 GEMM weight as the C++ step reads it: data [N, K], float32 scales, group size (0: per row; -1:
+    W8A8, activations quantized per row after the division by ``smooth`` [K], empty for none)."""
+
+    q: Tensor
+    scale: Tensor
+    group: int
+    smooth: Tensor
+
+
+def _scales_at(mod: Int8Linear, group: int | None) -> Tensor:
+    """The module's scales, one per ``group`` input channels (None: per row): its own tensor when that is its
+    grouping, else each scale repeated over the finer groups it covers (the same products q * s)."""
+    if group == mod.group_size:
+        return mod.weight_scale.detach()
+    assert group is not None
+    cols = torch.arange(group_count(mod.in_features, group)) * group
+    if mod.group_size is None:
+        return mod.weight_scale.detach()[:, None].expand(-1, cols.numel()).contiguous()
+    return mod.weight_scale.detach()[:, cols // mod.group_size].contiguous()
+
+
+def fused_int8(mods: tuple[nn.Module, ...]) -> Int8Weight | None:
+    """One int8 weight stacking the modules' outputs (q/k/v or gate/up), for the C++ step; None unless all are
+    Int8Linears it can read (a W8A8 one only alone). Their weights become views of the stacked one (no bytes added, as
+    ``fuse_projections`` does for float Linears); scales stay shared where the modules scale alike, else they
+    are repeated at the finest grouping, whose groups each coarser one divides exactly."""
+    if len(mods) == 1 and isinstance(mods[0], Int8Linear) and step_int8_reason(mods[0]) is None:
+        p = mods[0]
+        w8a8 = p.kernel == "w8a8"
+        smooth = p.smooth.detach() if w8a8 and p.smooth is not None else torch.empty(0)
+        return Int8Weight(p.weight.detach(), p.weight_scale.detach(), -1 if w8a8 else p.group_size or 0, smooth)
+    if not all(isinstance(m, Int8Linear) and int8_gemm_reason(m) is None for m in mods):
+        return None
+    parts: list[Int8Linear] = list(mods)  # type: ignore[arg-type]
+    groups = {p.group_size for p in parts}
+    finest = min((g for g in groups if g is not None), default=None)
+    if any(g is not None and finest is not None and g % finest for g in groups):
+        return None
+    q = torch.cat([p.weight.detach() for p in parts])
+    for p, view in zip(parts, q.split([p.out_features for p in parts])):
+        p.weight = nn.Parameter(view, requires_grad=False)
+    if len(groups) == 1:  # the same grouping: the modules' scales become views of the stacked ones too
+        scale = torch.cat([p.weight_scale.detach() for p in parts])
+        for p, view in zip(parts, scale.split([p.out_features for p in parts])):
+            p.weight_scale = nn.Parameter(view, requires_grad=False)
+    else:
+        scale = torch.cat([_scales_at(p, finest) for p in parts])
+    return Int8Weight(q, scale, finest or 0, torch.empty(0))
