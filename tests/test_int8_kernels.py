@@ -167,3 +167,14 @@ def test_speculation_is_greedy_identical_on_the_int8_plan(ckpt_dir):
         mem = eng.stats()["memory"]
         assert mem["target_weight_bytes"] == resident_weight_bytes(eng.target)
     assert outs[0] == outs[1]
+
+
+def test_stats_count_the_kernels_copies(tmp_path):
+    from util import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "bf16", "llama", values=torch.bfloat16)  # the step copies its GEMMs to bf16
+    eng = Engine.from_pretrained(path)
+    assert eng.info["target_step_weights"] == "bfloat16"
+    params = sum(p.numel() * p.element_size() for p in {*eng.target.parameters(), *eng.target.buffers()})
+    copies = sum(t.numel() * t.element_size() for t in eng.target.layer_step.tensors if t.dtype == torch.bfloat16)
+    assert copies > 0 and eng.stats()["memory"]["target_weight_bytes"] == params + copies

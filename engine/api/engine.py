@@ -18,6 +18,7 @@ from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.errors import InvalidConfigError, InvalidRequestError, UnhealthyError
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
+from engine.kernels.memory import resident_weight_bytes
 from engine.runtime.metrics import CudaMemory, EngineGauges, Sample, engine_samples, kv_cache_usage, render_text
 from engine.runtime.request import Completion, Request
 from engine.runtime.scheduler import Scheduler, SchedulerLimits
@@ -287,11 +288,11 @@ class Engine:
         t = snap["totals"]
         mem = {
             "kv_cache_bytes": self.loop.cache.nbytes if self.loop.cache is not None else 0,
-            "target_weight_bytes": _module_bytes(self.target),
+            "target_weight_bytes": resident_weight_bytes(self.target),
             "cpu_packed_bytes": packed_bytes(self.target),
-        }  # packed copies (cpu_pack), not in the above
+        }  # weights as allocated, the kernels' copies included (the packed ones also apart)
         if self.draft_model is not None:
-            mem["draft_weight_bytes"] = _module_bytes(self.draft_model)
+            mem["draft_weight_bytes"] = resident_weight_bytes(self.draft_model)
         if self.device.type == "cuda":
             mem["cuda_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             mem["cuda_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
@@ -317,14 +318,3 @@ def _runtime_stats(engine: Engine) -> dict[str, Any]:
         "load_window": None if gov is None else gov.snapshot(),
         "batch_window": None if engine.scheduler.window is None else engine.scheduler.window.snapshot(),
     }
-
-
-def _module_bytes(m: torch.nn.Module) -> int:
-    """Parameters and buffers (quantized weights, scales), without cpu_linear's packed copies."""
-    seen, n = set(), 0
-    bufs = [b for name, b in m.named_buffers() if name.rsplit(".", 1)[-1] != "packed"]
-    for t in list(m.parameters()) + bufs:
-        if id(t) not in seen:
-            seen.add(id(t))
-            n += t.numel() * t.element_size()
-    return n
