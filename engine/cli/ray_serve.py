@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
@@ -31,6 +32,7 @@ from ray.serve import Application
 
 from engine.cli.ray_drain import SlowRounds, Timeouts, sequence_bound
 from engine.core.errors import EngineError, InvalidConfigError
+from engine.server.options import AccessOptions
 
 log = logging.getLogger("ray.serve.specmix")  # under ray.serve: Serve writes it to the replica's log
 REPLICA_HEADER = "x-specmix-replica"
@@ -82,6 +84,9 @@ class RayServeOptions:
     """How often a replica updates its Serve metrics."""
     full_check: bool = False
     """Re-hash every weight file at start (default: only files whose size/mtime/inode changed)."""
+    api_key: str | None = field(default=None, repr=False)
+    """Clients must send ``Authorization: Bearer <api_key>`` on /v1/* (default: $SPECMIX_API_KEY where the
+    options are built from args; unset: no key). /health and /metrics stay open (docs/design.md, section 12)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.profile, str) or not self.profile:
@@ -110,6 +115,7 @@ class RayServeOptions:
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed a number >= 0 or None")
         if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len >= 2):
             raise InvalidConfigError(f"max_seq_len={self.max_seq_len!r} is invalid: allowed an int >= 2 or None")
+        AccessOptions(api_key=self.api_key)  # refuses a key no client could send
         if self.round_s > self.stall_s:
             raise InvalidConfigError(
                 f"round_s={self.round_s} is invalid with stall_s={self.stall_s}: a round that round_s allows "
@@ -142,6 +148,8 @@ class RayServeOptions:
             kw[name] = v
         if "profile" not in kw:
             raise InvalidConfigError("profile is missing: allowed the path of a profile file")
+        if kw.get("api_key") is None:
+            kw["api_key"] = os.environ.get("SPECMIX_API_KEY") or None
         return cls(**kw)
 
 
@@ -157,6 +165,7 @@ REPLICA_FIELDS = (
     "stall_s",
     "metrics_period_s",
     "full_check",
+    "api_key",
 )
 
 
@@ -225,7 +234,7 @@ class SpecmixReplica:
     def __serve_build_asgi_app__(self) -> Any:
         from engine.server.openai_app import create_app
 
-        app = create_app(self.server)
+        app = create_app(self.server, AccessOptions(api_key=self.opts.api_key))
         app.add_middleware(ReplicaHeader, replica=self.replica_id)
         return app
 
