@@ -153,3 +153,17 @@ def test_specmix_serve_serves_with_the_key(eng, monkeypatch):
         thread.join(10)
     monkeypatch.setenv("SPECMIX_API_KEY", "")
     assert serve.main(["--target", "x", "--max-n", "0"]) == 2  # an invalid limit: refused before loading
+
+
+def test_the_ray_serve_app_takes_the_same_key(monkeypatch):
+    """RayServeOptions.api_key (or SPECMIX_API_KEY where the options are built from args) reaches each replica,
+    which serves create_app with it; the key never shows in the options' repr."""
+    ray_serve = pytest.importorskip("engine.cli.ray_serve", exc_type=ImportError)
+    monkeypatch.delenv("SPECMIX_API_KEY", raising=False)
+    assert ray_serve.RayServeOptions.from_args({"profile": "p.json"}).api_key is None
+    monkeypatch.setenv("SPECMIX_API_KEY", KEY)
+    opts = ray_serve.RayServeOptions.from_args({"profile": "p.json"})
+    assert opts.api_key == KEY and ray_serve.replica_args(opts)["api_key"] == KEY and KEY not in repr(opts)
+    assert ray_serve.RayServeOptions.from_args({"profile": "p.json", "api_key": "other"}).api_key == "other"
+    with pytest.raises(InvalidConfigError, match="api_key"):
+        ray_serve.RayServeOptions(profile="p.json", api_key="has space")
