@@ -192,6 +192,13 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     return eng, args.served_model_name or args.target, target
 
 
+def _log_http(access: AccessOptions, limits: RequestLimits) -> None:
+    """The access options (never the key) and the limits, at start."""
+    where = " everywhere" if access.protect_health_metrics else " (not on /health, /metrics)"
+    key = "required" + where if access.api_key else "none"
+    log.info("API key: %s; CORS origins: %s; %s", key, ", ".join(access.allowed_origins) or "off", limits)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -228,14 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("chat template: %s; generation defaults: %s", "yes" if eng.chat_template else "none", defaults or "none")
     if eng.policy is not None and eng.policy.name == "cost-model":
         log.info("K controller costs: c=%.3f", eng.costs.c)  # measured now, not in the first request
-    log.info(
-        "API key: %s; CORS origins: %s; limits: %s",
-        ("required" + (" everywhere" if access.protect_health_metrics else " (not on /health, /metrics)"))
-        if access.api_key
-        else "none",
-        ", ".join(access.allowed_origins) or "off",
-        limits,
-    )
+    _log_http(access, limits)
     app = create_app(OpenAIServer(eng, name, defaults, limits=limits), access)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     return 0
