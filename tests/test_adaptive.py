@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine.core.errors import InvalidConfigError
-from engine.runtime.window import BatchWindow, bucket
 from engine.spec_decode.adaptive import (
     Costs,
     KController,
@@ -127,45 +126,28 @@ def test_measured_verify_costs_never_fall_with_k(ckpt_dir, draft_dir):
     assert costs.c > 0 and v[0] > 0
 
 
-def test_batch_window_runs_the_faster_way_and_explores():
-    assert [bucket(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
-    w = BatchWindow(warmup=2, explore=5)
-    rates = {True: 40.0, False: 100.0}  # tokens/s of each way at batch 12 (bucket 16); batch 3: the reverse
-    ways = []
-    for _ in range(30):
-        way = w.choose(12)
-        ways.append(way)
-        w.record(12, way, int(rates[way]), 1.0)
-        w.record(3, True, 80, 1.0)
-    assert ways[:4] == [True, True, False, False]  # warm-up: each way twice
-    after = ways[4:]
-    assert after.count(True) == sum(1 for i in range(4, 30) if i % 5 == 4)  # only the exploring rounds
-    assert w.rate(12, False) == pytest.approx(100.0) and w.rate(9, True) == pytest.approx(40.0)
-    assert w.rate(3, False) is None and w.choose(3) is True  # bucket 4 has run no round yet: warm-up
-    assert w.snapshot()["16"] == {"speculative": pytest.approx(40.0), "plain": pytest.approx(100.0)}
-
-
-def test_plain_rounds_of_the_window_keep_greedy_output(ckpt_dir, draft_dir):
-    """Plain rounds while two or more greedy sequences run (the window's warm-up runs some; a window that
-    measured plain as faster runs them all but the exploring ones): the draft catches up after them when
-    it speculates again, and the output is the plain target's."""
+def test_plain_rounds_of_the_tuner_keep_greedy_and_seeded_output(ckpt_dir, draft_dir):
+    """Plain rounds where the K tuner measured them faster (buckets 2 and 4 here): the draft catches up after
+    them when the tuner speculates again (alone, at bucket 1), greedy output is the plain target's, and a seeded
+    sampled row keeps its own K, so its tokens are those of an engine without the tuner."""
     from engine import Engine, SamplingParams
     from engine.api.options import SpeculationConfig
 
-    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
     params = [SamplingParams(max_new_tokens=n) for n in (8, 12, 40)]
-    ref = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, params)]
-    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS))
-    w = eng.scheduler.window
-    for b in (2, 3):  # as if plain rounds had measured faster at both buckets, after the warm-up
-        for _ in range(6):
-            way = w.choose(b)
-            w.record(b, way, 1 if way else 100, 1.0)
+    params.append(SamplingParams(max_new_tokens=20, temperature=0.9, seed=7))
+    ref = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts[:3], params[:3])]
+    heur = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(k_policy="heuristic"))
+    seeded = heur.generate([prompts[3]], params[3])[0].token_ids
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir)
+    tuner = eng.scheduler.tuner
+    assert eng.policy.name == "measured" and tuner is not None
+    for b in (2, 3, 4):  # as if plain rounds had measured 10x faster at buckets 2 and 4
+        for k in range(tuner.k_max + 1):
+            for _ in range(tuner.warmup):
+                tuner.record(b, k, 1.0 if k == 0 else 10.0)
     out = eng.generate(prompts, params)
-    assert [o.token_ids for o in out] == ref
+    assert [o.token_ids for o in out[:3]] == ref and out[3].token_ids == seeded
     st = eng.stats()
-    assert st["window_plain_rounds"] >= 8 and st["batch_window"]["4"]["plain"] > 0
+    assert st["plain_rounds"] >= 8 and st["k_tuner"]["4"]["k"] == 0
     assert out[2].stats["drafted"] > 0  # alone, the last one speculated again
-    off = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=SpeculationConfig(costs=COSTS, batch_window=False))
-    assert [o.token_ids for o in off.generate(prompts, params)] == ref
-    assert off.stats()["window_plain_rounds"] == 0 and off.stats()["batch_window"] is None

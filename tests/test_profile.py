@@ -160,7 +160,7 @@ def test_the_profile_written_is_the_profile_read(build_run):
 def test_the_sections_are_typed(builds, tiny_demo):
     prof = load_profile(builds["a100"])
     s = prof.speculation
-    assert s.config.drafter == "model" and s.config.k_policy == "cost-model" and s.config.costs is not None
+    assert s.config.drafter == "model" and s.config.k_policy == "measured" and s.config.costs is not None
     assert s.config.k_min <= s.config.k <= s.config.k_max
     assert s.measured.probe.greedy and 0 <= s.measured.acceptance <= 1 and s.measured.acceptance_fp16_draft is not None
     assert prof.plan.device == prof.device == "cpu" and prof.memory.draft.bytes < prof.memory.draft.fp16_bytes

@@ -33,7 +33,7 @@ def test_greedy_speculation_equals_plain(ckpt_dir, draft_dir, plain, drafter, k)
 def test_adaptive_k_greedy_identity_and_stats(ckpt_dir, draft_dir, plain):
     eng = Engine.from_pretrained(
         ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3)
-    )  # cost-model policy, measured costs
+    )  # the measured policy (the K tuner)
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))
     assert [o.token_ids for o in outs] == plain
     st = outs[0].stats

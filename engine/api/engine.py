@@ -19,11 +19,11 @@ from engine.core.errors import InvalidConfigError, InvalidRequestError, Unhealth
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
 from engine.kernels.memory import resident_weight_bytes
+from engine.runtime.k_tuner import KTuner
 from engine.runtime.metrics import CudaMemory, EngineGauges, Sample, engine_samples, kv_cache_usage, render_text
 from engine.runtime.request import Completion, Request
 from engine.runtime.scheduler import Scheduler, SchedulerLimits
 from engine.runtime.telemetry import gpu_stats
-from engine.runtime.window import BatchWindow
 from engine.spec_decode.adaptive import Costs
 from engine.spec_decode.costs import drafter_costs
 from engine.spec_decode.loop import DecodeLoop
@@ -47,10 +47,8 @@ class Engine:
         limits: Limits = Limits(),
         costs: Costs | None = None,
         profile: Profile | None = None,
-        batch_window: bool = True,
     ) -> None:
-        """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``.
-        ``batch_window``: SpeculationConfig.batch_window."""
+        """An engine over assembled parts (``engine.api.assemble``); most callers use ``from_pretrained``."""
         self.target, self.tokenizer, self.drafter = parts.target, parts.tokenizer, parts.drafter
         self.draft_model, self.policy, self.vocab, self.device = (
             parts.draft_model,
@@ -82,13 +80,15 @@ class Engine:
             self.gpu_reader, governor = make_governor(
                 self.device, limits.load_window, pol.k_min if pol else 0, pol.k_max if pol else 0, limits.max_batch
             )
-        windowed = batch_window and self.policy is not None and self.policy.name == "cost-model"
+        pol = self.policy
+        measured = pol is not None and pol.name == "measured"
+        tuner = KTuner(k_max=pol.k_max, k_start=pol.k, k_min=pol.k_min) if pol is not None and measured else None
         self.scheduler = Scheduler(
             self.loop,
             SchedulerLimits(limits.max_batch, limits.max_waiting, self.max_seq_len),
             policy=self.policy,
             costs=lambda: self.costs,
-            window=BatchWindow() if windowed else None,
+            tuner=tuner,
             device=self.device,
             governor=governor,
         )
@@ -126,7 +126,7 @@ class Engine:
         if precision is not None and not isinstance(precision, PrecisionConfig):
             raise InvalidConfigError(f"precision={precision!r:.60} is invalid: allowed a PrecisionConfig or None")
         parts = assemble(target, draft, speculation, precision, kernels, resolve_device(device), dtype)
-        return cls(parts, limits, speculation.costs, None, speculation.batch_window)
+        return cls(parts, limits, speculation.costs, None)
 
     @classmethod
     def from_profile(
@@ -160,7 +160,7 @@ class Engine:
         o = engine_options(prof, device, limits or Limits())
         spec: SpeculationConfig = o["speculation"]
         parts = assemble(o["target"], o["draft"], spec, o["precision"], o["kernels"], o["device"], None)
-        return cls(parts, o["limits"], spec.costs, prof, spec.batch_window)
+        return cls(parts, o["limits"], spec.costs, prof)
 
     # ------------------------------------------------------------------ costs
     @property
@@ -316,5 +316,5 @@ def _runtime_stats(engine: Engine) -> dict[str, Any]:
         "cuda_graphs": graph_stats(engine.cuda_graphs),
         "gpu": gpu_stats(engine.device, engine.gpu_reader),
         "load_window": None if gov is None else gov.snapshot(),
-        "batch_window": None if engine.scheduler.window is None else engine.scheduler.window.snapshot(),
+        "k_tuner": None if engine.scheduler.tuner is None else engine.scheduler.tuner.snapshot(),
     }

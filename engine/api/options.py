@@ -41,10 +41,11 @@ class SpeculationConfig:
     specmix-train-draft as the draft), or None: "model" when a draft checkpoint is given, else plain decoding."""
     k: int = 5
     """Draft tokens per round at the start (the fixed K of the "constant" policy)."""
-    k_policy: str = "cost-model"
-    """How K moves per sequence: "cost-model" (maximise the expected speedup from the running
-    acceptance and the measured costs), "heuristic" (+2 after a full acceptance, -1 otherwise)
-    or "constant"."""
+    k_policy: str = "measured"
+    """How K moves: "measured" (each round's K from measured round times per batch bucket and the rows' running
+    acceptance, plain rounds included; engine/runtime/k_tuner.py), "cost-model" (per sequence, maximise the
+    expected speedup from the running acceptance and the costs measured with bare forward passes), "heuristic"
+    (+2 after a full acceptance, -1 otherwise) or "constant"."""
     k_min: int = 1
     """Smallest K the policy may choose (<= k)."""
     k_max: int | None = None
@@ -54,11 +55,7 @@ class SpeculationConfig:
     Only with drafter="early-exit"."""
     costs: Costs | None = None
     """Cost ratios of the draft step and the verify pass to a target step (``Costs``); None: measured
-    on first use (the "cost-model" policy needs them)."""
-    batch_window: bool = True
-    """With the "cost-model" policy: while two or more greedy sequences run, each round speculates or runs
-    plainly, whichever the rounds measured at that batch size made faster (engine/runtime/window.py; sampled
-    rows keep their K: it decides their random draws). False: K is each sequence's own, whatever the batch."""
+    on first use (the "cost-model" policy needs them; a profile's calibration keeps them)."""
     prompt_lookup_min: int | None = None
     """Prompt lookup first (engine/spec_decode/drafters/lookup.py): a row whose last n tokens (prompt_lookup_min
     <= n, n <= 3 or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them,
@@ -99,8 +96,6 @@ class SpeculationConfig:
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
         if self.prompt_lookup_min is not None:
             _int("speculation.prompt_lookup_min", self.prompt_lookup_min, 1, 8)
-        if not isinstance(self.batch_window, bool):
-            raise InvalidConfigError(f"speculation.batch_window={self.batch_window!r} is invalid: allowed True, False")
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:

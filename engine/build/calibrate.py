@@ -91,7 +91,7 @@ def calibrate(
     assert costs is not None and planned.policy is not None
     k, k_min, k_max, speedup = k_bounds(a, costs, min(probe.k_search, planned.policy.k_max))
     chosen = SpeculationConfig(
-        drafter=drafter, k=k, k_min=k_min, k_max=k_max, k_policy="cost-model", costs=costs, prompt_lookup_min=lookup
+        drafter=drafter, k=k, k_min=k_min, k_max=k_max, k_policy="measured", costs=costs, prompt_lookup_min=lookup
     )
     measured = SpeculationCalibration(
         acceptance=a,

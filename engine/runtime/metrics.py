@@ -134,10 +134,10 @@ def _token_samples(t: Totals) -> list[Sample]:
             t.iterations,
         ),
         _one(
-            "window_plain_rounds",
+            "plain_rounds",
             "counter",
-            "Rounds run plainly because plain rounds measured faster at the running batch (the batch window).",
-            t.window_plain_rounds,
+            "Rounds the K tuner ran plainly (K = 0) because plain rounds measured faster at the running batch.",
+            t.plain_rounds,
         ),
         _one("round_failures", "counter", "Decode rounds that raised (their requests failed).", t.round_failures),
         _one("busy_seconds", "counter", "Worker time spent in decode rounds.", float(t.seconds)),

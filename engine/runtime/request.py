@@ -50,7 +50,7 @@ class Totals:
     target_forwards: int = 0  # batched target passes (rounds)
     prefill_tokens: int = 0  # prompt tokens the target computed (a prompt shared by sequences admitted together: once)
     prefill_shared: int = 0  # prompt tokens copied from a sequence of the same prompt instead of computed
-    window_plain_rounds: int = 0  # rounds the batch window ran plainly (no K paid at the running batch)
+    plain_rounds: int = 0  # rounds the K tuner ran plainly (K = 0: plain rounds measured faster at that batch)
     seconds: float = 0.0  # worker time spent in rounds
     pos_tried: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
@@ -76,7 +76,7 @@ class Totals:
             "target_forwards": self.target_forwards,
             "prefill_tokens": self.prefill_tokens,
             "prefill_shared": self.prefill_shared,
-            "window_plain_rounds": self.window_plain_rounds,
+            "plain_rounds": self.plain_rounds,
         }
 
 

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
+from engine.runtime.k_tuner import KTuner
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
-from engine.runtime.window import BatchWindow
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
-from engine.spec_decode.loop import NO_CAP, DecodeLoop, KCaps
+from engine.spec_decode.loop import NO_CAP, DecodeLoop, KCaps, tunable
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
@@ -87,7 +87,7 @@ class Scheduler:
         costs: Callable[[], Costs | None],
         device: torch.device,
         governor: LoadGovernor | None = None,
-        window: BatchWindow | None = None,
+        tuner: KTuner | None = None,
     ) -> None:
         """``loop`` runs the rounds; ``policy`` (None: plain decoding) and ``costs`` (called once, when the
         first cost-model controller is made) build each sequence's K controller; ``governor`` is the load
@@ -107,7 +107,7 @@ class Scheduler:
         self._driver = threading.Lock()  # held by whichever thread runs a round (the worker or a caller)
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor = governor
-        self.window = window  # the batch window: a greedy batch speculates or not, as measured rounds say
+        self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
@@ -294,10 +294,9 @@ class Scheduler:
             self.k_cap, self.batch_cap = self.governor.poll()
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
-        windowed = self.window is not None and len(seqs) > 1 and all(s.params.greedy for s in seqs)
-        prefill = windowed and any(s.tlen < len(s.prompt) for s in seqs)  # costs the same either way: not measured
-        speculate = self.window.choose(len(seqs)) if windowed and self.window is not None else True
-        caps = KCaps(all=self.k_cap, greedy=NO_CAP if speculate else 0)
+        tuned = self._tuned_k(seqs)
+        caps = KCaps(all=self.k_cap, tuned=tuned)
+        prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         t0 = time.perf_counter()
         self._round_started = time.monotonic()
         rounds, clean = 1, True
@@ -307,19 +306,26 @@ class Scheduler:
             events = self.loop.step(seqs, caps)
         except Exception as e:  # noqa: BLE001 - the one place: isolate the rows that fail, keep serving
             events, rounds = self._isolate(seqs, caps, e)
-            clean = windowed = False  # rounds of parts of the batch: not a measurement of the batch
+            clean = False  # rounds of parts of the batch: not a measurement of the batch
         finally:
             self._round_started = None
         dt = time.perf_counter() - t0
-        if windowed and not prefill and self.window is not None:
-            self.window.record(len(seqs), speculate, sum(len(toks) for _, toks in events), dt)
+        if tuned is not None and clean and not prefill and self.tuner is not None:
+            self.tuner.record(len(seqs), tuned, dt)
         with self._lock:
             if clean:
                 self._failed_streak = 0
             self.totals.seconds += dt
             self.totals.target_forwards += rounds
-            self.totals.window_plain_rounds += not speculate
+            self.totals.plain_rounds += tuned == 0
         self._hand_out(events)
+
+    def _tuned_k(self, seqs: list[Seq]) -> int | None:
+        """The round's K from the tuner for the rows it may set (None: no tuner, or no such row)."""
+        rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
+        if self.tuner is None or not rows:
+            return None
+        return self.tuner.choose(len(seqs), [s.k_ctl.acceptance for s in rows if s.k_ctl is not None])
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a

@@ -1,15 +1,17 @@
 """Choosing K, the number of drafted tokens per round, per sequence.
 
 Policies:
+- ``measured`` (default): the serving layer sets each round's K from measured round times
+  (engine/runtime/k_tuner.py); a row it does not set (a seeded sampled row) moves its K as ``heuristic``.
 - ``constant``: K never changes.
 - ``heuristic``: K + 2 after a full acceptance, K - 1 otherwise, within [k_min, k_max].
-- ``cost-model`` (default): K maximising the expected speedup
+- ``cost-model``: K maximising the expected speedup
       (1 - a^(K+1)) / ((1 - a) (K c + v(K)))
   from the running acceptance rate a and the measured cost ratios c (draft step /
   target step) and v(K) (verify pass of K+1 tokens / target step).
 
-The costs are measured at one sequence; at a larger batch the serving layer's batch window
-(engine/runtime/window.py) decides from measured rounds whether speculation pays.
+The costs are measured at one sequence with bare forward passes; they give a profile's calibration and
+predicted speedup, while ``measured`` times the rounds themselves.
 
 The acceptance rate is estimated per sequence from censored geometric
 observations: a round that drafted K_b and accepted n saw n successes and, if
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.core.errors import InvalidConfigError
 
-POLICIES = ("constant", "heuristic", "cost-model")
+POLICIES = ("measured", "constant", "heuristic", "cost-model")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def best_k(a: float, costs: Costs, k_min: int, k_max: int) -> int:
 
 @dataclass(frozen=True)
 class KPolicy:
-    name: str = "cost-model"
+    name: str = "measured"
     k: int = 5  # initial K (and the fixed K of `constant`)
     k_min: int = 1
     k_max: int = 8
@@ -128,7 +130,7 @@ class KController:
         rejected = 1 if accepted < drafted else 0
         self.successes = p.decay * self.successes + accepted
         self.trials = p.decay * self.trials + accepted + rejected
-        if p.name == "heuristic":
+        if p.name in ("heuristic", "measured"):
             self.k = min(self.k + 2, p.k_max) if accepted == drafted else max(self.k - 1, p.k_min)
         elif p.name == "cost-model":
             self.k = best_k(min(self.acceptance, 0.999), self.costs, p.k_min, p.k_max)  # type: ignore[arg-type]

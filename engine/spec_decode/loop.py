@@ -67,8 +67,9 @@ class KCaps:
     all: int = NO_CAP
     """The K of every row but seeded sampled ones (the load window lowers it under GPU memory pressure). A sampled
     row's K decides which random draws it makes: capping a seeded one would make its tokens depend on the load."""
-    greedy: int = NO_CAP
-    """Greedy rows' K (the batch window: 0 in a round it runs plainly)."""
+    tuned: int | None = None
+    """The round's K from measured rounds (engine/runtime/k_tuner.py; 0: a plain round) for every row but seeded
+    sampled ones, in place of each row's own controller K; None: each row's own."""
 
 
 @dataclass
@@ -94,6 +95,12 @@ class Verdict:
     bad: list[bool]  # non-finite scored logits
     logprobs: dict[int, list[TokenLogprob]]  # rows that asked for them
     last_features: Tensor | None  # [B, H] the feature that scored each row's new last token
+
+
+def tunable(s: Seq) -> bool:
+    """Whether the serving layer may set this row's K: any but a seeded sampled row, whose K decides its draws
+    (its tokens must not depend on the batch or the load)."""
+    return s.params.greedy or s.params.seed is None
 
 
 class _Steps(NamedTuple):
@@ -137,14 +144,15 @@ class DecodeLoop:
         return self.cache
 
     def k_for(self, s: Seq, caps: KCaps) -> int:
-        """Row K: its controller's, within what remains and the caps. A seeded sampled row is never capped: its K
-        decides which random draws it makes, and its tokens must not depend on the batch or the memory pressure."""
+        """Row K: the round's tuned K (else its controller's) within what remains and the load cap; a seeded sampled
+        row always takes its own controller's K, uncapped (``tunable``)."""
         if self.drafter is None or s.k_ctl is None:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)
-        sp = s.params
-        cap = min(caps.all, caps.greedy) if sp.greedy else NO_CAP if sp.seed is not None else caps.all
-        return max(0, min(s.k_ctl.k, remaining - 1, cap))
+        if not tunable(s):
+            return max(0, min(s.k_ctl.k, remaining - 1))
+        k = s.k_ctl.k if caps.tuned is None else caps.tuned
+        return max(0, min(k, remaining - 1, caps.all))
 
     @torch.no_grad()
     def step(self, seqs: list[Seq], caps: KCaps = KCaps()) -> list[tuple[Seq, list[int]]]:

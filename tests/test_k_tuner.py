@@ -1,0 +1,74 @@
+"""The K tuner on synthetic round times: it finds the best K per batch bucket, turns speculation off where plain
+rounds win, and back on when the load drops."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from engine.runtime.k_tuner import KTuner, bucket
+from engine.spec_decode.adaptive import expected_tokens
+
+
+def round_time(batch: int, k: int, fixed: float = 1.0, per_token: float = 0.02, knee: int = 16) -> float:
+    """A round's seconds: a fixed cost plus tokens beyond a knee (compute-bound past ``knee`` tokens)."""
+    tokens = batch * (k + 1)
+    return fixed + per_token * max(0, tokens - knee) + 0.01 * k  # a draft step costs 1% of a round
+
+
+def true_best(batch: int, a: float, k_max: int, **kw: float) -> int:
+    rates = {k: batch * expected_tokens(a, k) / round_time(batch, k, **kw) for k in range(k_max + 1)}
+    return max(rates, key=lambda k: (rates[k], -k))
+
+
+def run(tuner: KTuner, batch: int, a: float, rounds: int, **kw: float) -> Counter[int]:
+    """The K chosen in the last half of ``rounds`` rounds at this batch."""
+    seen: Counter[int] = Counter()
+    for i in range(rounds):
+        k = tuner.choose(batch, [a] * batch)
+        tuner.record(batch, k, round_time(batch, k, **kw))
+        if i >= rounds // 2:
+            seen[k] += 1
+    return seen
+
+
+@pytest.mark.parametrize("batch, a", [(1, 0.8), (4, 0.7), (8, 0.6), (32, 0.7), (64, 0.5)])
+def test_it_converges_to_the_best_k_of_each_bucket(batch, a):
+    tuner = KTuner(k_max=8, k_start=5)
+    seen = run(tuner, batch, a, 200)
+    want = true_best(batch, a, 8)
+    assert seen.most_common(1)[0][0] == want
+    assert seen[want] >= 0.8 * sum(seen.values())  # exploration stays bounded
+
+
+def test_buckets_are_tuned_apart():
+    tuner = KTuner(k_max=8, k_start=5)
+    for _ in range(3):  # interleaved, as a server's batch changes
+        run(tuner, 1, 0.8, 60)
+        run(tuner, 64, 0.5, 60)
+    assert tuner.choose(1, [0.8]) == true_best(1, 0.8, 8) > 0
+    assert tuner.choose(64, [0.5] * 64) == true_best(64, 0.5, 8) == 0
+    snap = tuner.snapshot()
+    assert snap[str(bucket(64))]["k"] == 0 and snap["1"]["k"] == true_best(1, 0.8, 8)
+
+
+def test_speculation_turns_off_under_load_and_back_on_when_it_drops():
+    tuner = KTuner(k_max=8, k_start=5)
+    quiet = dict(fixed=1.0, per_token=0.02, knee=64)  # memory-bound: verifying K+1 tokens is nearly free
+    busy = dict(fixed=1.0, per_token=0.5, knee=8)  # compute-bound (other work on the device): every token costs
+    assert true_best(8, 0.6, 8, **quiet) > 0 and true_best(8, 0.6, 8, **busy) == 0
+    assert run(tuner, 8, 0.6, 120, **quiet).most_common(1)[0][0] == true_best(8, 0.6, 8, **quiet)
+    assert run(tuner, 8, 0.6, 200, **busy).most_common(1)[0][0] == 0
+    assert run(tuner, 8, 0.6, 300, **quiet).most_common(1)[0][0] == true_best(8, 0.6, 8, **quiet)
+
+
+def test_the_choice_depends_only_on_the_past():
+    """Two tuners fed the same history choose the same K (no randomness, nothing of the round itself)."""
+    a, b = KTuner(k_max=6, k_start=3), KTuner(k_max=6, k_start=3)
+    for i in range(50):
+        acc = [0.5 + 0.01 * (i % 7)] * 4
+        ka, kb = a.choose(4, acc), b.choose(4, acc)
+        assert ka == kb
+        a.record(4, ka, round_time(4, ka))
+        b.record(4, kb, round_time(4, kb))
