@@ -99,6 +99,10 @@ class KTuner:
         s[1] = self.decay * s[1] + 1.0
         self._at[(b, k)] = self._rounds.get(b, 0)
 
+    def best_k(self) -> dict[str, int | None]:
+        """The best K so far per batch bucket (a copy)."""
+        return {str(b): k for b, k in dict(self._best).items()}
+
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per bucket: the best K so far and the measured mean round time per K (seconds)."""
         out: dict[str, dict[str, object]] = {}

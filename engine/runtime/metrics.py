@@ -70,6 +70,7 @@ class EngineGauges:
     cuda_memory: CudaMemory | None = None  # None: not on CUDA
     governor: LoadGovernor | None = None  # None: no load window
     graphs: dict[str, Any] | None = None  # graph_stats(...) (None: CUDA graphs off)
+    tuned_k: dict[str, int | None] | None = None  # the K tuner's K per batch bucket (None: no tuner)
 
 
 def kv_cache_usage(cache: KVCache | None, running: Sequence[Request]) -> float:
@@ -161,6 +162,16 @@ def _spec_counters(t: Totals) -> list[Sample]:
         )
         for i, a in enumerate(t.pos_accepted)
     ]
+    by_length = [
+        Sample(
+            PREFIX + "spec_decode_rounds_by_accepted_length",
+            "counter",
+            "Rounds of a sequence with >= 1 draft token, by the number of drafts accepted (a histogram's bins).",
+            n,
+            {"accepted": str(a)},
+        )
+        for a, n in enumerate(t.accepted_hist)
+    ]
     return [
         _one(
             "spec_decode_num_drafts",
@@ -171,6 +182,7 @@ def _spec_counters(t: Totals) -> list[Sample]:
         _one("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed and verified.", t.drafted),
         _one("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted by the target.", t.accepted),
         *per_pos,
+        *by_length,
     ]
 
 
@@ -278,6 +290,21 @@ def engine_samples(snap: dict[str, Any], gauges: EngineGauges) -> list[Sample]:
         *_load_samples(snap, gauges),
         *_device_samples(gauges),
         *_graph_samples(gauges.graphs),
+        *_tuner_samples(gauges.tuned_k),
+    ]
+
+
+def _tuner_samples(tuned: dict[str, int | None] | None) -> list[Sample]:
+    return [
+        Sample(
+            PREFIX + "spec_decode_tuned_k",
+            "gauge",
+            "The K the tuner runs at each batch bucket (0: plain rounds; engine/runtime/k_tuner.py).",
+            k,
+            {"batch_bucket": b},
+        )
+        for b, k in sorted((tuned or {}).items(), key=lambda x: int(x[0]))
+        if k is not None
     ]
 
 

@@ -54,6 +54,7 @@ class Totals:
     seconds: float = 0.0  # worker time spent in rounds
     pos_tried: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
+    accepted_hist: list[int] = field(default_factory=list)  # rounds with drafts, by drafts accepted (0, 1, ...)
     finished: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FINISH_REASONS})
     nonfinite: int = 0  # sequences ended by NaN/inf logits
     round_failures: int = 0  # rounds that raised

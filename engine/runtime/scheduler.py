@@ -424,6 +424,9 @@ class Scheduler:
         for i, (a, n) in enumerate(zip(st.pos_accepted, st.pos_tried)):
             t.pos_tried[i] += n
             t.pos_accepted[i] += a
+        t.accepted_hist += [0] * (len(st.accepted_hist) - len(t.accepted_hist))
+        for i, n in enumerate(st.accepted_hist):
+            t.accepted_hist[i] += n
 
     def health(self, stall_s: float, max_failed_rounds: int) -> str | None:
         """What keeps the engine from making progress, or None: a round running longer than ``stall_s``,

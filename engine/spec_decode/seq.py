@@ -20,6 +20,7 @@ class SeqStats:
     target_passes: int = 0
     pos_tried: list[int] = field(default_factory=list)  # rounds that tested draft position i
     pos_accepted: list[int] = field(default_factory=list)  # rounds that accepted draft position i
+    accepted_hist: list[int] = field(default_factory=list)  # rounds with drafts, by drafts accepted (0, 1, ...)
     prefill_tokens: int = 0  # prompt tokens the target computed for this sequence
     prefill_shared: int = 0  # prompt tokens whose keys/values were copied from a sibling's prefill instead
 
@@ -35,6 +36,9 @@ class SeqStats:
             self.pos_tried[i] += 1
         for i in range(a):
             self.pos_accepted[i] += 1
+        if k > 0:
+            self.accepted_hist += [0] * (a + 1 - len(self.accepted_hist))
+            self.accepted_hist[a] += 1
 
     def to_dict(self) -> dict:
         return {
@@ -48,6 +52,7 @@ class SeqStats:
             # per-token acceptance a of the cost model (accepted / drafted is biased low for K > 1)
             "draft_trials": sum(self.pos_tried),
             "per_position_acceptance": [a / t if t else None for a, t in zip(self.pos_accepted, self.pos_tried)],
+            "accepted_length_rounds": list(self.accepted_hist),
         }
 
 
