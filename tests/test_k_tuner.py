@@ -72,3 +72,82 @@ def test_the_choice_depends_only_on_the_past():
         assert ka == kb
         a.record(4, ka, round_time(4, ka))
         b.record(4, kb, round_time(4, kb))
+
+
+# ---------------------------------------------------------------- in the engine
+@pytest.fixture(scope="module")
+def pair8(tmp_path_factory):
+    from util import make_checkpoint
+
+    d = tmp_path_factory.mktemp("tuner8")
+    kw = {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "eos_token_id": None}
+    make_checkpoint(d / "t", seed=5, **kw)
+    make_checkpoint(d / "d", seed=5, perturb=0.1, **kw)
+    return d / "t", d / "d"
+
+
+def test_sampling_stays_exact_with_the_tuner_under_concurrent_load(pair8):
+    """Unseeded sampled rows take the tuner's K while greedy requests from another thread change the batch: the
+    3-token joint is the target's exact one (chi-square), with no zero-probability sequence."""
+    import threading
+
+    import numpy as np
+    from scipy.stats import chisquare
+    from test_sampling_controls import _exact_joint3
+
+    from engine import Engine, SamplingParams
+    from engine.api.options import Limits
+
+    eng = Engine.from_pretrained(*pair8, limits=Limits(max_batch=48, max_waiting=10_000))
+    assert eng.policy.name == "measured"
+    prompt, sp = [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=1.0)
+    exact = _exact_joint3(eng, prompt, sp)
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            eng.submit([1 + i % 7, 2], SamplingParams(max_new_tokens=4 + i % 9)).result(timeout=60)
+            i += 1
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    counts, V = np.zeros(8**3), 8
+    try:
+        for _ in range(8):
+            for r in eng.submit_many([prompt] * 1500, [sp] * 1500):
+                a, b, c = r.result(timeout=300).token_ids
+                counts[(a * V + b) * V + c] += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert counts[exact == 0].sum() == 0
+    e = exact * counts.sum()
+    keep = e >= 5
+    obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(e[keep], e[~keep].sum())
+    ok = exp > 0
+    assert chisquare(obs[ok], exp[ok] * obs[ok].sum() / exp[ok].sum()).pvalue > 1e-4
+    st = eng.stats()
+    assert st["drafted"] > 0 and len(st["k_tuner"]) >= 2  # it ran at several batch buckets
+
+
+def test_the_tuner_and_the_accepted_length_histogram_in_the_metrics(ckpt_dir, draft_dir):
+    from engine import Engine, SamplingParams
+
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir)
+    eng.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], SamplingParams(max_new_tokens=30))
+    text = eng.metrics_text()
+    bins = {
+        line.split('accepted="')[1].split('"')[0]: int(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("specmix:spec_decode_rounds_by_accepted_length_total{")
+    }
+    name = "specmix:spec_decode_num_drafts_total "
+    drafts = int(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[1])
+    assert bins and sum(bins.values()) == drafts  # every round with drafts, binned by what it accepted
+    assert sum(int(a) * n for a, n in bins.items()) == eng.stats()["accepted"]
+    assert "specmix:spec_decode_tuned_k{" in text
+    tuned = eng.stats()["k_tuner"]
+    assert all(0 <= (v["k"] or 0) <= eng.policy.k_max for v in tuned.values())
