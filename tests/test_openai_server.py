@@ -166,6 +166,23 @@ def test_completion_stream_and_usage(live, eng):
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+def test_usage_reports_the_requests_speculation(live, eng):
+    """usage.speculation: the drafts verified and accepted and the rounds of the request, as Completion.stats."""
+    sp = SamplingParams(max_new_tokens=24, temperature=0.8, seed=11)
+    want = [eng.generate([[7, 8, 9]], SamplingParams(**{**sp.__dict__, "seed": 11 + j}))[0].stats for j in range(2)]
+    spec = {
+        "drafted": sum(w["drafted"] for w in want),
+        "accepted": sum(w["accepted"] for w in want),
+        "rounds": sum(w["target_passes"] for w in want),
+    }
+    assert spec["drafted"] > 0
+    kw = dict(model="m", prompt=[7, 8, 9], max_tokens=24, temperature=0.8, seed=11, n=2)
+    whole = live.client.completions.create(**kw)
+    assert whole.usage.model_extra["speculation"] == spec
+    chunks = list(live.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.model_extra["speculation"] == spec
+
+
 def test_logprobs_are_the_targets(live, eng):
     import torch
 

@@ -150,6 +150,11 @@ class Request:
                 self._error,
             )
 
+    def completion(self) -> Completion | None:
+        """The Completion once finished (None before, or when it failed)."""
+        with self._cv:
+            return self._built()
+
     def tokens_so_far(self) -> list[int]:
         with self._cv:
             return list(self._tokens)

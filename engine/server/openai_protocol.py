@@ -303,12 +303,21 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, stats: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """OpenAI's usage; with the finished choices' ``Completion.stats``, a ``speculation`` extension: draft tokens
+    verified, accepted, and the rounds (target passes) the choices took part in, summed."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if stats:
+        out["speculation"] = {
+            "drafted": sum(s.get("drafted", 0) for s in stats),
+            "accepted": sum(s.get("accepted", 0) for s in stats),
+            "rounds": sum(s.get("target_passes", 0) for s in stats),
+        }
+    return out
 
 
 def completion_logprobs(entries: Sequence[Any], token_text: Any, offset: int) -> dict[str, Any]:

@@ -144,8 +144,13 @@ async def complete(r: Reply) -> dict[str, Any]:
         "created": now(),
         "model": r.model_name,
         "choices": out,
-        "usage": usage(r.prompt_tokens, n_out),
+        "usage": usage(r.prompt_tokens, n_out, _stats(r.choices)),
     }
+
+
+def _stats(choices: list[Choice]) -> list[dict[str, Any]]:
+    """The finished choices' per-request figures (``Completion.stats``)."""
+    return [comp.stats for c in choices if (comp := c.req.completion()) is not None]
 
 
 Update = tuple[Choice, str, list[TokenLogprob], bool]  # a choice, its text piece, its logprob entries, whether it ended
@@ -249,7 +254,7 @@ class EventStream:
     def _usage(self) -> str:
         n_out = sum(len(c.req.tokens_so_far()) for c in self.r.choices)
         body = self._body([])
-        body["usage"] = usage(self.r.prompt_tokens, n_out)
+        body["usage"] = usage(self.r.prompt_tokens, n_out, _stats(self.r.choices))
         return _event(body)
 
 
