@@ -1,7 +1,7 @@
 """``specmix-serve`` (and tools/serve.py): an OpenAI-compatible server over a profile or a checkpoint.
 
     specmix-serve --profile FILE [--host H] [--port N]
-    specmix-serve --target DIR|owner/name [--draft DIR|owner/name] [--k 5] [--k-policy cost-model]
+    specmix-serve --target DIR|owner/name [--draft DIR|owner/name] [--k 5] [--k-policy measured]
     specmix-serve ... --api-key KEY (or SPECMIX_API_KEY) [--allowed-origins URL ...] [--max-body-bytes N ...]
 
 Needs the ``serve`` extra (``pip install -e '.[serve]'``: FastAPI, uvicorn, prometheus_client).
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-spec", action="store_true", default=None, help="decode plainly (speculation off)")
     ap.add_argument("--k", type=int, default=None, help="drafts per round to start from (default 5)")
-    ap.add_argument("--k-policy", default=None, help="cost-model (default), constant, heuristic, ...")
+    ap.add_argument("--k-policy", default=None, help="measured (default), cost-model, heuristic, constant")
     ap.add_argument(
         "--prompt-lookup",
         type=int,
@@ -178,7 +178,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     spec = SpeculationConfig(
         drafter=drafter,
         k=5 if args.k is None else args.k,
-        k_policy=args.k_policy or "cost-model",
+        k_policy=args.k_policy or "measured",
         prompt_lookup_min=args.prompt_lookup,
     )
     eng = Engine.from_pretrained(
