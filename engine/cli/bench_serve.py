@@ -1,30 +1,39 @@
-"""Serving benchmark against OpenAI-compatible servers: output tokens/s, TTFT, inter-token latency.
+"""Serving benchmark of OpenAI-compatible servers, as ``vllm bench serve`` reports it, speculation on vs off.
 
+    # start specmix-serve with your flags (after --) and again with --no-spec; compare them
+    python tools/bench_serve.py --concurrency 1 2 4 8 16 --temperature 0 0.7 --json out.json --plot out.png \\
+        -- --target DIR --drafter ngram
+    python tools/bench_serve.py --target DIR --draft DIR --request-rate 1 2 4 inf --goodput ttft:500 tpot:50
     # one running server
     python tools/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1 4 16
-    # start the servers itself (speculation on, off, and a fixed K=5 window) and compare them
-    python tools/bench_serve.py --target DIR --draft DIR --configs on off fixed5 --concurrency 1 4 16 --json out.json
-    # a request-rate mode (Poisson arrivals, requests/s) instead of closed-loop clients
-    python tools/bench_serve.py --url URL --rate 4 --num-requests 64
+    # datasets: a JSONL ("prompt" or "messages", optional "output_len"), or random token ids
+    python tools/bench_serve.py ... --dataset prompts.jsonl
+    python tools/bench_serve.py ... --dataset random --input-len 128 --output-len 64
 
-Every request streams a greedy completion of exactly --max-tokens tokens (ignore_eos), so each
-configuration emits the same tokens. TTFT: submission to the first content chunk. Inter-token
-latency (ITL): per request, (last chunk - first chunk) / (tokens - 1), i.e. time per output token
-after the first. Figures are p50/p99 over requests; tokens/s is all output tokens over the wall time.
+Modes: closed loop (``--concurrency``: N clients, each sending its next request when its last ends) and
+open loop (``--request-rate``: Poisson arrivals, requests/s; inf sends all at once). Every request
+streams with ``stream_options.include_usage`` and ``ignore_eos``, so each configuration emits the same
+number of tokens. Figures (engine/cli/serve_stats.py): output tokens/s, requests/s, goodput under
+``--goodput`` SLOs, TTFT, TPOT, ITL and end-to-end latency (mean, median, p99); from the server's
+/metrics, scraped before and after each point: acceptance per draft position, mean accepted length, the
+K tuner's K per batch bucket. With the servers started here, the configurations run side by side,
+point by point and repeat by repeat interleaved, and ``--repeats`` gives each figure's median.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import logging
 import os
-import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,91 +42,53 @@ log = logging.getLogger("bench_serve")
 CONFIGS = {"on": [], "off": ["--no-spec"], "fixed5": ["--k", "5", "--k-policy", "constant"]}
 
 
-def prompts(n: int, words: int, seed: int = 0) -> list[str]:
-    """Held-out demo-corpus passages (never the eval text)."""
-    from engine.demo.recipe import demo_texts
-
-    text = demo_texts()["heldout"].split()
-    rng = random.Random(seed)
-    return [" ".join(text[(s := rng.randrange(len(text) - words)) : s + words]) for _ in range(n)]
+@dataclass(frozen=True)
+class Server:
+    config: str
+    url: str
+    model: str
 
 
-async def one(client: Any, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, float]:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-            if obj.get("choices") and obj["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
-    end = time.perf_counter()
-    first = first or end
-    last = last or end
-    return {"ttft": first - t0, "itl": (last - first) / max(1, tokens - 1), "e2e": end - t0, "tokens": tokens}
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="specmix-bench-serve",
+        description=__doc__.splitlines()[0],
+        epilog="Arguments after -- go to every specmix-serve started (with --configs' additions).",
+    )
+    ap.add_argument("--url", help="a running server (a single run; else servers are started, one per --configs)")
+    ap.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    ap.add_argument("--target", help="shorthand for -- --target DIR (and the random dataset's tokenizer)")
+    ap.add_argument("--draft", help="shorthand for -- --draft DIR")
+    ap.add_argument("--configs", nargs="+", default=["on", "off"], choices=sorted(CONFIGS))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=None, help="closed-loop clients (default 1 4 16)")
+    ap.add_argument("--request-rate", "--rate", nargs="+", type=float, default=None, help="Poisson requests/s, inf")
+    ap.add_argument("--num-prompts", "--num-requests", type=int, default=None, help="per point (4 x conc., >= 8)")
+    ap.add_argument("--dataset", default=None, help="FILE.jsonl or 'random' (default: held-out demo corpus)")
+    ap.add_argument("--input-len", type=int, default=128, help="tokens of a random prompt")
+    ap.add_argument("--output-len", "--max-tokens", type=int, default=128, help="tokens per request (default)")
+    ap.add_argument("--prompt-words", type=int, default=48, help="words of a default prompt")
+    ap.add_argument("--tokenizer", default=None, help="for --dataset random (default: --target)")
+    ap.add_argument("--temperature", nargs="+", type=float, default=[0.0], help="each value a separate run")
+    ap.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per point; each figure is the median")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--plot", help="PNG: speedup vs concurrency, TTFT/TPOT vs request rate (the plot extra)")
+    return ap
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))] if s else float("nan")
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the benchmark's arguments, those after -- for specmix-serve)."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
 
 
-async def run_load(
-    url: str, model: str, texts: list[str], max_tokens: int, concurrency: int | None, rate: float | None, seed: int = 0
-) -> dict[str, Any]:
-    import httpx
-
-    results: list[dict[str, float]] = []
-    limits = httpx.Limits(max_connections=max(64, concurrency or 0))
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one(client, url, model, texts[0], 4)  # warm-up
-        t0 = time.perf_counter()
-        if rate is None:
-            queue = list(texts)
-
-            async def worker() -> None:
-                while queue:
-                    results.append(await one(client, url, model, queue.pop(), max_tokens))
-
-            await asyncio.gather(*[worker() for _ in range(concurrency or 1)])
-        else:
-            rng = random.Random(seed)
-            tasks = []
-            for p in texts:
-                tasks.append(asyncio.create_task(one(client, url, model, p, max_tokens)))
-                await asyncio.sleep(rng.expovariate(rate))
-            results = list(await asyncio.gather(*tasks))
-        wall = time.perf_counter() - t0
-    toks = sum(r["tokens"] for r in results)
-    return {
-        "concurrency": concurrency,
-        "rate": rate,
-        "requests": len(results),
-        "output_tokens": toks,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(toks / wall, 2),
-        **{
-            f"{k}_p{q}_ms": round(1000 * _pct([r[k] for r in results], q), 2)
-            for k in ("ttft", "itl", "e2e")
-            for q in (50, 99)
-        },
-    }
+def serve_args(args: argparse.Namespace, extra: Sequence[str]) -> list[str]:
+    own = [(f, v) for f, v in (("--target", args.target), ("--draft", args.draft)) if v]
+    return [x for fv in own for x in fv] + list(extra)
 
 
 def _free_port() -> int:
@@ -126,110 +97,179 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: argparse.Namespace, config: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "engine.cli.serve",
-        "--target",
-        args.target,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "bench",
-        "--max-batch",
-        str(max(64, max(args.concurrency))),
-    ]
-    if args.draft and config != "off":
-        cmd += ["--draft", args.draft]
-    cmd += CONFIGS[config]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+def _wait_healthy(proc: subprocess.Popen, url: str, logfile: Path, config: str, timeout_s: float = 600) -> None:
     import httpx
 
-    for _ in range(600):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"server {config} exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
+            tail = logfile.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"specmix-serve ({config}) exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
         time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server {config} did not start")
+    raise RuntimeError(f"specmix-serve ({config}) not healthy after {timeout_s:.0f} s (log: {logfile})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", help="a running server (else --target starts one per --configs entry)")
-    ap.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    ap.add_argument("--target")
-    ap.add_argument("--draft")
-    ap.add_argument("--configs", nargs="+", default=["on", "off"], choices=sorted(CONFIGS))
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead of clients")
-    ap.add_argument("--num-requests", type=int, default=None, help="default: 4 x concurrency (>= 8)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--prompt-words", type=int, default=48)
-    ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
-    if not args.url and not args.target:
-        ap.error("give --url or --target")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the table
-    rows = []
-    servers = [("url", None, args.url)] if args.url else []
-    for cfg in [] if args.url else args.configs:
-        proc, url = spawn(args, cfg)
-        servers.append((cfg, proc, url))
+@contextlib.contextmanager
+def spawn(base: Sequence[str], config: str, max_batch: int, logdir: Path) -> Iterator[str]:
+    """specmix-serve with ``base`` + the config's flags on a free port of 127.0.0.1; yields its URL."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "engine.cli.serve", *base, *CONFIGS[config]]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    if "--max-batch" not in base:
+        cmd += ["--max-batch", str(max_batch)]
+    logfile = logdir / f"serve-{config}.log"
+    log.info("starting %s (log %s)", " ".join(cmd[1:]), logfile)
+    with logfile.open("w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, url, logfile, config)
+        yield url
+    finally:
+        proc.terminate()
         try:
-            rows += _bench_one(args, cfg, url)
-        finally:
-            proc.terminate()
             proc.wait(30)
-    if args.url:
-        rows += _bench_one(args, "url", args.url)
-    hdr = ("config", "conc", "rate", "reqs", "tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99")
-    print(" | ".join(hdr))
-    for r in rows:
-        print(
-            " | ".join(
-                str(x)
-                for x in (
-                    r["config"],
-                    r["concurrency"],
-                    r["rate"],
-                    r["requests"],
-                    r["tokens_per_s"],
-                    r["ttft_p50_ms"],
-                    r["ttft_p99_ms"],
-                    r["itl_p50_ms"],
-                    r["itl_p99_ms"],
-                )
-            )
-        )
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of ``name`` in an argument list (None when absent)."""
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+
+def _model(url: str, given: str | None) -> str:
+    import httpx
+
+    return given or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, extra = split_argv(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    args = ap.parse_args(own)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the table
+    base = args.serve_args = serve_args(args, extra)
+    if not args.url and not base:
+        ap.error("give --url, or the server's flags (--target DIR, or -- --profile FILE ...)")
+    if not args.url and "--profile" in base and "off" in args.configs:
+        ap.error("specmix-serve refuses --no-spec with --profile (the profile fixes speculation): use --target/--draft")
+    from engine.cli.serve_stats import parse_goodput
+
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = [1, 4, 16]
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            servers = [Server("url", args.url.rstrip("/"), _model(args.url.rstrip("/"), args.model))]
+        else:
+            logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-serve-")))
+            top = max([64, *(args.concurrency or [])])
+            servers = []
+            for cfg in args.configs:
+                url = stack.enter_context(spawn(base, cfg, top, logdir))
+                servers.append(Server(cfg, url, _model(url, args.model)))
+        rows = run_all(args, servers, slos)
+    return report(args, rows, slos)
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], slos: dict[str, float]) -> int:
+    from engine.cli.serve_report import plot, speedups, table
+
+    sp = speedups(rows)
+    print(table(rows, sp))
     if args.json:
         from engine.core.files import write_json_atomic
 
-        write_json_atomic(Path(args.json), {"rows": rows, "args": vars(args), "host_cpus": os.cpu_count()})
-    return 0
+        own, extra = vars(args), {"slos_s": slos, "host_cpus": os.cpu_count()}
+        write_json_atomic(Path(args.json), {"rows": rows, "speedups": sp, "args": own, **extra})
+    if args.plot:
+        plot(rows, sp, Path(args.plot))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-def _bench_one(args: argparse.Namespace, cfg: str, url: str) -> list[dict[str, Any]]:
-    import httpx
+def points(args: argparse.Namespace) -> list[tuple[str, float]]:
+    return [("concurrency", c) for c in args.concurrency or []] + [("rate", r) for r in args.request_rate or []]
 
-    model = args.model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    out = []
-    for conc in [None] if args.rate else args.concurrency:
-        n = args.num_requests or max(8, 4 * (conc or 1))
-        texts = prompts(n, args.prompt_words)
-        r = asyncio.run(run_load(url, model, texts, args.max_tokens, conc, args.rate))
-        r["config"] = cfg
-        log.info("%s: %s", cfg, r)
-        out.append(r)
-    return out
+
+def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str, float]) -> list[dict[str, Any]]:
+    """Every (temperature, point): each server's repeats, interleaved; one row per server and point."""
+    from tqdm import tqdm
+
+    from engine.cli.serve_load import Sampling, scrape, warm_up
+
+    items0 = dataset(args, 1)[0]
+    for s in servers:
+        asyncio.run(warm_up(s.url, s.model, items0, args.temperature[0]))
+    rows = []
+    todo = [(t, p) for t in args.temperature for p in points(args)]
+    for temp, (mode, x) in tqdm(todo, desc="points", disable=None):
+        n = args.num_prompts or (max(8, 4 * int(x)) if mode == "concurrency" else 32)
+        items = dataset(args, n)
+        sampling = Sampling(max_tokens=args.output_len, temperature=temp)
+        before = {s.config: scrape(s.url) for s in servers}
+        runs: dict[str, list[dict[str, Any]]] = {s.config: [] for s in servers}
+        for rep in range(args.repeats):
+            for s in servers:
+                runs[s.config].append(run_point(s, items, sampling, mode, x, slos, args.seed + rep))
+        for s in servers:
+            rows.append(point_row(s, mode, x, temp, runs[s.config], before[s.config], scrape(s.url)))
+            log.info("%s %s=%s temperature %s: %.1f tok/s", s.config, mode, x, temp, rows[-1]["output_throughput"])
+    return rows
+
+
+def run_point(
+    s: Server, items: list[Any], sampling: Any, mode: str, x: float, slos: dict[str, float], seed: int
+) -> dict[str, Any]:
+    """One run of one point against one server: its summary."""
+    from engine.cli.serve_load import run_closed_loop, run_open_loop
+    from engine.cli.serve_stats import summarize
+
+    if mode == "concurrency":
+        results, wall = asyncio.run(run_closed_loop(s.url, s.model, items, sampling, int(x)))
+    else:
+        results, wall = asyncio.run(run_open_loop(s.url, s.model, items, sampling, x, seed))
+    return summarize(results, wall, slos)
+
+
+def point_row(
+    s: Server, mode: str, x: float, temp: float, runs: list[dict[str, Any]], before: Any, after: Any
+) -> dict[str, Any]:
+    from engine.cli.serve_report import median_row
+    from engine.cli.serve_stats import speculation
+
+    return {
+        "config": s.config,
+        "mode": mode,
+        "concurrency": int(x) if mode == "concurrency" else None,
+        "rate": x if mode == "rate" else None,
+        "temperature": temp,
+        **median_row(runs),
+        "speculation": speculation(before, after),
+        "repeats": runs,
+    }
+
+
+def dataset(args: argparse.Namespace, n: int) -> list[Any]:
+    """n requests of --dataset (cycled when it has fewer)."""
+    from engine.cli import serve_load
+
+    if args.dataset is None:
+        return serve_load.default_items(n, args.prompt_words, args.seed)
+    if args.dataset == "random":
+        tok = args.tokenizer or args.target or _flag(args.serve_args, "--target")
+        if tok is None:
+            raise SystemExit("--dataset random needs --tokenizer DIR (or --target)")
+        return serve_load.random_items(tok, n, args.input_len, args.output_len, args.seed)
+    return serve_load.take(serve_load.load_jsonl(args.dataset), n)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""The serving benchmark's report (tools/bench_serve.py): medians over repeats, the table, speedups, the plot."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.cli.serve_stats import LATENCIES
+
+MEDIAN_KEYS = (
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "goodput",
+    *(f"{s}_{m}_ms" for m in LATENCIES for s in ("mean", "median", "p99")),
+)
+
+
+def median_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the repeats of one point (None where a figure is None)."""
+    out: dict[str, Any] = {}
+    for k in MEDIAN_KEYS:
+        vals = [r[k] for r in runs if r[k] is not None and not (isinstance(r[k], float) and math.isnan(r[k]))]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
+def point_key(row: dict[str, Any]) -> tuple[str, float, float]:
+    """A row's point: (mode, concurrency or rate, temperature)."""
+    return row["mode"], row["concurrency"] if row["mode"] == "concurrency" else row["rate"], row["temperature"]
+
+
+def speedups(rows: Sequence[dict[str, Any]], base: str = "off") -> list[dict[str, Any]]:
+    """Per point and config other than ``base``: output tokens/s and TTFT p99 against ``base``'s."""
+    bases = {point_key(r): r for r in rows if r["config"] == base}
+    out = []
+    for r in rows:
+        b = bases.get(point_key(r))
+        if r["config"] == base or b is None:
+            continue
+        out.append(
+            {
+                "config": r["config"],
+                "mode": r["mode"],
+                "x": point_key(r)[1],
+                "temperature": r["temperature"],
+                "speedup": _ratio(r["output_throughput"], b["output_throughput"]),
+                "ttft_p99_ratio": _ratio(r["p99_ttft_ms"], b["p99_ttft_ms"]),
+            }
+        )
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _f(v: Any, nd: int = 1) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def table(rows: Sequence[dict[str, Any]], sp: Sequence[dict[str, Any]]) -> str:
+    """The result table (a CLI's output, in markdown)."""
+    hdr = (
+        "config | mode | x | temp | reqs | out tok/s | req/s | goodput | TTFT mean/med/p99 ms | TPOT mean/med/p99 ms"
+        " | ITL mean/med/p99 ms | E2EL mean/med/p99 ms | accepted length | acceptance per pos | tuned K"
+    )
+    lines = [hdr, "|".join(["---"] * hdr.count("|")) + "|---"]
+    for r in rows:
+        spec = r.get("speculation") or {}
+        lat = [
+            "/".join(_f(r[f"{s}_{m}_ms"]) for s in ("mean", "median", "p99")) for m in ("ttft", "tpot", "itl", "e2el")
+        ]
+        lines.append(
+            " | ".join(
+                [
+                    r["config"],
+                    r["mode"],
+                    _f(point_key(r)[1]),
+                    _f(r["temperature"]),
+                    _f(r["completed"]),
+                    _f(r["output_throughput"]),
+                    _f(r["request_throughput"], 2),
+                    _f(r["goodput"], 2),
+                    *lat,
+                    _f(spec.get("mean_accepted_length"), 2),
+                    ",".join(f"{a:.2f}" for a in spec.get("acceptance_per_pos", [])) or "-",
+                    ",".join(f"{b}:{k}" for b, k in spec.get("tuned_k", {}).items()) or "-",
+                ]
+            )
+        )
+    if sp:
+        lines += ["", "config | mode | x | temp | speedup (out tok/s vs off) | TTFT p99 vs off", "|".join(["---"] * 6)]
+        lines += [
+            f"{s['config']} | {s['mode']} | {_f(s['x'])} | {_f(s['temperature'])} | {_f(s['speedup'], 2)}x"
+            f" | {_f(s['ttft_p99_ratio'], 2)}x"
+            for s in sp
+        ]
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, Any]], sp: Sequence[dict[str, Any]], out: Path) -> None:
+    """Speedup against concurrency; TTFT and TPOT (medians) against the finite request rates; into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    conc = [s for s in sp if s["mode"] == "concurrency"]
+    for key in sorted({(s["config"], s["temperature"]) for s in conc}):
+        pts = sorted((s["x"], s["speedup"]) for s in conc if (s["config"], s["temperature"]) == key)
+        axes[0].plot(*zip(*pts), marker="o", label=f"{key[0]} / off, temperature {key[1]}")
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_xscale("log", base=2)
+    xs = sorted({s["x"] for s in conc})
+    axes[0].set_xticks(xs, [f"{x:g}" for x in xs])
+    axes[0].set(xlabel="concurrency", ylabel="output tokens/s vs off", title="speedup")
+    rate = [r for r in rows if r["mode"] == "rate" and math.isfinite(r["rate"])]
+    for ax, metric in ((axes[1], "ttft"), (axes[2], "tpot")):
+        for key in sorted({(r["config"], r["temperature"]) for r in rate}):
+            pts = sorted((r["rate"], r[f"median_{metric}_ms"]) for r in rate if (r["config"], r["temperature"]) == key)
+            ax.plot(*zip(*pts), marker="o", label=f"{key[0]}, temperature {key[1]}")
+        ax.set(xlabel="request rate (requests/s)", ylabel=f"median {metric.upper()} ms", title=metric.upper())
+    for ax in axes:
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
