@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -190,10 +191,22 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], slos: dict[str,
         from engine.core.files import write_json_atomic
 
         own, extra = vars(args), {"slos_s": slos, "host_cpus": os.cpu_count()}
-        write_json_atomic(Path(args.json), {"rows": rows, "speedups": sp, "args": own, **extra})
+        data = {"rows": rows, "speedups": sp, "args": own, **extra}
+        write_json_atomic(Path(args.json), jsonable(data))
     if args.plot:
         plot(rows, sp, Path(args.plot))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def jsonable(x: Any) -> Any:
+    """Strict JSON: nan as null, an infinite rate as "inf"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
 
 
 def points(args: argparse.Namespace) -> list[tuple[str, float]]:
