@@ -1,22 +1,32 @@
-"""The planner's candidates for one FFN Linear and their expected cost on a GPU (on paper).
+"""The planner's candidates for one FFN Linear and their cost: measured, or on a GPU on paper.
 
 Per Linear: ``w8a8`` (SmoothQuant, int8 tensor cores; only where the GPU has them), ``w8a16`` per
-output channel, ``w8a16`` per group of 128, 64, 32 input channels (int8 bytes, fp16 math), then
-``fp16``. Cost of one Linear at ``rows`` rows (``paper_cost``): max(bytes moved / bandwidth,
-2 * rows * N * K / throughput of its math), from the catalog's memory bandwidth and tensor
-throughput. quant/search.py orders each module's candidates by it.
+output channel, ``w8a16`` per group of 128, 64, 32 input channels, then ``fp16``. On paper
+(``paper_cost``, for a GPU the profile is not built on): max(the bytes the kernel that runs moves /
+bandwidth, 2 * rows * N * K / throughput of its math), from the catalog's memory bandwidth and tensor
+throughput. The bytes are those of the kernels quant.matmul_kernels runs on CUDA (``kernel_bytes``):
+the dense fp16 weight; w8a8's int8 weight; w8a16's int8 weight through torch._weight_int8pack_mm
+(per output channel, at most W8A16_PACKED_ROWS rows), else the weight dequantized to fp16 on every
+call (int8 read, fp16 written and read again: 5 bytes a weight, more than fp16's 2). Measured (a
+``CostFn`` from the build, engine/kernels/cpu_int8.py ``CpuCostMeter`` where the profile is built on
+the CPU it runs on): the kernel itself timed on the device. quant/search.py orders each module's
+candidates by the cost and says in a module's "why" when its choice is slower than the dense Linear.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.core.errors import InvalidConfigError
 
 from .catalog import validate_gpu
+from .matmul_kernels import W8A16_PACKED_ROWS
 
 DEFAULT_ROWS = 64  # a verify pass of a batch of sequences: (K + 1) rows each
+MEASURED_TIE = 1.1  # measured costs within this ratio of each other count as equal (timing noise)
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,20 @@ CHOICES = (
     Choice("w8a16/g32", "w8a16", 32),
     Choice("fp16", "dense"),
 )
+DENSE = CHOICES[-1]
+
+CostFn = Callable[[Choice, int, int, int], float]
+"""(choice, n_out, n_in, rows) -> seconds for one call of the Linear's kernel."""
+
+
+def kernel_bytes(choice: Choice, n_out: int, n_in: int, rows: int) -> int:
+    """Weight bytes one call of the kernel that runs ``choice`` on CUDA moves (quant.matmul_kernels)."""
+    if choice.kernel == "dense":
+        return 2 * n_out * n_in
+    groups = 1 if choice.group_size is None else -(-n_in // choice.group_size)
+    stored = n_out * n_in + 4 * n_out * groups
+    fused = choice.kernel == "w8a8" or (choice.group_size is None and rows <= W8A16_PACKED_ROWS)
+    return stored if fused else stored + 2 * (2 * n_out * n_in)  # + the fp16 copy written and read back
 
 
 def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows: int = DEFAULT_ROWS) -> float:
@@ -44,23 +68,32 @@ def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows:
             f"gpu {gpu.get('name')!r} has no tensor_tflops.fp16 in the catalog: the planner "
             "needs it to order candidates"
         )
-    if choice.kernel == "dense":
-        w_bytes = 2 * n_out * n_in
-    else:
-        groups = 1 if choice.group_size is None else -(-n_in // choice.group_size)
-        w_bytes = n_out * n_in + 4 * n_out * groups
     act_bytes = 2 * rows * (n_in + n_out)
     math_tput = tflops["int8"] if choice.kernel == "w8a8" else tflops["fp16"]
-    if choice.kernel == "w8a16" and choice.group_size is not None:
-        math_tput = math_tput * 0.9  # the per-group dequantization in the GEMM's prologue (a stated guess)
-    return max(
-        (w_bytes + act_bytes) / (gpu["memory_bandwidth_gbps"] * 1e9), 2.0 * rows * n_out * n_in / (math_tput * 1e12)
-    )
+    moved = kernel_bytes(choice, n_out, n_in, rows) + act_bytes
+    return max(moved / (gpu["memory_bandwidth_gbps"] * 1e9), 2.0 * rows * n_out * n_in / (math_tput * 1e12))
 
 
-def ordered_choices(gpu: dict[str, Any], n_out: int, n_in: int, rows: int = DEFAULT_ROWS) -> list[Choice]:
-    """The candidates for one Linear, fastest first (ties: fewer bytes first); w8a8 only with int8 tensor cores."""
+def ordered_choices(
+    gpu: dict[str, Any], n_out: int, n_in: int, rows: int = DEFAULT_ROWS, cost: CostFn | None = None
+) -> list[Choice]:
+    """The INT8 candidates for one Linear, fastest first by ``cost`` (None: on paper on ``gpu``; ties: the order
+    of CHOICES, measured costs binned by MEASURED_TIE so that timing noise does not reorder them), then the
+    dense Linear; w8a8 only with int8 tensor cores."""
     validate_gpu(gpu)
     ok = [c for c in CHOICES if c.kernel != "w8a8" or gpu["tensor_cores"]["int8"]]
     order = {c.label: i for i, c in enumerate(CHOICES)}
-    return sorted(ok, key=lambda c: (paper_cost(gpu, n_out, n_in, c, rows), order[c.label]))
+    costs = choice_costs(gpu, n_out, n_in, ok, rows, cost)
+    if cost is not None:
+        costs = {k: float(round(math.log(max(v, 1e-12)) / math.log(MEASURED_TIE))) for k, v in costs.items()}
+    int8 = sorted((c for c in ok if c.kernel != "dense"), key=lambda c: (costs[c.label], order[c.label]))
+    return int8 + [DENSE]  # the dense Linear last: the search's last resort, whatever its cost
+
+
+def choice_costs(
+    gpu: dict[str, Any], n_out: int, n_in: int, choices: list[Choice], rows: int, cost: CostFn | None
+) -> dict[str, float]:
+    """Seconds per call of each choice: ``cost`` (measured) or on paper on ``gpu``."""
+    if cost is None:
+        return {c.label: paper_cost(gpu, n_out, n_in, c, rows) for c in choices}
+    return {c.label: cost(c, n_out, n_in, rows) for c in choices}

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 
-from .candidates import CHOICES, DEFAULT_ROWS, Choice, ordered_choices
+from .candidates import CHOICES, DEFAULT_ROWS, DENSE, Choice, CostFn, choice_costs, ordered_choices
 from .linear import Int8Linear
 from .plan import w8a16_family
 from .plan_schema import FAMILY_MODULES, FamilyPlan
@@ -248,11 +248,24 @@ def _with_plan(
 
 
 def _candidates(
-    model: nn.Module, calib: Calibration, gpu: dict[str, Any], rows: int
+    model: nn.Module, calib: Calibration, gpu: dict[str, Any], rows: int, cost: CostFn | None = None
 ) -> tuple[dict[str, list[Choice]], dict[str, dict[str, tuple[float, float | None]]]]:
-    """Per FFN Linear: its candidates fastest first on ``gpu``, and each candidate's calibration error."""
-    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows) for n, lin in _ffn_linears(model).items()}
+    """Per FFN Linear: its candidates fastest first (``cost``, None: on paper on ``gpu``), and each candidate's
+    calibration error."""
+    lins = _ffn_linears(model)
+    order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows, cost) for n, lin in lins.items()}
     return order, module_errors(model, calib, list({c.label: c for cs in order.values() for c in cs}.values()))
+
+
+def _costs(
+    model: nn.Module, order: dict[str, list[Choice]], gpu: dict[str, Any], rows: int, cost: CostFn | None
+) -> dict[str, dict[str, float]]:
+    """Per FFN Linear: seconds per call of each candidate and of the dense Linear (as ``ordered_choices``)."""
+    lins = _ffn_linears(model)
+    return {
+        n: choice_costs(gpu, lins[n].out_features, lins[n].in_features, [*cs, DENSE], rows, cost)
+        for n, cs in order.items()
+    }
 
 
 def search_plan_at(
@@ -282,6 +295,10 @@ class _Ladder:
     """A plan passes with calibration KLD <= this ..."""
     min_top1: float
     """... and top-1 agreement >= this."""
+    costs: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per FFN Linear and candidate (and "fp16", the dense Linear): seconds per call."""
+    cost_source: str = "on paper"
+    """Where the costs come from (said in a reason)."""
 
     def plan(self, i: int) -> dict[str, Choice]:
         """Each module's choice in plan ``i`` of the ladder."""
@@ -356,7 +373,19 @@ def _reason(lad: _Ladder, name: str, c: Choice, t: float, m: int) -> str:
         why = f"stepped back past {', '.join(faster)}; " + why
     if alpha is not None:
         why += f"; SmoothQuant alpha {alpha} (least error of {ALPHA_GRID[0]}..{ALPHA_GRID[-1]})"
-    return why
+    return why + _slower_note(lad, name, c)
+
+
+def _slower_note(lad: _Ladder, name: str, c: Choice) -> str:
+    """What a reason says when ``c`` runs slower than the dense Linear would."""
+    costs = lad.costs.get(name, {})
+    mine, dense = costs.get(c.label), costs.get(DENSE.label)
+    if c.kernel == "dense" or mine is None or dense is None or mine <= dense:
+        return ""
+    return (
+        f"; slower than the unquantized Linear ({lad.cost_source}: {mine * 1e6:.1f} us vs {dense * 1e6:.1f} us "
+        "a call): chosen for its bytes, not its speed"
+    )
 
 
 def _module_plans(lad: _Ladder, i: int, dense_storage: str) -> dict[str, FamilyPlan]:
@@ -400,17 +429,22 @@ def search_ffn(
     rows: int = DEFAULT_ROWS,
     dense_storage: str = "fp16",
     resolution: float = 0.02,
+    cost: CostFn | None = None,
+    cost_source: str | None = None,
 ) -> SearchResult:
     """The fastest per-module FFN plan whose calibration KLD <= kld_budget and top-1 >= min_top1.
 
     The bisection stops once the passing and the failing threshold's plans differ in at most a
     ``resolution`` share of the modules (0: bisect to a single threshold step): each trial is a
     forward pass over the calibration windows, and the last steps of a full bisection move one
-    module each."""
+    module each. ``cost``: the candidates' measured cost (``cost_source`` says where, e.g. "measured on
+    cpu"); None: on paper on ``gpu``."""
     if not kld_budget > 0:
         raise InvalidConfigError(f"kld_budget={kld_budget!r} is invalid: allowed > 0")
-    order, errs = _candidates(model, calib, gpu, rows)
-    lad = _Ladder(model, calib, order, errs, _ladder(errs, order), kld_budget, min_top1)
+    order, errs = _candidates(model, calib, gpu, rows, cost)
+    source = cost_source or ("measured" if cost is not None else f"on paper on {gpu.get('name')} at {rows} rows")
+    costs = _costs(model, order, gpu, rows, cost)
+    lad = _Ladder(model, calib, order, errs, _ladder(errs, order), kld_budget, min_top1, costs, source)
     trials: list[dict[str, Any]] = []
     best = _bisect(lad, resolution, trials)
     t, m = lad.steps[best[0]]

@@ -20,6 +20,8 @@ from engine.api.plan_apply import calib_batches
 from engine.core.checkpoint import load_model
 from engine.core.config import load_config
 from engine.core.tokenizer import Tokenizer
+from engine.kernels.cpu_gemm import small_gemm_status
+from engine.kernels.cpu_int8 import CpuCostMeter
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,14 @@ def search_plan(
     model = load_model(target_dir, dtype, device)
     tok = Tokenizer(target_dir)
     calib = collect_calibration(model, calib_batches(tok, calib_text), kld_windows=KLD_WINDOWS)
+    cost, source = None, None
+    if device == "cpu" and small_gemm_status() is None:  # the plan runs here: its kernels' costs measured here
+        cost = CpuCostMeter()
+        source = f"measured on this CPU at {cost.rows} rows"
     res = search_ffn(
-        model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1, dense_storage=plan.target.compute_dtype
-    )
+        model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1, dense_storage=plan.target.compute_dtype,
+        cost=cost, cost_source=source,
+    )  # fmt: skip
     note = (
         f"planner: per-layer FFN choices {res.counts} (calibration KLD {res.kld:.5f} <= {kld_budget}, "
         f"top-1 {res.top1:.4f}; plan.target.modules says why for each)"
@@ -68,6 +75,7 @@ def search_plan(
         "kld": res.kld,
         "top1": res.top1,
         "counts": res.counts,
+        "costs": source or f"on paper on {gpu.get('name')}",
         "trials": res.trials,
     }
     log.info("%s", note)

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 # otherwise it rounds, which only a draft may do (the target verifies its proposals: the output is
 # unchanged and only the acceptance can move)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PER_WEIGHT = "exact"  # each GEMM weight in its own narrowest lossless dtype (a plan's fp16-valued attention
+# beside a bf16-valued LM head: neither dtype holds both, each holds its own)
 
 
 def _slots(layer: Any) -> dict[str, tuple[Any, tuple[nn.Module, ...]]]:
@@ -87,12 +89,15 @@ def exact_weight_dtype(model: Transformer) -> torch.dtype:
 
 
 def step_weight_dtype(weights: list[Tensor], choice: torch.dtype | str | None) -> torch.dtype | str:
-    """How a C++ step stores these GEMM weights: None -> ``exact_dtype(weights)`` (lossless); "auto" -> that
-    when it is 16-bit, else float16 (a draft's rounding: only the acceptance can move); a dtype or its name
-    (as ``KernelOptions.draft_step_weights`` gives it) -> that dtype (the step checks it)."""
+    """How a C++ step stores these GEMM weights: None -> ``exact_dtype(weights)`` (lossless) when it is 16-bit,
+    else PER_WEIGHT (each weight's own lossless dtype); "auto" -> the common exact dtype when it is 16-bit, else
+    float16 (a draft's rounding: only the acceptance can move); a dtype or its name (as
+    ``KernelOptions.draft_step_weights`` gives it) -> that dtype (the step checks it)."""
     if choice is None or choice == "auto":
         exact = exact_dtype(weights)
-        return torch.float16 if choice == "auto" and exact == torch.float32 else exact
+        if exact != torch.float32:
+            return exact
+        return torch.float16 if choice == "auto" else PER_WEIGHT
     return DTYPES.get(choice, choice) if isinstance(choice, str) else choice
 
 
@@ -173,14 +178,17 @@ def _slot_reason(mod: Any, parts: tuple[nn.Module, ...]) -> str | None:
 class DecodeStep:
     """``model``'s forward with a cache as one C++ call (same inputs and result as PyTorch's)."""
 
-    def __init__(self, model: Transformer, weight_dtype: torch.dtype = torch.float32, amx: bool | None = None) -> None:
+    def __init__(
+        self, model: Transformer, weight_dtype: torch.dtype | str = torch.float32, amx: bool | None = None
+    ) -> None:
         """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them."""
         reason = decode_step_reason(model)
         if reason is not None:
             raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
-        if weight_dtype not in WEIGHT_DTYPES:
+        if weight_dtype not in (*WEIGHT_DTYPES, PER_WEIGHT):
             raise ValueError(
-                f"weight_dtype={weight_dtype} is invalid: allowed {', '.join(str(d) for d in WEIGHT_DTYPES)}"
+                f"weight_dtype={weight_dtype} is invalid: allowed {', '.join(str(d) for d in WEIGHT_DTYPES)}, "
+                f"{PER_WEIGHT!r}"
             )
         if amx and weight_dtype != torch.bfloat16:
             raise ValueError(f"amx=True is invalid with weight_dtype={weight_dtype}: allowed torch.bfloat16")
@@ -195,6 +203,9 @@ class DecodeStep:
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.tensors = sw.tensors()  # what the step holds (Engine.stats counts its copies as resident weights)
+        if weight_dtype == PER_WEIGHT:  # what it chose: one dtype, or each weight its own
+            used = {t.dtype for t in sw.weights if t.dim() == 2 and t.is_floating_point()}
+            self.weight_dtype = used.pop() if len(used) == 1 else "+".join(sorted(str(d)[6:] for d in used))
         # the C++ side holds the weights (and checks their shapes once): a call passes only the step's tensors
         self.impl = cpu_kernels().DecodeModel(
             *sw.args(),
@@ -280,8 +291,8 @@ class DecodeStep:
         )
 
 
-def _mat(t: Tensor, dtype: torch.dtype) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
-    return t.detach().to(dtype).contiguous()
+def _mat(t: Tensor, dtype: torch.dtype | str) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
+    return t.detach().to(exact_dtype([t]) if dtype == PER_WEIGHT else dtype).contiguous()
 
 
 def _vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
@@ -315,7 +326,7 @@ class StepWeights:
         return [t for t in self.weights + self.scales + self.smooths if t.numel()]
 
 
-def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.dtype, bias: bool) -> None:
+def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.dtype | str, bias: bool) -> None:
     """One GEMM slot (and its bias when ``bias``): INT8 Linears stacked as they are, else the float weight."""
     q = fused_int8(parts) if isinstance(parts[0], Int8Linear) else None
     if q is not None:
@@ -329,7 +340,7 @@ def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.
         sw.add(_vec(b))
 
 
-def layer_weights(layers: Any, weight_dtype: torch.dtype) -> StepWeights:
+def layer_weights(layers: Any, weight_dtype: torch.dtype | str) -> StepWeights:
     """The decoder layers' tensors in the C++ ``DecodeModel``'s order, 9 per layer: input norm, q/k/v weight and
     bias, o_proj weight and bias, post norm, gate/up weight, down weight and bias (q/k/v and gate/up fused:
     ``fuse_projections``, or INT8 Linears stacked by ``fused_int8``; float GEMM weights in ``weight_dtype``,

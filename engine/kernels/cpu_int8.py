@@ -23,13 +23,16 @@ another model than the one the gate measured for ``w8a16``; it runs the plan's `
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from engine.kernels.cpu_gemm import MAX_ROWS, cpu_kernels, small_gemm_status
+from quant.candidates import Choice
 from quant.int8 import group_count
 from quant.linear import Int8Linear
 
@@ -149,3 +152,51 @@ def fused_int8(mods: tuple[nn.Module, ...]) -> Int8Weight | None:
     else:
         scale = torch.cat([_scales_at(p, finest) for p in parts])
     return Int8Weight(q, scale, finest or 0, torch.empty(0))
+
+
+@dataclass
+class CpuCostMeter:
+    """The planner's measured cost on this CPU (``quant.candidates.CostFn``): one call of the kernel the decode
+    step runs for a candidate (int8 GEMM, W8A8, or the fp32 kernel for the dense Linear) at ``rows`` rows
+    (default: a verify pass of K + 1 <= 8 rows at batch 1), on weights cycled through ``stream_bytes`` so they
+    come from memory as a model's do, not from cache; the median of ``repeats`` timings, cached per shape."""
+
+    rows: int = 8
+    stream_bytes: int = 64 << 20
+    repeats: int = 5
+    cache: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
+
+    def __call__(self, choice: Choice, n_out: int, n_in: int, rows: int) -> float:
+        key = (choice.label, n_out, n_in, min(rows, self.rows))
+        if key not in self.cache:
+            self.cache[key] = self._measure(choice, n_out, n_in, key[3])
+        return self.cache[key]
+
+    def _measure(self, choice: Choice, n_out: int, n_in: int, rows: int) -> float:
+        k = cpu_kernels()
+        g = torch.Generator().manual_seed(0)
+        lin = nn.Linear(n_in, n_out, bias=False)
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.05, generator=g)
+        x = torch.randn(rows, n_in, generator=g)
+        if choice.kernel == "dense":
+            w = lin.weight.detach()
+            copies, run = [w.clone() for _ in range(self._copies(w))], lambda t: k.small_gemm(x, t)
+        else:
+            mod = Int8Linear.from_float(lin, choice.kernel, group_size=choice.group_size)
+            s, grp = mod.weight_scale.detach(), mod.group_size or 0
+            copies = [mod.weight.detach().clone() for _ in range(self._copies(mod.weight))]
+            if choice.kernel == "w8a8":
+                run = lambda t: k.w8a8_gemm(x, t, s, torch.empty(0))  # noqa: E731
+            else:
+                run = lambda t: k.int8_gemm(x, t, s, grp)  # noqa: E731
+        times = []
+        for _ in range(self.repeats + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            for t in copies:
+                run(t)
+            times.append((time.perf_counter() - t0) / len(copies))
+        return statistics.median(times[1:])
+
+    def _copies(self, w: Tensor) -> int:
+        return max(1, min(64, self.stream_bytes // max(1, w.numel() * w.element_size())))

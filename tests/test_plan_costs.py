@@ -1,0 +1,49 @@
+"""The planner's costs: on paper from the bytes the CUDA kernel that runs moves, measured on this CPU by the
+kernels the decode step runs; a module whose choice is slower than the dense Linear says so in its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_plan_search import tiny, windows
+
+from engine.kernels.cpu_gemm import small_gemm_status
+from engine.kernels.cpu_int8 import CpuCostMeter
+from quant.candidates import CHOICES, DENSE, kernel_bytes, ordered_choices, paper_cost
+from quant.catalog import lookup_gpu
+from quant.search import collect_calibration, search_ffn
+
+
+def test_paper_bytes_are_the_running_kernels():
+    n, k = 1536, 576
+    by = {c.label: kernel_bytes(c, n, k, 64) for c in CHOICES}
+    assert by["fp16"] == 2 * n * k and by["w8a8"] == n * k + 4 * n
+    # no fused per-group W8A16 on CUDA yet: the weight is dequantized to fp16 on every call (5 bytes a weight)
+    assert by["w8a16/g32"] == n * k + 4 * n * (k // 32) + 4 * n * k > by["fp16"]
+    assert kernel_bytes(CHOICES[1], n, k, 16) == n * k + 4 * n  # per channel, <= 16 rows: int8pack reads int8
+    a100 = lookup_gpu("a100")
+    assert paper_cost(a100, n, k, CHOICES[4], 64) > paper_cost(a100, n, k, DENSE, 64)
+    assert ordered_choices(a100, n, k)[-1] == DENSE  # the dense Linear stays the last resort
+
+
+def test_search_says_when_a_choice_is_slower_than_dense():
+    _, m = tiny(4, layers=2)
+    calib = collect_calibration(m, windows(5), sample=96)
+    res = search_ffn(m, calib, lookup_gpu("v100"), kld_budget=1e9)  # no INT8 tensor cores: W8A16
+    slow = [p.reason for p in res.modules.values() if "slower than the unquantized Linear" in p.reason]
+    assert slow and all("on paper on" in r for r in slow)
+
+
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"CPU kernels unavailable: {small_gemm_status()}")
+def test_cpu_cost_meter_measures_the_step_kernels():
+    meter = CpuCostMeter(rows=4, stream_bytes=4 << 20, repeats=2)
+    costs = {c.label: meter(c, 256, 192, 64) for c in CHOICES}
+    assert all(v > 0 for v in costs.values()) and len(meter.cache) == len(CHOICES)
+    assert meter(CHOICES[1], 256, 192, 64) == costs["w8a16"]  # cached per shape and rows
+    order = ordered_choices(lookup_gpu("a100"), 256, 192, 64, meter)
+    assert order[-1] == DENSE and {c.label for c in order} == {c.label for c in CHOICES}
+    _, m = tiny(4, layers=1)
+    calib = collect_calibration(m, windows(5, n=2), sample=32)
+    res = search_ffn(m, calib, lookup_gpu("a100"), kld_budget=1e9, cost=meter, cost_source="measured here")
+    assert set(res.modules) == {f"layers.0.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")}
+    assert torch.is_grad_enabled()
