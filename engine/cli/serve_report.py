@@ -110,31 +110,41 @@ def table(rows: Sequence[dict[str, Any]], sp: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[dict[str, Any]], sp: Sequence[dict[str, Any]], out: Path) -> None:
-    """Speedup against concurrency; TTFT and TPOT (medians) against the finite request rates; into a PNG."""
+    """Speedup against concurrency; TTFT and TPOT (medians) against the finite request rates; into a PNG
+    (only the panels the run has data for)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     conc = [s for s in sp if s["mode"] == "concurrency"]
-    for key in sorted({(s["config"], s["temperature"]) for s in conc}):
-        pts = sorted((s["x"], s["speedup"]) for s in conc if (s["config"], s["temperature"]) == key)
-        axes[0].plot(*zip(*pts), marker="o", label=f"{key[0]} / off, temperature {key[1]}")
-    axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set_xscale("log", base=2)
-    xs = sorted({s["x"] for s in conc})
-    axes[0].set_xticks(xs, [f"{x:g}" for x in xs])
-    axes[0].set(xlabel="concurrency", ylabel="output tokens/s vs off", title="speedup")
     rate = [r for r in rows if r["mode"] == "rate" and math.isfinite(r["rate"])]
-    for ax, metric in ((axes[1], "ttft"), (axes[2], "tpot")):
-        for key in sorted({(r["config"], r["temperature"]) for r in rate}):
-            pts = sorted((r["rate"], r[f"median_{metric}_ms"]) for r in rate if (r["config"], r["temperature"]) == key)
-            ax.plot(*zip(*pts), marker="o", label=f"{key[0]}, temperature {key[1]}")
-        ax.set(xlabel="request rate (requests/s)", ylabel=f"median {metric.upper()} ms", title=metric.upper())
-    for ax in axes:
-        if ax.has_data():
-            ax.legend(fontsize=8)
+    panels = (["speedup"] if conc else []) + (["ttft", "tpot"] if rate else [])
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "speedup":
+            _speedup_panel(ax, conc)
+        else:
+            _rate_panel(ax, rate, panel)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _speedup_panel(ax: Any, conc: Sequence[dict[str, Any]]) -> None:
+    for key in sorted({(s["config"], s["temperature"]) for s in conc}):
+        pts = sorted((s["x"], s["speedup"]) for s in conc if (s["config"], s["temperature"]) == key)
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} / off, temperature {key[1]}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    xs = sorted({s["x"] for s in conc})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set(xlabel="concurrency", ylabel="output tokens/s vs off", title="speedup")
+
+
+def _rate_panel(ax: Any, rate: Sequence[dict[str, Any]], metric: str) -> None:
+    for key in sorted({(r["config"], r["temperature"]) for r in rate}):
+        pts = sorted((r["rate"], r[f"median_{metric}_ms"]) for r in rate if (r["config"], r["temperature"]) == key)
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]}, temperature {key[1]}")
+    ax.set(xlabel="request rate (requests/s)", ylabel=f"median {metric.upper()} ms", title=metric.upper())
