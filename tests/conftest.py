@@ -72,6 +72,18 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def pair8(tmp_path_factory: pytest.TempPathFactory):
+    """An 8-token target and a draft of its weights plus 0.1 noise: a 3-token joint has 512 cells to enumerate."""
+    from util import make_checkpoint
+
+    d = tmp_path_factory.mktemp("v8")
+    kw = {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "eos_token_id": None}
+    make_checkpoint(d / "t", seed=5, **kw)
+    make_checkpoint(d / "d", seed=5, perturb=0.1, **kw)
+    return d / "t", d / "d"
+
+
+@pytest.fixture(scope="session")
 def tiny_demo():
     """The tiny demo pair (built once into the specmix cache: $SPECMIX_CACHE or ~/.cache/specmix)."""
     from engine.demo.pair import demo_pair

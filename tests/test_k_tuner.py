@@ -75,17 +75,6 @@ def test_the_choice_depends_only_on_the_past():
 
 
 # ---------------------------------------------------------------- in the engine
-@pytest.fixture(scope="module")
-def pair8(tmp_path_factory):
-    from util import make_checkpoint
-
-    d = tmp_path_factory.mktemp("tuner8")
-    kw = {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "eos_token_id": None}
-    make_checkpoint(d / "t", seed=5, **kw)
-    make_checkpoint(d / "d", seed=5, perturb=0.1, **kw)
-    return d / "t", d / "d"
-
-
 def test_sampling_stays_exact_with_the_tuner_under_concurrent_load(pair8):
     """Unseeded sampled rows take the tuner's K while greedy requests from another thread change the batch: the
     3-token joint is the target's exact one (chi-square), with no zero-probability sequence."""

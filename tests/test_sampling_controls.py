@@ -113,15 +113,6 @@ def test_bad_controls_are_named(field, value):
 
 
 # ---------------------------------------------------------------- speculation stays exact
-@pytest.fixture(scope="module")
-def pair8(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v8")
-    kw = {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "eos_token_id": None}
-    make_checkpoint(d / "t", seed=5, **kw)
-    make_checkpoint(d / "d", seed=5, perturb=0.1, **kw)
-    return d / "t", d / "d"
-
-
 def _exact_joint3(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndarray:
     """P(t1, t2, t3) of plain sampling with ``sp`` (the transformers-built reference), flattened [V**3]."""
     V = eng.vocab

@@ -22,6 +22,8 @@ Modules map one to one (the graph always computes in float32, like specmix's CPU
     Int8Linear (kernel w8a8)     [Div by the SmoothQuant factors] -> per-token dynamic
                                  QuantizeLinear(int8, axis 0) -> DequantizeLinear, times
                                  DequantizeLinear(int8 W, per-channel scale, axis 0) in a Gemm
+    Int8Linear (kernel w8a16)    [Div by the SmoothQuant factors], times DequantizeLinear(int8 W, per-channel
+                                 scale, axis 0; or per group, axis 1 with block_size) in a Gemm
     FP8Linear (weight-only)      DequantizeLinear(FLOAT8E4M3FN W, per-channel scale, axis 0) -> Gemm
     FP8Linear (native)           as weight-only plus per-token dynamic e4m3 Q/DQ of the activation
     FP8Embedding                 DequantizeLinear(table, per-row scale, axis 0) -> Gather (ONNX's
@@ -49,7 +51,7 @@ OPSET = 21
 IR_VERSION = 10  # onnx 1.16 / onnxruntime 1.18 and later read it
 _FLOAT8_STEP_DOWN = 1.0 - 2.0**-24
 _TINY = float(np.finfo(np.float32).tiny)
-EXPORTABLE_KERNELS = {"int8": ("w8a8",), "fp8": ("weight-only", "native")}
+EXPORTABLE_KERNELS = {"int8": ("w8a8", "w8a16"), "fp8": ("weight-only", "native")}
 
 
 class _Graph:
@@ -139,10 +141,13 @@ class _StepBuilder:
         q = g.op("QuantizeLinear", [x, scale], f"{name}_xq", axis=0, output_dtype=elem, **sat)
         return g.op("DequantizeLinear", [q, scale], f"{name}_xdq", axis=0)
 
-    def _dequant_weight(self, weight: Tensor, scale: Tensor, name: str) -> str:
+    def _dequant_weight(self, weight: Tensor, scale: Tensor, name: str, group: int | None = None) -> str:
+        """DequantizeLinear of a [out, in] weight: a scale per row (axis 0), or per row and group of ``group``
+        inputs (opset 21's blocked quantization along axis 1)."""
         g = self.g
         w, s = g.tensor(weight, f"{name}.weight"), g.tensor(scale, f"{name}.weight_scale")
-        return g.memo(("dq", w, s), lambda: g.op("DequantizeLinear", [w, s], f"{name}.weight_dq", axis=0))
+        attrs: dict[str, int] = {"axis": 0} if group is None else {"axis": 1, "block_size": group}
+        return g.memo(("dq", w, s), lambda: g.op("DequantizeLinear", [w, s], f"{name}.weight_dq", **attrs))
 
     def linear(self, x: str, mod: nn.Module, name: str) -> str:
         """x [M, in] -> [M, out] for an nn.Linear or one of quant.linear's modules."""
@@ -156,14 +161,15 @@ class _StepBuilder:
                 raise InvalidConfigError(
                     f"{name}: int8 kernel={mod.kernel!r} cannot be exported to ONNX: allowed "
                     f"{', '.join(EXPORTABLE_KERNELS['int8'])} (LLM.int8's outlier split has no "
-                    "Q/DQ form); plan the FFN with int8_kernel='w8a8'"
+                    "Q/DQ form); plan the FFN with int8_kernel='w8a8' or 'w8a16'"
                 )
             if mod.smooth is not None:
                 x = g.op("Div", [x, g.tensor(mod.smooth, f"{name}.smooth")], f"{name}_smoothed")
                 self._note("int8 SmoothQuant", name)
-            x = self._dynamic_qdq(x, 127.0, g.TP.INT8, name)
-            w = self._dequant_weight(mod.weight, mod.weight_scale, name)
-            self._note("int8 w8a8", name)
+            if mod.kernel == "w8a8":  # the activations quantized per token; w8a16 keeps them in float
+                x = self._dynamic_qdq(x, 127.0, g.TP.INT8, name)
+            w = self._dequant_weight(mod.weight, mod.weight_scale, name, mod.group_size)
+            self._note(f"int8 {mod.kernel}", name)
         elif isinstance(mod, FP8Linear):
             if mod.kernel not in EXPORTABLE_KERNELS["fp8"]:
                 raise InvalidConfigError(
@@ -375,7 +381,9 @@ def build_linear_graph(mod: nn.Module, name: str = "linear") -> Any:
     with torch.no_grad():
         y = b.linear("x", mod, name)
     outs = [h.make_tensor_value_info(y, TP.FLOAT, ["m", int(mod.out_features)])]
-    qdq = isinstance(mod, Int8Linear) or (isinstance(mod, FP8Linear) and mod.kernel == "native")
+    qdq = (isinstance(mod, Int8Linear) and mod.kernel == "w8a8") or (
+        isinstance(mod, FP8Linear) and mod.kernel == "native"
+    )
     if qdq:
         elem = TP.INT8 if isinstance(mod, Int8Linear) else TP.FLOAT8E4M3FN
         outs.append(h.make_tensor_value_info(f"{name}_xq", elem, ["m", int(mod.in_features)]))
