@@ -176,6 +176,8 @@ def _search_section(n: int, r: Mapping[str, Any]) -> list[str]:
         f"{_counts(r['counts'])}.",
         "",
     ]
+    if r.get("costs"):
+        out += [f"Candidate costs: {r['costs']}.", ""]
     rows = [
         [
             j + 1,
