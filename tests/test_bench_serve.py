@@ -238,4 +238,7 @@ def test_argument_errors(capsys):
     assert "--no-spec with --profile" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_serve.main(["--url", "http://127.0.0.1:1", "--goodput", "itl:5"])
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--url", "http://127.0.0.1:1", "--dataset", "random"])
+    assert "--tokenizer" in capsys.readouterr().err
     assert bench_serve.split_argv(["--url", "u", "--", "--target", "t"]) == (["--url", "u"], ["--target", "t"])

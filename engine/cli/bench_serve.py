@@ -36,7 +36,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.cli.serve_load import Item, Sampling
+    from engine.cli.serve_stats import Series
 
 log = logging.getLogger("bench_serve")
 
@@ -160,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("give --url, or the server's flags (--target DIR, or -- --profile FILE ...)")
     if not args.url and "--profile" in base and "off" in args.configs:
         ap.error("specmix-serve refuses --no-spec with --profile (the profile fixes speculation): use --target/--draft")
+    if args.dataset == "random" and not (args.tokenizer or args.target or _flag(base, "--target")):
+        ap.error("--dataset random needs --tokenizer DIR (or --target)")
     from engine.cli.serve_stats import parse_goodput
 
     try:
@@ -240,7 +246,7 @@ def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str,
 
 
 def run_point(
-    s: Server, items: list[Any], sampling: Any, mode: str, x: float, slos: dict[str, float], seed: int
+    s: Server, items: list[Item], sampling: Sampling, mode: str, x: float, slos: dict[str, float], seed: int
 ) -> dict[str, Any]:
     """One run of one point against one server: its summary."""
     from engine.cli.serve_load import run_closed_loop, run_open_loop
@@ -254,7 +260,7 @@ def run_point(
 
 
 def point_row(
-    s: Server, mode: str, x: float, temp: float, runs: list[dict[str, Any]], before: Any, after: Any
+    s: Server, mode: str, x: float, temp: float, runs: list[dict[str, Any]], before: Series, after: Series
 ) -> dict[str, Any]:
     from engine.cli.serve_report import median_row
     from engine.cli.serve_stats import speculation
@@ -271,7 +277,7 @@ def point_row(
     }
 
 
-def dataset(args: argparse.Namespace, n: int) -> list[Any]:
+def dataset(args: argparse.Namespace, n: int) -> list[Item]:
     """n requests of --dataset (cycled when it has fewer)."""
     from engine.cli import serve_load
 
@@ -279,8 +285,6 @@ def dataset(args: argparse.Namespace, n: int) -> list[Any]:
         return serve_load.default_items(n, args.prompt_words, args.seed)
     if args.dataset == "random":
         tok = args.tokenizer or args.target or _flag(args.serve_args, "--target")
-        if tok is None:
-            raise SystemExit("--dataset random needs --tokenizer DIR (or --target)")
         return serve_load.random_items(tok, n, args.input_len, args.output_len, args.seed)
     return serve_load.take(serve_load.load_jsonl(args.dataset), n)
 
