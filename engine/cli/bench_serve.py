@@ -67,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", nargs="+", default=["on", "off"], choices=sorted(CONFIGS))
     ap.add_argument("--concurrency", nargs="+", type=int, default=None, help="closed-loop clients (default 1 4 16)")
     ap.add_argument("--request-rate", "--rate", nargs="+", type=float, default=None, help="Poisson requests/s, inf")
-    ap.add_argument("--num-prompts", "--num-requests", type=int, default=None, help="per point (4 x conc., >= 8)")
+    ap.add_argument(
+        "--num-prompts",
+        "--num-requests",
+        type=int,
+        default=None,
+        help="per point (default: 4 x concurrency, >= 8; 32 at a rate)",
+    )
     ap.add_argument("--dataset", default=None, help="FILE.jsonl or 'random' (default: held-out demo corpus)")
     ap.add_argument("--input-len", type=int, default=128, help="tokens of a random prompt")
     ap.add_argument("--output-len", "--max-tokens", type=int, default=128, help="tokens per request (default)")
