@@ -28,6 +28,7 @@ and ``F.linear`` is its fallback with the same API (tests compare the two).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -85,13 +86,24 @@ def _unsupported_reason() -> str | None:
     return None
 
 
+@functools.cache
+def source_tag() -> str:
+    """A hash of the C++ sources and headers: each version builds in a directory of its own, so checkouts or
+    installs of different versions on one machine never rebuild, or wait on, one another's binary."""
+    h = hashlib.sha256()
+    for f in sorted(CSRC.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
     """torch's extension build of SOURCES: (the module, None) or (None, the compiler's first error line)."""
     from torch.utils.cpp_extension import load
 
     try:
         return load(
-            name=name,
+            name=f"{name}_{source_tag()}",
             sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-fopenmp", *cflags],
             extra_ldflags=["-fopenmp"],
