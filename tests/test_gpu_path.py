@@ -361,11 +361,11 @@ def test_gpu_bench_cpu_smoke(tmp_path):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "gpu-bench.json").read_text())
+    res = json.loads((tmp_path / "gpu-bench-int8.json").read_text())
     assert [row["batch"] for row in res["rows"]] == [1, 2] and not res["skipped"]
     for row in res["rows"]:
         assert set(row["verify_over_decode"]) == {"1", "2"} and row["decode_graph_ms"] > 0 and "c" in row
-    assert "| batch | decode eager ms" in (tmp_path / "gpu-bench.md").read_text()
+    assert "| batch | decode eager ms" in (tmp_path / "gpu-bench-int8.md").read_text()
 
 
 def test_gpu_check_script_parses_and_results_file_is_honest():

@@ -1,37 +1,63 @@
 #!/usr/bin/env bash
 # The GPU check: run on a CUDA machine (an H200) without network access. Installs nothing.
-# Expects PyTorch with CUDA, Triton and nvidia-ml-py; flash-attn, transformer-engine and
-# bitsandbytes may be absent (the tests that need them skip).
+# Expects PyTorch with CUDA and Triton; nvidia-ml-py, flash-attn, transformer-engine and
+# bitsandbytes may be absent (the tests that need them skip). The server's packages (FastAPI,
+# uvicorn, pydantic) are not needed: only the test files that hold gpu-marked tests are collected.
 #
 #   OUT=/some/dir bash tools/gpu_check.sh      # results in $OUT, or ./gpu-results when OUT is unset
 #
-# 1. env.txt: torch / CUDA / device / which optional packages are present
-# 2. pytest-gpu.txt: python -m pytest -m gpu -q (capped at 240 s)
-# 3. gpu-bench.md / gpu-bench.json: tools/gpu_bench.py (measurements stop starting after 150 s)
-# Finishes within ~6 minutes. Exit status 0 only when both the tests and the bench passed.
+# 1. env.txt: torch / CUDA / device / nvidia-smi / which optional packages are present
+# 2. gpu-bench-fp16.md/json: tools/gpu_bench.py, Llama-2-7B shape unquantized (decode, verify(K), draft)
+# 3. gpu-kernels.md/json: tools/gpu_kernels.py, copy and matmul ceilings, FP8 / INT8 Linears vs fp16
+# 4. gpu-bench-int8.md/json: tools/gpu_bench.py with the INT8 (w8a8) FFN
+# 5. gpu-load.md/json: tools/gpu_load.py, Engine.from_pretrained and generate on a 1B-shaped checkpoint
+# 6. pytest-gpu.txt: python -m pytest -m gpu -q over the files holding gpu-marked tests
+# Every step has its own time limit; the whole check finishes within ~8 minutes. Exit status 0 only
+# when every step passed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=()
 
 python - > "$OUT/env.txt" 2>&1 <<'PY'
-import importlib.util
+import importlib.util, platform
 import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available())
 if torch.cuda.is_available():
-    print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
-for m in ("triton", "pynvml", "flash_attn", "transformer_engine", "bitsandbytes", "transformers", "tokenizers"):
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "capability", torch.cuda.get_device_capability(0), "memory GiB",
+          round(p.total_memory / 2**30, 1), "SMs", p.multi_processor_count)
+for m in ("triton", "pynvml", "flash_attn", "transformer_engine", "bitsandbytes", "transformers", "tokenizers",
+          "pytest_timeout"):
     print(m, "present" if importlib.util.find_spec(m) else "absent")
 PY
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu \
+    --format=csv >> "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-timeout 240 python -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests \
-    2>&1 | tee "$OUT/pytest-gpu.txt"
-test_rc=${PIPESTATUS[0]}
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, record the exit status
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit} s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    status+=("$name: exit $rc in $((SECONDS - t0)) s")
+}
 
-timeout 210 python tools/gpu_bench.py --device cuda --out "$OUT" --budget-s 150 2>&1 | tee "$OUT/gpu-bench.log"
-bench_rc=${PIPESTATUS[0]}
+step bench-fp16 90 python tools/gpu_bench.py --device cuda --ffn fp16 --ks 1,2,3,4,5,6,7,8 --out "$OUT" --budget-s 55
+step kernels 70 python tools/gpu_kernels.py --device cuda --out "$OUT"
+step bench-int8 60 python tools/gpu_bench.py --device cuda --ffn int8 --batches 1,8 --ks 1,4,8 --out "$OUT" \
+    --budget-s 30
+step load 80 python tools/gpu_load.py --device cuda --out "$OUT" --work "${TMPDIR:-/tmp}"
 
-echo "pytest -m gpu: exit $test_rc; gpu_bench: exit $bench_rc; results in $OUT"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+files=$(grep -l "mark.gpu" tests/test_*.py)
+per_test=()
+python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)
+step pytest-gpu 170 python -m pytest -m gpu -q -p no:cacheprovider -rfE "${per_test[@]}" $files
+
+printf '%s\n' "${status[@]}" | tee "$OUT/status.txt"
+! grep -qv "exit 0 " "$OUT/status.txt"

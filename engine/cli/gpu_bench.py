@@ -5,7 +5,8 @@
     python tools/gpu_bench.py --device cpu --small --out DIR      # smoke mode (tiny shapes; CI)
 
 Target: Llama-2-7B shape (32 layers, hidden 4096, FFN 11008, vocab 32000), fp16
-attention and INT8 FFN (Int8Linear, kernel w8a8: torch._int_mm). Draft: Llama-68M
+attention and, with ``--ffn int8``, INT8 FFN (Int8Linear, kernel w8a8: torch._int_mm;
+``--ffn fp16``: the unquantized target, the bandwidth roofline's case). Draft: Llama-68M
 shape (2 layers, hidden 768), every Linear FP8 (kernel native: torch._scaled_mm
 where the GPU has FP8 tensor cores, weight-only below). For each batch (1, 8, 32):
 
@@ -14,10 +15,10 @@ where the GPU has FP8 tensor cores, weight-only below). For each batch (1, 8, 32
 - verify(K) / decode step for K in 1, 2, 4, 8 (T = K + 1, graphs where available);
 - the decode step's achieved bandwidth: bytes read per step (every weight but the
   embedding table, of which only B rows are read, plus the live KV cache) / time,
-  against ``--peak-tbps`` (4.3 TB/s: H200, what HBM3e sustains of its 4.8 peak);
+  against ``--peak-tbps`` (4.8 TB/s: the H200's HBM3e datasheet peak);
 - the draft's step, eager and graphed, and c = draft step / target step.
 
-Writes gpu-bench.json and gpu-bench.md to --out ($OUT or ./gpu-results). A time
+Writes gpu-bench-<ffn>.json and gpu-bench-<ffn>.md to --out ($OUT or ./gpu-results). A time
 budget guard skips (and lists) what would not finish within --budget-s.
 """
 
@@ -52,8 +53,9 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def shape(name: str) -> ModelConfig:
     dims = {  # hidden, intermediate, layers, heads, kv heads, vocab
         "llama2-7b": (4096, 11008, 32, 32, 32, 32000),
+        "llama3.2-1b": (2048, 8192, 16, 32, 8, 128256),
         "llama-68m": (768, 3072, 2, 12, 12, 32000),
-        "small-target": (64, 128, 2, 4, 2, 256),
+        "small-target": (64, 128, 2, 4, 2, 320),
         "small-draft": (32, 64, 1, 2, 2, 256),
     }[name]
     h, i, n, a, kv, v = dims
@@ -162,7 +164,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     tname, dname = ("small-target", "small-draft") if a.small else ("llama2-7b", "llama-68m")
     tcfg, dcfg = shape(tname), shape(dname)
     target = random_model(tcfg, dtype, dev, 0)
-    swap_linears(target, lambda lin: Int8Linear.from_float(lin, "w8a8"), ("gate_proj", "up_proj", "down_proj"))
+    if a.ffn == "int8":
+        swap_linears(target, lambda lin: Int8Linear.from_float(lin, "w8a8"), ("gate_proj", "up_proj", "down_proj"))
     fp8_kernel = "native" if kernel_available("fp8", "native", dev)[0] else "weight-only"
     draft = random_model(dcfg, dtype, dev, 1)
     swap_linears(draft, lambda lin: FP8Linear.from_float(lin, fp8_kernel), LINEARS, lm_head=True)
@@ -173,7 +176,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "torch": torch.__version__,
-        "target": f"{tname} random weights, attention {str(dtype)[6:]}, FFN int8 w8a8",
+        "target": f"{tname} random weights, attention {str(dtype)[6:]}, FFN "
+        + ("int8 w8a8" if a.ffn == "int8" else str(dtype)[6:]),
+        "ffn": a.ffn,
         "draft": f"{dname} random weights, FP8 {fp8_kernel}",
         "context": a.context,
         "iters": a.iters,
@@ -268,7 +273,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", default=None, help="comma list of K (default 1,2,4,8; --small 1,2)")
     p.add_argument("--context", type=int, default=None, help="cached tokens before the step (default 512)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per figure (default 20)")
-    p.add_argument("--peak-tbps", type=float, default=4.3)
+    p.add_argument("--ffn", default="int8", choices=("int8", "fp16"), help="the target's FFN weights")
+    p.add_argument("--peak-tbps", type=float, default=4.8, help="the bandwidth roofline (H200 datasheet: 4.8)")
     p.add_argument("--budget-s", type=float, default=200.0, help="skip what would start after this many seconds")
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
@@ -287,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     res = run(a)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gpu-bench.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    (a.out / f"gpu-bench-{a.ffn}.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     md = markdown(res)
-    (a.out / "gpu-bench.md").write_text(md, encoding="utf-8")
+    (a.out / f"gpu-bench-{a.ffn}.md").write_text(md, encoding="utf-8")
     sys.stdout.write(md)
     return 0
 

@@ -16,9 +16,11 @@ from engine.core.model import Transformer
 from engine.demo.recipe import EOS_TOKEN
 
 
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' LlamaForCausalLM (and engine.core.config.load_config)."""
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json for transformers' LlamaForCausalLM (and engine.core.config.load_config); ``dtype``: the
+    weights' dtype on disk."""
     eos = cfg.eos_token_ids[0]
+    dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -45,21 +47,22 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos,
         "pad_token_id": None,
-        "torch_dtype": "float32",
-        "dtype": "float32",
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
     }
 
 
-def save_checkpoint(model: Transformer, tok: Any, out: Path) -> None:
-    """An HF directory: model.safetensors ("model."-prefixed), tokenizer files, generation_config, and config.json
-    written last (``write_checkpoint_files``: a directory whose config is there holds complete files)."""
+def save_checkpoint(model: Transformer, tok: Any, out: Path, dtype: torch.dtype = torch.float32) -> None:
+    """An HF directory: model.safetensors ("model."-prefixed, weights in ``dtype``), tokenizer files,
+    generation_config, and config.json written last (``write_checkpoint_files``: a directory whose config is
+    there holds complete files)."""
     cfg = model.config
     tensors = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         key = name if name.startswith("lm_head.") else f"model.{name}"
-        tensors[key] = t.detach().to(torch.float32).contiguous().clone()
+        tensors[key] = t.detach().to("cpu", dtype).contiguous().clone()
     eos = cfg.eos_token_ids[0]
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -78,7 +81,7 @@ def save_checkpoint(model: Transformer, tok: Any, out: Path) -> None:
         "tokenizer_config.json": _json_writer(tok_cfg),
         "special_tokens_map.json": _json_writer({"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN}),
     }
-    write_checkpoint_files(out, files, "config.json", _json_text(hf_config(cfg)))
+    write_checkpoint_files(out, files, "config.json", _json_text(hf_config(cfg, dtype)))
 
 
 def _json_text(obj: Any) -> str:
