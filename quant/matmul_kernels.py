@@ -22,9 +22,10 @@ each of them on the same data and compare.
                      few-row GEMM reading the int8 bytes); every other input to ``quant.int8.dequant_linear``
                      (the weight dequantized a tile at a time into one buffer, a float GEMM per tile). No
                      dense copy is kept (torch's _weight_int8pack_mm and W8A8 torch._int_mm are slower on
-                     the CPU: docs/performance.md). CUDA: torch._weight_int8pack_mm for <= 16 rows of a
-                     per-channel weight where torch has its CUDA kernel; otherwise dequantized on the fly,
-                     then F.linear.
+                     the CPU: docs/performance.md). CUDA: fp16/bf16 inputs run the Triton GEMM that reads
+                     the int8 weight (quant/triton_w8a16.py) where Triton is installed; fp32 inputs (and a
+                     machine without Triton) torch._weight_int8pack_mm for <= 16 rows of a per-channel
+                     weight where torch has its CUDA kernel, otherwise dequantized on the fly, then F.linear.
 
 engine/kernels/backends.py chooses among them; a kernel the machine lacks is a
 KernelUnavailableError naming it and what would provide it, never a fallback.
@@ -142,6 +143,10 @@ def _probe_w8a8(device: torch.device) -> tuple[bool, str]:
     return False, f"int8 kernel 'w8a8' runs on the CPU or CUDA, not {device.type}"
 
 
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _has_cuda_int8pack() -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA"))
 
@@ -153,12 +158,17 @@ def _probe_w8a16(device: torch.device) -> tuple[bool, str]:
             "dequantized a tile at a time + GEMM, on the CPU (no dense copy kept)"
         )
     if device.type == "cuda":
+        if _has_triton():
+            return True, (
+                f"the Triton int8 GEMM (quant/triton_w8a16.py) for fp16/bf16 inputs on {_sm(_cc(device))}; "
+                "fp32 inputs dequantize on the fly + F.linear"
+            )
         packed = (
             f"torch._weight_int8pack_mm for <= {W8A16_PACKED_ROWS} rows of per-channel weights, "
             if _has_cuda_int8pack()
             else ""
         )
-        return True, f"{packed}dequantize on the fly + F.linear on {_sm(_cc(device))}"
+        return True, f"{packed}dequantize on the fly + F.linear on {_sm(_cc(device))} (no Triton)"
     return True, f"dequantize on the fly + F.linear on {device.type}"
 
 
@@ -315,6 +325,10 @@ def _w8a16(mod: Any, x: Tensor) -> Tensor:
             y = rk(x.contiguous(), mod.weight, mod.weight_scale, mod.group_size or 0)
             return y if bias is None else y.add_(bias)
         return dequant_linear(x, mod.weight, mod.weight_scale, mod.group_size, bias)
+    if x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16) and _has_triton() and not _grad(x):
+        from quant.triton_w8a16 import w8a16_matmul
+
+        return _add_bias(w8a16_matmul(x, mod.weight, mod.weight_scale, mod.group_size), bias)
     if x.device.type == "cuda" and mod.group_size is None and x.shape[0] <= W8A16_PACKED_ROWS and _has_cuda_int8pack():
         y = torch._weight_int8pack_mm(x.float().contiguous(), mod.weight, mod.weight_scale)
         return _add_bias(y.to(x.dtype), mod.bias)
@@ -339,7 +353,7 @@ def _build() -> Mapping[tuple[str, str], Kernel]:
         Kernel(
             "int8",
             "w8a16",
-            "torch (int8 weights dequantized for F.linear; _weight_int8pack_mm on CUDA)",
+            "Triton int8 GEMM on CUDA (fp16/bf16); torch elsewhere (dequantize + F.linear; the CPU's C++ GEMM)",
             _probe_w8a16,
             _w8a16,
         ),

@@ -12,7 +12,7 @@ from util import GPU_PROMPTS as PROMPTS
 from util import reference_attention as math_attention
 
 from engine import Engine, SamplingParams
-from engine.api.assemble import parts_from_models
+from engine.api.assemble import Models, parts_from_models
 from engine.api.options import (
     KernelOptions,
     Limits,
@@ -38,14 +38,17 @@ def _cc() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
-class _IdTokenizer:
-    """Token ids as text: GPU tests need no tokenizer files (nor transformers to write them)."""
+def _tokenizer():
+    """A 300-id byte-level tokenizer (tokenizers only) in a fresh directory."""
+    import tempfile
 
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+    from util import make_tokenizer
 
-    def encode(self, text, add_special_tokens=True):
-        return [int(t) for t in text.split()]
+    from engine.core.tokenizer import Tokenizer
+
+    d = Path(tempfile.mkdtemp(prefix="gpu-tok-"))
+    make_tokenizer(d, 300)
+    return Tokenizer(d)
 
 
 def _gpu_engine(
@@ -72,14 +75,10 @@ def _gpu_engine(
     t = gpu_bench.random_model(cfg(128, 3), dtype, dev, 0, std=0.08)
     d = gpu_bench.random_model(cfg(64, 1), dtype, dev, 1, std=0.08)
     parts = parts_from_models(
-        t,
-        _IdTokenizer(),
-        d,
-        "model",
-        SpeculationConfig(k=k, k_policy="constant", k_max=k),
+        Models(t, _tokenizer(), d, vocab=300),
+        SpeculationConfig(drafter="model", k=k, k_policy="constant", k_max=k),
         KernelOptions(cuda_graphs=graphs),
         dev,
-        vocab=300,
     )
     return Engine(parts, Limits(max_batch=8, load_window=LoadWindowConfig() if load_window else None))
 
@@ -184,9 +183,9 @@ def test_gpu_native_fp8_draft_agrees_with_weight_only():
     assert F.cosine_similarity(native.flatten(), weight_only.flatten(), dim=0).item() >= 0.99
 
 
-def _gpu_head_drafter(kind: str, target, seed: int = 0):
-    """A random head (3 heads / 1 block) on the target's device and dtype, as its drafter."""
-    from engine.spec_decode.drafters.heads import HEAD_DRAFTERS
+def _gpu_head(kind: str, target, seed: int = 0):
+    """A random head (3 heads / 1 block) on the target's device and dtype, loaded as from a checkpoint."""
+    from engine.spec_decode.drafter import LoadedHead
     from engine.spec_decode.heads.config import HeadConfig
     from engine.spec_decode.heads.modules import init_head
 
@@ -199,7 +198,7 @@ def _gpu_head_drafter(kind: str, target, seed: int = 0):
             if p.dim() >= 2:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3 / p.shape[-1] ** 0.5)
     head = head.to(device=target.norm.weight.device, dtype=target.dtype).eval().requires_grad_(False)
-    return HEAD_DRAFTERS[kind](head, cfg, None, target)
+    return LoadedHead(head, cfg, None)
 
 
 @pytest.mark.gpu
@@ -224,14 +223,12 @@ def test_gpu_head_step_graphs_equal_eager(kind):
     )
     dev = torch.device("cuda")
     t = gpu_bench.random_model(cfg, torch.float32, dev, 0, std=0.08)
-    drafter = _gpu_head_drafter(kind, t)
+    head = _gpu_head(kind, t)
     sc = SpeculationConfig(drafter=kind, k=3, k_policy="constant", k_max=3)
 
     def engine(graphs: bool) -> Engine:
-        parts = parts_from_models(
-            t, _IdTokenizer(), None, kind, sc, KernelOptions(cuda_graphs=graphs), dev, 300, None, drafter
-        )
-        return Engine(parts, Limits(max_batch=8))
+        models = Models(t, _tokenizer(), head=head, vocab=300)
+        return Engine(parts_from_models(models, sc, KernelOptions(cuda_graphs=graphs), dev), Limits(max_batch=8))
 
     prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] * (i % 3) for i in range(5)]
     params = SamplingParams(max_new_tokens=48, temperature=0.0)
@@ -249,6 +246,8 @@ def test_gpu_fp8_eagle_step_graph_matches_eager_fp16():
     captured graph at a padded batch equals its eager step."""
     from engine.cli import gpu_bench
     from engine.kernels.head_graphs import GraphedStep
+    from engine.spec_decode.drafters.eagle import EagleDrafter
+    from engine.spec_decode.heads.modules import draft_lm_head
     from quant.catalog import lookup_gpu
     from quant.head_plan import apply_head_plan
     from quant.linear import FP8Linear
@@ -256,7 +255,7 @@ def test_gpu_fp8_eagle_step_graph_matches_eager_fp16():
 
     cfg = gpu_bench.shape("llama-68m")
     t = gpu_bench.random_model(cfg, torch.float16, torch.device("cuda"), 0)
-    drafter = _gpu_head_drafter("eagle", t)
+    drafter = EagleDrafter(_gpu_head("eagle", t), t, draft_lm_head(t, None))
     kernel = "native" if _cc() >= (8, 9) else "weight-only"
     hc = {k: getattr(drafter.cfg, k) for k in ("kind", "hidden_size", "vocab_size", "layers", "intermediate_size")}
     hc |= {"num_heads": drafter.cfg.num_heads, "draft_vocab": None}
@@ -274,3 +273,14 @@ def test_gpu_fp8_eagle_step_graph_matches_eager_fp16():
     assert torch.equal(gl, gl2) and torch.isfinite(gl).all()
     assert ((gl.float() - el.float()).norm() / el.float().norm()).item() <= 1e-2
     assert ((gf.float() - ef.float()).norm() / ef.float().norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_survive_a_kv_cache_swap():
+    """A long request after a short one grows the KV cache, which drops every graph; the graphs captured again
+    into the shared pool give the eager engine's tokens."""
+    eager, graphed = _gpu_engine(), _gpu_engine(graphs=True)
+    for n in (8, 300):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0)
+        assert _ids(graphed.generate(PROMPTS[:2], params)) == _ids(eager.generate(PROMPTS[:2], params)), n
+    assert graphed.stats()["cuda_graphs"]["resets"] >= 1

@@ -9,7 +9,7 @@
 # 1. env.txt: torch / CUDA / device / nvidia-smi / which optional packages are present
 # 2. gpu-bench-fp16.md/json: tools/gpu_bench.py, Llama-2-7B shape unquantized (decode, verify(K), draft)
 # 3. gpu-kernels.md/json: tools/gpu_kernels.py, copy and matmul ceilings, FP8 / INT8 Linears vs fp16
-# 4. gpu-bench-int8.md/json: tools/gpu_bench.py with the INT8 (w8a8) FFN
+# 4. gpu-bench-w8a16.md/json, gpu-bench-int8.md/json: tools/gpu_bench.py with INT8 FFNs (W8A16, W8A8)
 # 5. gpu-load.md/json: tools/gpu_load.py, Engine.from_pretrained and generate on a 1B-shaped checkpoint
 # 6. pytest-gpu.txt: python -m pytest -m gpu -q over the files holding gpu-marked tests
 # Every step has its own time limit; the whole check finishes within ~8 minutes. Exit status 0 only
@@ -50,14 +50,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 
 step bench-fp16 90 python tools/gpu_bench.py --device cuda --ffn fp16 --ks 1,2,3,4,5,6,7,8 --out "$OUT" --budget-s 55
 step kernels 70 python tools/gpu_kernels.py --device cuda --out "$OUT"
-step bench-int8 60 python tools/gpu_bench.py --device cuda --ffn int8 --batches 1,8 --ks 1,4,8 --out "$OUT" \
+step bench-w8a16 60 python tools/gpu_bench.py --device cuda --ffn w8a16 --batches 1,8,32 --ks 1,4,8 --out "$OUT" \
     --budget-s 30
+step bench-int8 50 python tools/gpu_bench.py --device cuda --ffn int8 --batches 1,8 --ks 1,4,8 --out "$OUT" \
+    --budget-s 20
 step load 80 python tools/gpu_load.py --device cuda --out "$OUT" --work "${TMPDIR:-/tmp}"
 
 files=$(grep -l "mark.gpu" tests/test_*.py)
 per_test=()
-python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)
-step pytest-gpu 170 python -m pytest -m gpu -q -p no:cacheprovider -rfE "${per_test[@]}" $files
+python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 150)
+step pytest-gpu 240 python -m pytest -m gpu -q -p no:cacheprovider -rfE "${per_test[@]}" $files
 
 printf '%s\n' "${status[@]}" | tee "$OUT/status.txt"
 ! grep -qv "exit 0 " "$OUT/status.txt"

@@ -6,7 +6,8 @@
 
 Target: Llama-2-7B shape (32 layers, hidden 4096, FFN 11008, vocab 32000), fp16
 attention and, with ``--ffn int8``, INT8 FFN (Int8Linear, kernel w8a8: torch._int_mm;
-``--ffn fp16``: the unquantized target, the bandwidth roofline's case). Draft: Llama-68M
+``--ffn w8a16``: INT8 weights only, the Triton GEMM on CUDA; ``--ffn fp16``: the unquantized target,
+the bandwidth roofline's case). Draft: Llama-68M
 shape (2 layers, hidden 768), every Linear FP8 (kernel native: torch._scaled_mm
 where the GPU has FP8 tensor cores, weight-only below). For each batch (1, 8, 32):
 
@@ -156,6 +157,7 @@ def step_fn(
     return lambda: fwd.run(call).logits
 
 
+@torch.no_grad()
 def run(a: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     dev = torch.device(a.device)
@@ -164,8 +166,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     tname, dname = ("small-target", "small-draft") if a.small else ("llama2-7b", "llama-68m")
     tcfg, dcfg = shape(tname), shape(dname)
     target = random_model(tcfg, dtype, dev, 0)
-    if a.ffn == "int8":
-        swap_linears(target, lambda lin: Int8Linear.from_float(lin, "w8a8"), ("gate_proj", "up_proj", "down_proj"))
+    if a.ffn != "fp16":
+        kern = "w8a8" if a.ffn == "int8" else "w8a16"
+        swap_linears(target, lambda lin: Int8Linear.from_float(lin, kern), ("gate_proj", "up_proj", "down_proj"))
     fp8_kernel = "native" if kernel_available("fp8", "native", dev)[0] else "weight-only"
     draft = random_model(dcfg, dtype, dev, 1)
     swap_linears(draft, lambda lin: FP8Linear.from_float(lin, fp8_kernel), LINEARS, lm_head=True)
@@ -177,7 +180,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
         "torch": torch.__version__,
         "target": f"{tname} random weights, attention {str(dtype)[6:]}, FFN "
-        + ("int8 w8a8" if a.ffn == "int8" else str(dtype)[6:]),
+        + {"int8": "int8 w8a8", "w8a16": "int8 w8a16"}.get(a.ffn, str(dtype)[6:]),
         "ffn": a.ffn,
         "draft": f"{dname} random weights, FP8 {fp8_kernel}",
         "context": a.context,
@@ -273,7 +276,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", default=None, help="comma list of K (default 1,2,4,8; --small 1,2)")
     p.add_argument("--context", type=int, default=None, help="cached tokens before the step (default 512)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per figure (default 20)")
-    p.add_argument("--ffn", default="int8", choices=("int8", "fp16"), help="the target's FFN weights")
+    p.add_argument(
+        "--ffn", default="int8", choices=("int8", "w8a16", "fp16"), help="the target's FFN weights (int8: w8a8)"
+    )
     p.add_argument("--peak-tbps", type=float, default=4.8, help="the bandwidth roofline (H200 datasheet: 4.8)")
     p.add_argument("--budget-s", type=float, default=200.0, help="skip what would start after this many seconds")
     a = p.parse_args(argv)

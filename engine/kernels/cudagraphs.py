@@ -31,7 +31,7 @@ A call that fits no graph (no cache, prefill wider than ``max_tokens``, a batch
 above the largest bucket or the cache's rows, every position's features: ``Features.ALL``)
 runs eagerly and is counted. A new cache (the scheduler grows it between rounds) drops the graphs. ``emulate=True``
 runs the same static padded forward without capturing (what the CPU tests check).
-Graphs share one memory pool; outputs are cloned right after replay, so a later
+Graphs share one memory pool (``GraphPool``); outputs are cloned right after replay, so a later
 replay of another graph never overwrites what a caller holds.
 """
 
@@ -131,7 +131,7 @@ class GraphedForward:
         max_tokens: int = 16,
         emulate: bool = False,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
-        pool: Any = None,
+        pool: GraphPool | None = None,
     ) -> None:
         dev = model.norm.weight.device
         if not emulate and dev.type != "cuda":
@@ -142,7 +142,7 @@ class GraphedForward:
         self._model, self.device, self.emulate = model, dev, emulate
         self.buckets = check_buckets(list(batch_buckets), "batch_buckets")
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
-        self.pool = pool if pool is not None or emulate else torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None or emulate else GraphPool(dev)
         self.stats = GraphStats()
         self._graphs: OrderedDict[GraphKey, _Static] = OrderedDict()
         self._cache_id: tuple[int, ...] | None = None
@@ -268,7 +268,23 @@ def cut_rows(out: Any, n: int) -> Any:
     return out[:n].clone()
 
 
-def capture(run: Any, device: torch.device, pool: Any) -> tuple[Any, Any, float]:  # pragma: no cover - needs CUDA
+class GraphPool:  # pragma: no cover - needs CUDA
+    """A CUDA graph memory pool that stays usable while anything holds it.
+
+    PyTorch's allocator counts the live graphs of a pool and refuses (an internal assert) a capture into a
+    pool whose count fell to zero but whose memory is not yet freed: what follows when a KV cache swap
+    drops every graph. A one-kernel graph captured into the pool at creation, kept with it, holds the
+    count above zero, so the wrappers sharing the pool can drop and recapture their graphs at any time.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self._keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), torch.cuda.graph(self._keeper, pool=self.handle):
+            self._buf = torch.zeros(1, device=device)
+
+
+def capture(run: Any, device: torch.device, pool: GraphPool) -> tuple[Any, Any, float]:  # pragma: no cover - needs CUDA
     """(graph, its static output, seconds) of ``run()`` captured on ``device`` after a warm-up on a side stream
     (lazy inits: cuBLAS handles, rotary tables)."""
     t0 = time.perf_counter()
@@ -279,7 +295,7 @@ def capture(run: Any, device: torch.device, pool: Any) -> tuple[Any, Any, float]
             run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool.handle, capture_error_mode="thread_local"):
             out = run()
         torch.cuda.synchronize()
     return graph, out, time.perf_counter() - t0

@@ -23,6 +23,7 @@ from engine.kernels.cpu_head import (
     head_store_dtype,
     scorer_on_kernel,
 )
+from engine.kernels.cudagraphs import GraphPool
 from engine.kernels.head_graphs import GraphedStep
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class DraftKernelChooser:
     cuda_graphs: bool = False
     batch_buckets: tuple[int, ...] = (1,)
     emulate: bool = False
-    pool: Any = None
+    pool: GraphPool | None = None
     graphs: list[GraphedStep] = field(default_factory=list)
     """The step graphs made (their counters go into the engine's stats)."""
     chosen: dict[str, Any] = field(default_factory=lambda: {"draft_head_step_weights": None})

@@ -28,6 +28,7 @@ from engine.core.errors import InvalidConfigError
 from engine.kernels.cudagraphs import (
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_MAX_GRAPHS,
+    GraphPool,
     GraphStats,
     batch_bucket,
     capture,
@@ -63,7 +64,7 @@ class GraphedStep:
         *,
         emulate: bool = False,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
-        pool: Any = None,
+        pool: GraphPool | None = None,
         name: str = "head step",
         n_static: int = 0,
     ) -> None:
@@ -75,7 +76,7 @@ class GraphedStep:
         self.fn, self.device, self.emulate, self.name, self.n_static = fn, device, emulate, name, n_static
         self.buckets = check_buckets(list(batch_buckets), "batch_buckets")
         self.max_graphs = max_graphs
-        self.pool = pool if pool is not None or emulate else torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None or emulate else GraphPool(device)
         self.stats = GraphStats()
         self._graphs: OrderedDict[StepKey, _StaticStep] = OrderedDict()
 
