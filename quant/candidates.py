@@ -7,7 +7,10 @@ bandwidth, 2 * rows * N * K / throughput of its math), from the catalog's memory
 throughput. The bytes are those of the kernels quant.matmul_kernels runs on CUDA (``kernel_bytes``):
 the dense fp16 weight; w8a8's int8 weight; w8a16's int8 weight through torch._weight_int8pack_mm
 (per output channel, at most W8A16_PACKED_ROWS rows), else the weight dequantized to fp16 on every
-call (int8 read, fp16 written and read again: 5 bytes a weight, more than fp16's 2). Measured (a
+call (int8 read, fp16 written and read again: 5 bytes a weight, more than fp16's 2). The Triton W8A16
+GEMM (quant/triton_w8a16.py, 16-bit inputs where Triton is installed) reads 1 byte a weight; the paper
+model keeps the dequantizing path's bytes until that kernel is measured on a GPU
+(profiles/gpu-results.md). Measured (a
 ``CostFn`` from the build, engine/kernels/cpu_int8.py ``CpuCostMeter`` where the profile is built on
 the CPU it runs on): the kernel itself timed on the device. quant/search.py orders each module's
 candidates by the cost and says in a module's "why" when its choice is slower than the dense Linear.

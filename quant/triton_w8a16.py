@@ -52,12 +52,14 @@ def _blocks(m: int, n: int, sms: int) -> tuple[int, int]:
 
 
 def w8a16_matmul(x: Tensor, q: Tensor, scale: Tensor, group: int | None) -> Tensor:
-    """x [M, K] fp16/bf16 (CUDA), q [N, K] int8, scale float32 [N] or [N, ceil(K / group)] -> y [M, N] in x's dtype."""
+    """x [M, K] fp16/bf16, q [N, K] int8, scale float32 [N] or [N, ceil(K / group)] -> y [M, N] in x's dtype.
+
+    CUDA tensors; CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter)."""
     assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1] and x.dtype in (torch.float16, torch.bfloat16)
     x, q, scale = x.contiguous(), q.contiguous(), scale.float().contiguous()
     (m, k), n = x.shape, q.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1  # 1: the interpreter
     bm, bn = _blocks(m, n, sms)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     stride_sn = scale.stride(0)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,3 +182,30 @@ def test_gpu_triton_w8a16_matches_the_dequantized_product(dtype, group_size):
         assert y.dtype == dtype and y.shape == (rows, 4100) and torch.isfinite(y).all()
         assert rel_fro(y, ref) <= (2e-3 if dtype == torch.float16 else 1e-2), rows
         assert torch.equal(m(x), y + m.bias.to(dtype))  # the module runs this kernel
+
+
+def test_triton_w8a16_kernel_in_the_interpreter():
+    """The Triton GEMM's indexing and scaling, run by Triton's CPU interpreter (fp16: the interpreter computes
+    bf16 through numpy, which lacks it) on odd shapes, every group size and 1 to 70 rows, against fp64."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from quant.int8 import dequantize_int8, dequantize_int8_groupwise, quantize_int8_groupwise, quantize_int8_rowwise
+from quant.triton_w8a16 import w8a16_matmul
+
+torch.manual_seed(0)
+for g in (None, 32, 64, 128):
+    for m, n, k in ((1, 72, 200), (5, 130, 1000), (17, 64, 257), (40, 100, 300), (70, 33, 128)):
+        w = torch.randn(n, k) * 0.02
+        q, s = quantize_int8_rowwise(w) if g is None else quantize_int8_groupwise(w, g)
+        wd = dequantize_int8(q, s, torch.float32) if g is None else dequantize_int8_groupwise(q, s, g, torch.float32)
+        x = torch.randn(m, k).half()
+        y = w8a16_matmul(x, q, s, g)
+        ref = x.double() @ wd.double().t()
+        assert y.dtype == torch.float16 and torch.isfinite(y).all(), (g, m)
+        assert float((y.double() - ref).norm() / ref.norm()) <= 2e-3, (g, m, n, k)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
