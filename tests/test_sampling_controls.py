@@ -23,12 +23,15 @@ def reference_probs(
     logits: torch.Tensor, prompt: list[int], gen: list[int], sp: SamplingParams, eos: list[int]
 ) -> torch.Tensor:
     """One row's sampling distribution after ``prompt + gen``, built from transformers' processors (presence and
-    frequency, which transformers lacks, by OpenAI's formula)."""
+    frequency, which transformers lacks, by OpenAI's formula), in the engine's order: penalties, temperature,
+    top-k, top-p, min-p."""
     from transformers import (
         MinNewTokensLengthLogitsProcessor,
         MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
     )
 
     ids = torch.tensor([prompt + gen])
@@ -47,6 +50,10 @@ def reference_probs(
     if sp.temperature == 0:
         return torch.zeros_like(x[0]).scatter_(0, x[0].argmax()[None], 1.0)
     x = TemperatureLogitsWarper(sp.temperature)(ids, x)
+    if sp.top_k:
+        x = TopKLogitsWarper(sp.top_k)(ids, x)
+    if sp.top_p < 1.0:
+        x = TopPLogitsWarper(sp.top_p)(ids, x)
     if sp.min_p > 0:
         x = MinPLogitsWarper(sp.min_p)(ids, x)
     return x.softmax(-1)[0]

@@ -60,6 +60,9 @@ class SpeculationConfig:
     """Prompt lookup first (engine/spec_decode/drafters/lookup.py): a row whose last n tokens (prompt_lookup_min
     <= n, n <= 3 or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them,
     the drafter the other rows; None: the drafter alone. Needs a drafter other than "ngram" (refused at load)."""
+    ngram_branches: int | None = None
+    """The most continuations (earlier matches with different next tokens) the "ngram" drafter merges into one
+    draft tree of K nodes (1..8); None: 1, a chain. Only with drafter="ngram"."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -96,6 +99,8 @@ class SpeculationConfig:
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
         if self.prompt_lookup_min is not None:
             _int("speculation.prompt_lookup_min", self.prompt_lookup_min, 1, 8)
+        if self.ngram_branches is not None:
+            _int("speculation.ngram_branches", self.ngram_branches, 1, 8)
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
@@ -137,6 +142,8 @@ class SpeculationConfig:
         }
         if self.prompt_lookup_min is not None:
             out["prompt_lookup_min"] = self.prompt_lookup_min
+        if self.ngram_branches is not None:
+            out["ngram_branches"] = self.ngram_branches
         if self.costs is not None:
             out.update(self.costs.to_dict())
         return out
@@ -152,6 +159,7 @@ class SpeculationConfig:
             k_policy=spec["policy"],
             costs=costs,
             prompt_lookup_min=spec.get("prompt_lookup_min"),
+            ngram_branches=spec.get("ngram_branches"),
         )
 
 

@@ -34,12 +34,26 @@ class AttentionContext:
     """Set when rows 0..B-1 all hold positions start..start+T-1 (no padding): the cache is written by slices."""
     masks: dict[tuple[int, int | None], Tensor] = field(default_factory=dict)
     """Masks a backend builds for other key counts, by (keys, window), shared by the layers of the forward."""
+    slots: Tensor | None = None
+    """[B, T] int64 cache slots the keys are written to when they are not ``pos`` (a draft tree); ``mask`` is
+    then the tree's mask, the only one (backends that read the cache by position return None)."""
+
+    @property
+    def write_slots(self) -> Tensor:
+        """[B, T] where the forward's keys go in the cache."""
+        return self.pos if self.slots is None else self.slots
 
     def mask_for(self, keys: int, window: int | None) -> Tensor:
-        """The position mask over ``keys`` slots, built once per forward."""
+        """The mask over ``keys`` slots, built once per forward (a tree's: its mask, cut or padded with False)."""
         m = self.masks.get((keys, window))
         if m is None:
-            m = self.masks[(keys, window)] = position_mask(self.pos, keys, window)
+            if self.slots is not None:
+                assert self.mask is not None, "a tree context carries its mask"
+                have = self.mask.shape[-1]
+                m = self.mask[..., :keys] if keys <= have else F.pad(self.mask, (0, keys - have), value=False)
+            else:
+                m = position_mask(self.pos, keys, window)
+            self.masks[(keys, window)] = m
         return m
 
 

@@ -46,6 +46,17 @@ class KVCache:
         for t in (self.k, self.v):
             t[:, idx, :, :length] = t[:, src : src + 1, :, :length]
 
+    def move(self, row: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the keys and values of slots ``src`` of ``row`` to slots ``dst`` (every layer): a draft tree's
+        accepted path into consecutive slots. Only the pairs that differ move."""
+        pairs = [(a, b) for a, b in zip(src, dst) if a != b]
+        if not pairs:
+            return
+        s = torch.tensor([a for a, _ in pairs], device=self.k.device)
+        d = torch.tensor([b for _, b in pairs], device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, row, :, d] = t[:, row, :, s]  # (src is gathered before dst is written)
+
 
 class Features(enum.Enum):
     """Which final-norm outputs (the LM head's inputs: the features draft heads read) a forward returns."""
@@ -53,6 +64,17 @@ class Features(enum.Enum):
     NONE = "none"
     SCORED = "scored"  # of the scored positions, shaped like the logits: [B, H] or [B, J, H]
     ALL = "all"  # of every position [B, T, H] (logits still only of the scored ones)
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """A draft tree's layout in a verify pass: nodes at depth-based positions, each in its own cache slot,
+    each query seeing the committed context, its ancestors and itself (engine/spec_decode/tree.py builds it)."""
+
+    slots: Tensor
+    """[B, T] int64 cache slots the call's keys are written to (positions follow depth; slots are distinct)."""
+    mask: Tensor
+    """[B, 1, T, kv_len] bool: key slot j is visible to query t."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,8 @@ class ForwardCall:
     """A promise: rows is None and pos[b] == start..start+T-1 for every b (slice writes, no gather)."""
     features: Features = Features.NONE
     """Also return final-norm outputs (``ForwardOut.features``)."""
+    tree: TreeMask | None = None
+    """A draft tree's slots and mask (None: keys written at ``pos``, the position mask); no ``start``."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from engine.core.attention import AttentionBackend, AttentionContext, position_mask, sdpa_attention
 from engine.core.config import ModelConfig
+from engine.core.errors import InvalidConfigError
 from engine.core.forward import Features, ForwardCall, ForwardOut, KVCache, StepKernel  # KVCache: also for importers
 
 
@@ -118,8 +119,8 @@ class Attention(nn.Module):
                 vc[:B, :, ctx.start : ctx.start + T] = v
             else:  # advanced indices (rows [B,1], pos [B,T]) around a slice -> value [B,T,Hkv,D]
                 assert ctx.rows is not None
-                kc[ctx.rows[:, None], :, ctx.pos] = k.transpose(1, 2).to(kc.dtype)
-                vc[ctx.rows[:, None], :, ctx.pos] = v.transpose(1, 2).to(vc.dtype)
+                kc[ctx.rows[:, None], :, ctx.write_slots] = k.transpose(1, 2).to(kc.dtype)
+                vc[ctx.rows[:, None], :, ctx.write_slots] = v.transpose(1, 2).to(vc.dtype)
             o = attn.with_cache(q, kc, vc, ctx, self.window)  # a backend that reads the cache in place
             if o is None:
                 if ctx.rows_are_prefix or ctx.rows is None:
@@ -318,6 +319,12 @@ class Transformer(nn.Module):
         kv_len = call.kv_len
         assert kv_len is not None, "kv_len is required with a cache"
         cos_t, sin_t = self.rope_table(call.cache.max_seq_len, dtype)
+        if call.tree is not None:  # nodes at depth-based positions, each in its own slot, the tree's mask
+            if window is not None:
+                raise InvalidConfigError("draft trees are not verified for a sliding-window model: propose chains")
+            rows = torch.arange(B, device=dev) if call.rows is None else call.rows
+            tree = AttentionContext(pos, rows, call.rows is None, kv_len, call.tree.mask, slots=call.tree.slots)
+            return cos_t[pos][:, None], sin_t[pos][:, None], tree
         start = call.start
         if start is not None:
             assert call.rows is None and kv_len == start + T, "start needs rows=None and kv_len == start + T"

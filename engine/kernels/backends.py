@@ -158,9 +158,12 @@ class FlashAttention:
         Row b's real positions are pos[b,0] .. pos[b,0]+n_b-1 (n_b <= T; padding queries are
         discarded by the caller), so cache_seqlens = pos[:,0] + T with bottom-right causal
         alignment gives every real query exactly the keys <= its position. None (use the
-        masked path) when that length could pass the cache's end or the dtype is not fp16/bf16.
+        masked path) when that length could pass the cache's end or the dtype is not fp16/bf16, and for a draft
+        tree (its mask goes to SDPA).
         """
         T, S = q.shape[2], k_cache.shape[2]
+        if ctx.slots is not None:  # a draft tree: its mask is no causal window; SDPA runs it (``__call__``)
+            return None
         if ctx.kv_len + T > S or q.dtype != k_cache.dtype or (q.is_cuda and q.dtype not in FLASH_DTYPES):
             return None
         seqlens = (ctx.pos[:, 0] + T).clamp(max=S).to(torch.int32)  # padding rows (pos = scratch) clamp

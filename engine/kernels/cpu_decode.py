@@ -219,10 +219,12 @@ class DecodeStep:
         self._empty_f = torch.empty(0)
 
     def takes(self, call: ForwardCall) -> bool:
-        """Whether this call goes through the kernel: a fp32 cache and no autograd."""
+        """Whether this call goes through the kernel: a fp32 cache and no autograd; a draft tree's masked verify
+        runs on PyTorch's layers (the kernel attends by position only)."""
         cache = call.cache
         return (
             cache is not None
+            and call.tree is None
             and cache.k.dtype == torch.float32
             and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
         )

@@ -165,6 +165,8 @@ class GraphedForward:
         cache = call.cache
         if cache is None or call.pos is None or call.kv_len is None or call.features is Features.ALL:
             return None
+        if call.tree is not None:  # a draft tree's masked verify runs eagerly
+            return None
         B, T = call.tokens.shape
         bb = batch_bucket(B, self.buckets)
         if bb is None or bb > cache.max_batch or T > self.max_tokens:

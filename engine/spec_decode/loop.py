@@ -6,13 +6,14 @@ round). A round (``DecodeLoop.step``) is five steps:
 
 1. ``plan``: each row's K_b (its controller's K within the caps and what remains), the per-row processing and
    the round's randomness, drawn up front from each sequence's own generator (engine/spec_decode/randomness.py);
-2. ``draft``: the drafter proposes (``Proposal``), cut to each row's K_b;
+2. ``draft``: the drafter proposes (``Proposal``: chains or trees), cut to each row's K_b nodes;
 3. ``verify``: ONE target forward over tokens[tlen:] + drafts scores the K+1 positions from the last committed
-   token on (engine/spec_decode/verify.py);
-4. ``accept``: the pure acceptance function on the device (engine/spec_decode/rejection.py); the one host sync
-   of the round reads its result with a per-row non-finite flag;
-5. ``commit``: stop conditions inside the accepted run, lengths moved back (a rejection is just a smaller tlen),
-   the drafter told what was committed (``Committed``), a shared prefill handed on.
+   token on, a tree's nodes under its attention mask (engine/spec_decode/verify.py, tree.py);
+4. ``accept``: the pure acceptance function on the device (engine/spec_decode/rejection.py, tree_accept.py); the
+   one host sync of the round reads its result with a per-row non-finite flag;
+5. ``commit``: stop conditions inside the accepted run, lengths moved back (a rejection is just a smaller tlen;
+   a tree's accepted path moved into consecutive cache slots), the drafter told what was committed
+   (``Committed``), a shared prefill handed on.
 
 Fault isolation: a row whose scored target logits hold NaN or inf ends with finish_reason "error" (a logged
 warning); the others continue. A row whose own step raises (its commit: stop checks, detokenization, its drafter's
@@ -53,6 +54,7 @@ from engine.spec_decode.rejection import greedy_accept, rejection_sample
 from engine.spec_decode.sampling import RowProcessing
 from engine.spec_decode.seq import Seq, TokenLogprob, token_logprobs, waiting_for_prefill
 from engine.spec_decode.stops import StopChecker
+from engine.spec_decode.tree_accept import tree_greedy_accept, tree_rejection_sample
 from engine.spec_decode.verify import Scores, verify, verify_batch
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,8 @@ class Verdict:
     bad: list[bool]  # non-finite scored logits
     logprobs: dict[int, list[TokenLogprob]]  # rows that asked for them
     last_features: Tensor | None  # [B, H] the feature that scored each row's new last token
+    cols: Tensor  # [B, K+1] the scored column of each committed token (a tree: its path's nodes + 1)
+    paths: list[list[int]] | None = None  # trees: each row's accepted nodes by depth (None: chains)
 
 
 def tunable(s: Seq) -> bool:
@@ -201,7 +205,12 @@ class DecodeLoop:
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
         )  # fmt: skip
-        return self.drafter.propose(batch).cut(plan.ks)
+        prop = self.drafter.propose(batch).cut(plan.ks)
+        if prop.parents is None:
+            return prop
+        if self.target.config.sliding_window is not None:  # no tree mask with a window: first branches
+            return prop.first_branches(list(range(len(plan.seqs))))
+        return prop.first_branches([b for b, s in enumerate(plan.seqs) if needs_history(s.params)])
 
     def verify(self, plan: RoundPlan, proposal: Proposal) -> Scores:
         """Step 3: the target's scores, with the shared prefill's first scores in place of position 0."""
@@ -236,18 +245,30 @@ class DecodeLoop:
         num_draft = torch.tensor(proposal.row_counts(), dtype=torch.long, device=dev)  # [B]
         scored = torch.arange(proposal.width + 1, device=dev) <= num_draft[:, None]  # [B, K+1] positions that count
         bad = ((~torch.isfinite(logits)).any(-1) & scored).any(-1)  # [B] non-finite rows
+        tree, K = proposal.parents, proposal.width
+        cols = torch.arange(K + 1, device=dev).expand(B, K + 1)  # [B, K+1] a chain's columns
         if plan.greedy:  # one-hot q: accept while d == argmax q, else take argmax q (whatever p is)
-            out, nacc = greedy_accept(proposal.tokens, logits.argmax(-1), num_draft)
+            if tree is None:
+                out, nacc = greedy_accept(proposal.tokens, logits.argmax(-1), num_draft)
+            else:
+                out, nacc, cols = tree_greedy_accept(proposal.tokens, tree, num_draft, logits.argmax(-1))
         else:
             assert plan.noise is not None
-            noise = plan.noise.cut(proposal.width)
+            noise = plan.noise.cut(K)
             q = plan.processing.probs_at(logits, proposal.tokens, 0)  # [B, K+1, V], penalties per draft position
-            out, nacc = rejection_sample(proposal.tokens, proposal.probs, q, num_draft, noise.uniforms, noise.final)
-        last = None if scores.features is None else scores.features[torch.arange(B, device=dev), nacc]  # [B, H]
-        res = torch.cat([out, nacc[:, None], bad[:, None].to(out.dtype)], 1).tolist()  # the one host sync
+            if tree is None:
+                out, nacc = rejection_sample(proposal.tokens, proposal.probs, q, num_draft, noise.uniforms, noise.final)
+            else:
+                args = (proposal.probs, q, num_draft, noise.uniforms, noise.final)
+                out, nacc, cols = tree_rejection_sample(proposal.tokens, tree, *args)
+        rows = torch.arange(B, device=dev)
+        last = None if scores.features is None else scores.features[rows, cols[rows, nacc]]  # [B, H]
+        parts = [out, nacc[:, None], bad[:, None].to(out.dtype)] + ([] if tree is None else [cols])
+        res = torch.cat(parts, 1).tolist()  # the one host sync
+        paths = None if tree is None else [[c - 1 for c in r[K + 3 : K + 3 + r[K + 1] + 1][1:]] for r in res]
         lp_rows = {b: s.params.logprobs for b, s in enumerate(plan.seqs) if s.params.logprobs is not None}
-        lps = token_logprobs(logits, out, lp_rows) if lp_rows else {}
-        return Verdict([r[: r[-2] + 1] for r in res], [bool(r[-1]) for r in res], lps, last)
+        lps = token_logprobs(logits.gather(1, cols[..., None].expand(-1, -1, V)), out, lp_rows) if lp_rows else {}
+        return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths)
 
     def commit(
         self, plan: RoundPlan, proposal: Proposal, scores: Scores, verdict: Verdict
@@ -279,6 +300,9 @@ class DecodeLoop:
         new, k = verdict.tokens[b], steps.ks[b]
         n_before, a = len(s.tokens), len(verdict.tokens[b]) - 1
         s.tlen = n_before + a
+        if verdict.paths is not None and self.cache is not None:  # the accepted nodes into consecutive slots
+            path = verdict.paths[b]
+            self.cache.move(s.row, [n_before + n for n in path], list(range(n_before, n_before + len(path))))
         if self.drafter is not None:
             ran = max(plan.ks) > 0  # the drafter proposed this round
             feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
@@ -301,7 +325,7 @@ class DecodeLoop:
         if need is FeatureNeed.LAST:
             return None if verdict.last_features is None else verdict.last_features[b]
         if need is FeatureNeed.ALL and scores.features is not None:  # positions tlen .. the new tlen - 1
-            new = scores.features[b, : a + 1]
+            new = scores.features[b, verdict.cols[b, : a + 1]]
             if scores.catch[b] > 1:  # a prefill: the features of the prompt's columns before the last
                 assert scores.prefix is not None
                 new = torch.cat([scores.prefix[b, : scores.catch[b] - 1], new])

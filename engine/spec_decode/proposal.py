@@ -4,8 +4,8 @@ Node n of row b is the token ``tokens[b, n]``; its parent is ``parents[b, n]`` (
 committed token), so its depth is one more than its parent's; ``probs[b, n]`` is the draft distribution it was
 drawn from (None: one-hot at the token, a deterministic drafter). Rows may have fewer nodes than the batch's
 widest (``counts``); entries past a row's count are padding. Nodes are in topological order (a parent before
-its children), which every chain is. The verify pass (engine/spec_decode/verify.py) scores chains; tree
-verification (one pass over every branch with a tree attention mask) is not built yet and is refused there.
+its children), which every chain is; siblings are distinct tokens. The verify pass (engine/spec_decode/verify.py)
+scores every node in one target pass (a tree attention mask, engine/spec_decode/tree.py).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class Proposal:
         return self.parents is None
 
     def require_chain(self) -> None:
-        """InvalidConfigError for a tree: tree verification is not built yet."""
+        """InvalidConfigError for a tree, where a caller takes chains only."""
         if not self.is_chain:
-            raise InvalidConfigError("draft trees are not verified yet: a drafter must propose chains (Proposal.chain)")
+            raise InvalidConfigError("a draft tree where only chains are taken: propose a chain (Proposal.chain)")
 
     def row_counts(self) -> list[int]:
         """Nodes per row."""
@@ -71,9 +71,32 @@ class Proposal:
         return depth
 
     def cut(self, ks: list[int]) -> Proposal:
-        """The chain cut to at most ks[b] drafts per row (and to the widest of them)."""
-        self.require_chain()
+        """At most ks[b] nodes per row, the first in order (a tree stays a tree: parents come first), and the
+        width cut to the widest row."""
         counts = [min(k, n) for k, n in zip(ks, self.row_counts())]
         width = max(counts, default=0)
         probs = None if self.probs is None else self.probs[:, :width]
-        return Proposal(self.tokens[:, :width], probs, counts)
+        parents = None if self.parents is None or width == 0 else self.parents[:, :width]
+        return Proposal(self.tokens[:, :width], probs, counts, parents)
+
+    def first_branches(self, rows: list[int]) -> Proposal:
+        """The tree with ``rows`` cut to their first branch (from the root, each node's first child), laid out as
+        a chain in node order 0, 1, ..: for rows whose processing reads the drafts in chain order (penalties)."""
+        if self.parents is None or not rows:
+            return self
+        tokens, parents, counts = self.tokens.clone(), self.parents.clone(), self.row_counts()
+        probs = None if self.probs is None else self.probs.clone()
+        par = self.parents.tolist()
+        for b in rows:
+            path, cur = [], -1
+            for n in range(counts[b]):
+                if par[b][n] == cur:
+                    path.append(n)
+                    cur = n
+            idx = torch.tensor(path, dtype=torch.long, device=tokens.device)
+            tokens[b, : len(path)] = self.tokens[b, idx]
+            if probs is not None:
+                probs[b, : len(path)] = self.probs[b, idx]  # type: ignore[index]
+            parents[b] = torch.arange(-1, self.width - 1, device=tokens.device)
+            counts[b] = len(path)
+        return Proposal(tokens, probs, counts, parents)

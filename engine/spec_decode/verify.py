@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.core.forward import CachedForward, Features, ForwardCall, KVCache
+from engine.core.forward import CachedForward, Features, ForwardCall, KVCache, TreeMask
 from engine.spec_decode.drafter import FeatureNeed
 from engine.spec_decode.proposal import Proposal
+from engine.spec_decode.tree import tree_mask
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class VerifyBatch:
     row_ids: list[int]  # the same as ints
     aligned: bool  # rows 0..B-1 at one length, no padding: slice writes
     features: FeatureNeed  # what the drafter reads
+    tree: TreeMask | None = None  # a draft tree's slots and mask (pos: positions by depth); None: chains
 
     @property
     def width(self) -> int:
@@ -53,8 +55,8 @@ class Scores:
 def verify_batch(
     tokens: list[list[int]], tlens: list[int], proposal: Proposal, rows: list[int], scratch: int, need: FeatureNeed
 ) -> VerifyBatch:
-    """The verify inputs of rows with committed ``tokens`` (``tlens`` of them cached) and ``proposal``'s chains."""
-    proposal.require_chain()
+    """The verify inputs of rows with committed ``tokens`` (``tlens`` of them cached) and ``proposal``'s drafts
+    (chains, or trees: engine/spec_decode/tree.py)."""
     dev = proposal.tokens.device
     B, kmax, ks = len(tokens), proposal.width, proposal.row_counts()
     catch = [len(t) - n for t, n in zip(tokens, tlens)]
@@ -70,8 +72,12 @@ def verify_batch(
         toks.scatter_(1, catch_t[:, None] + torch.arange(kmax, device=dev), proposal.tokens)
     idx = ((catch_t - 1)[:, None] + torch.arange(kmax + 1, device=dev)).clamp_(min=0)  # [B, K+1]
     prefix_rows = rows == list(range(B))
-    aligned = prefix_rows and len(set(tlens)) == 1 and all(c + k == T for c, k in zip(catch, ks))
     row_t = None if prefix_rows else torch.tensor(rows, device=dev)
+    if proposal.parents is not None and kmax:
+        kv_len = max(n + c + k for n, c, k in zip(tlens, catch, ks))
+        tree = tree_mask(pos, catch, tlens, proposal.parents, ks, kv_len)  # (pos rewritten: depths)
+        return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, False, need, tree)
+    aligned = prefix_rows and len(set(tlens)) == 1 and all(c + k == T for c, k in zip(catch, ks))
     return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, aligned, need)
 
 
@@ -83,13 +89,13 @@ def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
     wide = [b for b in range(B) if vb.catch[b] > 1]
     narrow = [b for b in range(B) if vb.catch[b] <= 1]
     t_narrow = max((vb.catch[b] for b in narrow), default=0) + kmax
-    if wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B:
+    if wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B and vb.tree is None:
         return _two_passes(target, cache, vb, wide, narrow)
     kv_len = max(n + c + k for n, c, k in zip(vb.tlens, vb.catch, vb.ks))
     every = vb.features is FeatureNeed.ALL and max(vb.catch) > 1  # a row prefills: the prompt's features too
     want = Features.ALL if every else Features.SCORED if vb.features is not FeatureNeed.NONE else Features.NONE
     start = vb.tlens[0] if vb.aligned else None
-    out = target.run(ForwardCall(vb.tokens, vb.pos, cache, kv_len, vb.rows, vb.idx, None, start, want))
+    out = target.run(ForwardCall(vb.tokens, vb.pos, cache, kv_len, vb.rows, vb.idx, None, start, want, vb.tree))
     if every:
         assert out.features is not None
         return Scores(out.logits, _at(out.features, vb.idx), out.features, vb.catch)

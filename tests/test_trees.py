@@ -1,0 +1,177 @@
+"""Draft trees: the mask, one verify pass against each branch run alone, greedy identity, the exact sampled joint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_sampling_controls import ALPHA, _exact_joint3
+from util import PROMPTS, assert_greedy_grid
+
+from engine import Engine, SamplingParams
+from engine.api.options import Limits, SpeculationConfig
+from engine.core.checkpoint import load_model
+from engine.core.forward import ForwardCall, KVCache
+from engine.spec_decode.drafter import FeatureNeed
+from engine.spec_decode.proposal import Proposal
+from engine.spec_decode.registry import DRAFTERS, DrafterEntry
+from engine.spec_decode.tree import ancestors, tree_mask
+from engine.spec_decode.verify import verify, verify_batch
+
+# node: token offset from the last token, parent. Depths 1, 1, 1, 2, 2, 2, 3: branching 3 then 2.
+TREE = [(1, -1), (3, -1), (6, -1), (2, 0), (5, 0), (4, 1), (1, 3)]
+
+
+def test_mask_sees_context_ancestors_and_self_only():
+    parents = torch.tensor([[p for _, p in TREE]])
+    anc = ancestors(parents)[0]
+    assert anc[6].tolist() == [True, False, False, True, False, False, True]  # 6 -> 3 -> 0
+    pos = torch.tensor([[10, 11, 63, 63, 63, 63, 63, 63, 63]])  # 2 catch-up tokens, then 7 node columns
+    pos[0, 2:] = 0
+    tm = tree_mask(pos, [2], [10], parents, [7], 19)
+    m = tm.mask[0, 0]
+    assert tm.slots[0].tolist() == list(range(10, 19)) and pos[0].tolist() == [10, 11, 12, 12, 12, 13, 13, 13, 14]
+    assert m[0, :11].tolist() == [True] * 11 and not m[0, 11:].any()  # catch-up: causal by slot
+    for n in range(7):
+        seen = m[2 + n, 12:].tolist()
+        assert seen == anc[n].tolist() and m[2 + n, :12].all()  # the context, its ancestors, itself only
+
+
+def test_one_verify_pass_scores_every_branch_as_its_own_chain(ckpt_dir):
+    """The tree's logits at each node equal the target's logits over context + the node's path (no cache)."""
+    model = load_model(ckpt_dir)
+    ctx = PROMPTS[3]
+    cache = KVCache(model.config, 2, 64, torch.float32, "cpu")
+    with torch.no_grad():
+        model.run(ForwardCall(torch.tensor([ctx[:-1]]), None, cache, len(ctx) - 1, torch.tensor([1])))
+    toks = torch.tensor([[(ctx[-1] + d) % 290 + 1 for d, _ in TREE]])
+    prop = Proposal(toks, None, [7], torch.tensor([[p for _, p in TREE]]))
+    vb = verify_batch([ctx], [len(ctx) - 1], prop, [1], 63, FeatureNeed.NONE)
+    with torch.no_grad():
+        got = verify(model, cache, vb).logits[0]  # [8, V]: the root, then each node
+        for n in range(7):
+            path, m = [], n
+            while m >= 0:
+                path.insert(0, int(toks[0, m]))
+                m = TREE[m][1]
+            want = model(torch.tensor([ctx + path]))[0, -1]
+            torch.testing.assert_close(got[n + 1], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[0], model(torch.tensor([ctx]))[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cpu_pack", [None, False])
+def test_ngram_trees_are_token_identical_to_plain(ckpt_dir, plain, cpu_pack):
+    """Trees of up to 3 continuations (ragged accepted paths, their nodes moved into place in the cache)."""
+    from engine.api.options import KernelOptions
+
+    spec = SpeculationConfig(drafter="ngram", ngram_branches=3, k=6, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, speculation=spec, kernels=KernelOptions(cpu_pack=cpu_pack))
+    assert_greedy_grid(eng, plain, "ngram tree", cpu_pack)
+    assert eng.stats()["accepted"] > 0
+
+
+class FixedTree:
+    """A test drafter: TREE's shape under the last token. ``iid``: every child drawn i.i.d. from a fixed
+    distribution p (the batch's Exp(1) noise), else the fixed distinct tokens (p one-hot)."""
+
+    features = FeatureNeed.NONE
+    max_drafts = None
+
+    def __init__(self, vocab: int, iid: bool) -> None:
+        self.iid = iid
+        self.p = torch.softmax(torch.linspace(1.5, -1.5, vocab), 0)  # not the target's
+
+    def propose(self, batch):
+        B, k, V = len(batch.seqs), batch.k, batch.vocab
+        parents = torch.tensor([[p for _, p in TREE][:k]] * B)
+        if self.iid:
+            assert batch.noise is not None
+            toks = (self.p / batch.noise[:, :k]).argmax(-1)  # [B, k]: an Exp race, one draw of p per node
+            return Proposal(toks, self.p.expand(B, k, V).contiguous(), None, parents)
+        last = torch.tensor([s.tokens[-1] for s in batch.seqs])
+        toks = (last[:, None] + torch.tensor([d for d, _ in TREE][:k])) % V
+        return Proposal(toks, None, None, parents)
+
+    def commit(self, seq, outcome):
+        pass
+
+    def ensure_cache(self, max_batch, max_seq_len):
+        pass
+
+    def share_prefill(self, src, dst, length):
+        pass
+
+    def cost_step(self, batch):
+        return None
+
+
+CASES = {
+    "t1.0": {"temperature": 1.0},
+    "t1.5-k5-p0.9": {"temperature": 1.5, "top_k": 5, "top_p": 0.9},
+    "min_p": {"temperature": 1.0, "min_p": 0.3},
+    "penalties": {"temperature": 1.0, "repetition_penalty": 1.8, "presence_penalty": 1.0},  # its first branch
+}
+
+
+@pytest.mark.parametrize(
+    "case,iid", [("t1.0", False), ("t1.0", True), ("t1.5-k5-p0.9", False), ("min_p", True), ("penalties", False)]
+)
+def test_tree_sampling_keeps_the_target_joint(pair8, case, iid):
+    """The 3-token joint under trees of branching 3 then 2 (7 nodes) equals the target's exact one (chi-square),
+    no sequence of zero probability appears, and ignoring the sampling controls would be detected."""
+    reg = DRAFTERS.extended(DrafterEntry("fixed-tree", "a test tree", lambda ctx: FixedTree(8, iid)))
+    spec = SpeculationConfig(drafter="fixed-tree", k=7, k_policy="constant", registry=reg)
+    eng = Engine.from_pretrained(pair8[0], speculation=spec, limits=Limits(max_batch=1000))
+    prompt, V = [1, 2, 3], eng.vocab
+    sp = SamplingParams(max_new_tokens=8, **CASES[case])  # the first round verifies the whole tree
+    exact = _exact_joint3(eng, prompt, sp)
+    counts = np.zeros(V**3)
+    for _ in range(6):
+        for o in eng.generate([prompt] * 4000, sp):
+            t = o.token_ids
+            counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    assert counts[exact == 0].sum() == 0, "a sequence of zero probability was produced"
+    acc = eng.scheduler.snapshot()["totals"].pos_accepted
+    assert len(acc) >= 3 and acc[2] > 0  # paths of depth 3 were accepted
+
+    def pvalue(probs: np.ndarray) -> float:
+        e = probs * counts.sum()
+        keep = e >= 5
+        obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(e[keep], e[~keep].sum())
+        ok = exp > 0
+        return chisquare(obs[ok], exp[ok] * obs[ok].sum() / exp[ok].sum()).pvalue
+
+    assert pvalue(exact) > ALPHA
+    if case != "t1.0":
+        plain_t = SamplingParams(max_new_tokens=3, temperature=CASES[case]["temperature"])
+        assert pvalue(_exact_joint3(eng, prompt, plain_t)) < ALPHA
+
+
+def test_ngram_tree_merges_the_continuations_of_several_matches():
+    from types import SimpleNamespace
+
+    from engine.spec_decode.drafters.ngram import NGramDrafter
+
+    ctx = [1, 2, 3, 7, 1, 2, 4, 7, 1, 2, 3, 8, 1, 2]  # "1 2" was followed by 3 7, 4 7, 3 8 (latest first: 3 8)
+    seqs = [SimpleNamespace(tokens=ctx), SimpleNamespace(tokens=[5, 6])]
+    batch = SimpleNamespace(seqs=seqs, k=6, ks=[6, 6], device=torch.device("cpu"))
+    p = NGramDrafter(branches=3)._propose_tree(batch)
+    n = p.row_counts()[0]
+    nodes = [(int(p.tokens[0, i]), int(p.parents[0, i])) for i in range(n)]
+    assert nodes == [(3, -1), (4, -1), (8, 0), (7, 1), (7, 0), (1, 2)]  # depth by depth; "3" shared once
+    assert p.row_counts()[1] == 0
+    assert NGramDrafter(branches=1).lookup(ctx, 3) == [3, 8, 1]  # the chain: the first branch's tokens
+    small = SimpleNamespace(seqs=seqs[:1], k=6, ks=[3], device=torch.device("cpu"))
+    assert NGramDrafter(branches=3)._propose_tree(small).row_counts() == [3]  # the node budget
+
+
+def test_ngram_trees_on_repetitive_prompts_match_plain(ckpt_dir):
+    """Prompts with many earlier matches (branching trees every round), batch 3, against plain decoding."""
+    prompts = [[10, 11, 12, 10, 11, 13, 10, 11, 14, 10, 11], [5, 6, 5, 7, 5, 6, 5, 8, 5], [3, 4, 3, 4, 3, 9, 3]]
+    sp = SamplingParams(max_new_tokens=30)
+    want = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, sp)]
+    spec = SpeculationConfig(drafter="ngram", ngram_branches=4, k=8, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, speculation=spec)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert [o.token_ids for o in eng.generate(prompts[:1], sp)] == want[:1]
