@@ -91,6 +91,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="adds a mode <mode>+lookup for each drafter but ngram: prompt lookup first where the last N or more "
         "tokens recur in the context, the drafter elsewhere (speculation.prompt_lookup_min)",
     )
+    p.add_argument(
+        "--ngram-branches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adds the mode specmix-ngram+tree: n-gram drafts as trees of up to N continuations (ngram_branches)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
     p.add_argument(
@@ -145,7 +152,7 @@ class _Modes:
     engines: dict[str, Engine]
     """Every specmix mode's engine: "plain" first, then the drafters, their +lookup modes and the fixed-K sweeps."""
     lookup: dict[str, str]
-    """Each <mode>+lookup mode: its base mode."""
+    """Each variant of a drafter mode (<mode>+lookup, specmix-ngram+tree): its base mode."""
     sweep: dict[str, int]
     """The draft model's fixed-K modes (specmix-model-k<K>): their K."""
     head_sweep: dict[str, int]
@@ -221,6 +228,10 @@ def _lookup_engines(
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
+    if a.ngram_branches is not None and "specmix-ngram" in engines:  # n-gram trees beside its chains
+        spec = SpeculationConfig(drafter="ngram", k=a.k, ngram_branches=a.ngram_branches)
+        engines["specmix-ngram+tree"] = Engine.from_pretrained(target, speculation=spec, **opts)
+        lookup_modes["specmix-ngram+tree"] = "specmix-ngram"
     return lookup_modes
 
 
