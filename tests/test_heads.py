@@ -504,3 +504,14 @@ def test_interrupted_draft_model_save_leaves_no_config(ckpt_dir, draft_dir, tmp_
     assert loaded.config.num_hidden_layers == 1 and all(
         torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values())
     )
+
+
+@pytest.mark.parametrize("which", [("eagle", None), ("eagle", 128)], ids=str)
+@pytest.mark.parametrize("branches,k", [(2, 4), (3, 8)])
+def test_greedy_eagle_trees_equal_plain(ckpt_dir, trained_heads, plain, which, branches, k):
+    """EAGLE-2 dynamic trees (the head's top children of its most probable nodes) verified in one masked pass:
+    token-identical to plain decoding, the reduced draft vocabulary included."""
+    spec = SpeculationConfig(drafter="eagle", k=k, k_policy="constant", tree_branches=branches)
+    eng = Engine.from_pretrained(ckpt_dir, trained_heads[which], speculation=spec)
+    assert_greedy_grid(eng, plain, which, branches, k)
+    assert eng.stats()["accepted"] > 0

@@ -65,7 +65,7 @@ def test_ngram_trees_are_token_identical_to_plain(ckpt_dir, plain, cpu_pack):
     """Trees of up to 3 continuations (ragged accepted paths, their nodes moved into place in the cache)."""
     from engine.api.options import KernelOptions
 
-    spec = SpeculationConfig(drafter="ngram", ngram_branches=3, k=6, k_policy="constant")
+    spec = SpeculationConfig(drafter="ngram", tree_branches=3, k=6, k_policy="constant")
     eng = Engine.from_pretrained(ckpt_dir, speculation=spec, kernels=KernelOptions(cpu_pack=cpu_pack))
     assert_greedy_grid(eng, plain, "ngram tree", cpu_pack)
     assert eng.stats()["accepted"] > 0
@@ -171,7 +171,39 @@ def test_ngram_trees_on_repetitive_prompts_match_plain(ckpt_dir):
     prompts = [[10, 11, 12, 10, 11, 13, 10, 11, 14, 10, 11], [5, 6, 5, 7, 5, 6, 5, 8, 5], [3, 4, 3, 4, 3, 9, 3]]
     sp = SamplingParams(max_new_tokens=30)
     want = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, sp)]
-    spec = SpeculationConfig(drafter="ngram", ngram_branches=4, k=8, k_policy="constant")
+    spec = SpeculationConfig(drafter="ngram", tree_branches=4, k=8, k_policy="constant")
     eng = Engine.from_pretrained(ckpt_dir, speculation=spec)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == want
     assert [o.token_ids for o in eng.generate(prompts[:1], sp)] == want[:1]
+
+
+def test_dynamic_tree_keeps_the_most_probable_nodes_with_their_ancestors():
+    """A fake head whose next-token distribution depends on the token: the kept nodes are the budget's most
+    probable paths (checked by brute force over the generated layers), ancestors first, siblings distinct."""
+    from engine.spec_decode.drafters.head_tree import dynamic_tree
+
+    V = 7
+    table = torch.softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(3)) * 2, -1)
+
+    def step(f, tok):
+        return f + 1, table[tok].log()
+
+    toks, parents, scores = dynamic_tree(step, torch.zeros(2, 4), torch.tensor([0, 5]), 6, 2, None)
+    assert toks.shape == parents.shape == (2, 6)
+    for b in range(2):
+        par, tk = parents[b].tolist(), toks[b].tolist()
+        for n, p in enumerate(par):
+            assert p < n  # topological
+            last = [0, 5][b] if p < 0 else tk[p]
+            want = (0.0 if p < 0 else float(scores[b, p])) + float(table[last, tk[n]].log())
+            assert abs(float(scores[b, n]) - want) < 1e-4  # the path's log-probability
+        kids = {}
+        for n, p in enumerate(par):
+            kids.setdefault(p, []).append(tk[n])
+        assert all(len(v) == len(set(v)) for v in kids.values())  # distinct siblings
+        assert min(scores[b, par[n]] for n in range(6) if par[n] >= 0) >= scores[b].min()  # parents rank higher
+    lp2, top2 = table[0].log().topk(2)
+    roots = [t for t, p in zip(toks[0].tolist(), parents[0].tolist()) if p < 0]
+    assert roots[0] == top2[0]  # the root's best child first
+    if top2[1] not in roots:  # the second child was dropped: every kept path is at least as probable
+        assert float(scores[0].min()) >= float(lp2[1]) - 1e-4

@@ -60,9 +60,10 @@ class SpeculationConfig:
     """Prompt lookup first (engine/spec_decode/drafters/lookup.py): a row whose last n tokens (prompt_lookup_min
     <= n, n <= 3 or n = prompt_lookup_min) occurred earlier in its context drafts the tokens that followed them,
     the drafter the other rows; None: the drafter alone. Needs a drafter other than "ngram" (refused at load)."""
-    ngram_branches: int | None = None
-    """The most continuations (earlier matches with different next tokens) the "ngram" drafter merges into one
-    draft tree of K nodes (1..8); None: 1, a chain. Only with drafter="ngram"."""
+    tree_branches: int | None = None
+    """Draft trees of K nodes (1..8 children per node) for the drafters that propose them: "ngram" (the
+    continuations of that many earlier matches merged), "eagle" (greedy batches: the top children of the most
+    probable nodes, EAGLE-2's dynamic tree); None or 1: chains. Verified in one masked pass."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -99,8 +100,8 @@ class SpeculationConfig:
             _int("speculation.early_exit_layers", self.early_exit_layers, 1)
         if self.prompt_lookup_min is not None:
             _int("speculation.prompt_lookup_min", self.prompt_lookup_min, 1, 8)
-        if self.ngram_branches is not None:
-            _int("speculation.ngram_branches", self.ngram_branches, 1, 8)
+        if self.tree_branches is not None:
+            _int("speculation.tree_branches", self.tree_branches, 1, 8)
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
@@ -124,8 +125,9 @@ class SpeculationConfig:
                     )
 
     def drafter_options(self, entry: DrafterEntry) -> dict[str, Any]:
-        """The fields ``entry`` reads, by name (its factory's ``DrafterContext.options``)."""
-        return {name: getattr(self, name) for name in entry.fields}
+        """The fields ``entry`` reads, by name (its factory's ``DrafterContext.options``), and ``tree_branches``
+        (1: chains), which every drafter that proposes trees reads."""
+        return {"tree_branches": self.tree_branches or 1, **{name: getattr(self, name) for name in entry.fields}}
 
     @property
     def resolved_k_max(self) -> int:
@@ -142,8 +144,8 @@ class SpeculationConfig:
         }
         if self.prompt_lookup_min is not None:
             out["prompt_lookup_min"] = self.prompt_lookup_min
-        if self.ngram_branches is not None:
-            out["ngram_branches"] = self.ngram_branches
+        if self.tree_branches is not None:
+            out["tree_branches"] = self.tree_branches
         if self.costs is not None:
             out.update(self.costs.to_dict())
         return out
@@ -159,7 +161,7 @@ class SpeculationConfig:
             k_policy=spec["policy"],
             costs=costs,
             prompt_lookup_min=spec.get("prompt_lookup_min"),
-            ngram_branches=spec.get("ngram_branches"),
+            tree_branches=spec.get("tree_branches"),
         )
 
 

@@ -226,7 +226,7 @@ class Speculation:
         for key in ("k", "k_min", "k_max"):
             r.integer(key)
         r.opt_integer("prompt_lookup_min")
-        r.opt_integer("ngram_branches")
+        r.opt_integer("tree_branches")
         if "c" in r.d:  # the measured costs (Costs.to_dict)
             r.number("c")
             v = r.opt_mapping("v") or {}

@@ -92,11 +92,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "tokens recur in the context, the drafter elsewhere (speculation.prompt_lookup_min)",
     )
     p.add_argument(
-        "--ngram-branches",
+        "--tree-branches",
         type=int,
         default=None,
         metavar="N",
-        help="adds the mode specmix-ngram+tree: n-gram drafts as trees of up to N continuations (ngram_branches)",
+        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, eagle): trees of N branches",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
@@ -152,7 +152,7 @@ class _Modes:
     engines: dict[str, Engine]
     """Every specmix mode's engine: "plain" first, then the drafters, their +lookup modes and the fixed-K sweeps."""
     lookup: dict[str, str]
-    """Each variant of a drafter mode (<mode>+lookup, specmix-ngram+tree): its base mode."""
+    """Each variant of a drafter mode (<mode>+lookup, <mode>+tree): its base mode."""
     sweep: dict[str, int]
     """The draft model's fixed-K modes (specmix-model-k<K>): their K."""
     head_sweep: dict[str, int]
@@ -228,10 +228,13 @@ def _lookup_engines(
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
-    if a.ngram_branches is not None and "specmix-ngram" in engines:  # n-gram trees beside its chains
-        spec = SpeculationConfig(drafter="ngram", k=a.k, ngram_branches=a.ngram_branches)
-        engines["specmix-ngram+tree"] = Engine.from_pretrained(target, speculation=spec, **opts)
-        lookup_modes["specmix-ngram+tree"] = "specmix-ngram"
+    for mode in ("specmix-ngram", "specmix-eagle"):  # trees beside the chains
+        if a.tree_branches is not None and mode in engines:
+            entry = SPEC_MODES[mode]
+            spec = SpeculationConfig(drafter=entry.name, k=a.k, tree_branches=a.tree_branches)
+            arg = _draft_arg(entry, draft, heads)[1]
+            engines[f"{mode}+tree"] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
+            lookup_modes[f"{mode}+tree"] = mode
     return lookup_modes
 
 

@@ -209,8 +209,8 @@ class DecodeLoop:
         if prop.parents is None:
             return prop
         if self.target.config.sliding_window is not None:  # no tree mask with a window: first branches
-            return prop.first_branches(list(range(len(plan.seqs))))
-        return prop.first_branches([b for b, s in enumerate(plan.seqs) if needs_history(s.params)])
+            return prop.first_branches(list(range(len(plan.seqs)))).simplified()
+        return prop.first_branches([b for b, s in enumerate(plan.seqs) if needs_history(s.params)]).simplified()
 
     def verify(self, plan: RoundPlan, proposal: Proposal) -> Scores:
         """Step 3: the target's scores, with the shared prefill's first scores in place of position 0."""

@@ -79,6 +79,18 @@ class Proposal:
         parents = None if self.parents is None or width == 0 else self.parents[:, :width]
         return Proposal(self.tokens[:, :width], probs, counts, parents)
 
+    def simplified(self) -> Proposal:
+        """The same drafts without ``parents`` when every row's tree is a chain in node order (node n's parent
+        n - 1): the chain layout is the cheaper verify (no tree mask; the one-call CPU step takes it)."""
+        if self.parents is None:
+            return self
+        chain = torch.arange(-1, self.width - 1, device=self.parents.device).expand_as(self.parents)
+        counts = torch.tensor(self.row_counts(), device=self.parents.device)
+        real = torch.arange(self.width, device=self.parents.device)[None] < counts[:, None]
+        if bool(((self.parents == chain) | ~real).all()):
+            return Proposal(self.tokens, self.probs, self.counts)
+        return self
+
     def first_branches(self, rows: list[int]) -> Proposal:
         """The tree with ``rows`` cut to their first branch (from the root, each node's first child), laid out as
         a chain in node order 0, 1, ..: for rows whose processing reads the drafts in chain order (penalties)."""

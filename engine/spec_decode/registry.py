@@ -119,9 +119,8 @@ DRAFTERS = DrafterRegistry(
         DrafterEntry(
             "ngram",
             "prompt lookup: copies what followed the context's latest match of its last tokens (with "
-            "ngram_branches > 1, a tree of the continuations of several matches); no model",
+            "tree_branches > 1, a tree of the continuations of several matches); no model",
             NGramDrafter.build,
-            fields=("ngram_branches",),
             lookup_first=False,
         ),
         DrafterEntry(

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
+from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class EagleDrafter(HeadDrafter):
             return EagleAttnDrafter.build(ctx)
         head, plain, scorer = cls.scorer_for(ctx)
         d = cls(head, ctx.target_module, scorer)
+        d.branches = ctx.options.get("tree_branches", 1)
         graphed = ctx.kernels.graph_step(d.step, "eagle head step", 0)
         if graphed is not None:  # (graphs capture the PyTorch step)
             d.runner = graphed
@@ -41,11 +43,15 @@ class EagleDrafter(HeadDrafter):
         super().__init__(head, target, scorer)
         self.runner: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = self.step
         self.greedy: Callable[[Tensor, Tensor, int], Tensor] | None = None  # all k greedy drafts in one call
+        self.branches = 1  # > 1: greedy batches draft EAGLE-2 trees (head_tree.py)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
         f, have = self._features(batch.seqs, batch.device)
         tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=batch.device)
+        if batch.processing.mode == "greedy" and self.branches > 1:
+            toks, parents, _ = dynamic_tree(self.runner, f, tok, batch.k, self.branches, self.vocab_ids)
+            return tree_proposal(toks, parents, have)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, tok, batch.k), [], have, batch.k, batch.k)
         drafts: list[Tensor] = []

@@ -30,7 +30,7 @@ class NGramDrafter:
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> NGramDrafter:
-        return cls(branches=ctx.options.get("ngram_branches") or 1)
+        return cls(branches=ctx.options.get("tree_branches", 1))
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         L = len(tokens)
