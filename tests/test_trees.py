@@ -11,7 +11,6 @@ from util import PROMPTS, assert_greedy_grid
 
 from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
-from engine.core.checkpoint import load_model
 from engine.core.forward import ForwardCall, KVCache
 from engine.spec_decode.drafter import FeatureNeed
 from engine.spec_decode.proposal import Proposal
@@ -38,9 +37,17 @@ def test_mask_sees_context_ancestors_and_self_only():
         assert seen == anc[n].tolist() and m[2 + n, :12].all()  # the context, its ancestors, itself only
 
 
-def test_one_verify_pass_scores_every_branch_as_its_own_chain(ckpt_dir):
-    """The tree's logits at each node equal the target's logits over context + the node's path (no cache)."""
-    model = load_model(ckpt_dir)
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch", "cpu-step"])
+def test_one_verify_pass_scores_every_branch_as_its_own_chain(ckpt_dir, kernel):
+    """The tree's logits at each node equal the target's logits over context + the node's path (no cache), on
+    PyTorch's layers and on the CPU's one-call step (its slots and mask)."""
+    from engine.api.options import KernelOptions
+    from engine.kernels.cpu_gemm import small_gemm_status
+
+    if kernel and small_gemm_status() is not None:
+        pytest.skip(f"no CPU kernels: {small_gemm_status()}")
+    model = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=kernel)).target
+    assert (model.layer_step is not None) == kernel
     ctx = PROMPTS[3]
     cache = KVCache(model.config, 2, 64, torch.float32, "cpu")
     with torch.no_grad():
@@ -50,6 +57,8 @@ def test_one_verify_pass_scores_every_branch_as_its_own_chain(ckpt_dir):
     vb = verify_batch([ctx], [len(ctx) - 1], prop, [1], 63, FeatureNeed.NONE)
     with torch.no_grad():
         got = verify(model, cache, vb).logits[0]  # [8, V]: the root, then each node
+        if kernel:
+            assert model.layer_step.takes(ForwardCall(vb.tokens, vb.pos, cache, 19, None, tree=vb.tree))
         for n in range(7):
             path, m = [], n
             while m >= 0:

@@ -217,14 +217,14 @@ class DecodeStep:
         )
         self._empty = torch.empty(0, dtype=torch.long)
         self._empty_f = torch.empty(0)
+        self._empty_b = torch.empty(0, dtype=torch.bool)
 
     def takes(self, call: ForwardCall) -> bool:
-        """Whether this call goes through the kernel: a fp32 cache and no autograd; a draft tree's masked verify
-        runs on PyTorch's layers (the kernel attends by position only)."""
+        """Whether this call goes through the kernel: a fp32 cache and no autograd (a draft tree's verify too:
+        the kernel writes its slots and applies its mask)."""
         cache = call.cache
         return (
             cache is not None
-            and call.tree is None
             and cache.k.dtype == torch.float32
             and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
         )
@@ -248,6 +248,7 @@ class DecodeStep:
         assert cache is not None and call.kv_len is not None
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
         h = torch.empty(1) if hidden else self._empty_f
+        tree = call.tree
         logits = self.impl.forward(
             call.tokens,
             self._pos(call),
@@ -260,6 +261,8 @@ class DecodeStep:
             cos,
             sin,
             h,
+            self._empty if tree is None else tree.slots,
+            self._empty_b if tree is None else tree.mask[:, 0],
         )
         return logits, h
 

@@ -20,10 +20,12 @@ class DecodeModel {
   // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers;
   // hidden: empty, or a float32 tensor the scored rows' final-norm outputs are written to (its shape becomes
   // the logits' with H in place of V)
+  // slots: empty, or [B, T] int64 the cache slots keys are written to (a draft tree: not the positions);
+  // mask: empty, or [B, T, kv_len] bool, the keys each query sees (a draft tree's mask; with slots)
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
-                        torch::Tensor hidden) const;
+                        torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask) const;
   // the same from the first layer's inputs x [B, T, H] float32 instead of token ids (a draft head's entries)
   torch::Tensor forward_x(const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& rows,
                           const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
@@ -40,7 +42,7 @@ class DecodeModel {
   torch::Tensor run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos, const torch::Tensor& rows,
                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                     torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
-                    torch::Tensor hidden) const;
+                    torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask) const;
   std::vector<torch::Tensor> weights_, scales_, smooths_;
   std::vector<int64_t> groups_;
   int64_t n_heads_, n_kv_, window_;

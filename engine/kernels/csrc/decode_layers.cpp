@@ -65,8 +65,9 @@ inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t
 }
 
 // o[m, head, :] = softmax(q . k_j / sqrt(D)) v over the visible cache slots j of row m's sequence
-void attend(const float* qkv, const float* kc, const float* vc, const int64_t* pos, const int64_t* row,
-            int64_t kv_len, const Dims& d, float* o) {
+// (slot: each row's own cache slot, the last it sees; mask: empty, or [M, kv_len] the slots each row sees)
+void attend(const float* qkv, const float* kc, const float* vc, const int64_t* pos, const bool* mask,
+            const int64_t* row, int64_t kv_len, const Dims& d, float* o) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, group = d.nh / d.nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(d.D));
   const int64_t items = d.M * d.nh;
@@ -85,10 +86,14 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
       std::fill_n(out, d.D, 0.f);
       if (hi <= lo) continue;
       float mx = -INFINITY;
+      const bool* seen = mask ? mask + m * kv_len : nullptr;
       for (int64_t j = lo; j < hi; ++j) {
         s[j] = dot(q, kc + base + j * d.D, d.D) * scale;
-        mx = std::max(mx, s[j]);
+        if (!seen || seen[j]) mx = std::max(mx, s[j]);
       }
+      if (seen)  // a draft tree: the slots this row does not see weigh e^-1e4 = 0
+        for (int64_t j = lo; j < hi; ++j)
+          if (!seen[j]) s[j] = mx - 1e4f;
       // weights e^(s - max), LANES at a time (the tail masked), summed lane-wise then across lanes
       simd::Vec acc = simd::zero();
       for (int64_t j = lo; j < hi; j += simd::LANES) {
@@ -147,7 +152,8 @@ void gemm(bool amx, const float* x, const Mat& w, float* y, int64_t M, int64_t K
 // caches [L, max_batch, nkv, S, D]; w the 9 weights per layer (DecodeModel checked their shapes). Keys and
 // values of every row are written before any row attends, so a row sees the rows before it in the same
 // call (its sequence's earlier tokens).
-void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, const torch::Tensor* weights,
+void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, const int64_t* rp, int64_t kv_len,
+            const torch::Tensor* weights,
             const torch::Tensor* scales, const torch::Tensor* smooths, const int64_t* groups, bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
             const float* sp, float eps) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
@@ -164,17 +170,17 @@ void layers(float* xp, const int64_t* pp, const int64_t* rp, int64_t kv_len, con
     float* q = qkv.data();
     gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
     add_bias(q, w[2], d.M, width);
-    for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's position
-      const int64_t p = pp[m];
+    for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's slot
+      const int64_t p = pp[m], slot = slp[m];
       float* r = q + m * width;
       for (int64_t hh = 0; hh < d.nh + d.nkv; ++hh) rope(r + hh * d.D, cp + p * d.D, sp + p * d.D, d.D, tmp.data());
       for (int64_t kvh = 0; kvh < d.nkv; ++kvh) {
-        const int64_t at = ((rp[m] * d.nkv + kvh) * d.S + p) * d.D;
+        const int64_t at = ((rp[m] * d.nkv + kvh) * d.S + slot) * d.D;
         std::copy_n(r + (d.nh + kvh) * d.D, d.D, kc + at);
         std::copy_n(r + (d.nh + d.nkv + kvh) * d.D, d.D, vc + at);
       }
     }
-    attend(q, kc, vc, pp, rp, kv_len, d, attn.data());
+    attend(q, kc, vc, slp, mp, rp, kv_len, d, attn.data());
     gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
@@ -268,7 +274,8 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::
 torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                                    const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                    torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                                   const torch::Tensor& sin, torch::Tensor hidden) const {
+                                   const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
+                                   const torch::Tensor& mask) const {
   TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
   const torch::Tensor& embed = weights_[9 * n_layers_];
@@ -280,7 +287,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   std::vector<float> x(M * H);
   const float* ep = embed.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
-  return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden);
+  return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden, slots, mask);
 }
 
 // the same forward from the first layer's inputs x [B, T, H] float32 (no embedding lookup)
@@ -294,13 +301,16 @@ torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Ten
               pos.scalar_type() == at::kLong, "decode_forward_x: pos [B, T] int64");
   const torch::Tensor xc = x_in.contiguous();
   std::vector<float> x(xc.data_ptr<float>(), xc.data_ptr<float>() + xc.numel());
-  return run(x, x_in.size(0), x_in.size(1), pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden);
+  const torch::Tensor none;
+  return run(x, x_in.size(0), x_in.size(1), pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden,
+             none, none);
 }
 
 torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos,
                                const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                               const torch::Tensor& sin, torch::Tensor hidden) const {
+                               const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
+                               const torch::Tensor& mask) const {
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
   const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
   const torch::Tensor& head = weights_[9 * n_layers_ + 2];
@@ -315,13 +325,21 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   const torch::Tensor posc = pos.contiguous();
   const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
   const int64_t* pp = posc.data_ptr<int64_t>();
+  const bool tree = slots.defined() && slots.numel() > 0;
+  TORCH_CHECK(!tree || (slots.sizes() == pos.sizes() && slots.scalar_type() == at::kLong &&
+                        mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T && mask.size(2) == kv_len &&
+                        mask.scalar_type() == at::kBool),
+              "decode_forward: a tree's slots [B, T] int64 and mask [B, T, kv_len] bool");
+  const torch::Tensor slc = tree ? slots.contiguous() : posc, mc = tree ? mask.contiguous() : mask;
+  const int64_t* slp = slc.data_ptr<int64_t>();
   std::vector<int64_t> row(M);
   for (int64_t m = 0; m < M; ++m) {
     row[m] = rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
-    TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && row[m] >= 0 && row[m] < d.max_batch,
-                "decode_forward: a position or cache row is out of range");
+    TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && row[m] >= 0 && row[m] < d.max_batch &&
+                    slp[m] >= 0 && slp[m] < d.S,
+                "decode_forward: a position, slot or cache row is out of range");
   }
-  layers(x.data(), pp, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
+  layers(x.data(), pp, slp, tree ? mc.data_ptr<bool>() : nullptr, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
          n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
          static_cast<float>(eps_));
@@ -369,7 +387,7 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
   TORCH_CHECK(steps >= 1 && vocab >= 1 && vocab <= vocab_, "greedy: steps >= 1 and 1 <= vocab <= ", vocab_);
   TORCH_CHECK(last.dim() == 1, "greedy: last [B]");
   const torch::Tensor none = torch::empty({0}, tokens.options().dtype(at::kFloat));
-  torch::Tensor logits = forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin, none);
+  torch::Tensor logits = forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin, none, none, none);
   const int64_t B = tokens.size(0), T = tokens.size(1);
   const torch::Tensor pc = pos.contiguous(), lc = last.contiguous();
   auto opts = tokens.options().dtype(at::kLong);
@@ -385,7 +403,7 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
       next.data_ptr<int64_t>()[b] = pc.data_ptr<int64_t>()[b * T + lc.data_ptr<int64_t>()[b]] + 1 + i;
     }
     if (i + 1 < steps)
-      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin, none);
+      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin, none, none, none);
   }
   return out;
 }
