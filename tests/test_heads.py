@@ -515,3 +515,11 @@ def test_greedy_eagle_trees_equal_plain(ckpt_dir, trained_heads, plain, which, b
     eng = Engine.from_pretrained(ckpt_dir, trained_heads[which], speculation=spec)
     assert_greedy_grid(eng, plain, which, branches, k)
     assert eng.stats()["accepted"] > 0
+
+
+def test_greedy_eagle_trees_with_prompt_lookup_first_equal_plain(ckpt_dir, trained_heads, plain):
+    """Copies (chains) and the head's trees in one batch: token-identical to plain decoding."""
+    spec = SpeculationConfig(drafter="eagle", k=6, k_policy="constant", tree_branches=3, prompt_lookup_min=2)
+    eng = Engine.from_pretrained(ckpt_dir, trained_heads[("eagle", None)], speculation=spec)
+    assert_greedy_grid(eng, plain, "eagle tree + lookup")
+    assert eng.stats()["accepted"] > 0

@@ -95,10 +95,12 @@ class LookupFirst:
         if ran:
             inner = self.inner.propose(batch)
             drafts, probs, num = inner.tokens.clone(), inner.probs, inner.row_counts()
+            parents = None if inner.parents is None else inner.parents.clone()  # the drafter's trees
             # a row the drafter has nothing for (a head before the row's first feature) takes its copy
             take = [t or (bool(c) and not n) for t, c, n in zip(take, found, num)]
         else:
             drafts, probs, num = torch.zeros(len(seqs), k, dtype=torch.long), None, [0] * len(seqs)
+            parents = None
         # a drafter may propose fewer than k (Medusa: one per head); a token outside the common vocabulary has
         # no p, so a copy stops before it (and, left empty, is not taken)
         found = [_cut(c, drafts.shape[1], batch.vocab) for c in found]
@@ -111,10 +113,13 @@ class LookupFirst:
             recs[b].round = (found[b], True, num[b], ran)
             drafts[b, : len(c)] = torch.tensor(c, dtype=torch.long)
             num[b] = len(c)
+            if parents is not None:  # a copy is a chain in a batch of trees
+                parents[b] = torch.arange(-1, parents.shape[1] - 1, device=parents.device)
             if probs is not None:  # p of a copied token: one-hot (a deterministic draft)
                 probs[b] = 0
                 probs[b, torch.arange(len(c)), torch.tensor(c)] = 1
-        return Proposal.chain(drafts.to(batch.device), probs, None if all(n == k for n in num) else num)
+        counts = None if all(n == k for n in num) else num
+        return Proposal(drafts.to(batch.device), probs, counts, None if parents is None else parents.to(batch.device))
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
         rec = self._records.get(seq)
