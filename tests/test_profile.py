@@ -299,3 +299,18 @@ def test_cli_bad_input_is_one_line_exit_2(args, match, tiny_demo):
     import re
 
     assert re.search(match, lines[0])
+
+
+def test_a_profile_served_without_its_drafter_keeps_its_plan(builds):
+    """`specmix-serve --profile P --no-spec`: the profile's quantized target, no drafter: the baseline a
+    profile's speculation is benchmarked against (greedy tokens equal the speculative engine's)."""
+    from engine import SamplingParams
+    from engine.cli.serve import build_parser, load
+
+    spec, _, _ = load(build_parser().parse_args(["--profile", str(builds["a100"])]))
+    plain, _, _ = load(build_parser().parse_args(["--profile", str(builds["a100"]), "--no-spec"]))
+    assert spec.drafter is not None and plain.drafter is None
+    mem = "target_weight_bytes"
+    assert plain.stats()["memory"][mem] == spec.stats()["memory"][mem]  # the same planned (quantized) target
+    sp, prompts = SamplingParams(max_new_tokens=24), [[5, 6, 7], [9, 10, 11, 12]]
+    assert [o.token_ids for o in plain.generate(prompts, sp)] == [o.token_ids for o in spec.generate(prompts, sp)]

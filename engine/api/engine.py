@@ -136,10 +136,12 @@ class Engine:
         *,
         limits: Limits | None = None,
         full_check: bool = False,
+        plain: bool = False,
     ) -> Engine:
         """Build exactly the engine a profile describes (tools/build_profile.py writes them).
 
-        ``limits``: batch and queue limits (the profile's load window is kept). Refuses with a
+        ``limits``: batch and queue limits (the profile's load window is kept); ``plain``: the profile's target
+        on its plan without the drafter (the baseline speculation is measured against). Refuses with a
         ProfileError naming the file and the field: a missing file, invalid JSON, an unknown schema
         version, missing fields, weights whose sha256 changed; and with KernelUnavailableError a
         kernel this machine lacks. Weight hashes are checked against a verified (size, mtime, inode, sha256)
@@ -148,18 +150,25 @@ class Engine:
         """
         from engine.api.profile import load_profile
 
-        return cls.for_profile(load_profile(path, full_check=full_check), device, limits=limits)
+        return cls.for_profile(load_profile(path, full_check=full_check), device, limits=limits, plain=plain)
 
     @classmethod
     def for_profile(
-        cls, prof: Profile, device: str | torch.device | None = None, *, limits: Limits | None = None
+        cls,
+        prof: Profile,
+        device: str | torch.device | None = None,
+        *,
+        limits: Limits | None = None,
+        plain: bool = False,
     ) -> Engine:
-        """The engine a profile already loaded (``engine.api.profile.load_profile``) describes."""
+        """The engine a profile already loaded (``engine.api.profile.load_profile``) describes (``plain``: its
+        target on its plan, no drafter)."""
         from engine.api.profile import engine_options
 
         o = engine_options(prof, device, limits or Limits())
-        spec: SpeculationConfig = o["speculation"]
-        parts = assemble(o["target"], o["draft"], spec, o["precision"], o["kernels"], o["device"], None)
+        spec: SpeculationConfig = SpeculationConfig() if plain else o["speculation"]
+        draft = None if plain else o["draft"]
+        parts = assemble(o["target"], draft, spec, o["precision"], o["kernels"], o["device"], None)
         return cls(parts, o["limits"], spec.costs, prof)
 
     # ------------------------------------------------------------------ costs

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DRAFTERS.names(),
         help="default: the head's kind for a head directory, model for another --draft, else none",
     )
-    ap.add_argument("--no-spec", action="store_true", default=None, help="decode plainly (speculation off)")
+    ap.add_argument("--no-spec", action="store_true", default=None, help="decode plainly (speculation off; with --profile: its target on its plan, no drafter)")
     ap.add_argument("--k", type=int, default=None, help="drafts per round to start from (default 5)")
     ap.add_argument("--k-policy", default=None, help="measured (default), cost-model, heuristic, constant")
     ap.add_argument(
@@ -164,12 +164,15 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
 
     limits = Limits(max_batch=args.max_batch, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len)
     if args.profile:
-        given = [f"--{n.replace('_', '-')}" for n in SPEC_ARGS if getattr(args, n) is not None]
+        given = [f"--{n.replace('_', '-')}" for n in SPEC_ARGS if n != "no_spec" and getattr(args, n) is not None]
         if given:
             raise InvalidConfigError(
-                f"{', '.join(given)} invalid with --profile: the profile fixes the speculation (build it with them)"
+                f"{', '.join(given)} invalid with --profile: the profile fixes the speculation (build it with them; "
+                "--no-spec serves its target on its plan without the drafter)"
             )
-        eng = Engine.from_profile(args.profile, device=args.device, full_check=args.full_check, limits=limits)
+        eng = Engine.from_profile(
+            args.profile, device=args.device, full_check=args.full_check, limits=limits, plain=bool(args.no_spec)
+        )
         return eng, args.served_model_name or Path(args.profile).stem, Path(eng.info["target_dir"])
     hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
     target = resolve_model(args.target, **hub)
