@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DRAFTERS.names(),
         help="default: the head's kind for a head directory, model for another --draft, else none",
     )
-    ap.add_argument("--no-spec", action="store_true", default=None, help="decode plainly (speculation off; with --profile: its target on its plan, no drafter)")
+    ap.add_argument(
+        "--no-spec",
+        action="store_true",
+        default=None,
+        help="decode plainly (speculation off; with --profile: its target on its plan, no drafter)",
+    )
     ap.add_argument("--k", type=int, default=None, help="drafts per round to start from (default 5)")
     ap.add_argument("--k-policy", default=None, help="measured (default), cost-model, heuristic, constant")
     ap.add_argument(
