@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--k", type=int, default=5)
+    p.add_argument(
+        "--k-policy",
+        default="measured",
+        choices=("measured", "cost-model", "heuristic", "constant"),
+        help="the drafter modes' K policy (constant: --k nodes every round, the same verify budget for each)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
         "--dtype",
@@ -96,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="N",
-        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, eagle): trees of N branches",
+        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, eagle, eagle+lookup): N branches",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
@@ -206,7 +212,7 @@ def _spec_engines(a: argparse.Namespace, target: Path, draft: Path | None, opts:
     for mode, entry in SPEC_MODES.items():
         runs, arg = _draft_arg(entry, draft, heads)
         if runs:
-            spec = SpeculationConfig(drafter=entry.name, k=a.k)
+            spec = SpeculationConfig(drafter=entry.name, k=a.k, k_policy=a.k_policy)
             engines[mode] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
     return engines
 
@@ -222,19 +228,24 @@ def _lookup_engines(
         if a.prompt_lookup is None or not entry.lookup_first or mode not in engines:
             continue
         spec = SpeculationConfig(
-            drafter=entry.name, k=a.k, prompt_lookup_min=a.prompt_lookup, costs=engines[mode].costs
+            drafter=entry.name, k=a.k, k_policy=a.k_policy, prompt_lookup_min=a.prompt_lookup, costs=engines[mode].costs
         )
         lookup_modes[f"{mode}+lookup"] = mode
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
-    for mode in ("specmix-ngram", "specmix-eagle"):  # trees beside the chains
-        if a.tree_branches is not None and mode in engines:
-            entry = SPEC_MODES[mode]
-            spec = SpeculationConfig(drafter=entry.name, k=a.k, tree_branches=a.tree_branches)
-            arg = _draft_arg(entry, draft, heads)[1]
-            engines[f"{mode}+tree"] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
-            lookup_modes[f"{mode}+tree"] = mode
+    for mode in ("specmix-ngram", "specmix-eagle", "specmix-eagle+lookup"):  # trees beside the chains
+        base = mode.removesuffix("+lookup")
+        if a.tree_branches is None or mode not in engines:
+            continue
+        entry = SPEC_MODES[base]
+        lookup = a.prompt_lookup if mode != base else None
+        spec = SpeculationConfig(
+            drafter=entry.name, k=a.k, k_policy=a.k_policy, prompt_lookup_min=lookup, tree_branches=a.tree_branches
+        )
+        arg = _draft_arg(entry, draft, heads)[1]
+        engines[f"{mode}+tree"] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
+        lookup_modes[f"{mode}+tree"] = base
     return lookup_modes
 
 
@@ -360,6 +371,7 @@ def _settings(a: argparse.Namespace, modes: _Modes, prompts: list[str], sweep: l
         "max_new_tokens": a.max_new_tokens,
         "repeats": a.repeats,
         "k": a.k,
+        "k_policy": a.k_policy,
         "prompts": prompts,
         "threads": torch.get_num_threads(),
         "greedy": True,
