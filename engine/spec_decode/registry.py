@@ -21,6 +21,7 @@ from engine.spec_decode.drafters.early_exit import EarlyExitDrafter
 from engine.spec_decode.drafters.lookup import LookupFirst
 from engine.spec_decode.drafters.medusa import MedusaDrafter
 from engine.spec_decode.drafters.ngram import NGramDrafter
+from engine.spec_decode.drafters.suffix import SuffixDrafter
 
 
 class Loads(enum.Enum):
@@ -142,6 +143,14 @@ DRAFTERS = DrafterRegistry(
             EagleDrafter.build,
             loads=Loads.HEAD,
             trainable=True,
+        ),
+        DrafterEntry(
+            "suffix",
+            "suffix decoding: frequency-scored continuations of the context's longest suffix match in suffix trees "
+            "of the request and of recent outputs (tree_branches > 1: trees, else chains); no model; needs the "
+            "suffix extra",
+            SuffixDrafter.build,
+            lookup_first=False,
         ),
     )
 )
