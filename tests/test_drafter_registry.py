@@ -104,7 +104,7 @@ def test_a_drafter_defined_here_serves_and_benches(ckpt_dir, plain):
 
 def test_the_registry_is_the_one_list_of_drafters():
     names = DRAFTERS.names()
-    assert names == ("model", "ngram", "early-exit", "medusa", "eagle")
+    assert names == ("model", "ngram", "early-exit", "medusa", "eagle", "suffix")
     assert set(DRAFTERS.loading(Loads.HEAD)) == set(HEAD_KINDS)  # every head drafter loads a head architecture
     from engine.cli.serve import build_parser
     from engine.train.distill import KINDS
@@ -114,7 +114,7 @@ def test_the_registry_is_the_one_list_of_drafters():
     assert tuple(drafter_arg.choices) == names
     with pytest.raises(InvalidConfigError, match="registered twice"):
         DRAFTERS.extended(DrafterEntry("ngram", "again", lambda ctx: RepeatLast()))
-    with pytest.raises(InvalidConfigError, match="allowed model, ngram, early-exit, medusa, eagle or None"):
+    with pytest.raises(InvalidConfigError, match="allowed model, ngram, early-exit, medusa, eagle, suffix or None"):
         SpeculationConfig(drafter="repeat-last")  # not in the default registry
     with pytest.raises(InvalidConfigError, match="early_exit_layers=2 needs speculation.drafter='early-exit'"):
         SpeculationConfig(drafter="repeat-last", registry=TOYS, early_exit_layers=2)

@@ -63,7 +63,11 @@ class SpeculationConfig:
     tree_branches: int | None = None
     """Draft trees of K nodes (1..8 children per node) for the drafters that propose them: "ngram" (the
     continuations of that many earlier matches merged), "eagle" (greedy batches: the top children of the most
-    probable nodes, EAGLE-2's dynamic tree); None or 1: chains. Verified in one masked pass."""
+    probable nodes, EAGLE-2's dynamic tree), "suffix" (> 1: trees shaped by its counts); None or 1: chains.
+    Verified in one masked pass."""
+    suffix_global_tokens: int | None = None
+    """The "suffix" drafter's global suffix tree over recent requests' outputs: its bound in tokens (0: none, each
+    request drafts from its own prompt and output only); None: 2**20. Only with drafter="suffix"."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -102,6 +106,8 @@ class SpeculationConfig:
             _int("speculation.prompt_lookup_min", self.prompt_lookup_min, 1, 8)
         if self.tree_branches is not None:
             _int("speculation.tree_branches", self.tree_branches, 1, 8)
+        if self.suffix_global_tokens is not None:
+            _int("speculation.suffix_global_tokens", self.suffix_global_tokens, 0, 1 << 31)
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
@@ -146,6 +152,8 @@ class SpeculationConfig:
             out["prompt_lookup_min"] = self.prompt_lookup_min
         if self.tree_branches is not None:
             out["tree_branches"] = self.tree_branches
+        if self.suffix_global_tokens is not None:
+            out["suffix_global_tokens"] = self.suffix_global_tokens
         if self.costs is not None:
             out.update(self.costs.to_dict())
         return out
@@ -162,6 +170,7 @@ class SpeculationConfig:
             costs=costs,
             prompt_lookup_min=spec.get("prompt_lookup_min"),
             tree_branches=spec.get("tree_branches"),
+            suffix_global_tokens=spec.get("suffix_global_tokens"),
         )
 
 

@@ -227,6 +227,7 @@ class Speculation:
             r.integer(key)
         r.opt_integer("prompt_lookup_min")
         r.opt_integer("tree_branches")
+        r.opt_integer("suffix_global_tokens")
         if "c" in r.d:  # the measured costs (Costs.to_dict)
             r.number("c")
             v = r.opt_mapping("v") or {}

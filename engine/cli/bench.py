@@ -41,8 +41,10 @@ from engine.cli.bench_modes import hf_runner, match_rate, print_table, spec_runn
 from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
 from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
+from engine.spec_decode.drafters.suffix_index import SuffixDecodingUnavailableError
 from engine.spec_decode.registry import DRAFTERS, DrafterEntry, Loads
 
+log = logging.getLogger(__name__)
 SPEC_MODES = {f"specmix-{e.name}": e for e in DRAFTERS}  # one mode per drafter; a head's needs --<its name>
 HEAD_KINDS = tuple(e.name for e in DRAFTERS if e.loads is Loads.HEAD)
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
@@ -102,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="N",
-        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, eagle, eagle+lookup): N branches",
+        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, suffix, eagle, eagle+lookup)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
@@ -205,6 +207,12 @@ def _draft_arg(entry: DrafterEntry, draft: Path | None, heads: dict[str, Path | 
     return True, None
 
 
+def _own_only(entry: DrafterEntry) -> dict[str, Any]:
+    """Suffix decoding drafts from the request's own tokens only: the bench repeats its prompts, and the global
+    tree of earlier outputs would replay the earlier repeats' continuations."""
+    return {"suffix_global_tokens": 0} if entry.name == "suffix" else {}
+
+
 def _spec_engines(a: argparse.Namespace, target: Path, draft: Path | None, opts: dict[str, Any]) -> dict[str, Engine]:
     """The plain engine and one per drafter mode the pair and the heads given allow."""
     engines: dict[str, Engine] = {"plain": Engine.from_pretrained(target, **opts)}
@@ -212,8 +220,11 @@ def _spec_engines(a: argparse.Namespace, target: Path, draft: Path | None, opts:
     for mode, entry in SPEC_MODES.items():
         runs, arg = _draft_arg(entry, draft, heads)
         if runs:
-            spec = SpeculationConfig(drafter=entry.name, k=a.k, k_policy=a.k_policy)
-            engines[mode] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
+            spec = SpeculationConfig(drafter=entry.name, k=a.k, k_policy=a.k_policy, **_own_only(entry))
+            try:
+                engines[mode] = Engine.from_pretrained(target, arg, speculation=spec, **opts)
+            except SuffixDecodingUnavailableError as e:  # an optional extra this machine lacks: no such mode
+                log.warning("mode %s not run: %s", mode, e)
     return engines
 
 
@@ -234,14 +245,19 @@ def _lookup_engines(
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
-    for mode in ("specmix-ngram", "specmix-eagle", "specmix-eagle+lookup"):  # trees beside the chains
+    for mode in ("specmix-ngram", "specmix-suffix", "specmix-eagle", "specmix-eagle+lookup"):  # trees beside chains
         base = mode.removesuffix("+lookup")
         if a.tree_branches is None or mode not in engines:
             continue
         entry = SPEC_MODES[base]
         lookup = a.prompt_lookup if mode != base else None
         spec = SpeculationConfig(
-            drafter=entry.name, k=a.k, k_policy=a.k_policy, prompt_lookup_min=lookup, tree_branches=a.tree_branches
+            drafter=entry.name,
+            k=a.k,
+            k_policy=a.k_policy,
+            prompt_lookup_min=lookup,
+            tree_branches=a.tree_branches,
+            **_own_only(entry),
         )
         arg = _draft_arg(entry, draft, heads)[1]
         engines[f"{mode}+tree"] = Engine.from_pretrained(target, arg, speculation=spec, **opts)

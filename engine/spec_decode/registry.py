@@ -150,6 +150,7 @@ DRAFTERS = DrafterRegistry(
             "of the request and of recent outputs (tree_branches > 1: trees, else chains); no model; needs the "
             "suffix extra",
             SuffixDrafter.build,
+            fields=("suffix_global_tokens",),
             lookup_first=False,
         ),
     )

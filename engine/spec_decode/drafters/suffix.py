@@ -66,12 +66,13 @@ class SuffixDrafter:
     ) -> None:
         """``tree``: draft trees (else the best path); ``max_depth``: the suffix trees' depth (a match plus its
         continuation); ``max_match``: the longest context suffix matched; ``max_tokens``: the global index's bound
-        (ignored with ``index``, a global index to share). Refuses at once without the ``suffix`` extra."""
+        (0: no global index, each request drafts from its own tokens only; ignored with ``index``, a global index
+        to share). Refuses at once without the ``suffix`` extra."""
         suffix_tree_class()  # SuffixDecodingUnavailableError naming the extra
         if not 1 <= max_match < max_depth:
             raise ValueError(f"max_match={max_match} is invalid: allowed 1..max_depth-1 ({max_depth - 1})")
         self.tree, self.max_depth, self.max_match, self.params = tree, max_depth, max_match, params
-        self.index = index if index is not None else GlobalSuffixIndex(max_depth, max_tokens)
+        self.index = index if index is not None or max_tokens == 0 else GlobalSuffixIndex(max_depth, max_tokens)
         self._live: weakref.WeakKeyDictionary[Seq, _Request] = weakref.WeakKeyDictionary()
         self._lock = threading.RLock()  # guards _live; finalizers retire requests from any thread
         self._keys = itertools.count()
@@ -79,7 +80,8 @@ class SuffixDrafter:
     @classmethod
     def build(cls, ctx: DrafterContext) -> SuffixDrafter:
         """The registry's factory: trees when ``tree_branches`` > 1 (their shape is the counts'), else chains."""
-        return cls(tree=ctx.options.get("tree_branches", 1) > 1)
+        shared = ctx.options.get("suffix_global_tokens")
+        return cls(tree=ctx.options.get("tree_branches", 1) > 1, max_tokens=1 << 20 if shared is None else shared)
 
     def propose(self, batch: DraftBatch) -> Proposal:
         self.retire_finished()
@@ -104,6 +106,8 @@ class SuffixDrafter:
         req.index.catch_up(s.tokens)
         context = s.tokens[-(self.max_match + 1) :]  # matches of 1 .. max_match tokens are tried
         own = req.index.speculate(context, budget, self.params, self.tree)
+        if self.index is None:
+            return own
         other = self.index.speculate(context, budget, self.params, self.tree)
         return own if own.score >= other.score else other
 
@@ -148,6 +152,6 @@ class SuffixDrafter:
                 return
             req.retired = True
         out = req.tokens[req.prompt_len :]
-        if out:
+        if out and self.index is not None:
             self.index.add(req.key, out)
             log.debug("suffix index: request %d's %d output tokens added", req.key, len(out))
