@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Decode speed of plain, speculative and transformers generation on one pair.
 
-    python tools/bench.py [--target DIR --draft DIR] [--medusa DIR] [--eagle DIR] [--prompts FILE] [--json FILE]
-                          [--plot FILE.png]
+    python tools/bench.py [--target DIR --draft DIR] [--medusa DIR] [--eagle DIR] [--prompts FILE | --workload FILE]
+                          [--json FILE] [--plot FILE.png]
 
 --medusa / --eagle: trained heads for the target (specmix-train-draft) add the modes specmix-medusa /
 specmix-eagle; their rows report the head's measured draft cost c beside the draft model's.
@@ -14,6 +14,11 @@ the last N or more tokens recur in the context and copies have drafted better (e
 specmix-model-k1, ... (and each trained head given: specmix-medusa-k1, specmix-eagle-k1, ...);
 --plot draws speedup vs K (measured and predicted by the cost model), acceptance per draft
 position and tokens/s per mode (needs matplotlib: the `plot` extra).
+
+--workload FILE.jsonl (tools/make_workload.py; examples/workload/workload.jsonl): chat prompts by category rendered
+with the target's chat template (a target without one is refused); each mode's run runs the categories one after
+another, and a table per category (and the --json "categories") gives tokens/s, speedup vs plain, acceptance,
+mean accepted length and acceptance per draft position (engine/cli/bench_workload.py).
 
 Same prompts and max_new_tokens for every mode, greedy, batch 1 (the prompts run one
 after another). Modes are interleaved within each repeat; one warm-up round, then
@@ -37,7 +42,9 @@ from tqdm import tqdm
 from engine import Engine
 from engine.api.options import KernelOptions, SpeculationConfig
 from engine.build.plots import aggregate_positions, bench_series, draw_bench, require_matplotlib
-from engine.cli.bench_modes import hf_runner, match_rate, print_table, spec_runner, sweep_summary
+from engine.cli.bench_args import HEAD_KINDS, load_prompts, parse_args, parse_sweep
+from engine.cli.bench_modes import Prompt, hf_runners, match_rate, print_table, spec_runner, sweep_summary
+from engine.cli.bench_workload import Split, WorkloadItem, check_template, load_workload, print_categories
 from engine.core.cli import run_tool
 from engine.core.errors import InvalidConfigError
 from engine.spec_decode.adaptive import Costs, best_k, expected_speedup
@@ -46,109 +53,11 @@ from engine.spec_decode.registry import DRAFTERS, DrafterEntry, Loads
 
 log = logging.getLogger(__name__)
 SPEC_MODES = {f"specmix-{e.name}": e for e in DRAFTERS}  # one mode per drafter; a head's needs --<its name>
-HEAD_KINDS = tuple(e.name for e in DRAFTERS if e.loads is Loads.HEAD)
 HF_MODES = ("hf-plain", "hf-assisted", "hf-assisted-k5")
-DEFAULT_SWEEP = "1,2,4,6,8"  # --sweep-k when --plot is given
-DTYPES = ("float32", "bfloat16")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path)
-    p.add_argument("--draft", type=Path)
-    for kind in HEAD_KINDS:
-        p.add_argument(
-            f"--{kind}",
-            type=Path,
-            dest=kind.replace("-", "_"),
-            help=f"a trained {kind} head (specmix-train-draft --kind {kind}): adds the specmix-{kind} mode",
-        )
-    p.add_argument("--demo-size", default="demo")
-    p.add_argument("--prompts", type=Path, help="one prompt per line (default: 4 from the demo held-out text)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--k", type=int, default=5)
-    p.add_argument(
-        "--k-policy",
-        default="measured",
-        choices=("measured", "cost-model", "heuristic", "constant"),
-        help="the drafter modes' K policy (constant: --k nodes every round, the same verify budget for each)",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=DTYPES,
-        help="the target's dtype for every mode, transformers' too (default float32; the draft stays "
-        "float32 on the CPU). bfloat16 is not token-identical to float32: the table then "
-        "reports each mode's greedy match rate against the float32 target",
-    )
-    p.add_argument("--modes", default=None, help="comma-separated subset of modes")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers modes")
-    p.add_argument(
-        "--attention",
-        default=None,
-        help="the target's attention backend (default: the engine's "
-        "choice: math with --dtype bfloat16, which keeps speculation exact; sdpa is faster, not exact)",
-    )
-    p.add_argument(
-        "--prompt-lookup",
-        type=int,
-        default=None,
-        metavar="N",
-        help="adds a mode <mode>+lookup for each drafter but ngram: prompt lookup first where the last N or more "
-        "tokens recur in the context, the drafter elsewhere (speculation.prompt_lookup_min)",
-    )
-    p.add_argument(
-        "--tree-branches",
-        type=int,
-        default=None,
-        metavar="N",
-        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, suffix, eagle, eagle+lookup)",
-    )
-    p.add_argument("--json", type=Path)
-    p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")
-    p.add_argument(
-        "--sweep-k",
-        default=None,
-        help=f"comma-separated fixed K values for the draft-model drafter and each trained head, adaptive K off "
-        f"(default {DEFAULT_SWEEP} with --plot, none without; '' for none)",
-    )
-    return p.parse_args(argv)
-
-
-def parse_sweep(a: argparse.Namespace) -> list[int]:
-    spec = a.sweep_k if a.sweep_k is not None else (DEFAULT_SWEEP if a.plot else "")
-    try:
-        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        ks = [0]
-    if any(k < 1 for k in ks):
-        raise InvalidConfigError(
-            f"--sweep-k={spec!r} is invalid: allowed comma-separated ints >= 1, e.g. {DEFAULT_SWEEP}"
-        )
-    return ks
-
-
-def load_prompts(a: argparse.Namespace, root: Path | None) -> list[str]:
-    if a.prompts is not None:
-        try:
-            lines = [ln.strip() for ln in a.prompts.read_text(encoding="utf-8").splitlines() if ln.strip()]
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidConfigError(f"--prompts {a.prompts}: unreadable ({e})") from None
-        if not lines:
-            raise InvalidConfigError(f"--prompts {a.prompts}: no prompts in the file")
-        return lines
-    if root is None:
-        raise InvalidConfigError("--prompts is required with --target/--draft")
-    text = (root / "heldout.txt").read_text(encoding="utf-8")
-    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
-    step = max(1, len(paras) // 4)
-    return [paras[i * step][:160] for i in range(4)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    a = parse_args(argv, __doc__)
     logging.basicConfig(level=logging.WARNING)
     return run_tool("bench", lambda: bench(a))
 
@@ -286,14 +195,20 @@ def _engines(a: argparse.Namespace, target: Path, draft: Path | None, sweep: lis
     return _Modes(engines, lookup_modes, sweep_modes, head_sweep, costs)
 
 
-def _runs(a: argparse.Namespace, modes: _Modes, target: Path, draft: Path | None, prompts: list[str]) -> _Runs:
+def _runs(
+    a: argparse.Namespace, modes: _Modes, target: Path, draft: Path | None, prompts: list[Prompt], split: Split | None
+) -> _Runs:
     """The runners of the specmix modes, then of the transformers modes (unless --no-hf or it is missing),
-    cut to --modes (plain, the sweeps and the lookup modes of the modes kept stay)."""
-    engines = modes.engines
+    cut to --modes (plain, the sweeps and the lookup modes of the modes kept stay). With a workload's
+    ``split``, each runner runs the categories one after another, recording each."""
+    engines, n = modes.engines, a.max_new_tokens
     sinks: dict[str, list[dict[str, Any]]] = {m: [] for m in engines if m != "plain"}
     outputs: dict[str, list[list[int]]] = {m: [] for m in engines}
     runners: dict[str, Callable[[], tuple[int, float]]] = {
-        m: spec_runner(e, prompts, a.max_new_tokens, sinks.get(m), outputs[m]) for m, e in engines.items()
+        m: spec_runner(e, prompts, n, sinks.get(m), outputs[m])
+        if split is None
+        else split.spec(m, e, n, sinks.get(m), outputs[m])
+        for m, e in engines.items()
     }
     hf_counts = {}
     have_hf = not a.no_hf
@@ -304,9 +219,9 @@ def _runs(a: argparse.Namespace, modes: _Modes, target: Path, draft: Path | None
             have_hf = False
     if have_hf:
         for mode in HF_MODES if draft is not None else ["hf-plain"]:  # assisted generation needs a draft
-            runners[mode], hf_counts[mode] = hf_runner(
-                target, draft, prompts, a.max_new_tokens, mode, a.k, getattr(torch, a.dtype)
-            )
+            groups = [prompts] if split is None else list(split.prompts.values())
+            hf, hf_counts[mode] = hf_runners(target, draft, groups, n, mode, a.k, getattr(torch, a.dtype))
+            runners[mode] = hf[0] if split is None else split.joined(mode, dict(zip(split.prompts, hf)))
     if a.modes:
         keep = set(a.modes.split(",")) | {"plain"} | set(modes.sweep) | set(modes.head_sweep)
         keep |= {m for m, base in modes.lookup.items() if base in keep}
@@ -379,8 +294,11 @@ def _row(
     return row
 
 
-def _settings(a: argparse.Namespace, modes: _Modes, prompts: list[str], sweep: list[int]) -> dict[str, Any]:
-    """The result's settings: the run's options and the kernels the engines chose."""
+def _settings(
+    a: argparse.Namespace, modes: _Modes, prompts: list[Prompt], sweep: list[int], split: Split | None
+) -> dict[str, Any]:
+    """The result's settings: the run's options and the kernels the engines chose (the prompts' text, or the
+    workload's file and prompts per category)."""
     spec_info = modes.engines["specmix-model"].info if "specmix-model" in modes.engines else {}  # the draft model's
     plain = modes.engines["plain"].info
     return {
@@ -388,7 +306,8 @@ def _settings(a: argparse.Namespace, modes: _Modes, prompts: list[str], sweep: l
         "repeats": a.repeats,
         "k": a.k,
         "k_policy": a.k_policy,
-        "prompts": prompts,
+        "prompts": prompts if split is None else None,
+        "workload": None if split is None else {"file": str(a.workload), "categories": split.counts()},
         "threads": torch.get_num_threads(),
         "greedy": True,
         "dtype": a.dtype,
@@ -405,16 +324,31 @@ def _settings(a: argparse.Namespace, modes: _Modes, prompts: list[str], sweep: l
     }
 
 
+def _workload(a: argparse.Namespace) -> list[WorkloadItem] | None:
+    """--workload's prompts, checked before any model loads; None without it."""
+    if a.workload is None:
+        return None
+    if a.prompts is not None:
+        raise InvalidConfigError("--workload and --prompts are exclusive: give one prompt source")
+    if a.target is None:
+        raise InvalidConfigError("--workload needs --target with a chat template (the demo pair has none)")
+    items = load_workload(a.workload)
+    check_template(a.target)
+    return items
+
+
 def bench(a: argparse.Namespace) -> int:
     sweep = parse_sweep(a)
     if a.plot is not None:
         require_matplotlib("--plot")  # before any benchmarking
+    items = _workload(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     target, draft, root = _pair(a)
-    prompts = load_prompts(a, root)
     modes = _engines(a, target, draft, sweep)
-    runs = _runs(a, modes, target, draft, prompts)
+    split = None if items is None else Split.render(modes.engines["plain"], items)
+    prompts: list[Prompt] = load_prompts(a, root) if split is None else list(split.flat())
+    runs = _runs(a, modes, target, draft, prompts, split)
     rates = _measure(a, modes, runs)
     reference = runs.outputs["plain"]  # greedy outputs of the target alone, in --dtype
     if a.dtype != "float32":  # ... and of the float32 target, which the reduced precision is measured against
@@ -426,9 +360,12 @@ def bench(a: argparse.Namespace) -> int:
     result = {
         "modes": rows,
         "pair": {"target": str(target), "draft": None if draft is None else str(draft)},
-        "settings": _settings(a, modes, prompts, sweep),
+        "settings": _settings(a, modes, prompts, sweep, split),
         "sweep": sweep_result,
     }
+    if split is not None:  # the same modes per category: each category's prompts within the same runs
+        result["categories"] = split.rows(list(runs.runners))
+        print_categories(result["categories"])
     from engine.core.files import write_bytes_atomic, write_json_atomic
 
     if a.json:

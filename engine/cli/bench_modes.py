@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,12 @@ from engine import Engine, SamplingParams
 from engine.build.plots import aggregate_positions
 from engine.spec_decode.adaptive import Costs, expected_speedup
 
+Prompt = str | list[int]  # text (encoded by the engine) or token ids (e.g. a chat template's rendering)
+
 
 def spec_runner(
     eng: Engine,
-    prompts: list[str],
+    prompts: Sequence[Prompt],
     n: int,
     sink: list[dict[str, Any]] | None = None,
     outputs: list[list[int]] | None = None,
@@ -31,7 +33,7 @@ def spec_runner(
     def run() -> tuple[int, float]:
         t0, toks, ids = time.perf_counter(), 0, []
         for p in prompts:
-            out = eng.generate(p, sp)[0]
+            out = eng.generate([p], sp)[0]
             toks += len(out.token_ids)
             ids.append(out.token_ids)
             if sink is not None:
@@ -58,8 +60,29 @@ def match_rate(outs: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
 
 
 def hf_runner(
-    target: Path, draft: Path, prompts: list[str], n: int, mode: str, k: int, dtype: torch.dtype = torch.float32
-):
+    target: Path,
+    draft: Path | None,
+    prompts: Sequence[Prompt],
+    n: int,
+    mode: str,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Callable[[], tuple[int, float]], dict[str, int]]:
+    """transformers' generate over ``prompts`` (greedy, exactly n new tokens): the runner and its forward counts."""
+    runners, counts = hf_runners(target, draft, [prompts], n, mode, k, dtype)
+    return runners[0], counts
+
+
+def hf_runners(
+    target: Path,
+    draft: Path | None,
+    groups: Sequence[Sequence[Prompt]],
+    n: int,
+    mode: str,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[Callable[[], tuple[int, float]]], dict[str, int]]:
+    """One runner per group of prompts on one loaded model (and assistant), and their shared forward counts."""
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
@@ -75,17 +98,22 @@ def hf_runner(
             assistant.generation_config.assistant_confidence_threshold = 0.0
         assistant.register_forward_hook(lambda *_: counts.__setitem__("draft", counts["draft"] + 1))
         kw["assistant_model"] = assistant
-    ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
 
-    def run() -> tuple[int, float]:
-        t0, toks = time.perf_counter(), 0
-        with torch.no_grad():
-            for x in ids:
-                out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
-                toks += out.shape[1] - x.shape[1]
-        return toks, time.perf_counter() - t0
+    def encode(p: Prompt) -> torch.Tensor:
+        return tok(p, return_tensors="pt").input_ids if isinstance(p, str) else torch.tensor([p], dtype=torch.long)
 
-    return run, counts
+    def runner(ids: list[torch.Tensor]) -> Callable[[], tuple[int, float]]:
+        def run() -> tuple[int, float]:
+            t0, toks = time.perf_counter(), 0
+            with torch.no_grad():
+                for x in ids:
+                    out = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+                    toks += out.shape[1] - x.shape[1]
+            return toks, time.perf_counter() - t0
+
+        return run
+
+    return [runner([encode(p) for p in g]) for g in groups], counts
 
 
 def sweep_summary(
