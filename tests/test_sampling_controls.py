@@ -136,6 +136,15 @@ def _exact_joint3(eng: Engine, prompt: list[int], sp: SamplingParams) -> np.ndar
     return joint.ravel()
 
 
+def pooled_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square p-value of ``counts`` against ``probs``, the cells expecting fewer than 5 pooled into one."""
+    e = probs * counts.sum()
+    keep = e >= 5
+    obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(e[keep], e[~keep].sum())
+    ok = exp > 0
+    return chisquare(obs[ok], exp[ok] * obs[ok].sum() / exp[ok].sum()).pvalue
+
+
 SPEC_CASES = {
     "penalties": {"temperature": 1.0, "repetition_penalty": 1.8, "presence_penalty": 1.0, "frequency_penalty": 0.8},
     "min_p": {"temperature": 1.0, "min_p": 0.5},
@@ -171,15 +180,8 @@ def test_speculative_distribution_equals_plain_sampling(pair8, case, k):
     if k == 4:
         assert len(st_pos := eng.scheduler.snapshot()["totals"].pos_tried) >= 3 and st_pos[2] > 0
 
-    def pvalue(probs: np.ndarray) -> float:
-        e = probs * counts.sum()
-        keep = e >= 5
-        obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(e[keep], e[~keep].sum())
-        ok = exp > 0
-        return chisquare(obs[ok], exp[ok] * obs[ok].sum() / exp[ok].sum()).pvalue
-
-    assert pvalue(exact) > ALPHA
-    assert pvalue(unprocessed) < ALPHA  # power: ignoring the control is detected
+    assert pooled_pvalue(counts, exact) > ALPHA
+    assert pooled_pvalue(counts, unprocessed) < ALPHA  # power: ignoring the control is detected
 
 
 def test_greedy_with_penalties_is_token_identical_to_plain(ckpt_dir, draft_dir):

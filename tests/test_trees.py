@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from test_sampling_controls import ALPHA, _exact_joint3
+from test_sampling_controls import ALPHA, _exact_joint3, pooled_pvalue
 from util import PROMPTS, assert_greedy_grid
 
 from engine import Engine, SamplingParams
@@ -144,17 +143,10 @@ def test_tree_sampling_keeps_the_target_joint(pair8, case, iid):
     acc = eng.scheduler.snapshot()["totals"].pos_accepted
     assert len(acc) >= 3 and acc[2] > 0  # paths of depth 3 were accepted
 
-    def pvalue(probs: np.ndarray) -> float:
-        e = probs * counts.sum()
-        keep = e >= 5
-        obs, exp = np.append(counts[keep], counts[~keep].sum()), np.append(e[keep], e[~keep].sum())
-        ok = exp > 0
-        return chisquare(obs[ok], exp[ok] * obs[ok].sum() / exp[ok].sum()).pvalue
-
-    assert pvalue(exact) > ALPHA
+    assert pooled_pvalue(counts, exact) > ALPHA
     if case != "t1.0":
         plain_t = SamplingParams(max_new_tokens=3, temperature=CASES[case]["temperature"])
-        assert pvalue(_exact_joint3(eng, prompt, plain_t)) < ALPHA
+        assert pooled_pvalue(counts, _exact_joint3(eng, prompt, plain_t)) < ALPHA
 
 
 def test_ngram_tree_merges_the_continuations_of_several_matches():

@@ -267,6 +267,14 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(out: Path, stem: str, res: dict[str, Any], md: str) -> None:
+    """``stem``.json and ``stem``.md into ``out`` (created), and the table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text(md, encoding="utf-8")
+    sys.stdout.write(md)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -297,11 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     torch.manual_seed(0)
     res = run(a)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"gpu-bench-{a.ffn}.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
-    md = markdown(res)
-    (a.out / f"gpu-bench-{a.ffn}.md").write_text(md, encoding="utf-8")
-    sys.stdout.write(md)
+    write_results(a.out, f"gpu-bench-{a.ffn}", res, markdown(res))
     return 0
 
 

@@ -18,7 +18,6 @@ Writes gpu-kernels.json and gpu-kernels.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.cli.gpu_bench import write_results
 from quant.linear import FP8Linear, Int8Linear
 from quant.matmul_kernels import kernel_available
 
@@ -203,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     a = parse(argv)
     res = run(a)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gpu-kernels.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
-    md = markdown(res)
-    (a.out / "gpu-kernels.md").write_text(md, encoding="utf-8")
-    sys.stdout.write(md)
+    write_results(a.out, "gpu-kernels", res, markdown(res))
     return 0
 
 

@@ -15,7 +15,6 @@ Writes gpu-load.json and gpu-load.md to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -28,7 +27,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions
-from engine.cli.gpu_bench import random_model, read_bytes, shape
+from engine.cli.gpu_bench import random_model, read_bytes, shape, write_results
 from engine.demo.checkpoints import save_checkpoint
 from engine.demo.train import train_tokenizer
 
@@ -138,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     a = parse(argv)
     res = run(a)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gpu-load.json").write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
-    md = markdown(res, a.batches)
-    (a.out / "gpu-load.md").write_text(md, encoding="utf-8")
-    sys.stdout.write(md)
+    write_results(a.out, "gpu-load", res, markdown(res, a.batches))
     return 0
 
 
