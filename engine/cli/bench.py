@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine
-from engine.api.options import KernelOptions, SpeculationConfig
+from engine.api.options import KernelOptions, Limits, SpeculationConfig
 from engine.build.plots import aggregate_positions, bench_series, draw_bench, require_matplotlib
 from engine.cli.bench_args import HEAD_KINDS, load_prompts, parse_args, parse_sweep
 from engine.cli.bench_modes import Prompt, hf_runners, match_rate, print_table, spec_runner, sweep_summary
@@ -176,7 +176,8 @@ def _lookup_engines(
 
 def _engines(a: argparse.Namespace, target: Path, draft: Path | None, sweep: list[int]) -> _Modes:
     """Every specmix mode's engine, in the order the table lists them."""
-    opts = {"dtype": a.dtype, "kernels": KernelOptions(attention=a.attention)}
+    # batch 1 (the prompts run one after another): one cache row each, not max_batch rows per engine
+    opts = {"dtype": a.dtype, "kernels": KernelOptions(attention=a.attention), "limits": Limits(max_batch=1)}
     engines = _spec_engines(a, target, draft, opts)
     lookup_modes = _lookup_engines(a, target, draft, opts, engines)
     model_sweep = sweep if "specmix-model" in engines else []  # no draft model: the heads' sweeps only
