@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.core.errors import InvalidConfigError
+from engine.spec_decode.tree import depths
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,6 @@ class Proposal:
     def is_chain(self) -> bool:
         return self.parents is None
 
-    def require_chain(self) -> None:
-        """InvalidConfigError for a tree, where a caller takes chains only."""
-        if not self.is_chain:
-            raise InvalidConfigError("a draft tree where only chains are taken: propose a chain (Proposal.chain)")
-
     def row_counts(self) -> list[int]:
         """Nodes per row."""
         return list(self.counts) if self.counts is not None else [self.width] * self.tokens.shape[0]
@@ -64,11 +59,7 @@ class Proposal:
         B, N = self.tokens.shape
         if self.parents is None:
             return torch.arange(1, N + 1, device=self.tokens.device).expand(B, N)
-        depth = torch.zeros(B, N, dtype=torch.long, device=self.tokens.device)
-        for n in range(N):  # parents come first: their depth is known
-            p = self.parents[:, n]
-            depth[:, n] = torch.where(p < 0, 1, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1)
-        return depth
+        return depths(self.parents)
 
     def cut(self, ks: list[int]) -> Proposal:
         """At most ks[b] nodes per row, the first in order (a tree stays a tree: parents come first), and the
