@@ -104,17 +104,19 @@ def test_a_drafter_defined_here_serves_and_benches(ckpt_dir, plain):
 
 def test_the_registry_is_the_one_list_of_drafters():
     names = DRAFTERS.names()
-    assert names == ("model", "ngram", "early-exit", "medusa", "eagle", "suffix")
+    assert names == ("model", "ngram", "early-exit", "medusa", "eagle", "eagle3", "suffix")
     assert set(DRAFTERS.loading(Loads.HEAD)) == set(HEAD_KINDS)  # every head drafter loads a head architecture
     from engine.cli.serve import build_parser
     from engine.train.distill import KINDS
 
-    assert KINDS == DRAFTERS.trainable() == ("model", "medusa", "eagle")
+    assert KINDS == DRAFTERS.trainable() == ("model", "medusa", "eagle", "eagle3")
     drafter_arg = next(a for a in build_parser()._actions if a.dest == "drafter")
     assert tuple(drafter_arg.choices) == names
     with pytest.raises(InvalidConfigError, match="registered twice"):
         DRAFTERS.extended(DrafterEntry("ngram", "again", lambda ctx: RepeatLast()))
-    with pytest.raises(InvalidConfigError, match="allowed model, ngram, early-exit, medusa, eagle, suffix or None"):
+    with pytest.raises(
+        InvalidConfigError, match="allowed model, ngram, early-exit, medusa, eagle, eagle3, suffix or None"
+    ):
         SpeculationConfig(drafter="repeat-last")  # not in the default registry
     with pytest.raises(InvalidConfigError, match="early_exit_layers=2 needs speculation.drafter='early-exit'"):
         SpeculationConfig(drafter="repeat-last", registry=TOYS, early_exit_layers=2)
@@ -122,6 +124,6 @@ def test_the_registry_is_the_one_list_of_drafters():
 
 def test_the_readme_lists_every_drafter_of_the_registry():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `([a-z-]+)` \| ([^|]+) \| ([^|]+) \|$", text, re.MULTILINE)
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| ([^|]+) \| ([^|]+) \|$", text, re.MULTILINE)
     table = {name: (loads.strip(), summary.strip()) for name, loads, summary in rows}
     assert {n: table.get(n) for n in DRAFTERS.names()} == {e.name: (e.loads.value, e.summary) for e in DRAFTERS}

@@ -231,6 +231,7 @@ class Transformer(nn.Module):
         self.attn_fn: AttentionBackend = sdpa_attention
         self._rope: tuple[Tensor, Tensor] | None = None  # cos, sin [N, D] for positions 0..N-1
         self.layer_step: StepKernel | None = None  # the cached forward as one C++ call (engine/kernels/cpu_decode.py)
+        self.feature_layers: tuple[int, ...] = ()  # use_feature_layers: what a forward's features are
 
     def use_kernels(self, attention: AttentionBackend | None = None, step: StepKernel | None = None) -> None:
         """The one hook for the kernels layer (engine/kernels/backends.py chooses them; the engine's builder
@@ -239,6 +240,16 @@ class Transformer(nn.Module):
         if attention is not None:
             self.attn_fn = attention
         self.layer_step = step
+
+    def use_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """The hook for a drafter that reads several layers (EAGLE-3): with ``layers`` set, the features a forward
+        returns (``ForwardCall.features``) are the hidden states entering those layers, concatenated in this
+        order [..., len(layers) * H], captured in the same pass (no step kernel: PyTorch's layers); () restores
+        the final-norm output."""
+        n = self.config.num_hidden_layers
+        if any(not 0 <= i < n for i in layers):
+            raise InvalidConfigError(f"feature_layers={layers!r} is invalid: allowed layer indices 0..{n - 1}")
+        self.feature_layers = tuple(layers)
 
     def reset_rope(self) -> None:
         """Recompute the rotary frequencies (after building on the meta device)."""
@@ -284,15 +295,23 @@ class Transformer(nn.Module):
         slice copy, the rotary table is sliced, and a single-token step needs no mask.
         """
         step = self.layer_step
-        if call.cache is not None and step is not None and step.takes(call):
+        aux = self.feature_layers if call.features is not Features.NONE else ()
+        if call.cache is not None and step is not None and not aux and step.takes(call):
             assert call.kv_len is not None, "kv_len is required with a cache"
             return step.run(call)
         x = self.embed_tokens(call.tokens)
         cos, sin, ctx = self._context(call, x.dtype)
         layers = self.layers if call.n_layers is None else self.layers[: call.n_layers]
+        captured: dict[int, Tensor] = {}
         for i, layer in enumerate(layers):
+            if i in aux:
+                captured[i] = x
             c = None if call.cache is None else (call.cache.k[i], call.cache.v[i])
             x = layer(x, cos, sin, self.attn_fn, c, ctx)
+        if aux:  # the hidden states entering the feature layers (EAGLE-3), the scored ones or all
+            h = torch.cat([captured[i] for i in aux], -1)
+            logits = self.lm_head(self.norm(_scored(x, call.logits_idx)))
+            return ForwardOut(logits, h if call.features is Features.ALL else _scored(h, call.logits_idx))
         if call.features is Features.ALL:
             h = self.norm(x)
             return ForwardOut(self.lm_head(_scored(h, call.logits_idx)), h)

@@ -17,6 +17,7 @@ from engine.core.errors import InvalidConfigError
 from engine.spec_decode.drafter import Drafter, DrafterContext
 from engine.spec_decode.drafters.draft_model import ModelDrafter
 from engine.spec_decode.drafters.eagle import EagleDrafter
+from engine.spec_decode.drafters.eagle3 import Eagle3Drafter
 from engine.spec_decode.drafters.early_exit import EarlyExitDrafter
 from engine.spec_decode.drafters.lookup import LookupFirst
 from engine.spec_decode.drafters.medusa import MedusaDrafter
@@ -141,6 +142,14 @@ DRAFTERS = DrafterRegistry(
             "eagle",
             "an EAGLE-style head on the target's features (MLP blocks, or decoder layers with attention)",
             EagleDrafter.build,
+            loads=Loads.HEAD,
+            trainable=True,
+        ),
+        DrafterEntry(
+            "eagle3",
+            "an EAGLE-3 head: the target's hidden states at three layers fused, one decoder layer, a reduced "
+            "vocabulary (trained here, or an EAGLE authors' / SpecForge / speculators checkpoint)",
+            Eagle3Drafter.build,
             loads=Loads.HEAD,
             trainable=True,
         ),

@@ -8,7 +8,8 @@
    tokens each (fewer when it emits eos).
 3. ``label``: one uncached target forward per group of sequences gives, at every position t, the
    target's top-k log-probs of the token at t + 1 (``vals``, ``idx``) and, for heads, its feature h_t
-   (the final-norm output, stored bf16).
+   (the final-norm output, or with ``Transformer.use_feature_layers`` the hidden states entering those layers
+   (EAGLE-3), stored bf16).
 
 ``DistillData`` is what training reads; ``save`` / ``load`` cache it (one torch file, written atomically)
 so an interrupted training resumes without generating again.
@@ -136,8 +137,7 @@ def label(
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     vals = torch.empty(N, T, topk, dtype=torch.float16)
     idx = torch.empty(N, T, topk, dtype=torch.int32)
-    H = target.config.hidden_size
-    feats = torch.empty(N, T, H, dtype=torch.bfloat16) if features else None
+    feats: Tensor | None = None  # [N, T, width of the target's features] (EAGLE-3: its feature layers' 3 H)
     dev = target.norm.weight.device
     g = max(1, group_tokens // T)
     for i in tqdm(range(0, N, g), desc="target labels", disable=not progress, leave=False):
@@ -146,6 +146,8 @@ def label(
         logits, h = out.logits, out.features
         top = logits.float().log_softmax(-1).topk(topk, dim=-1)
         vals[i : i + g], idx[i : i + g] = top.values.half().cpu(), top.indices.int().cpu()
-        if feats is not None:
+        if features:
+            if feats is None:
+                feats = torch.empty(N, T, h.shape[-1], dtype=torch.bfloat16)
             feats[i : i + g] = h.to(torch.bfloat16).cpu()
     return DistillData(tokens, lengths, vals, idx, feats, prompt_len, label_seconds=time.perf_counter() - t0)

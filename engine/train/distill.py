@@ -19,7 +19,6 @@ import functools
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -32,12 +31,14 @@ from tqdm.auto import tqdm
 
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import InvalidConfigError
-from engine.core.files import write_checkpoint_files, write_file_atomic, write_text_atomic
+from engine.core.files import write_file_atomic, write_text_atomic
 from engine.spec_decode.heads.checkpoint import save_head
 from engine.spec_decode.heads.config import HeadConfig, target_fingerprint
+from engine.spec_decode.heads.eagle3 import default_feature_layers
 from engine.spec_decode.heads.modules import init_head
 from engine.spec_decode.registry import DRAFTERS
 from engine.train.data import DistillData, cut_prompts, generate, label
+from engine.train.draft_model import draft_model_config, save_draft_model
 from engine.train.heldout import heldout_acceptance, heldout_data
 from engine.train.losses import frequent_tokens, head_loss, model_loss
 
@@ -73,8 +74,17 @@ class TrainOptions:
     # the trained weights rounded to this dtype's values when written (the tensors stay fp32), as a draft
     # published in bf16 and loaded in fp32 is; "float32": unrounded
     weight_values: str = "float32"
+    # "generated": the target continues prompts cut from the text (its own distribution, what drafts meet);
+    # "text": windows of prompt_len + gen_len tokens of the text itself, labelled by one target forward (no
+    # generation: far cheaper, but the text's distribution)
+    data: str = "generated"
+    feature_layers: tuple[int, ...] = ()  # eagle3: the target layers it fuses (empty: 2, L // 2, L - 3)
 
     def __post_init__(self) -> None:
+        if self.data not in ("generated", "text"):
+            raise InvalidConfigError(f"data={self.data!r} is invalid: allowed 'generated', 'text'")
+        if self.feature_layers and (self.kind != "eagle3" or len(self.feature_layers) != 3):
+            raise InvalidConfigError(f"feature_layers={self.feature_layers!r}: allowed 3 layers with kind='eagle3'")
         if self.kind not in KINDS:
             raise InvalidConfigError(f"kind={self.kind!r} is invalid: allowed {', '.join(KINDS)}")
         value_dtype(self.weight_values)
@@ -134,7 +144,7 @@ def round_weights(module: nn.Module, values: str) -> None:
 
 
 def default_steps(kind: str) -> int:
-    return {"model": 1500, "medusa": 600, "eagle": 600}[kind]
+    return {"model": 1500, "medusa": 600, "eagle": 600, "eagle3": 600}[kind]
 
 
 def _lr(step: int, total: int, warmup: int, lr: float) -> float:
@@ -183,52 +193,6 @@ def train_loop(
     return ema
 
 
-def draft_model_config(target_cfg: Any, layers: int, hidden: int) -> Any:
-    heads = max(1, hidden // 64)
-    return replace(
-        target_cfg,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=hidden // heads,
-        tie_word_embeddings=True,
-    )
-
-
-def save_draft_model(draft: nn.Module, target_dir: Path, out: Path) -> None:
-    """A Hugging Face checkpoint: the target's tokenizer files, the weights, and config.json with the draft's
-    shape written last (``write_checkpoint_files``: a directory whose config is there holds complete files)."""
-    from safetensors.torch import save_file
-
-    tensors = {
-        ("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.detach().float().cpu().contiguous().clone()
-        for k, v in draft.state_dict().items()
-        if k != "lm_head.weight"
-    }
-    files: dict[str, Callable[[Path], Any]] = {
-        name: functools.partial(shutil.copyfile, target_dir / name)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-        if (target_dir / name).is_file()
-    }
-    files["model.safetensors"] = lambda p: save_file(tensors, str(p), metadata={"format": "pt"})
-    raw = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
-    c = draft.config
-    raw.pop("quantization_config", None)
-    raw.update(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        tie_word_embeddings=True,
-        torch_dtype="float32",
-    )
-    write_checkpoint_files(out, files, "config.json", json.dumps(raw, indent=2) + "\n")
-
-
 @dataclass(frozen=True)
 class _Fit:
     """What training either kind of draft reads."""
@@ -260,10 +224,13 @@ def _distill_data(
         log.info("using the cached distillation data in %s", data_path)
     else:
         ids = eng.tokenizer.encode(text)
-        prompts = cut_prompts(ids, opts.samples, opts.prompt_len, opts.seed)
-        seqs, gen_s = generate(
-            eng, prompts, opts.gen_len, opts.temperature, opts.seed, run.progress, greedy_share=opts.greedy_share
-        )
+        if opts.data == "text":  # the text itself, no generation
+            seqs, gen_s = cut_prompts(ids, opts.samples, opts.prompt_len + opts.gen_len, opts.seed), 0.0
+        else:
+            prompts = cut_prompts(ids, opts.samples, opts.prompt_len, opts.seed)
+            seqs, gen_s = generate(
+                eng, prompts, opts.gen_len, opts.temperature, opts.seed, run.progress, greedy_share=opts.greedy_share
+            )
         data = replace(
             label(eng.target, seqs, opts.topk, opts.kind != "model", opts.prompt_len, run.progress), gen_seconds=gen_s
         )
@@ -301,19 +268,22 @@ def _train_model(opts: TrainOptions, fit: _Fit, target_dir: Path, out: Path) -> 
 def _head_config(opts: TrainOptions, eng: Any, vocab_ids: Tensor | None) -> HeadConfig:
     """The head's config: its shape from ``opts`` and the target's, and the target's fingerprint."""
     cfg = eng.target.config
+    e3 = opts.kind == "eagle3"  # one decoder layer of the target's attention shape and MLP width
+    attn = opts.attention or e3
     return HeadConfig(
         kind=opts.kind,
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         layers=opts.layers or 1,
-        intermediate_size=opts.hidden or 0,
+        intermediate_size=opts.hidden or (cfg.intermediate_size if e3 else 0),
         num_heads=opts.heads,
         draft_vocab=None if vocab_ids is None else len(vocab_ids),
         attention=opts.attention,
-        attention_heads=cfg.num_attention_heads if opts.attention else 0,
-        kv_heads=cfg.num_key_value_heads if opts.attention else 0,
-        head_dim=cfg.head_dim if opts.attention else 0,
+        attention_heads=cfg.num_attention_heads if attn else 0,
+        kv_heads=cfg.num_key_value_heads if attn else 0,
+        head_dim=cfg.head_dim if attn else 0,
         rms_norm_eps=cfg.rms_norm_eps,
+        feature_layers=(opts.feature_layers or default_feature_layers(cfg.num_hidden_layers)) if e3 else (),
         target=target_fingerprint(eng.target, eng.tokenizer.vocab()),
     )
 
@@ -371,6 +341,9 @@ def train_draft(
     eng = engine or Engine.from_pretrained(target_dir, device=run.device)
     report: dict[str, Any] = {"options": asdict(opts), "heldout": None}
     data_path, state = out / "distill_data.pt", out / "train_state.pt"
+    if opts.kind == "eagle3":  # its features: the hidden states entering these layers (the labels' forward)
+        n_layers = eng.target.config.num_hidden_layers
+        eng.target.use_feature_layers(opts.feature_layers or default_feature_layers(n_layers))
     data, held = _distill_data(eng, opts, text, data_path, run)
     report.update(
         generated_tokens=data.generated_tokens,
@@ -393,4 +366,5 @@ def train_draft(
     write_text_atomic(out / "train_report.json", json.dumps(report, indent=2) + "\n")
     for p in (data_path, state):
         p.unlink(missing_ok=True)
+    eng.target.use_feature_layers(())  # (the target's features are its final-norm outputs again)
     return report

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
+from engine.spec_decode.heads.eagle3 import Eagle3Head
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.heads.modules import draft_features
 from engine.spec_decode.registry import DRAFTERS
@@ -73,6 +74,13 @@ def leading_matches(
     at = starts[:, None] + torch.arange(k, device=dev)  # [S, k]: the positions of each round's drafts
     if kind == "model":
         got = draft(tokens[None])[0].argmax(-1)[at - 1]  # the draft's next token after each position
+    elif isinstance(draft, Eagle3Head):  # every round at once, scored by its own norm and LM head
+        assert data.features is not None
+        e = target.embed_tokens(tokens[1:]) if draft.embed_tokens is None else draft.embed_tokens(tokens[1:])
+        out = draft.unrolled(draft.fuse(data.features[row, : n - 1].float())[None], e.float()[None], k)
+        got = draft.logits(out[0, torch.arange(k, device=dev)[None], at - 2]).argmax(-1)  # [S, k]
+        if vocab_ids is not None:
+            got = vocab_ids[got]
     else:
         if data.features is None or lm_w is None:
             raise InvalidConfigError(f"kind={kind!r}: a head needs the target's features and LM head rows")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.spec_decode.heads.eagle3 import Eagle3Head
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.heads.modules import draft_features
 from engine.train.data import DistillData
@@ -80,6 +81,8 @@ def head_loss(
     attention (``_attn_head_loss``)."""
     if isinstance(head, EagleAttnHead):
         return _attn_head_loss(head, target, lm_w, pos_of, data, opts, g)
+    if isinstance(head, Eagle3Head):
+        return eagle3_loss(head, target, pos_of, data, opts, g)
     depth = opts.heads
     rows, t = _windows(data, opts.positions, depth, g)
     steps = t[:, None] + torch.arange(depth + 1, device=t.device)  # [R, depth + 1]
@@ -153,4 +156,32 @@ def _attn_head_loss(
         total = total + 0.8**j * (
             _draft_loss(gj, lm_w, pos_of, data, rows[r], q + 1, opts.hard_weight) + opts.reg_weight * reg
         )
+    return total
+
+
+def eagle3_loss(
+    head: Eagle3Head, target: Any, pos_of: Tensor | None, data: DistillData, opts: LossOptions, g: torch.Generator
+) -> Tensor:
+    """One batch's loss for the EAGLE-3 head, training-time test: ``positions // T`` whole sequences (at least
+    one) unrolled ``heads`` steps (``Eagle3Head.unrolled``: step j >= 1 reads the head's own outputs of step
+    j - 1); out[:, j, p] is scored by the head's norm and LM head against the target's distribution at p + 1
+    (its soft labels' KL mixed with the hard label), weighted 0.8**j; no feature regression (EAGLE-3 has none)."""
+    assert data.features is not None
+    N, T = data.tokens.shape
+    rows = torch.randint(0, N, (max(1, opts.positions // T),), generator=g).to(data.tokens.device)
+    tok, n = data.tokens[rows], data.lengths[rows]
+    f = head.fuse(data.features[rows, : T - 1].float())  # [R, T-1, H] the fused features at 0..T-2
+    e = target.embed_tokens(tok[:, 1:]).float() if head.embed_tokens is None else head.embed_tokens(tok[:, 1:])
+    out = head.unrolled(f, e, opts.heads)  # [R, depth, T-1, H]
+    p = torch.arange(T - 1, device=n.device)
+    total = torch.zeros((), device=n.device)
+    for j in range(opts.heads):
+        ok = (p[None] >= j) & (p[None] + 2 < n[:, None])  # a root, and a token after the scored position
+        if not ok.any():
+            continue
+        r, q = ok.nonzero(as_tuple=True)
+        logq = head.logits(out[r, j, q]).float().log_softmax(-1)
+        kl = kl_loss(logq, data.vals[rows[r], q + 1], data.idx[rows[r], q + 1], pos_of).mean()
+        hard = _hard(logq, data.tokens[rows[r], q + 2], pos_of)
+        total = total + 0.8**j * ((1 - opts.hard_weight) * kl + opts.hard_weight * hard)
     return total

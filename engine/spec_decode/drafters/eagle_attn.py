@@ -89,6 +89,10 @@ class EagleAttnDrafter(HeadDrafter):
         for s in dst:
             self._entries.put(s, _Entries(0, [prompt]))
 
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The embeddings the head reads (the target's)."""
+        return self.target.embed_tokens(tokens)
+
     def _catch_up(self, batch: DraftBatch) -> tuple[Tensor, Tensor, Tensor, list[int], list[bool]]:
         """Each row's entries committed since its last round -> (features f [B, W, H], the next tokens [B, W],
         positions [B, W] (padding: the scratch slot), each row's last entry, which rows have any)."""
@@ -119,7 +123,7 @@ class EagleAttnDrafter(HeadDrafter):
         # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
         kv_len = min(max([h + batch.k for h, on in zip(hlens, have) if on], default=1), self.cache.max_seq_len)
         last_t = torch.tensor(last, device=batch.device)
-        logits, g = self._step(f, self.target.embed_tokens(nxt), pos, kv_len, batch.rows, last_t)
+        logits, g = self._step(f, self.embed(nxt), pos, kv_len, batch.rows, last_t)
         scratch = batch.scratch_pos
         at = torch.tensor([h if on else scratch for h, on in zip(hlens, have)], device=batch.device)  # next entry's
         drafts: list[Tensor] = []
@@ -131,7 +135,7 @@ class EagleAttnDrafter(HeadDrafter):
             if p is not None:
                 probs.append(p)
             if j + 1 < batch.k:  # the entry (g, this draft) at the next position
-                e = self.target.embed_tokens(tok)[:, None]
+                e = self.embed(tok)[:, None]
                 logits, g = self._step(g[:, None], e, at[:, None], kv_len, batch.rows, zero)
                 at = torch.where(at == scratch, at, at + 1)
         return self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
@@ -152,10 +156,10 @@ class EagleAttnDrafter(HeadDrafter):
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         """One draft entry at position 64 of a warm cache of its own (the head's per-draft work)."""
         w = self.head_weight
-        drafter = EagleAttnDrafter(self.loaded, self.target, self.lm_head, self._kernel)
+        drafter = type(self)(self.loaded, self.target, self.lm_head, self._kernel)
         drafter.cache = self.head.new_cache(batch, 128, w.device)  # the engine's cache stays as it is
         f = torch.randn(batch, 1, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
-        e = self.target.embed_tokens(torch.zeros(batch, 1, dtype=torch.long, device=w.device))
+        e = self.embed(torch.zeros(batch, 1, dtype=torch.long, device=w.device))
         pos = torch.full((batch, 1), 64, dtype=torch.long, device=w.device)
         last = torch.zeros(batch, dtype=torch.long, device=w.device)
         return lambda: drafter._step(f, e, pos, 65, None, last)[0].argmax(-1)

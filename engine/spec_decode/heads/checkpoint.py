@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
@@ -26,7 +27,11 @@ def save_head(head: nn.Module, cfg: HeadConfig, vocab_ids: Tensor | None, out: s
     weights it describes (``write_checkpoint_files``: the weights are written to a temp file, the old config
     removed, the weights renamed into place, the config written last)."""
     tensors = {k: v.detach().float().cpu().contiguous().clone() for k, v in head.state_dict().items()}
-    if vocab_ids is not None:
+    if vocab_ids is not None and cfg.kind == "eagle3":  # EAGLE-3's mapping (heads/eagle3_formats.py reads it)
+        ids = vocab_ids.detach().long().cpu()
+        tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
+        tensors["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    elif vocab_ids is not None:
         tensors["vocab_ids"] = vocab_ids.detach().long().cpu().contiguous()
     meta = {"format": "pt", "specmix_head": cfg.kind}
     write_checkpoint_files(
@@ -42,7 +47,12 @@ def load_head(
 ) -> tuple[nn.Module, HeadConfig, Tensor | None]:
     """(head on the target's device and dtype, its config, vocab_ids or None), checked against ``target``.
 
-    ``kind``: the drafter asked for ("medusa" | "eagle"); a head of the other kind is refused."""
+    ``kind``: the drafter asked for ("medusa" | "eagle" | "eagle3"); a head of another kind is refused. EAGLE-3
+    heads load from the published layouts too (heads/eagle3_formats.py)."""
+    if kind == "eagle3":
+        from engine.spec_decode.heads.eagle3_formats import load_eagle3
+
+        return load_eagle3(path, target, tokenizer_vocab)
     cfg = read_head_config(path)
     where = str(Path(path) / HEAD_CONFIG)
     if kind is not None and cfg.kind != kind:

@@ -20,7 +20,7 @@ from engine.core.errors import CheckpointError, DraftMismatchError
 if TYPE_CHECKING:
     from engine.core.model import Transformer
 
-HEAD_KINDS = ("medusa", "eagle")  # the head architectures (engine/spec_decode/heads/modules.py)
+HEAD_KINDS = ("medusa", "eagle", "eagle3")  # the head architectures (heads/modules.py, heads/eagle3.py)
 HEAD_CONFIG = "head_config.json"
 HEAD_FORMAT = 1
 PROBE_ROWS = 16  # embedding rows sampled for the target fingerprint
@@ -29,7 +29,10 @@ PROBE_COLS = 8
 
 @dataclass(frozen=True)
 class HeadConfig:
-    kind: str  # "medusa" | "eagle"
+    """A head's shape and the target it was made for (``head_config.json``; published EAGLE-3 heads: built from
+    their own config by engine/spec_decode/heads/eagle3_formats.py)."""
+
+    kind: str  # "medusa" | "eagle" | "eagle3"
     hidden_size: int  # the target's
     vocab_size: int  # the target's (model) vocabulary
     layers: int = 1  # medusa: residual blocks per head; eagle: MLP blocks
@@ -43,6 +46,15 @@ class HeadConfig:
     kv_heads: int = 0
     head_dim: int = 0
     rms_norm_eps: float = 1e-6
+    # eagle3 (engine/spec_decode/heads/eagle3.py): the target layers whose entering hidden states it fuses (empty:
+    # EAGLE-3's default 2, L // 2, L - 3), its fc's bias, speculators' norm_before_residual, rotary settings of
+    # its own (None: the target's), whether it holds an embedding of its own (else the target's)
+    feature_layers: tuple[int, ...] = ()
+    fc_bias: bool = False
+    norm_before_residual: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    own_embedding: bool = False
     target: dict[str, Any] = field(default_factory=dict)  # target_fingerprint(...)
     format: int = HEAD_FORMAT
 
@@ -105,14 +117,20 @@ def read_head_config(path: str | Path) -> HeadConfig:
         raise CheckpointError(f"{f}: head_config.json is missing (not a head directory)")
     try:
         raw = json.loads(f.read_text(encoding="utf-8"))
+        raw["feature_layers"] = tuple(int(i) for i in raw.get("feature_layers", ()))
         cfg = HeadConfig(**raw)
-    except (OSError, json.JSONDecodeError, TypeError) as e:
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
         raise CheckpointError(f"{f}: invalid head config ({e})") from None
     if cfg.format != HEAD_FORMAT:
         raise CheckpointError(f"{f}: format={cfg.format!r} is unsupported: allowed {HEAD_FORMAT}")
     if cfg.kind not in HEAD_KINDS:
         raise CheckpointError(f"{f}: kind={cfg.kind!r} is invalid: allowed {', '.join(HEAD_KINDS)}")
     bad_shape = min(cfg.attention_heads, cfg.kv_heads, cfg.head_dim) < 1 or cfg.head_dim % 2
+    if cfg.kind == "eagle3" and bad_shape:
+        raise CheckpointError(
+            f"{f}: kind 'eagle3' needs attention_heads, kv_heads, head_dim >= 1 (head_dim even); got "
+            f"attention_heads={cfg.attention_heads}, kv_heads={cfg.kv_heads}, head_dim={cfg.head_dim}"
+        )
     if cfg.attention and (cfg.kind != "eagle" or bad_shape or cfg.attention_heads % cfg.kv_heads):
         raise CheckpointError(
             f"{f}: attention=true needs kind 'eagle' and attention_heads, kv_heads, head_dim >= 1 (heads a "

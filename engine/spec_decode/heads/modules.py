@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from engine.core.errors import CheckpointError
 from engine.core.model import RMSNorm, Transformer
 from engine.spec_decode.heads.config import HEAD_KINDS, HeadConfig
+from engine.spec_decode.heads.eagle3 import init_eagle3
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead, head_model_config
 
 
@@ -108,6 +109,8 @@ def init_head(cfg: HeadConfig, target: Transformer, seed: int = 0) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     if cfg.kind == "medusa":
         return MedusaHeads(cfg)
+    if cfg.kind == "eagle3":
+        return init_eagle3(cfg, target.config, target.norm.weight, seed)
     if cfg.attention:
         attn = EagleAttnHead(head_model_config(target.config, cfg), cfg)
         attn.init_weights(target.norm.weight, g)
