@@ -1,8 +1,8 @@
 """``specmix-train-draft`` / tools/train_draft.py: train a draft model, Medusa heads or an EAGLE-style head.
 
-    specmix-train-draft --target DIR --kind model|medusa|eagle --out DIR [--text FILE] [--steps N]
+    specmix-train-draft --target DIR --kind model|medusa|eagle|eagle3 --out DIR [--text FILE] [--steps N]
                         [--layers N] [--hidden N] [--heads N] [--attention] [--draft-vocab N] [--samples N]
-                        [--device cpu|cuda]
+                        [--data generated|text] [--feature-layers A,B,C] [--device cpu|cuda]
                         [--heldout N] [--eval-k K]
 
 The target generates the training text itself (prompts cut from --text, default the demo corpus's
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from engine.core.cli import OneLineParser, run_tool
 from engine.core.errors import InvalidConfigError
-from engine.train.distill import KINDS, VALUE_DTYPES, RunOptions, TrainOptions, train_draft
+from engine.train.distill import EAGLE3_DEPTH, KINDS, VALUE_DTYPES, RunOptions, TrainOptions, train_draft
 
 
 def parse_args(argv: list[str] | None) -> object:
@@ -37,12 +37,23 @@ def parse_args(argv: list[str] | None) -> object:
         help="model: layers (2); medusa: blocks per head (1); eagle: MLP blocks or --attention layers (1)",
     )
     p.add_argument("--hidden", type=int, help="model: hidden size (target's / 3); eagle: MLP width (target's)")
-    p.add_argument("--heads", type=int, default=4, help="medusa: heads (drafts per round); eagle: unrolled depth")
+    p.add_argument(
+        "--heads",
+        type=int,
+        help="medusa: heads (drafts per round, 4); eagle: unrolled depth (4); eagle3: training-time test steps (5)",
+    )
     p.add_argument(
         "--attention", action="store_true", help="eagle: decoder layers with attention over the sequence's features"
     )
     p.add_argument("--draft-vocab", type=int, help="heads: a reduced draft vocabulary of this many tokens")
     p.add_argument("--samples", type=int, default=256, help="sequences the target generates (256)")
+    p.add_argument(
+        "--data",
+        default="generated",
+        choices=("generated", "text"),
+        help="generated: the target continues prompts of the text; text: windows of the text itself (no generation)",
+    )
+    p.add_argument("--feature-layers", help="eagle3: the 3 target layers it fuses, e.g. 2,15,27 (2, L // 2, L - 3)")
     p.add_argument("--gen-len", type=int, default=224, help="tokens generated per sequence (224)")
     p.add_argument("--temperature", type=float, default=0.8, help="of the sampled sequences (0.8)")
     p.add_argument("--greedy-share", type=float, default=0.5, help="share of the sequences continued greedily (0.5)")
@@ -60,6 +71,15 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
+
+
+def _layers(arg: str | None) -> tuple[int, ...]:
+    if not arg:
+        return ()
+    try:
+        return tuple(int(x) for x in arg.split(","))
+    except ValueError:
+        raise InvalidConfigError(f"--feature-layers {arg!r}: allowed 3 comma-separated layer indices") from None
 
 
 def _text(path: Path | None) -> str:
@@ -82,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=a.steps,
             layers=a.layers,
             hidden=a.hidden,
-            heads=a.heads,
+            heads=a.heads or (EAGLE3_DEPTH if a.kind == "eagle3" else 4),
             attention=a.attention,
             draft_vocab=a.draft_vocab,
             samples=a.samples,
@@ -91,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             greedy_share=a.greedy_share,
             seed=a.seed,
             weight_values=a.weight_values,
+            data=a.data,
+            feature_layers=_layers(a.feature_layers),
         )
         text = _text(a.text)
         run = RunOptions(device=a.device, progress=not a.quiet, heldout=a.heldout, eval_k=a.eval_k)
