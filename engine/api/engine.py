@@ -28,6 +28,7 @@ from engine.spec_decode.adaptive import Costs
 from engine.spec_decode.costs import drafter_costs
 from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
+from engine.spec_decode.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,10 @@ class Engine:
             )
         self.max_seq_len = limits.max_seq_len if limits.max_seq_len is not None else ctx
         k_max = self.policy.k_max if self.policy is not None else 0
-        self.requests = RequestChecks(self.tokenizer, self.vocab, ctx, self.max_seq_len, k_max)
-        self.loop = DecodeLoop(
-            parts.target_forward, parts.tokenizer, parts.drafter, self.config.eos_token_ids, self.vocab
-        )
+        eos = self.config.eos_token_ids
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab, eos)  # llguidance loads on first use
+        self.requests = RequestChecks(self.tokenizer, self.vocab, ctx, self.max_seq_len, k_max, self.grammars)
+        self.loop = DecodeLoop(parts.target_forward, parts.tokenizer, parts.drafter, eos, self.vocab, self.grammars)
         self.gpu_reader, governor = None, None
         if limits.load_window is not None:
             pol = self.policy

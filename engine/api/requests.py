@@ -13,6 +13,7 @@ import torch
 from engine.core.errors import InvalidRequestError
 from engine.core.tokenizer import Tokenizer
 from engine.spec_decode.sampling import SamplingParams
+from engine.spec_decode.structured.grammar import GrammarCompiler
 
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 
@@ -36,6 +37,8 @@ class RequestChecks:
     """Prompt + max_new_tokens a request may hold (Limits.max_seq_len, at most the context)."""
     k_max: int
     """The widest K (only named in messages: the cache holds max_seq_len + k_max + 2 positions per row)."""
+    grammars: GrammarCompiler | None = None
+    """Compiles structured outputs (a request's grammar is compiled, and refused when invalid, before it queues)."""
 
     def prompt_ids(self, prompts: Prompts) -> list[list[int]]:
         """Token ids per prompt; text is encoded, id lists are checked against the vocabulary."""
@@ -107,6 +110,10 @@ class RequestChecks:
                     f"allowed token ids 0..{self.vocab - 1} (vocab {self.vocab})"
                 )
             self._check_length(i, len(p), sp.max_new_tokens)
+            if sp.structured is not None:
+                if self.grammars is None:
+                    raise InvalidRequestError("SamplingParams.structured is not supported by this engine")
+                self.grammars.compile(sp.structured)
         return ids, plist
 
     def _check_length(self, i: int, prompt_len: int, max_new: int) -> None:

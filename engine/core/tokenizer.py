@@ -76,6 +76,10 @@ class Tokenizer:
     def vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine reads it from)."""
+        return self._tok.to_str()
+
     def id_bound(self) -> int:
         """One past the largest id the tokenizer can produce, added tokens included."""
         return max(self.vocab().values(), default=-1) + 1

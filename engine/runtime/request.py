@@ -60,6 +60,10 @@ class Totals:
     round_failures: int = 0  # rounds that raised
     failed: int = 0  # requests ended by a failed round (RequestFailedError)
     rejected_overload: int = 0  # submissions refused with OverloadedError
+    constrained: int = 0  # finished requests with a structured output
+    forced: int = 0  # their drafts that were tokens the grammar forced
+    forced_accepted: int = 0
+    mask_seconds: float = 0.0  # time computing their grammars' masks
 
     def summary(self) -> dict[str, Any]:
         """The rates and counts of Engine.stats()."""
@@ -78,6 +82,12 @@ class Totals:
             "prefill_tokens": self.prefill_tokens,
             "prefill_shared": self.prefill_shared,
             "plain_rounds": self.plain_rounds,
+            "structured": {
+                "requests": self.constrained,
+                "forced_drafts": self.forced,
+                "forced_accepted": self.forced_accepted,
+                "mask_seconds": self.mask_seconds,
+            },
         }
 
 

@@ -46,7 +46,8 @@ from engine.runtime.k_tuner import KTuner
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
-from engine.spec_decode.loop import NO_CAP, DecodeLoop, KCaps, tunable
+from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable
+from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
@@ -427,6 +428,11 @@ class Scheduler:
         t.accepted_hist += [0] * (len(st.accepted_hist) - len(t.accepted_hist))
         for i, n in enumerate(st.accepted_hist):
             t.accepted_hist[i] += n
+        if s.params.structured is not None:
+            t.constrained += 1
+            t.forced, t.forced_accepted, t.mask_seconds = (
+                t.forced + st.forced, t.forced_accepted + st.forced_accepted, t.mask_seconds + st.mask_seconds
+            )  # fmt: skip
 
     def health(self, stall_s: float, max_failed_rounds: int) -> str | None:
         """What keeps the engine from making progress, or None: a round running longer than ``stall_s``,

@@ -126,14 +126,17 @@ def check_tree(body: object) -> None:
                 stack.append((x, depth + 1, field))
 
 
-def engine_error(e: EngineError, chat: bool) -> ApiError:
-    """An EngineError as the HTTP error a client sees."""
+def engine_error(e: EngineError, chat: bool, structured_field: str | None = None) -> ApiError:
+    """An EngineError as the HTTP error a client sees (``structured_field``: the body field that set the request's
+    structured output, which a refused grammar names)."""
     if isinstance(e, OverloadedError):
         return ApiError(503, str(e), "overloaded_error", headers={"Retry-After": "1"})
     if isinstance(e, RequestFailedError):
         return ApiError(500, str(e), "server_error")
     if isinstance(e, (InvalidRequestError, ValueError)):
         param = param_of(e)
+        if param == "structured" and structured_field is not None:
+            return ApiError(400, f"{structured_field}: {e}", param=structured_field)
         return ApiError(400, str(e), param="messages" if chat and param == "prompt" else param)
     return ApiError(500, str(e), "server_error")
 

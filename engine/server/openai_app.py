@@ -140,7 +140,7 @@ async def _handle(server: OpenAIServer, http: HttpRequest, chat: bool) -> Any:
         try:
             choices, prompt_tokens = await server.submit(req, chat)
         except EngineError as e:
-            raise engine_error(e, chat) from None
+            raise engine_error(e, chat, req.structured_field) from None
         r = server.reply(req, chat, choices, prompt_tokens)
         if req.stream:
             return EventStreamResponse(EventStream(r))

@@ -8,6 +8,7 @@ Every refusal is an ``ApiError`` carrying the HTTP status and the offending fiel
 
 from __future__ import annotations
 
+import re
 import reprlib
 import secrets
 import time
@@ -18,6 +19,8 @@ from typing import Any
 from engine.core.chat import check_messages
 from engine.core.errors import EngineError, InvalidRequestError
 from engine.server.options import RequestLimits
+from engine.server.structured_fields import FIELDS as STRUCTURED_FIELDS
+from engine.server.structured_fields import FieldError, structured
 
 # sampling fields shared by both endpoints (value checks happen in SamplingParams, which names the field)
 SAMPLING = (
@@ -34,6 +37,7 @@ SAMPLING = (
     "ignore_eos",
 )
 COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "stop", "logprobs", "user") + SAMPLING
+COMMON += STRUCTURED_FIELDS
 COMPLETION_FIELDS = COMMON + ("prompt", "echo", "best_of", "suffix", "logit_bias")
 CHAT_FIELDS = COMMON + (
     "messages",
@@ -45,6 +49,7 @@ CHAT_FIELDS = COMMON + (
     "metadata",
     "store",
     "service_tier",
+    "response_format",
 )
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 MAX_TOP_LOGPROBS = 20
@@ -88,7 +93,7 @@ def param_of(err: EngineError) -> str | None:
     """The request field an EngineError's message names (``SamplingParams.top_p=...`` -> top_p)."""
     msg = str(err)
     if msg.startswith("SamplingParams."):
-        name = msg[len("SamplingParams.") :].split("=", 1)[0].split("[", 1)[0]
+        name = re.split(r"[=\[. ]", msg[len("SamplingParams.") :], maxsplit=1)[0]
         return {"max_new_tokens": "max_tokens"}.get(name, name)
     if msg.startswith("prompt"):
         return "prompt"
@@ -110,6 +115,7 @@ class ParsedRequest:
     prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    structured_field: str | None = None  # the field that set sampling["structured"] (a compile error names it)
 
 
 def _is_int(v: object) -> bool:
@@ -253,6 +259,10 @@ def parse(
     kw = _sampling(body, n, defaults, lim)
     _max_tokens(body, chat, kw)
     req = ParsedRequest(model=model, sampling=kw, n=n, stream=stream, include_usage=_stream_options(body, stream))
+    try:
+        kw["structured"], req.structured_field = structured(body, chat)
+    except FieldError as e:
+        raise bad(e.field, str(e)) from None
     if chat:
         _chat_fields(body, req)
     else:

@@ -52,7 +52,56 @@ def _common(limits: RequestLimits) -> dict[str, Any]:
         ),
         "ignore_eos": _opt({"type": "boolean"}),
         "logit_bias": _opt({"type": "object", "maxProperties": 0}),
+        **_structured(),
     }
+
+
+def _structured() -> dict[str, Any]:
+    """vLLM's structured-output fields (engine/server/structured_fields.py), on both routes."""
+    text, schema = {"type": "string", "minLength": 1}, {"anyOf": [{"type": "object"}, {"type": "string"}]}
+    choice = {"type": "array", "items": text, "minItems": 1}
+    outputs = {
+        "type": "object",
+        "properties": {
+            "json": schema, "json_object": {"type": "boolean"}, "regex": text, "choice": choice, "grammar": text,
+        },
+        "additionalProperties": False,
+    }  # fmt: skip
+    return {
+        "structured_outputs": _opt(outputs),
+        "guided_json": _opt(schema),
+        "guided_regex": _opt(text),
+        "guided_choice": _opt(choice),
+        "guided_grammar": _opt(text),
+    }
+
+
+def _response_format() -> dict[str, Any]:
+    """OpenAI's response_format (chat)."""
+    plain = {
+        "type": "object",
+        "properties": {"type": {"enum": ["text", "json_object"]}},
+        "required": ["type"],
+        "additionalProperties": False,
+    }
+    js = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "schema": {"type": "object"},
+            "strict": _opt({"type": "boolean"}),
+            "description": {"type": "string"},
+        },
+        "required": ["schema"],
+        "additionalProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "properties": {"type": {"const": "json_schema"}, "json_schema": js},
+        "required": ["type", "json_schema"],
+        "additionalProperties": False,
+    }
+    return _opt({"anyOf": [plain, schema]})
 
 
 def completion_schema(limits: RequestLimits) -> dict[str, Any]:
@@ -96,6 +145,7 @@ def chat_schema(limits: RequestLimits) -> dict[str, Any]:
         metadata=_opt({"type": "object"}),
         store=_opt({"type": "boolean"}),
         service_tier=_opt({"type": "string"}),
+        response_format=_response_format(),
     )
     return {"type": "object", "properties": props, "required": ["messages"], "additionalProperties": False}
 

@@ -47,6 +47,7 @@ from torch import Tensor
 from engine.core.forward import CachedForward, KVCache
 from engine.core.tokenizer import Tokenizer
 from engine.spec_decode.drafter import Committed, DraftBatch, Drafter, FeatureNeed
+from engine.spec_decode.k_caps import KCaps, tunable
 from engine.spec_decode.penalties import needs_history
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.randomness import RoundNoise
@@ -54,24 +55,12 @@ from engine.spec_decode.rejection import greedy_accept, rejection_sample
 from engine.spec_decode.sampling import RowProcessing
 from engine.spec_decode.seq import Seq, TokenLogprob, token_logprobs, waiting_for_prefill
 from engine.spec_decode.stops import StopChecker
+from engine.spec_decode.structured.grammar import GrammarCompiler
+from engine.spec_decode.structured.masks import GrammarRound
 from engine.spec_decode.tree_accept import tree_greedy_accept, tree_rejection_sample
 from engine.spec_decode.verify import Scores, verify, verify_batch
 
 log = logging.getLogger(__name__)
-
-NO_CAP = 1 << 30  # a K cap that caps nothing
-
-
-@dataclass(frozen=True)
-class KCaps:
-    """Caps on this round's K, set by the serving layer."""
-
-    all: int = NO_CAP
-    """The K of every row but seeded sampled ones (the load window lowers it under GPU memory pressure). A sampled
-    row's K decides which random draws it makes: capping a seeded one would make its tokens depend on the load."""
-    tuned: int | None = None
-    """The round's K from measured rounds (engine/runtime/k_tuner.py; 0: a plain round) for every row but seeded
-    sampled ones, in place of each row's own controller K; None: each row's own."""
 
 
 @dataclass
@@ -83,6 +72,7 @@ class RoundPlan:
     processing: RowProcessing
     noise: RoundNoise | None  # None: an all-greedy batch (no draws)
     waiting: dict[int, list[Seq]]  # sequences waiting for a row's prefill, by that row's id
+    grammar: GrammarRound | None = None  # the rows' grammars (None: no row is constrained)
 
     @property
     def greedy(self) -> bool:
@@ -101,12 +91,6 @@ class Verdict:
     paths: list[list[int]] | None = None  # trees: each row's accepted nodes by depth (None: chains)
 
 
-def tunable(s: Seq) -> bool:
-    """Whether the serving layer may set this row's K: any but a seeded sampled row, whose K decides its draws
-    (its tokens must not depend on the batch or the load)."""
-    return s.params.greedy or s.params.seed is None
-
-
 class _Steps(NamedTuple):
     """Steps 1-4's results, which step 5 commits row by row."""
 
@@ -121,11 +105,18 @@ class DecodeLoop:
     """One speculative round at a time over the sequences given (the scheduler owns which)."""
 
     def __init__(
-        self, target: CachedForward, tokenizer: Tokenizer, drafter: Drafter | None, eos_ids: list[int], vocab: int
+        self,
+        target: CachedForward,
+        tokenizer: Tokenizer,
+        drafter: Drafter | None,
+        eos_ids: list[int],
+        vocab: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """``target``: the target's forward (graphed where CUDA graphs are on); ``vocab``: the common vocabulary
-        of draft and target (logits are cut to it)."""
+        of draft and target (logits are cut to it); ``grammars``: compiles requests' structured outputs."""
         self.target, self.tokenizer, self.drafter, self.vocab = target, tokenizer, drafter, vocab
+        self.grammars = grammars
         self.stops = StopChecker(tokenizer, eos_ids)
         self.cache: KVCache | None = None
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
@@ -184,13 +175,25 @@ class DecodeLoop:
         # (prompt, output so far) only when a row has a penalty or min_tokens: an O(length) copy per row
         history = [(s.prompt, s.generated) for s in active] if any(needs_history(s.params) for s in active) else None
         eos = self.stops.eos_sorted
-        proc = RowProcessing.of([s.params for s in active], dev, history=history, eos=eos, vocab=self.vocab)
         ks = [self.k_for(s, caps) for s in active]
+        grammar = self._grammar_round(active, ks)
+        params = [s.params for s in active]
+        proc = RowProcessing.of(params, dev, history=history, eos=eos, vocab=self.vocab, constraint=grammar)
         noise = None
         if proc.mode != "greedy":  # a greedy row draws nothing: its target and draft distributions are one-hot
             gens = [s.generator for s in active]
             noise = RoundNoise.draw(gens, ks, [not s.params.greedy for s in active], self.vocab, dev)
-        return RoundPlan(active, ks, proc, noise, waiting)
+        return RoundPlan(active, ks, proc, noise, waiting, grammar)
+
+    def _grammar_round(self, active: list[Seq], ks: list[int]) -> GrammarRound | None:
+        """The round's grammar work, each constrained row's matcher made on its first round."""
+        if all(s.params.structured is None for s in active):
+            return None
+        assert self.grammars is not None, "structured outputs need the loop's grammar compiler"
+        for s in active:
+            if s.params.structured is not None and s.grammar is None:
+                s.grammar = self.grammars.state(self.grammars.compile(s.params.structured))
+        return GrammarRound([s.grammar for s in active], ks, self.vocab, self.target.device)
 
     def draft(self, plan: RoundPlan) -> Proposal:
         """Step 2: the drafter's chains cut to each row's K_b (none without a drafter or K)."""
@@ -205,12 +208,15 @@ class DecodeLoop:
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
         )  # fmt: skip
+        g = plan.grammar
+        if g is not None and g.all_forced:  # the grammar drafts every row: no drafter
+            return g.constrain(Proposal.empty(len(plan.seqs), dev))
         prop = self.drafter.propose(batch).cut(plan.ks)
-        if prop.parents is None:
-            return prop
-        if self.target.config.sliding_window is not None:  # no tree mask with a window: first branches
-            return prop.first_branches(list(range(len(plan.seqs)))).simplified()
-        return prop.first_branches([b for b, s in enumerate(plan.seqs) if needs_history(s.params)]).simplified()
+        if prop.parents is not None:  # a window or a row that reads its drafts in order takes its first branch
+            window = self.target.config.sliding_window is not None
+            chains = [b for b, s in enumerate(plan.seqs) if window or needs_history(s.params) or s.grammar]
+            prop = prop.first_branches(chains).simplified()
+        return prop if g is None else g.constrain(prop)
 
     def verify(self, plan: RoundPlan, proposal: Proposal) -> Scores:
         """Step 3: the target's scores, with the shared prefill's first scores in place of position 0."""
@@ -304,7 +310,8 @@ class DecodeLoop:
             path = verdict.paths[b]
             self.cache.move(s.row, [n_before + n for n in path], list(range(n_before, n_before + len(path))))
         if self.drafter is not None:
-            ran = max(plan.ks) > 0  # the drafter proposed this round
+            g = plan.grammar  # the drafter proposed this row's drafts this round (not a grammar)
+            ran = max(plan.ks) > 0 and (g is None or not (g.all_forced or g.replaced[b]))
             feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
             self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats))
         if id(s) in plan.waiting:
@@ -312,11 +319,29 @@ class DecodeLoop:
         s.stats.record(k, a)
         if s.k_ctl is not None and k > 0:
             s.k_ctl.update(k, a)
+        if plan.grammar is not None and s.grammar is not None:
+            new = self._commit_grammar(b, s, plan.grammar, new, a)
         kept = self.stops.cut(s, new)
         if s.logprobs is not None:
             s.logprobs.extend(verdict.logprobs[b][: len(kept)])
         s.tokens.extend(kept)
         return kept
+
+    @staticmethod
+    def _commit_grammar(b: int, s: Seq, g: GrammarRound, new: list[int], a: int) -> list[int]:
+        """The row's matcher takes the round's tokens; the request ends where its grammar is complete (the tokens
+        up to there are returned)."""
+        assert s.grammar is not None
+        s.stats.mask_seconds += g.seconds[b]
+        if g.replaced[b]:
+            s.stats.forced += len(g.forced[b])
+            s.stats.forced_accepted += min(a, len(g.forced[b]))
+        n, err = (0, "its grammar allows no continuation") if g.dead[b] else s.grammar.commit(new)
+        if err is not None:
+            raise RuntimeError(f"structured output: {err}")
+        if s.grammar.stopped:
+            s.finish("stop")
+        return new[:n]
 
     def _features_for(self, b: int, a: int, proposal: Proposal, scores: Scores, verdict: Verdict) -> Tensor | None:
         """The target's features row b's drafter reads after accepting ``a`` drafts (``FeatureNeed``)."""

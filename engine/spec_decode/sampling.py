@@ -17,12 +17,14 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from engine.core.errors import InvalidRequestError
 from engine.spec_decode.penalties import Penalties
+from engine.spec_decode.structured.spec import StructuredOutput
 
 # torch.Generator.manual_seed accepts exactly this range
 _SEED_MIN = -(2**63)
@@ -64,7 +66,9 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty`` (output tokens, OpenAI's formula),
     ``stop_token_ids`` (end like eos), ``ignore_eos``, ``min_tokens`` (no stop token before that many),
     ``logprobs`` (None, or the number of top alternatives reported with each token's log-probability
-    under the target's raw distribution). Speculation is exact for all of them (engine/spec_decode/penalties.py).
+    under the target's raw distribution), ``structured`` (None, or the ``StructuredOutput`` the output must
+    match: a JSON schema, a regex, a choice, a grammar). Speculation is exact for all of them
+    (engine/spec_decode/penalties.py, engine/spec_decode/structured/masks.py).
     """
 
     max_new_tokens: int = 64
@@ -81,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         mnt = self.max_new_tokens
@@ -139,6 +144,8 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= 20):
             raise _refuse("logprobs", lp, "None or an int in [0, 20] (the top alternatives per token)")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise _refuse("structured", self.structured, "None or a StructuredOutput")
         object.__setattr__(self, "min_p", mp)
         object.__setattr__(self, "repetition_penalty", rp)
         object.__setattr__(self, "presence_penalty", float(self.presence_penalty))
@@ -225,6 +232,14 @@ def sample_from_probs(probs: Tensor, noise: Tensor) -> Tensor:
     return torch.argmax(probs.float() / noise.float().clamp_min(tiny), dim=-1)
 
 
+class Constraint(Protocol):
+    """What the rows may emit at each draft position: a grammar (engine/spec_decode/structured/masks.py)."""
+
+    def allowed(self, drafts: Tensor | None, start: int, positions: int) -> Tensor:
+        """[B, P, V] bool at draft positions start .. start+P-1, after drafts [B, >= start+P-1] of the round."""
+        ...
+
+
 @dataclass(frozen=True)
 class RowProcessing:
     """The per-row processing of one batch, with its fast path chosen on the host.
@@ -233,7 +248,7 @@ class RowProcessing:
     argmax, no sort), "softmax" (no row greedy, none filtered by top-k/top-p/min-p: a tempered
     softmax) or "general" (``process_logits``). All three give exactly ``process_logits``'s output.
     ``penalties`` (min_tokens, repetition/presence/frequency; engine/spec_decode/penalties.py) apply to the
-    logits first, per draft position (``probs_at``).
+    logits first, per draft position (``probs_at``); then the ``constraint`` (a grammar's mask: -inf elsewhere).
     """
 
     temperature: Tensor  # [N] float32
@@ -242,6 +257,7 @@ class RowProcessing:
     mode: str
     min_p: Tensor | None = None  # [N] float32; None: no row uses min-p
     penalties: Penalties | None = None
+    constraint: Constraint | None = None
 
     @classmethod
     def of(
@@ -251,8 +267,10 @@ class RowProcessing:
         history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
         eos: Sequence[int] = (),
         vocab: int = 0,
+        constraint: Constraint | None = None,
     ) -> RowProcessing:
-        """history: (prompt, output so far) per row, for the penalties and min_tokens (None: none apply)."""
+        """history: (prompt, output so far) per row, for the penalties and min_tokens (None: none apply);
+        constraint: the rows' grammars (None: no row is constrained)."""
 
         t, k, p = params_to_tensors(params_list, device)
         pen = None
@@ -260,13 +278,19 @@ class RowProcessing:
             pen = Penalties.of([(pr, g, sp) for (pr, g), sp in zip(history, params_list)], eos, vocab, device)
         use_min_p = any(x.min_p > 0 for x in params_list)
         min_p = torch.tensor([x.min_p for x in params_list], dtype=torch.float32, device=device) if use_min_p else None
-        if all(x.greedy for x in params_list) and pen is None:
+        if all(x.greedy for x in params_list) and pen is None and constraint is None:
             mode = "greedy"
         elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in params_list):
             mode = "softmax"
         else:
             mode = "general"
-        return cls(t, k, p, mode, min_p, pen)
+        return cls(t, k, p, mode, min_p, pen, constraint)
+
+    @property
+    def reads_drafts(self) -> bool:
+        """Whether a draft position's processing depends on the drafts before it (penalties, a grammar): a drafter
+        passes them to ``probs_at``."""
+        return self.penalties is not None or self.constraint is not None
 
     def repeat(self, n: int) -> RowProcessing:
         """Each row repeated n times in place (row b -> rows b*n .. b*n+n-1), without the penalties."""
@@ -297,5 +321,7 @@ class RowProcessing:
         """
         B, P, V = logits.shape
         x = logits if self.penalties is None else self.penalties.apply(logits, drafts, start)
+        if self.constraint is not None:
+            x = x.masked_fill(~self.constraint.allowed(drafts, start, P), float("-inf"))
         rows = self if P == 1 else self.repeat(P)
         return rows.probs(x.reshape(B * P, V)).view(B, P, V)

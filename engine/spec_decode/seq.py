@@ -11,6 +11,7 @@ from torch import Tensor
 
 from engine.spec_decode.adaptive import KController
 from engine.spec_decode.sampling import SamplingParams
+from engine.spec_decode.structured.grammar import GrammarState
 
 
 @dataclass
@@ -23,6 +24,9 @@ class SeqStats:
     accepted_hist: list[int] = field(default_factory=list)  # rounds with drafts, by drafts accepted (0, 1, ...)
     prefill_tokens: int = 0  # prompt tokens the target computed for this sequence
     prefill_shared: int = 0  # prompt tokens whose keys/values were copied from a sibling's prefill instead
+    forced: int = 0  # drafts that were tokens the request's grammar forced (structured outputs)
+    forced_accepted: int = 0
+    mask_seconds: float = 0.0  # time computing the grammar's masks
 
     def record(self, k: int, a: int) -> None:
         self.drafted += k
@@ -53,6 +57,9 @@ class SeqStats:
             "draft_trials": sum(self.pos_tried),
             "per_position_acceptance": [a / t if t else None for a, t in zip(self.pos_accepted, self.pos_tried)],
             "accepted_length_rounds": list(self.accepted_hist),
+            "forced_drafts": self.forced,
+            "forced_accepted": self.forced_accepted,
+            "mask_seconds": self.mask_seconds,
         }
 
 
@@ -84,6 +91,7 @@ class Seq:
     stop_token: bool = False  # ended by a stop_token_ids token: its text is not part of the output
     logprobs: list[TokenLogprob] | None = None  # one per generated token when params.logprobs is set
     failure: str | None = None  # why its own step raised (it ended alone with finish_reason "error")
+    grammar: GrammarState | None = None  # params.structured's matcher over the committed output (set by the loop)
     # prefill sharing (loop.py): the sequence of the same prompt whose prefill this one waits for (it
     # takes no part in rounds until that prefill's keys/values are copied into its row), then the target's
     # (logits, feature | None) at the prompt's last position, which score its first round

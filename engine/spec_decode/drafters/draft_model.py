@@ -113,7 +113,7 @@ class ModelDrafter:
                 d = logits[:, :V].argmax(-1)
             else:
                 # penalties count this round's earlier drafts too
-                prev = torch.stack(drafts, 1) if drafts and batch.processing.penalties is not None else None
+                prev = torch.stack(drafts, 1) if drafts and batch.processing.reads_drafts else None
                 p = batch.processing.probs_at(logits[:, None, :V], prev, i)[:, 0]
                 assert batch.noise is not None
                 d = sample_from_probs(p, batch.noise[:, i])

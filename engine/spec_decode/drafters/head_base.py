@@ -86,7 +86,7 @@ class HeadDrafter:
         if self.vocab_ids is not None:  # -inf outside the draft vocabulary: probability 0 there
             full = logits.new_full((logits.shape[0], batch.vocab), float("-inf"))
             logits = full.index_copy_(1, self.vocab_ids, logits)
-        prev = torch.stack(drafts, 1) if drafts and batch.processing.penalties is not None else None
+        prev = torch.stack(drafts, 1) if drafts and batch.processing.reads_drafts else None
         p = batch.processing.probs_at(logits[:, None, : batch.vocab], prev, i)[:, 0]
         assert batch.noise is not None
         return sample_from_probs(p, batch.noise[:, i]), p

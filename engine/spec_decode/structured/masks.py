@@ -1,0 +1,112 @@
+"""A round's grammar work: the masks of every drafted and verified position, forced drafts, copy drafts cut.
+
+Exactness. Position j of a constrained row is processed (for the target and for a model drafter alike, through
+``RowProcessing.probs_at``) with the tokens its grammar allows after the row's committed output and the round's
+drafts d_0 .. d_{j-1}: the mask is one more history-dependent processor, applied after the penalties and before
+temperature, top-k, top-p and min-p. A model drafter's drafts are therefore always valid. Deterministic drafts
+(lookups) and forced drafts are functions of the committed tokens only, so cutting a row's drafts at their first
+token the grammar refuses, or replacing them with the tokens the grammar forces, changes no random draw: the
+acceptance rule (engine/spec_decode/rejection.py) stays exact and greedy output stays token-identical.
+
+Masks are memoized per (row, draft prefix): the drafter's steps and the verify read the same ones, so a round
+computes K + 1 masks per constrained row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from engine.spec_decode.proposal import Proposal
+from engine.spec_decode.structured.grammar import GrammarState
+
+
+class GrammarRound:
+    """The grammar side of one round over rows whose ``states`` are their matchers (None: unconstrained)."""
+
+    def __init__(self, states: Sequence[GrammarState | None], ks: Sequence[int], vocab: int, device: torch.device):
+        """``ks``: each row's K_b (forced drafts never exceed it: the round drew noise for K_b positions)."""
+        self.states, self.vocab, self.device = list(states), vocab, device
+        self.forced = [[] if st is None else st.forced(k) for st, k in zip(self.states, ks)]
+        self.seconds = [0.0] * len(self.states)  # mask time per row this round
+        self.dead = [False] * len(self.states)  # the committed state has no continuation
+        self.replaced = [False] * len(self.states)  # rows whose drafts are the forced ones (``constrain``)
+        self._memo: list[dict[tuple[int, ...], Tensor]] = [{} for _ in self.states]
+
+    @property
+    def all_forced(self) -> bool:
+        """Every row is constrained and has forced tokens: the round needs no drafter."""
+        return all(st is not None and f for st, f in zip(self.states, self.forced))
+
+    def allowed(self, drafts: Tensor | None, start: int, positions: int) -> Tensor:
+        """[B, P, V] bool: what each row may emit at draft positions start .. start+P-1 (drafts [B, >= start+P-1]:
+        the round's drafts so far); every token for unconstrained rows."""
+        B, V = len(self.states), self.vocab
+        out = torch.ones(B, positions, V, dtype=torch.bool)
+        rows = drafts.tolist() if drafts is not None and any(self.states) else [[] for _ in range(B)]
+        for b, st in enumerate(self.states):
+            if st is None:
+                continue
+            t0 = time.perf_counter()
+            memo, row = self._memo[b], rows[b]
+            keys = [tuple(row[:j]) for j in range(start, start + positions)]
+            missing = [j for j, key in zip(range(start, start + positions), keys) if key not in memo]
+            if missing:
+                masks, dead = st.masks(row, missing)
+                for i, j in enumerate(missing):
+                    memo[tuple(row[:j])] = masks[i]
+                self.dead[b] = self.dead[b] or dead
+            out[b] = torch.stack([memo[k] for k in keys])
+            self.seconds[b] += time.perf_counter() - t0
+        return out.to(self.device)
+
+    def constrain(self, prop: Proposal) -> Proposal:
+        """``prop`` with each constrained row's drafts replaced by its forced tokens (where the grammar forces any:
+        ``replaced``, their drafter's drafts are not verified) or cut at their first refused token (deterministic
+        drafts: before it; drawn ones, whose drafter masks its distribution and so never draws one: after it).
+        Constrained rows are chains (the round takes a tree's first branch for them)."""
+        counts = prop.row_counts()
+        host = prop.tokens.tolist()
+        for b, st in enumerate(self.states):
+            if st is None:
+                continue
+            if self.forced[b]:
+                counts[b] = len(self.forced[b])
+                continue
+            valid = st.valid_prefix(host[b][: counts[b]])
+            # a drawn draft the grammar refuses stays: q = 0 rejects it surely, and cutting on a draw is not exact
+            counts[b] = valid if prop.probs is None else min(counts[b], valid + 1)
+        width = max(counts, default=0)
+        tokens, probs, parents = _resized(prop, width)
+        for b, f in enumerate(self.forced):
+            if f:
+                tokens[b, : len(f)] = torch.tensor(f, dtype=tokens.dtype)
+                if probs is not None:
+                    probs[b, : len(f)] = 0.0
+                    idx = torch.arange(len(f), device=probs.device)
+                    probs[b, idx, tokens[b, : len(f)].to(probs.device)] = 1.0
+                if parents is not None:
+                    parents[b] = torch.arange(-1, width - 1)
+        self.replaced = [bool(f) for f in self.forced]
+        dev = prop.tokens.device
+        return Proposal(tokens.to(dev), probs, counts, None if parents is None else parents.to(dev))
+
+
+def _resized(prop: Proposal, width: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Copies of the proposal's tokens (on the host), probs and parents, cut or zero-padded to ``width`` nodes."""
+    B, N = prop.tokens.shape
+    keep = min(N, width)
+    tokens = torch.zeros(B, width, dtype=torch.long)
+    tokens[:, :keep] = prop.tokens[:, :keep].cpu()
+    probs = None
+    if prop.probs is not None:
+        probs = prop.probs.new_zeros(B, width, prop.probs.shape[-1])
+        probs[:, :keep] = prop.probs[:, :keep]
+    parents = None
+    if prop.parents is not None:
+        parents = torch.arange(-1, width - 1).repeat(B, 1)
+        parents[:, :keep] = prop.parents[:, :keep].cpu()
+    return tokens, probs, parents
