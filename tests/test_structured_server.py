@@ -73,10 +73,14 @@ def test_smollm_json_schema_output_always_validates(smol_live, stream):
 
 
 @pytest.fixture(scope="module")
-def tiny_live(ckpt_dir, draft_dir, tmp_path_factory):
-    chat = _chat_checkpoint(ckpt_dir, tmp_path_factory.mktemp("chat") / "ckpt")
+def chat_ckpt(ckpt_dir, tmp_path_factory):
+    return _chat_checkpoint(ckpt_dir, tmp_path_factory.mktemp("chat") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def tiny_live(chat_ckpt, draft_dir):
     spec = SpeculationConfig(k=3, k_policy="constant")
-    srv = Live(Engine.from_pretrained(chat, draft_dir, speculation=spec, limits=Limits(max_batch=4)))
+    srv = Live(Engine.from_pretrained(chat_ckpt, draft_dir, speculation=spec, limits=Limits(max_batch=4)))
     yield srv
     srv.close()
 
@@ -137,3 +141,27 @@ def test_bad_structured_fields_are_400_naming_the_field(tiny_live, body, field):
     assert e.value.body["param"] == field, e.value.body
     ok = tiny_live.client.chat.completions.create(model="m", messages=MSG, max_tokens=3, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")  # the server keeps serving
+
+
+def test_bench_structured_tool(chat_ckpt, tmp_path, capsys):
+    from engine.cli.bench_structured import main
+
+    asks = tmp_path / "asks.txt"
+    asks.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    schema = tmp_path / "s.json"
+    obj = {
+        "type": "object",
+        "properties": {"a": {"enum": ["x", "yy"]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    schema.write_text(json.dumps(obj))
+    out = tmp_path / "rows.json"
+    argv = ["--target", str(chat_ckpt), "--asks", str(asks), "--schema", str(schema), "--batch", "1,3"]
+    assert main(argv + ["--repeats", "1", "--max-tokens", "24", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], r["mode"]) for r in rows] == [(1, "plain"), (1, "ngram"), (3, "plain"), (3, "ngram")]
+    assert all(r["valid"] == 1.0 and r["forced_share"] > 0 for r in rows if r["mode"] == "ngram")
+    assert "x plain" in capsys.readouterr().out
+    schema.write_text("{not json")
+    assert main(argv) == 2 and "bench_structured: --schema" in capsys.readouterr().err

@@ -186,6 +186,22 @@ def _spec_counters(t: Totals) -> list[Sample]:
     ]
 
 
+def _structured_samples(t: Totals) -> list[Sample]:
+    return [
+        _one(
+            "structured_requests", "counter", "Finished requests with a structured output (a grammar).", t.constrained
+        ),
+        _one(
+            "structured_forced_tokens",
+            "counter",
+            "Drafts that were tokens a grammar forced (no drafter ran).",
+            t.forced,
+        ),
+        _one("structured_forced_accepted_tokens", "counter", "Forced drafts the target accepted.", t.forced_accepted),
+        _one("structured_mask_seconds", "counter", "Time computing grammar masks.", float(t.mask_seconds)),
+    ]
+
+
 def _spec_gauges(t: Totals) -> list[Sample]:
     per_pos = [
         Sample(
@@ -286,6 +302,7 @@ def engine_samples(snap: dict[str, Any], gauges: EngineGauges) -> list[Sample]:
         *_request_samples(t),
         *_token_samples(t),
         *_spec_counters(t),
+        *_structured_samples(t),
         *_spec_gauges(t),
         *_load_samples(snap, gauges),
         *_device_samples(gauges),

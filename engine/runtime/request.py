@@ -82,6 +82,8 @@ class Totals:
             "prefill_tokens": self.prefill_tokens,
             "prefill_shared": self.prefill_shared,
             "plain_rounds": self.plain_rounds,
+            "sequence_rounds": self.iterations,
+            "busy_seconds": self.seconds,
             "structured": {
                 "requests": self.constrained,
                 "forced_drafts": self.forced,
