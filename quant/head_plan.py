@@ -7,6 +7,9 @@ quantized here (the plan's ``lm_head`` and ``embeddings`` families say so).
 - eagle: its Linears (``fc``, ``gate_up.<i>``, ``down.<i>``; with attention ``fc`` and each decoder layer's
   projections) become ``FP8Linear`` (per-output-channel e4m3, the draft's FP8 kernel), as a draft model's
   Linears do; its RMSNorms stay in the compute dtype.
+- eagle3: ``fc`` (3H -> H) and its decoder layer's projections (``midlayer.self_attn.{q,k,v,o}_proj``,
+  ``midlayer.mlp.*``) become ``FP8Linear``; its own reduced-vocabulary LM head (the drafter's scorer) and norms
+  stay in the compute dtype.
 - medusa: kept in the compute dtype (the ``ffn`` family says why): its weights are one stacked
   [layers, heads, H, H] tensor applied by one batched matmul, while the FP8 GEMM (``torch._scaled_mm``)
   is one 2-D matrix per call; an FP8 form would split it into per-head GEMMs and change the head's
@@ -53,7 +56,7 @@ def head_shape(head_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
             f"draft_head.{missing[0]} is missing (a head's config has {', '.join(HEAD_SHAPE_KEYS)})"
         )
     shape = {k: head_config[k] for k in HEAD_SHAPE_KEYS}
-    if head_config.get("attention"):
+    if head_config.get("attention") or kind == "eagle3":
         missing = [k for k in ATTENTION_KEYS if k not in head_config]
         if missing:
             raise InvalidConfigError(
@@ -65,10 +68,16 @@ def head_shape(head_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def head_linears(kind: str, shape: Mapping[str, Any]) -> list[tuple[str, int, int]]:
     """(name, out, in) of each Linear of the head (none for medusa: its weights are stacked)."""
-    if kind != "eagle":
+    if kind not in ("eagle", "eagle3"):
         return []
     H = shape["hidden_size"]
     inter = shape["intermediate_size"] or H
+    if kind == "eagle3":  # engine/spec_decode/heads/eagle3.py: one layer whose q/k/v read [embedding; feature]
+        q, kv = shape["attention_heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+        a, m = "midlayer.self_attn", "midlayer.mlp"
+        return [("fc", H, 3 * H), (f"{a}.q_proj", q, 2 * H), (f"{a}.k_proj", kv, 2 * H), (f"{a}.v_proj", kv, 2 * H),
+                (f"{a}.o_proj", H, q), (f"{m}.gate_proj", inter, H), (f"{m}.up_proj", inter, H),
+                (f"{m}.down_proj", H, inter)]  # fmt: skip
     out = [("fc", H, 2 * H)]
     if shape.get("attention"):  # decoder layers (engine/spec_decode/heads/eagle_attn.py)
         q, kv = shape["attention_heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
@@ -111,6 +120,8 @@ def head_weight_bytes(kind: str, shape: Mapping[str, Any], plan: ModelPlan | Non
     fp8 = plan is not None and plan.families["ffn"].storage == "fp8_e4m3"
     linears = sum(n * k + 4 * n if fp8 else n * k * b for _, n, k in head_linears(kind, shape))
     vocab_ids = 8 * (shape["draft_vocab"] or 0)  # the draft vocabulary's ids (int64)
+    if kind == "eagle3":  # four norms and its own LM head (the scorer), in the compute dtype
+        return linears + 4 * H * b + (shape["draft_vocab"] or shape["vocab_size"]) * H * b + vocab_ids
     norms = (2 * L + 2 if shape.get("attention") else L + 2) * H * b  # embed_norm, per block / layer, out_norm
     return linears + norms + vocab_ids
 

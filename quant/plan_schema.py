@@ -22,7 +22,7 @@ DEFAULT_PRECISION: dict[str, Any] = {
     "verifier": "fp16",
 }
 FAMILIES = ("attention", "ffn", "embeddings", "lm_head", "norms")
-HEAD_KINDS = ("medusa", "eagle")  # a draft part planned for a trained head (ModelPlan.head)
+HEAD_KINDS = ("medusa", "eagle", "eagle3")  # a draft part planned for a trained head (ModelPlan.head)
 FAMILY_MODULES = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"), "ffn": ("gate_proj", "up_proj", "down_proj")}
 DENSE_STORAGE = ("fp32", "fp16", "bf16")
 STORAGE = DENSE_STORAGE + ("fp8_e4m3", "int8")

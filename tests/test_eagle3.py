@@ -214,3 +214,35 @@ def test_fixed_text_training_generates_nothing(ckpt_dir, tmp_path):
             speculation=spec("eagle3", 2),
             kernels=KernelOptions(cuda_graphs=True, emulate_graphs=True),
         )
+
+
+def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_head, plain):
+    """The draft plan's FP8 on the EAGLE-3 head: fc and the layer's projections FP8Linear (weight-only on this
+    CPU), its own LM head and norms kept; the planned bytes are what it stores; greedy output still the target's."""
+    import copy
+
+    from test_head_fp8 import head_plan
+
+    from engine.api.options import PrecisionConfig
+    from quant.head_plan import apply_head_plan
+    from quant.linear import FP8Linear
+
+    path, _ = e3_head
+    plan = head_plan(ckpt_dir, path)
+    ffn = plan.draft.families["ffn"]
+    names = ["fc"] + [f"midlayer.self_attn.{x}_proj" for x in "qkvo"]
+    names += [f"midlayer.mlp.{x}_proj" for x in ("gate", "up", "down")]
+    assert plan.draft.head == "eagle3" and ffn.storage == "fp8_e4m3" and ffn.scaling["modules"] == names
+    eng = Engine.from_pretrained(ckpt_dir)
+    ref = load_head(path, eng.target, eng.tokenizer.vocab(), "eagle3")[0]
+    head = copy.deepcopy(ref)
+    assert apply_head_plan(head, plan.draft) == names and type(head.lm_head) is torch.nn.Linear
+    x = torch.randn(5, 3 * ref.mcfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert float((head.fuse(x).float() - ref.fuse(x)).norm() / ref.fuse(x).norm()) <= 0.06
+    stored = sum(m.weight_bytes() for m in head.modules() if isinstance(m, FP8Linear))
+    stored += sum(p.numel() * 2 for n, p in head.named_parameters() if "norm" in n or n == "lm_head.weight")
+    assert plan.memory.draft_weight_bytes == stored + 8 * ref.cfg.draft_vocab
+    spec_eng = Engine.from_pretrained(ckpt_dir, path, speculation=spec("eagle3", 3), precision=PrecisionConfig(plan))
+    assert spec_eng.info["draft_head_fp8"] == names
+    assert_greedy_grid(spec_eng, plain, "fp8")
+    assert spec_eng.stats()["accepted"] > 0

@@ -113,7 +113,9 @@ def test_plan_and_drafter_mismatch_refused(ckpt_dir, draft_dir, heads):
         )
     d = json.loads(head_plan(ckpt_dir, heads["eagle"]).to_json())
     d["draft"]["head"] = "hydra"
-    with pytest.raises(ProfileError, match=r"plan.draft.head='hydra' is invalid: allowed medusa, eagle or null"):
+    with pytest.raises(
+        ProfileError, match=r"plan.draft.head='hydra' is invalid: allowed medusa, eagle, eagle3 or null"
+    ):
         plan_from_dict(d)
     d["draft"]["head"], d["draft"]["families"]["lm_head"]["storage"] = "eagle", "fp8_e4m3"
     d["draft"]["families"]["lm_head"]["kernel"] = "native"
