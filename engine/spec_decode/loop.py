@@ -254,10 +254,11 @@ class DecodeLoop:
         tree, K = proposal.parents, proposal.width
         cols = torch.arange(K + 1, device=dev).expand(B, K + 1)  # [B, K+1] a chain's columns
         if plan.greedy:  # one-hot q: accept while d == argmax q, else take argmax q (whatever p is)
+            target = plan.processing.greedy_at(logits, proposal.tokens)  # [B, K+1] (within a grammar's mask)
             if tree is None:
-                out, nacc = greedy_accept(proposal.tokens, logits.argmax(-1), num_draft)
+                out, nacc = greedy_accept(proposal.tokens, target, num_draft)
             else:
-                out, nacc, cols = tree_greedy_accept(proposal.tokens, tree, num_draft, logits.argmax(-1))
+                out, nacc, cols = tree_greedy_accept(proposal.tokens, tree, num_draft, target)
         else:
             assert plan.noise is not None
             noise = plan.noise.cut(K)

@@ -244,9 +244,10 @@ class Constraint(Protocol):
 class RowProcessing:
     """The per-row processing of one batch, with its fast path chosen on the host.
 
-    ``mode``: "greedy" (every row has temperature 0 and no history-dependent control: one-hot
-    argmax, no sort), "softmax" (no row greedy, none filtered by top-k/top-p/min-p: a tempered
-    softmax) or "general" (``process_logits``). All three give exactly ``process_logits``'s output.
+    ``mode``: "greedy" (every row has temperature 0 and no penalty: one-hot argmax, no sort; a grammar's mask,
+    when a row has one, applies first: ``greedy_at``), "softmax" (no row greedy, none filtered by
+    top-k/top-p/min-p: a tempered softmax) or "general" (``process_logits``). All three give exactly
+    ``process_logits``'s output.
     ``penalties`` (min_tokens, repetition/presence/frequency; engine/spec_decode/penalties.py) apply to the
     logits first, per draft position (``probs_at``); then the ``constraint`` (a grammar's mask: -inf elsewhere).
     """
@@ -278,7 +279,7 @@ class RowProcessing:
             pen = Penalties.of([(pr, g, sp) for (pr, g), sp in zip(history, params_list)], eos, vocab, device)
         use_min_p = any(x.min_p > 0 for x in params_list)
         min_p = torch.tensor([x.min_p for x in params_list], dtype=torch.float32, device=device) if use_min_p else None
-        if all(x.greedy for x in params_list) and pen is None and constraint is None:
+        if all(x.greedy for x in params_list) and pen is None:
             mode = "greedy"
         elif not any(x.greedy or x.top_k > 0 or x.top_p < 1.0 or x.min_p > 0 for x in params_list):
             mode = "softmax"
@@ -313,6 +314,14 @@ class RowProcessing:
             x = logits.float()
             return ((x - x.amax(dim=-1, keepdim=True)) / self.temperature.unsqueeze(-1)).softmax(dim=-1)
         return process_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def greedy_at(self, logits: Tensor, drafts: Tensor) -> Tensor:
+        """Greedy mode: logits [B, P, V] at draft positions 0 .. P-1 -> the argmax [B, P] of each, within the
+        constraint's mask (drafts [B, >= P-1]: the round's drafts)."""
+        if self.constraint is None:
+            return logits.argmax(-1)
+        allowed = self.constraint.allowed(drafts, 0, logits.shape[1])
+        return logits.masked_fill(~allowed, float("-inf")).argmax(-1)
 
     def probs_at(self, logits: Tensor, drafts: Tensor | None, start: int) -> Tensor:
         """logits [B, P, V] at draft positions start .. start+P-1 of the round -> probs [B, P, V].

@@ -3,7 +3,9 @@
 Exactness. Position j of a constrained row is processed (for the target and for a model drafter alike, through
 ``RowProcessing.probs_at``) with the tokens its grammar allows after the row's committed output and the round's
 drafts d_0 .. d_{j-1}: the mask is one more history-dependent processor, applied after the penalties and before
-temperature, top-k, top-p and min-p. A model drafter's drafts are therefore always valid. Deterministic drafts
+temperature, top-k, top-p and min-p. A model drafter's drawn drafts are therefore always valid. An all-greedy batch
+keeps its fast path: drafters take their unmasked argmax (deterministic, so cut like copies) and the target's
+argmax is taken within the mask (``RowProcessing.greedy_at``). Deterministic drafts
 (lookups) and forced drafts are functions of the committed tokens only, so cutting a row's drafts at their first
 token the grammar refuses, or replacing them with the tokens the grammar forces, changes no random draw: the
 acceptance rule (engine/spec_decode/rejection.py) stays exact and greedy output stays token-identical.
