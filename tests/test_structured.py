@@ -13,10 +13,12 @@ import pytest
 import torch
 from test_heads import random_head
 from test_sampling_controls import pooled_pvalue
+from test_trees import FixedTree
 
 from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
 from engine.core.errors import InvalidRequestError
+from engine.spec_decode.registry import DRAFTERS, DrafterEntry
 from engine.spec_decode.structured.spec import StructuredOutput
 
 pytest.importorskip("llguidance")
@@ -115,20 +117,21 @@ def constrained_plain(ckpt_dir):
     return [o.token_ids for o in outs]
 
 
-DRAFTERS = {
+CASES = {
     "model": dict(drafter="model"),
     "ngram": dict(drafter="ngram"),
     "ngram-tree": dict(drafter="ngram", tree_branches=3),
     "early-exit": dict(drafter="early-exit"),
     "medusa": dict(drafter="medusa"),
     "eagle": dict(drafter="eagle"),
+    "eagle-tree": dict(drafter="eagle", tree_branches=3),
     "model+lookup": dict(drafter="model", prompt_lookup_min=1),
 }
 
 
-@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_constrained_speculation_is_token_identical(ckpt_dir, draft_dir, constrained_plain, name, tmp_path):
-    kw = DRAFTERS[name]
+    kw = CASES[name]
     draft = {"model": draft_dir, "medusa": None, "eagle": None}.get(kw["drafter"])
     if kw["drafter"] in ("medusa", "eagle"):
         draft = random_head(ckpt_dir, tmp_path / "head", kw["drafter"])
@@ -186,12 +189,14 @@ def _masked_joint(eng: Engine, prompt: list[int], temperature: float, masked: bo
     return joint.ravel()
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "fixed-tree"])
 def test_sampled_constrained_joint_equals_the_masked_target(pair8, drafter):
-    spec = SpeculationConfig(drafter=drafter, k=4, k_policy="constant")
-    eng = Engine.from_pretrained(
-        *(pair8 if drafter == "model" else pair8[:1]), speculation=spec, limits=Limits(max_batch=1000)
-    )
+    """fixed-tree: 7-node trees of distinct tokens, pruned per branch by the grammar."""
+    reg = DRAFTERS.extended(DrafterEntry("fixed-tree", "a test tree", lambda ctx: FixedTree(8, False)))
+    k = 7 if drafter == "fixed-tree" else 4
+    spec = SpeculationConfig(drafter=drafter, k=k, k_policy="constant", registry=reg)
+    models = pair8 if drafter == "model" else pair8[:1]
+    eng = Engine.from_pretrained(*models, speculation=spec, limits=Limits(max_batch=1000))
     prompt, V = [1, 2, 3], eng.vocab
     sp = SamplingParams(max_new_tokens=3, temperature=1.0, structured=StructuredOutput.regex(PAIR8_REGEX))
     exact = _masked_joint(eng, prompt, 1.0, True)

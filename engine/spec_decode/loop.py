@@ -213,8 +213,8 @@ class DecodeLoop:
             return g.constrain(Proposal.empty(len(plan.seqs), dev))
         prop = self.drafter.propose(batch).cut(plan.ks)
         if prop.parents is not None:  # a window or a row that reads its drafts in order takes its first branch
-            window = self.target.config.sliding_window is not None
-            chains = [b for b, s in enumerate(plan.seqs) if window or needs_history(s.params) or s.grammar]
+            window, drawn = self.target.config.sliding_window is not None, prop.probs is not None
+            chains = [b for b, s in enumerate(plan.seqs) if window or needs_history(s.params) or (drawn and s.grammar)]
             prop = prop.first_branches(chains).simplified()
         return prop if g is None else g.constrain(prop)
 

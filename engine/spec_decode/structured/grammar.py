@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,54 +126,63 @@ class GrammarCompiler:
 
     def state(self, grammar: Grammar) -> GrammarState:
         """A fresh matcher for one request's output."""
-        llg = self._llg()
-        return GrammarState(llg.LLMatcher(self._tokenizer(), grammar.text, log_level=0), self.vocab)
+        llg, tok = self._llg(), self._tokenizer()
+        return GrammarState(lambda: llg.LLMatcher(tok, grammar.text, log_level=0), self.vocab)
 
 
 class GrammarState:
-    """One request's matcher, at its committed output. Draft positions are walked and rolled back."""
+    """One request's matcher, at its committed output. Draft prefixes are walked and rolled back; a draft prefix
+    that reaches a dead end leaves llguidance's matcher in its error state for good, so the matcher is then made
+    again from the grammar and the output."""
 
-    def __init__(self, matcher: Any, vocab: int) -> None:
-        self._m, self.vocab = matcher, vocab
+    def __init__(self, make: Callable[[], Any], vocab: int) -> None:
+        self._make, self.vocab = make, vocab
+        self._m = make()
+        self._output: list[int] = []
         self._words = (vocab + 31) // 32
+
+    def _healthy(self) -> Any:
+        if self._m.is_error():
+            self._m = self._make()
+            self._m.consume_tokens(self._output)
+        return self._m
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces next (its forced text, tokenized canonically)."""
-        return list(self._m.compute_ff_tokens())[:limit] if limit > 0 else []
+        return list(self._healthy().compute_ff_tokens())[:limit] if limit > 0 else []
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens``, in order, the grammar accepts from here."""
-        return int(self._m.validate_tokens(list(tokens))) if tokens else 0
+        return int(self._healthy().validate_tokens(list(tokens))) if tokens else 0
 
-    def masks(self, tokens: Sequence[int], want: Sequence[int]) -> tuple[Tensor, bool]:
-        """Allowed tokens [len(want), vocab] bool at each position j in ``want`` (after ``tokens[:j]``; all allowed
-        past an invalid token, a position no verdict reads), and whether the committed state has no continuation."""
-        bitmask = torch.full((len(want), self._words), -1, dtype=torch.int32)
-        last, done, dead = max(want, default=-1), 0, False
-        slot = {j: i for i, j in enumerate(want)}
-        for j in range(last + 1):
-            if j in slot:
-                row = bitmask[slot[j]]
-                self._m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
-                if self._m.is_error() or not bool(row.any()):  # a dead end: no text continues it
+    def masks(self, prefixes: Sequence[Sequence[int]]) -> tuple[Tensor, bool]:
+        """Allowed tokens [len(prefixes), vocab] bool after each draft prefix (all allowed after a refused one, a
+        position no verdict reads), and whether the committed state itself has no continuation."""
+        bitmask = torch.full((len(prefixes), self._words), -1, dtype=torch.int32)
+        dead = False
+        for i, prefix in enumerate(prefixes):
+            m = self._healthy()
+            n = m.try_consume_tokens([int(t) for t in prefix]) if prefix else 0
+            if n == len(prefix):
+                row = bitmask[i]
+                m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+                if m.is_error() or not bool(row.any()):  # a dead end: no text continues it
                     row.fill_(-1)
-                    dead = dead or j == 0
-            if j < last:
-                if self._m.try_consume_tokens([int(tokens[j])]) != 1:
-                    break
-                done += 1
-        if done:
-            self._m.rollback(done)
+                    dead = dead or not prefix
+            if n and not m.is_error():
+                m.rollback(n)
         return unpack(bitmask, self.vocab), dead
 
     def commit(self, tokens: Sequence[int]) -> tuple[int, str | None]:
         """Consume committed tokens up to the grammar's completion: how many belong to the output (those after it
         are the end-of-sequence token its mask allowed) and the matcher's error when one is not allowed."""
+        m = self._healthy()
         for n, t in enumerate(tokens):
-            if self._m.is_stopped():
+            if m.is_stopped():
                 return n, None
-            if self._m.try_consume_tokens([int(t)]) != 1:
-                return n, self._m.get_error() or f"token {int(t)} is not allowed by the grammar"
+            if m.try_consume_tokens([int(t)]) != 1:
+                return n, m.get_error() or f"token {int(t)} is not allowed by the grammar"
+            self._output.append(int(t))
         return len(tokens), None
 
     @property

@@ -36,7 +36,8 @@ class GrammarRound:
         self.seconds = [0.0] * len(self.states)  # mask time per row this round
         self.dead = [False] * len(self.states)  # the committed state has no continuation
         self.replaced = [False] * len(self.states)  # rows whose drafts are the forced ones (``constrain``)
-        self._memo: list[dict[tuple[int, ...], Tensor]] = [{} for _ in self.states]
+        self._memo: list[dict[tuple[int, ...], Tensor]] = [{} for _ in self.states]  # draft prefix -> mask
+        self._paths: list[list[tuple[int, ...]] | None] = [None] * len(self.states)  # a tree row's column prefixes
 
     @property
     def all_forced(self) -> bool:
@@ -45,7 +46,8 @@ class GrammarRound:
 
     def allowed(self, drafts: Tensor | None, start: int, positions: int) -> Tensor:
         """[B, P, V] bool: what each row may emit at draft positions start .. start+P-1 (drafts [B, >= start+P-1]:
-        the round's drafts so far); every token for unconstrained rows."""
+        the round's drafts so far; a tree row's columns: after the root, then after each node's path); every token
+        for unconstrained rows."""
         B, V = len(self.states), self.vocab
         out = torch.ones(B, positions, V, dtype=torch.bool)
         rows = drafts.tolist() if drafts is not None and any(self.states) else [[] for _ in range(B)]
@@ -53,13 +55,13 @@ class GrammarRound:
             if st is None:
                 continue
             t0 = time.perf_counter()
-            memo, row = self._memo[b], rows[b]
-            keys = [tuple(row[:j]) for j in range(start, start + positions)]
-            missing = [j for j, key in zip(range(start, start + positions), keys) if key not in memo]
+            memo, paths = self._memo[b], self._paths[b]
+            cols = range(start, start + positions)
+            keys = [tuple(rows[b][:j]) if paths is None else paths[j] if j < len(paths) else () for j in cols]
+            missing = list(dict.fromkeys(k for k in keys if k not in memo))
             if missing:
-                masks, dead = st.masks(row, missing)
-                for i, j in enumerate(missing):
-                    memo[tuple(row[:j])] = masks[i]
+                masks, dead = st.masks(missing)
+                memo.update(zip(missing, masks))
                 self.dead[b] = self.dead[b] or dead
             out[b] = torch.stack([memo[k] for k in keys])
             self.seconds[b] += time.perf_counter() - t0
@@ -68,8 +70,9 @@ class GrammarRound:
     def constrain(self, prop: Proposal) -> Proposal:
         """``prop`` with each constrained row's drafts replaced by its forced tokens (where the grammar forces any:
         ``replaced``, their drafter's drafts are not verified) or cut at their first refused token (deterministic
-        drafts: before it; drawn ones, whose drafter masks its distribution and so never draws one: after it).
-        Constrained rows are chains (the round takes a tree's first branch for them)."""
+        drafts: before it; drawn ones, whose drafter masks its distribution and so never draws one: after it). A
+        tree row (deterministic drafts) keeps the nodes whose path the grammar accepts, each branch walked alone."""
+        prop = self._pruned(prop)
         counts = prop.row_counts()
         host = prop.tokens.tolist()
         for b, st in enumerate(self.states):
@@ -77,15 +80,16 @@ class GrammarRound:
                 continue
             if self.forced[b]:
                 counts[b] = len(self.forced[b])
-                continue
-            valid = st.valid_prefix(host[b][: counts[b]])
-            # a drawn draft the grammar refuses stays: q = 0 rejects it surely, and cutting on a draw is not exact
-            counts[b] = valid if prop.probs is None else min(counts[b], valid + 1)
+            elif self._paths[b] is None:
+                valid = st.valid_prefix(host[b][: counts[b]])
+                # a drawn draft the grammar refuses stays: q = 0 rejects it surely, and cutting on a draw is not exact
+                counts[b] = valid if prop.probs is None else min(counts[b], valid + 1)
         width = max(counts, default=0)
         tokens, probs, parents = _resized(prop, width)
         for b, f in enumerate(self.forced):
             if f:
                 tokens[b, : len(f)] = torch.tensor(f, dtype=tokens.dtype)
+                self._paths[b] = None
                 if probs is not None:
                     probs[b, : len(f)] = 0.0
                     idx = torch.arange(len(f), device=probs.device)
@@ -95,6 +99,30 @@ class GrammarRound:
         self.replaced = [bool(f) for f in self.forced]
         dev = prop.tokens.device
         return Proposal(tokens.to(dev), probs, counts, None if parents is None else parents.to(dev))
+
+    def _pruned(self, prop: Proposal) -> Proposal:
+        """A tree proposal with each constrained row's nodes whose path the grammar refuses (and so their subtrees)
+        dropped, the rest renumbered in order; ``_paths`` set to each kept node's path (column n + 1)."""
+        if prop.parents is None or prop.probs is not None:  # drawn trees: constrained rows took their first branch
+            return prop
+        tokens, parents, counts = prop.tokens.tolist(), prop.parents.tolist(), prop.row_counts()
+        for b, st in enumerate(self.states):
+            if st is None or self.forced[b]:
+                continue
+            path: dict[int, tuple[int, ...]] = {-1: ()}
+            kept: list[int] = []
+            for n in range(counts[b]):
+                p = parents[b][n]
+                if p in path and st.valid_prefix(path[p] + (tokens[b][n],)) == len(path[p]) + 1:
+                    path[n] = path[p] + (tokens[b][n],)
+                    kept.append(n)
+            new = {old: i for i, old in enumerate(kept)}
+            tokens[b][: len(kept)] = [tokens[b][n] for n in kept]
+            parents[b][: len(kept)] = [new.get(parents[b][n], -1) for n in kept]
+            counts[b] = len(kept)
+            self._paths[b] = [()] + [path[n] for n in kept]
+        dev = prop.tokens.device
+        return Proposal(torch.tensor(tokens, device=dev), None, counts, torch.tensor(parents, device=dev))
 
 
 def _resized(prop: Proposal, width: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
