@@ -19,6 +19,7 @@ from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
 from engine.core.errors import InvalidRequestError
 from engine.spec_decode.registry import DRAFTERS, DrafterEntry
+from engine.spec_decode.structured.grammar import unpack
 from engine.spec_decode.structured.spec import StructuredOutput
 
 pytest.importorskip("llguidance")
@@ -209,3 +210,13 @@ def test_sampled_constrained_joint_equals_the_masked_target(pair8, drafter):
     assert eng.stats()["drafted"] > 0
     assert pooled_pvalue(counts, exact) > ALPHA
     assert pooled_pvalue(counts, _masked_joint(eng, prompt, 1.0, False)) < ALPHA  # power: the unmasked joint
+
+
+def test_bitmask_unpacks_token_by_token():
+    """Bit i of word w is token 32 w + i (llguidance's layout), cut to the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    bm = torch.randint(-(2**31), 2**31 - 1, (2, 3, 4), dtype=torch.int32, generator=g)
+    got = unpack(bm, 100)
+    for idx in itertools.product(range(2), range(3)):
+        want = [bool((int(bm[idx][t // 32]) >> (t % 32)) & 1) for t in range(100)]
+        assert got[idx].tolist() == want

@@ -27,7 +27,7 @@ from engine.spec_decode.structured.spec import StructuredOutput
 # JSON the way json.dumps writes it: ", " and ": ", no other whitespace (free whitespace lets a model loop on it)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept (least recently used out first)
-_BITS = torch.arange(32, dtype=torch.int32)
+_BIT_VALUES = (1 << torch.arange(8)).to(torch.uint8)  # [8] bit i of a byte
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,11 @@ class Grammar:
 
 
 def unpack(bitmask: Tensor, vocab: int) -> Tensor:
-    """llguidance's bitmask [n, W] int32 (bit i of word w: token 32w + i allowed) -> bool [n, vocab]."""
-    bits = (bitmask[:, :, None] >> _BITS) & 1  # [n, W, 32]
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    """llguidance's bitmask [..., W] int32 (bit i of word w: token 32w + i allowed) -> bool [..., vocab], on the
+    bitmask's device (little-endian bytes: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7)."""
+    bytes_ = bitmask.contiguous().view(torch.uint8)  # [..., 4W]
+    bits = bytes_.unsqueeze(-1) & _BIT_VALUES.to(bitmask.device)  # [..., 4W, 8]
+    return (bits != 0).flatten(-2)[..., :vocab]
 
 
 def _refuse(so: StructuredOutput, why: str) -> InvalidRequestError:
@@ -139,7 +141,7 @@ class GrammarState:
         self._make, self.vocab = make, vocab
         self._m = make()
         self._output: list[int] = []
-        self._words = (vocab + 31) // 32
+        self.words = (vocab + 31) // 32  # int32 words of a bitmask
 
     def _healthy(self) -> Any:
         if self._m.is_error():
@@ -156,22 +158,22 @@ class GrammarState:
         return int(self._healthy().validate_tokens(list(tokens))) if tokens else 0
 
     def masks(self, prefixes: Sequence[Sequence[int]]) -> tuple[Tensor, bool]:
-        """Allowed tokens [len(prefixes), vocab] bool after each draft prefix (all allowed after a refused one, a
-        position no verdict reads), and whether the committed state itself has no continuation."""
-        bitmask = torch.full((len(prefixes), self._words), -1, dtype=torch.int32)
+        """Allowed tokens after each draft prefix as a bitmask [len(prefixes), W] int32 (``unpack``; all allowed
+        after a refused one, a position no verdict reads), and whether the committed state has no continuation."""
+        bitmask = torch.full((len(prefixes), self.words), -1, dtype=torch.int32)
         dead = False
         for i, prefix in enumerate(prefixes):
             m = self._healthy()
             n = m.try_consume_tokens([int(t) for t in prefix]) if prefix else 0
             if n == len(prefix):
                 row = bitmask[i]
-                m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+                m.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
                 if m.is_error() or not bool(row.any()):  # a dead end: no text continues it
                     row.fill_(-1)
                     dead = dead or not prefix
             if n and not m.is_error():
                 m.rollback(n)
-        return unpack(bitmask, self.vocab), dead
+        return bitmask, dead
 
     def commit(self, tokens: Sequence[int]) -> tuple[int, str | None]:
         """Consume committed tokens up to the grammar's completion: how many belong to the output (those after it

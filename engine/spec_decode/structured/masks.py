@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from engine.spec_decode.proposal import Proposal
-from engine.spec_decode.structured.grammar import GrammarState
+from engine.spec_decode.structured.grammar import GrammarState, unpack
 
 
 class GrammarRound:
@@ -36,7 +36,7 @@ class GrammarRound:
         self.seconds = [0.0] * len(self.states)  # mask time per row this round
         self.dead = [False] * len(self.states)  # the committed state has no continuation
         self.replaced = [False] * len(self.states)  # rows whose drafts are the forced ones (``constrain``)
-        self._memo: list[dict[tuple[int, ...], Tensor]] = [{} for _ in self.states]  # draft prefix -> mask
+        self._memo: list[dict[tuple[int, ...], Tensor]] = [{} for _ in self.states]  # draft prefix -> bitmask
         self._paths: list[list[tuple[int, ...]] | None] = [None] * len(self.states)  # a tree row's column prefixes
 
     @property
@@ -48,8 +48,8 @@ class GrammarRound:
         """[B, P, V] bool: what each row may emit at draft positions start .. start+P-1 (drafts [B, >= start+P-1]:
         the round's drafts so far; a tree row's columns: after the root, then after each node's path); every token
         for unconstrained rows."""
-        B, V = len(self.states), self.vocab
-        out = torch.ones(B, positions, V, dtype=torch.bool)
+        B, W = len(self.states), (self.vocab + 31) // 32
+        bits = torch.full((B, positions, W), -1, dtype=torch.int32)  # all allowed
         rows = drafts.tolist() if drafts is not None and any(self.states) else [[] for _ in range(B)]
         for b, st in enumerate(self.states):
             if st is None:
@@ -63,9 +63,9 @@ class GrammarRound:
                 masks, dead = st.masks(missing)
                 memo.update(zip(missing, masks))
                 self.dead[b] = self.dead[b] or dead
-            out[b] = torch.stack([memo[k] for k in keys])
+            bits[b] = torch.stack([memo[k] for k in keys])
             self.seconds[b] += time.perf_counter() - t0
-        return out.to(self.device)
+        return unpack(bits.to(self.device), self.vocab)
 
     def constrain(self, prop: Proposal) -> Proposal:
         """``prop`` with each constrained row's drafts replaced by its forced tokens (where the grammar forces any:
