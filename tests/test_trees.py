@@ -79,6 +79,28 @@ def test_ngram_trees_are_token_identical_to_plain(ckpt_dir, plain, cpu_pack):
     assert eng.stats()["accepted"] > 0
 
 
+def test_medusa_trees_are_token_identical_to_plain(ckpt_dir, plain, tmp_path, monkeypatch):
+    """Greedy Medusa trees (each depth's children: that head's top tokens) keep plain decoding's tokens."""
+    from test_heads import random_head
+
+    from engine.spec_decode.drafters.medusa import MedusaDrafter
+
+    shapes: list[bool] = []
+    propose = MedusaDrafter.propose
+
+    def spy(self, batch):
+        prop = propose(self, batch)
+        shapes.append(prop.parents is not None and bool((prop.depth() < torch.arange(1, prop.width + 1)).any()))
+        return prop
+
+    monkeypatch.setattr(MedusaDrafter, "propose", spy)
+    head = random_head(ckpt_dir, tmp_path / "medusa", "medusa")
+    spec = SpeculationConfig(drafter="medusa", tree_branches=3, k=6, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, head, speculation=spec)
+    assert_greedy_grid(eng, plain, "medusa tree")
+    assert eng.stats()["accepted"] > 0 and any(shapes)  # some rounds drafted branching trees
+
+
 class FixedTree:
     """A test drafter: TREE's shape under the last token. ``iid``: every child drawn i.i.d. from a fixed
     distribution p (the batch's Exp(1) noise), else the fixed distinct tokens (p one-hot)."""

@@ -133,7 +133,8 @@ DRAFTERS = DrafterRegistry(
         ),
         DrafterEntry(
             "medusa",
-            "Medusa heads on the target's feature: one draft per head, all at once",
+            "Medusa heads on the target's feature: one draft per head, all at once (greedy, tree_branches > 1: "
+            "a tree of each head's top tokens)",
             MedusaDrafter.build,
             loads=Loads.HEAD,
             trainable=True,

@@ -1,4 +1,6 @@
-"""Medusa heads: head i proposes draft i + 1 from the same feature, one chain, all drafts at once."""
+"""Medusa heads: head i proposes draft i + 1 from the same feature, all drafts at once: a chain, or (greedy rows,
+``tree_branches`` > 1) a tree of each head's top tokens, the most probable paths kept (Medusa's candidate tree,
+chosen per round by path probability through head_tree.py's dynamic tree)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import Tensor, nn
 
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
+from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -23,6 +26,7 @@ class MedusaDrafter(HeadDrafter):
     def build(cls, ctx: DrafterContext) -> MedusaDrafter:
         head, plain, scorer = cls.scorer_for(ctx)
         d = cls(head, ctx.target_module, scorer)
+        d.branches = ctx.options.get("tree_branches", 1)
         graphed = ctx.kernels.graph_step(d.step, "medusa head step", 1)
         if graphed is not None:  # (graphs capture the PyTorch step)
             d.runner = graphed
@@ -36,11 +40,14 @@ class MedusaDrafter(HeadDrafter):
         super().__init__(head, target, scorer)
         self.runner: Callable[[Tensor, int], Tensor] = self.step
         self.greedy: Callable[[Tensor, int], Tensor] | None = None  # all k greedy drafts in one call
+        self.branches = 1  # > 1: greedy batches draft trees of the heads' top tokens
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
         f, have = self._features(batch.seqs, batch.device)
         k = min(batch.k, self.cfg.num_heads)
+        if batch.processing.mode == "greedy" and self.branches > 1 and self.cfg.num_heads > 1:
+            return self._tree(f, have, batch.k)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, k), [], have, k, batch.k)
         logits = self.runner(f, k)  # [B, k, V']
@@ -52,6 +59,22 @@ class MedusaDrafter(HeadDrafter):
             if p is not None:
                 probs.append(p)
         return self._result(torch.stack(drafts, 1), probs, have, k, batch.k)
+
+    def _tree(self, f: Tensor, have: list[bool], budget: int) -> Proposal:
+        """Greedy rows' trees of up to ``budget`` nodes: depth d's children are head d's top tokens, whatever the
+        path (Medusa heads read only the root's feature). The dynamic tree's step here looks up the heads' scores
+        by (row, depth), which its features carry."""
+        w, heads = self.branches, self.cfg.num_heads
+        budget = max(1, min(budget, w * (heads - 1)))  # its depths stay within the heads
+        logits = self.runner(f, heads)  # [B, heads, V']
+        B = f.shape[0]
+        where = torch.stack([torch.arange(B, device=f.device), torch.zeros(B, dtype=torch.long, device=f.device)], 1)
+
+        def step(at: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:  # at [M, 2]: (row, depth)
+            return at + torch.tensor([0, 1], device=at.device), logits[at[:, 0], at[:, 1]]
+
+        toks, parents, _ = dynamic_tree(step, where, where[:, 0], budget, w, self.vocab_ids)
+        return tree_proposal(toks, parents, have)
 
     def step(self, f: Tensor, n: int) -> Tensor:
         """Features [B, H] -> the first n heads' logits over the draft vocabulary [B, n, V']."""
