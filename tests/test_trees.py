@@ -79,6 +79,18 @@ def test_ngram_trees_are_token_identical_to_plain(ckpt_dir, plain, cpu_pack):
     assert eng.stats()["accepted"] > 0
 
 
+@pytest.mark.parametrize("cpu_pack", [True, False])
+def test_draft_model_trees_are_token_identical_to_plain(ckpt_dir, draft_dir, plain, cpu_pack):
+    """The draft model's dynamic trees (its own cache written at the expanded nodes' slots under a tree mask)."""
+    from engine.api.options import KernelOptions
+
+    spec = SpeculationConfig(drafter="model", tree_branches=2, k=6, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=spec, kernels=KernelOptions(cpu_pack=cpu_pack))
+    assert_greedy_grid(eng, plain, "model tree", cpu_pack)
+    st = eng.stats()
+    assert st["accepted"] > 0 and st["mean_accepted_length"] > 2
+
+
 def test_medusa_trees_are_token_identical_to_plain(ckpt_dir, plain, tmp_path, monkeypatch):
     """Greedy Medusa trees (each depth's children: that head's top tokens) keep plain decoding's tokens."""
     from test_heads import random_head

@@ -154,7 +154,15 @@ def _lookup_engines(
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
-    for mode in ("specmix-ngram", "specmix-suffix", "specmix-eagle", "specmix-eagle+lookup"):  # trees beside chains
+    tree_modes = (
+        "specmix-model",
+        "specmix-ngram",
+        "specmix-suffix",
+        "specmix-medusa",
+        "specmix-eagle",
+        "specmix-eagle+lookup",
+    )
+    for mode in tree_modes:  # trees beside chains
         base = mode.removesuffix("+lookup")
         if a.tree_branches is None or mode not in engines:
             continue

@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None, doc: str | None = None) -> argparse.Names
         type=int,
         default=None,
         metavar="N",
-        help="adds a mode <mode>+tree for the drafters that propose trees (ngram, suffix, eagle, eagle+lookup)",
+        help="adds a mode <mode>+tree for the drafters that propose trees "
+        "(model, ngram, suffix, medusa, eagle, eagle+lookup)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")

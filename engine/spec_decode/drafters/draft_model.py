@@ -12,6 +12,7 @@ from torch import Tensor
 from engine.core.forward import CachedForward, ForwardCall, KVCache
 from engine.spec_decode.costs import cached_forward
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, SeqStates
+from engine.spec_decode.drafters.draft_tree import model_tree
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.sampling import sample_from_probs
 
@@ -42,6 +43,7 @@ class _Fed:
     """Committed tokens whose keys and values are in the drafter's cache (the rest are fed next round)."""
 
     dlen: int = 0
+    tree: bool = False  # the last proposal was a tree (its slots are not kept)
 
 
 class ModelDrafter:
@@ -56,11 +58,14 @@ class ModelDrafter:
         self.model, self.module, self.n_layers = model, module, n_layers
         self.cache: KVCache | None = None
         self._fed = SeqStates(_Fed)
+        self.branches = 1  # > 1: greedy batches draft EAGLE-2 trees (draft_tree.py; not the early-exit drafter)
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> ModelDrafter:
         assert ctx.draft_model is not None and ctx.draft_module is not None, "the entry loads a draft model"
-        return cls(ctx.draft_model, ctx.draft_module)
+        d = cls(ctx.draft_model, ctx.draft_module)
+        d.branches = ctx.options.get("tree_branches", 1)
+        return d
 
     def cached_length(self, seq: Seq) -> int:
         """Committed tokens of ``seq`` whose keys and values are in the draft cache."""
@@ -91,6 +96,13 @@ class ModelDrafter:
         greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
         aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
         call = ForwardCall(toks, pos, cache, kv_len, batch.rows, last, self.n_layers, starts[0] if aligned else None)
+        tree = greedy and self.branches > 1 and self.n_layers is None
+        for s in seqs:
+            self._fed(s).tree = tree
+        if tree:
+            root = self.model.run(call).logits[:, :V]
+            drafts, parents = model_tree(self.model, cache, batch.rows, root, n_tok, batch.k, self.branches)
+            return Proposal(drafts, None, None, parents)
         if greedy:  # the C++ step drafts all k in one call where it runs this model
             head = ForwardCall(toks, pos, cache, kv_len, batch.rows, None, self.n_layers)
             drafts = self.model.greedy_draft(head, last, batch.k, V)
@@ -138,8 +150,8 @@ class ModelDrafter:
     def commit(self, seq: Seq, outcome: Committed) -> None:
         if not outcome.drafted:  # it did not run for this row: its cache catches up when it next drafts
             return
-        # fed: the committed tokens, then d1..d_{k-1}; the accepted ones stay valid
-        self._fed(seq).dlen = outcome.n_before + min(outcome.accepted, outcome.k - 1)
+        fed = self._fed(seq)  # a chain fed the committed tokens, then d1..d_{k-1}: the accepted ones stay valid
+        fed.dlen = outcome.n_before + (0 if fed.tree else min(outcome.accepted, outcome.k - 1))
 
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         """Copy the draft cache's prompt positions but the last (fed again: its logits draft d1)."""

@@ -48,14 +48,14 @@ def dynamic_tree(
         H = f.shape[1]
         feats.append(f_next.view(B, -1, 1, H).expand(B, pick.shape[1], w, H).reshape(B, -1, H))
         n_prev += layer_scores.shape[1]
-    return _keep(torch.cat(toks, 1), torch.cat(parents, 1), torch.cat(scores, 1), budget, vocab_ids)
+    return keep_best(torch.cat(toks, 1), torch.cat(parents, 1), torch.cat(scores, 1), budget, vocab_ids)
 
 
 def _ids(t: Tensor, vocab_ids: Tensor | None) -> Tensor:
     return t if vocab_ids is None else vocab_ids[t]
 
 
-def _keep(
+def keep_best(
     toks: Tensor, parents: Tensor, scores: Tensor, budget: int, vocab_ids: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The ``budget`` most probable generated nodes per row, re-indexed in generation order (parents first)."""
