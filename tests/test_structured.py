@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_heads import random_head
 from test_sampling_controls import pooled_pvalue
+from test_suffix import HAVE_ARCTIC
 from test_trees import FixedTree
 
 from engine import Engine, SamplingParams
@@ -127,12 +128,17 @@ CASES = {
     "eagle": dict(drafter="eagle"),
     "eagle-tree": dict(drafter="eagle", tree_branches=3),
     "model+lookup": dict(drafter="model", prompt_lookup_min=1),
+    "model-tree": dict(drafter="model", tree_branches=2),
+    "medusa-tree": dict(drafter="medusa", tree_branches=3),
+    "suffix-tree": dict(drafter="suffix", tree_branches=3),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_constrained_speculation_is_token_identical(ckpt_dir, draft_dir, constrained_plain, name, tmp_path):
     kw = CASES[name]
+    if kw["drafter"] == "suffix" and not HAVE_ARCTIC:
+        pytest.skip("needs the suffix extra: pip install 'specmix[suffix]'")
     draft = {"model": draft_dir, "medusa": None, "eagle": None}.get(kw["drafter"])
     if kw["drafter"] in ("medusa", "eagle"):
         draft = random_head(ckpt_dir, tmp_path / "head", kw["drafter"])

@@ -98,7 +98,9 @@ class GrammarRound:
                     parents[b] = torch.arange(-1, width - 1)
         self.replaced = [bool(f) for f in self.forced]
         dev = prop.tokens.device
-        return Proposal(tokens.to(dev), probs, counts, None if parents is None else parents.to(dev))
+        if parents is None or width == 0:
+            return Proposal(tokens.to(dev), probs, counts)
+        return Proposal(tokens.to(dev), probs, counts, parents.to(dev)).simplified()
 
     def _pruned(self, prop: Proposal) -> Proposal:
         """A tree proposal with each constrained row's nodes whose path the grammar refuses (and so their subtrees)
