@@ -170,6 +170,7 @@ CASES = {
     "authors": ("authors", {}, {}),
     "authors-bin": ("authors-bin", {}, {}),
     "specforge-embed": ("authors", {"embed": True}, {}),
+    "authors-aux-layers": ("authors", {}, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 2]}}),
     "speculators": ("speculators", {"fc_bias": True}, {"aux": [0, 1, 3]}),
     "speculators-norm-before": ("speculators", {}, {"norm_before_residual": True}),
 }
@@ -184,7 +185,8 @@ def test_published_layout_scores_like_the_reference(target, tmp_path, case):
     path = write_layout(tmp_path / case, layout, sd, H, V, n, **dict(cfg_kw))
     head, cfg, vocab_ids = load_head(path, model, vocab, "eagle3")
     assert isinstance(head, Eagle3Head) and cfg.kind == "eagle3" and cfg.draft_vocab == n
-    assert cfg.feature_layers == tuple(cfg_kw.get("aux", (2, 2, 1)))  # 2, L // 2, L - 3 of the 4-layer target
+    aux = cfg_kw.get("aux") or cfg_kw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    assert cfg.feature_layers == tuple(aux or (2, 2, 1))  # default: 2, L // 2, L - 3 of the 4-layer target
     assert (head.embed_tokens is not None) == sd_kw.get("embed", False)
     g = torch.Generator().manual_seed(1)
     feats, emb = torch.randn(9, 3 * H, generator=g), torch.randn(9, H, generator=g)

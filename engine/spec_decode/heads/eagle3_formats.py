@@ -139,7 +139,9 @@ def _published_config(raw: dict[str, Any], target: Transformer, where: str) -> H
         aux = raw.get("eagle_aux_hidden_state_layer_ids")
         norm_before = raw.get("norm_before_residual", False)
     elif any(a in AUTHORS_ARCHITECTURES for a in archs if isinstance(a, str)):
-        layer, aux, norm_before = raw, (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), False
+        ec = raw.get("eagle_config")
+        aux = ec.get("eagle_aux_hidden_state_layer_ids") if isinstance(ec, dict) else None
+        layer, norm_before = raw, False
     else:
         raise CheckpointError(
             f"{where}: architectures={archs!r} without speculators_model_type: allowed an EAGLE-3 head "
