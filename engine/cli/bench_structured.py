@@ -35,7 +35,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(prog="bench_structured", description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, required=True, help="a checkpoint directory with a chat template")
     p.add_argument("--drafters", default="ngram", help="comma-separated drafters (registry names, no draft files)")
-    p.add_argument("--k", type=int, default=4, help="drafts per round (constant K)")
+    p.add_argument("--k", type=int, default=4, help="drafts per round (the start K of an adaptive policy)")
+    p.add_argument("--k-policy", default="constant", help="constant (default), measured, cost-model or heuristic")
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode (after one warm-up)")
     p.add_argument("--max-tokens", type=int, default=220)
@@ -94,7 +95,7 @@ def bench(a: argparse.Namespace) -> list[dict[str, Any]]:
     so, asks, batches = _inputs(a)
     modes: dict[str, Engine] = {"plain": Engine.from_pretrained(a.target, limits=Limits(max_batch=max(batches)))}
     for d in [x for x in a.drafters.split(",") if x]:
-        spec = SpeculationConfig(drafter=d, k=a.k, k_policy="constant")
+        spec = SpeculationConfig(drafter=d, k=a.k, k_policy=a.k_policy)
         modes[d] = Engine.from_pretrained(a.target, speculation=spec, limits=Limits(max_batch=max(batches)))
     prompts = [modes["plain"].chat_prompt([{"role": "user", "content": q}]) for q in asks]
     sp = SamplingParams(max_new_tokens=a.max_tokens, structured=so)
