@@ -166,8 +166,8 @@ def test_forced_tokens_are_drafted_without_a_drafter_and_accepted(ckpt_dir):
 
 
 # ---------------------------------------------------------------- sampled: the masked target's exact joint
-def _allowed(prefix: tuple[int, ...]) -> list[int]:
-    """The oracle of the regex below over the 8-token vocabulary (1..7 are the bytes ! " # $ % & ')."""
+def _branching(prefix: tuple[int, ...]) -> list[int]:
+    """The oracle of REGEXES["branching"] over the 8-token vocabulary (1..7 are the bytes ! " # $ % & ')."""
     if not prefix:
         return [1, 2, 3]
     if len(prefix) == 1:
@@ -175,19 +175,24 @@ def _allowed(prefix: tuple[int, ...]) -> list[int]:
     return list(range(1, 8))
 
 
-PAIR8_REGEX = "(![&']|[\"#][#$%])[!-']+"
+def _forced(prefix: tuple[int, ...]) -> list[int]:
+    """The oracle of REGEXES["forced"]: the second token is forced (a free draft), the third drawn."""
+    return [[1, 2], [3], [4, 5, 6]][len(prefix)]
 
 
-def _masked_joint(eng: Engine, prompt: list[int], temperature: float, masked: bool) -> np.ndarray:
+REGEXES = {"branching": ("(![&']|[\"#][#$%])[!-']+", _branching), "forced": ('[!"]#[$%&]+', _forced)}
+
+
+def _masked_joint(eng: Engine, prompt: list[int], temperature: float, allowed=None) -> np.ndarray:
     V, q = eng.vocab, {}
     with torch.no_grad():
         for n in range(3):
             prefixes = list(itertools.product(range(V), repeat=n))
             logits = eng.logits([prompt + list(p) for p in prefixes])[:, -1].double()
             for p, row in zip(prefixes, logits):
-                if masked:
+                if allowed is not None:
                     keep = torch.full_like(row, float("-inf"))
-                    keep[_allowed(p)] = 0.0
+                    keep[allowed(p)] = 0.0
                     row = row + keep
                 q[p] = (row / temperature).softmax(-1).numpy()
     joint = np.zeros((V, V, V))
@@ -196,26 +201,31 @@ def _masked_joint(eng: Engine, prompt: list[int], temperature: float, masked: bo
     return joint.ravel()
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "fixed-tree"])
-def test_sampled_constrained_joint_equals_the_masked_target(pair8, drafter):
-    """fixed-tree: 7-node trees of distinct tokens, pruned per branch by the grammar."""
+@pytest.mark.parametrize(
+    "drafter,regex", [("model", "branching"), ("ngram", "branching"), ("fixed-tree", "branching"), ("model", "forced")]
+)
+def test_sampled_constrained_joint_equals_the_masked_target(pair8, drafter, regex):
+    """fixed-tree: 7-node trees of distinct tokens, pruned per branch by the grammar; forced: a forced token in
+    the middle drafted by the grammar, then a drawn one."""
+    pattern, allowed = REGEXES[regex]
     reg = DRAFTERS.extended(DrafterEntry("fixed-tree", "a test tree", lambda ctx: FixedTree(8, False)))
     k = 7 if drafter == "fixed-tree" else 4
     spec = SpeculationConfig(drafter=drafter, k=k, k_policy="constant", registry=reg)
     models = pair8 if drafter == "model" else pair8[:1]
     eng = Engine.from_pretrained(*models, speculation=spec, limits=Limits(max_batch=1000))
     prompt, V = [1, 2, 3], eng.vocab
-    sp = SamplingParams(max_new_tokens=3, temperature=1.0, structured=StructuredOutput.regex(PAIR8_REGEX))
-    exact = _masked_joint(eng, prompt, 1.0, True)
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, structured=StructuredOutput.regex(pattern))
+    exact = _masked_joint(eng, prompt, 1.0, allowed)
     counts = np.zeros(V**3)
     for _ in range(6):
         for o in eng.generate([prompt] * 2000, sp):
             t = o.token_ids
             counts[(t[0] * V + t[1]) * V + t[2]] += 1
     assert counts[exact == 0].sum() == 0, "a sequence the grammar forbids was produced"
-    assert eng.stats()["drafted"] > 0
+    st = eng.stats()
+    assert st["drafted"] > 0 and (regex != "forced" or st["structured"]["forced_accepted"] > 0)
     assert pooled_pvalue(counts, exact) > ALPHA
-    assert pooled_pvalue(counts, _masked_joint(eng, prompt, 1.0, False)) < ALPHA  # power: the unmasked joint
+    assert pooled_pvalue(counts, _masked_joint(eng, prompt, 1.0)) < ALPHA  # power: the unmasked joint
 
 
 def test_bitmask_unpacks_token_by_token():
