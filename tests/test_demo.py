@@ -99,7 +99,8 @@ def test_pair_layout_and_report(tiny_pair: tuple[Path, Path]) -> None:
     assert rep["draft"]["params"] * 10 <= rep["target"]["params"]
     # the draft is the train-draft tool's, trained with the recipe's options on the target's generations
     tool = json.loads((draft / "train_report.json").read_text(encoding="utf-8"))
-    assert tool["kind"] == "model" and tool["options"] == asdict(recipe.get_recipe("tiny").draft)
+    options = json.loads(json.dumps(asdict(recipe.get_recipe("tiny").draft)))  # as the report's JSON holds them
+    assert tool["kind"] == "model" and tool["options"] == options
     assert rep["draft"]["steps"] == tool["steps"] and rep["draft"]["generated_tokens"] == tool["generated_tokens"] > 0
     assert rep["target"]["heldout_ppl"] < rep["draft"]["heldout_ppl"]
     # its greedy rounds at K = 5 simulated on held-out continuations (the tool's; tests/test_distill_eval.py
