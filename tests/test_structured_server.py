@@ -5,6 +5,7 @@ fields (structured_outputs, guided_*) and every refusal (a 400 naming the field)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -18,34 +19,9 @@ from test_openai_server import Live, _chat_checkpoint  # noqa: E402
 from engine import Engine  # noqa: E402
 from engine.api.options import Limits, SpeculationConfig  # noqa: E402
 
-PRODUCT = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "category": {"enum": ["book", "tool", "food", "toy", "clothing"]},
-        "price_cents": {"type": "integer", "minimum": 0, "maximum": 1000000},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 3},
-        "maker": {
-            "type": "object",
-            "properties": {
-                "company": {"type": "string", "maxLength": 30},
-                "country": {"type": "string", "maxLength": 20},
-            },
-            "required": ["company", "country"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "category", "price_cents", "tags", "maker"],
-    "additionalProperties": False,
-}
-ASKS = [
-    "Describe a hammer for sale as JSON.",
-    "Give me a product entry for a chocolate bar.",
-    "A children's book about dragons: describe it as a product.",
-    "Make up a product listing for a red wool sweater.",
-    "Describe a wooden toy train for an online shop.",
-    "Product data for a cookbook of Italian recipes, please.",
-]
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "structured"
+PRODUCT = json.loads((EXAMPLES / "product.schema.json").read_text(encoding="utf-8"))  # the bench's schema
+ASKS = (EXAMPLES / "product_asks.txt").read_text(encoding="utf-8").splitlines()[:6]  # and its first asks
 FORMAT = {"type": "json_schema", "json_schema": {"name": "product", "schema": PRODUCT, "strict": True}}
 
 

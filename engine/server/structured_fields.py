@@ -27,10 +27,6 @@ class FieldError(InvalidRequestError):
         self.field = field
 
 
-def bad(field: str, message: str) -> FieldError:
-    return FieldError(field, message)
-
-
 def show(v: object) -> str:
     return f"{v!r:.80}"
 
@@ -41,7 +37,7 @@ def structured(body: dict[str, Any], chat: bool) -> tuple[StructuredOutput | Non
     if names == ["response_format"] and _is_text(body["response_format"]):
         return None, None
     if len(names) > 1:
-        raise bad(names[1], f"{' and '.join(names)} are both set: allowed at most one structured-output field")
+        raise FieldError(names[1], f"{' and '.join(names)} are both set: allowed at most one structured-output field")
     if not names:
         return None, None
     name = names[0]
@@ -54,7 +50,7 @@ def structured(body: dict[str, Any], chat: bool) -> tuple[StructuredOutput | Non
     except FieldError:
         raise
     except InvalidRequestError as e:  # StructuredOutput's refusal, with this field's name
-        raise bad(name, f"{name}: {e}") from None
+        raise FieldError(name, f"{name}: {e}") from None
 
 
 def _is_text(v: object) -> bool:
@@ -64,31 +60,31 @@ def _is_text(v: object) -> bool:
 def _response_format(v: object) -> StructuredOutput:
     allowed = '{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}'
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad("response_format", f"response_format={show(v)} is invalid: allowed {allowed}")
+        raise FieldError("response_format", f"response_format={show(v)} is invalid: allowed {allowed}")
     if v["type"] == "json_object":
         if set(v) != {"type"}:
-            raise bad("response_format", f"response_format={show(v)} is invalid: allowed {allowed}")
+            raise FieldError("response_format", f"response_format={show(v)} is invalid: allowed {allowed}")
         return StructuredOutput.json_object()
     js = v.get("json_schema")
     keys = {"name", "schema", "strict", "description"}
     if set(v) != {"type", "json_schema"} or not isinstance(js, dict) or set(js) - keys or "schema" not in js:
-        raise bad("response_format", f"response_format={show(v)} is invalid: allowed {allowed}")
+        raise FieldError("response_format", f"response_format={show(v)} is invalid: allowed {allowed}")
     if not isinstance(js.get("name", ""), str) or not isinstance(js.get("strict", True), (bool, type(None))):
-        raise bad("response_format", f"response_format={show(v)} is invalid: allowed {allowed} (name a string)")
+        raise FieldError("response_format", f"response_format={show(v)} is invalid: allowed {allowed} (name a string)")
     return StructuredOutput.json(js["schema"])
 
 
 def _structured_outputs(v: object) -> StructuredOutput:
     allowed = f"an object with exactly one of {', '.join(SO_KEYS)}"
     if not isinstance(v, dict) or set(v) - set(SO_KEYS) - set(SO_IGNORED):
-        raise bad("structured_outputs", f"structured_outputs={show(v)} is invalid: allowed {allowed}")
+        raise FieldError("structured_outputs", f"structured_outputs={show(v)} is invalid: allowed {allowed}")
     given = [k for k in SO_KEYS if v.get(k) not in (None, False)]
     if len(given) != 1:
-        raise bad("structured_outputs", f"structured_outputs={show(v)} is invalid: allowed {allowed}")
+        raise FieldError("structured_outputs", f"structured_outputs={show(v)} is invalid: allowed {allowed}")
     key = given[0]
     if key == "json_object":
         if v[key] is not True:
-            raise bad("structured_outputs", f"structured_outputs.json_object={show(v[key])}: allowed true")
+            raise FieldError("structured_outputs", f"structured_outputs.json_object={show(v[key])}: allowed true")
         return StructuredOutput.json_object()
     return _guided(key, v[key], f"structured_outputs.{key}")
 
@@ -97,12 +93,12 @@ def _guided(kind: str, v: object, name: str) -> StructuredOutput:
     """``kind`` (json, regex, choice, grammar) from field ``name``'s value."""
     if kind == "json":
         if not isinstance(v, (dict, str, bool)):
-            raise bad(name, f"{name}={show(v)} is invalid: allowed a JSON schema (an object or its text)")
+            raise FieldError(name, f"{name}={show(v)} is invalid: allowed a JSON schema (an object or its text)")
         return StructuredOutput.json(v)
     if kind == "choice":
         if not isinstance(v, list):
-            raise bad(name, f"{name}={show(v)} is invalid: allowed a list of non-empty strings")
+            raise FieldError(name, f"{name}={show(v)} is invalid: allowed a list of non-empty strings")
         return StructuredOutput.choice(v)
     if not isinstance(v, str) or not v:
-        raise bad(name, f"{name}={show(v)} is invalid: allowed a non-empty string")
+        raise FieldError(name, f"{name}={show(v)} is invalid: allowed a non-empty string")
     return StructuredOutput.regex(v) if kind == "regex" else StructuredOutput.grammar(v)

@@ -312,7 +312,7 @@ class DecodeLoop:
             self.cache.move(s.row, [n_before + n for n in path], list(range(n_before, n_before + len(path))))
         if self.drafter is not None:
             g = plan.grammar  # the drafter proposed this row's drafts this round (not a grammar)
-            ran = max(plan.ks) > 0 and (g is None or not (g.all_forced or g.replaced[b]))
+            ran = max(plan.ks) > 0 and (g is None or not (g.all_forced or g.forced[b]))
             feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
             self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats))
         if id(s) in plan.waiting:
@@ -334,7 +334,7 @@ class DecodeLoop:
         up to there are returned)."""
         assert s.grammar is not None
         s.stats.mask_seconds += g.seconds[b]
-        if g.replaced[b]:
+        if g.forced[b]:
             s.stats.forced += len(g.forced[b])
             s.stats.forced_accepted += min(a, len(g.forced[b]))
         n, err = (0, "its grammar allows no continuation") if g.dead[b] else s.grammar.commit(new)

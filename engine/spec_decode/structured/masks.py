@@ -35,7 +35,6 @@ class GrammarRound:
         self.forced = [[] if st is None else st.forced(k) for st, k in zip(self.states, ks)]
         self.seconds = [0.0] * len(self.states)  # mask time per row this round
         self.dead = [False] * len(self.states)  # the committed state has no continuation
-        self.replaced = [False] * len(self.states)  # rows whose drafts are the forced ones (``constrain``)
         self._memo: list[dict[tuple[int, ...], Tensor]] = [{} for _ in self.states]  # draft prefix -> bitmask
         self._paths: list[list[tuple[int, ...]] | None] = [None] * len(self.states)  # a tree row's column prefixes
 
@@ -68,13 +67,13 @@ class GrammarRound:
         return unpack(bits.to(self.device), self.vocab)
 
     def constrain(self, prop: Proposal) -> Proposal:
-        """``prop`` with each constrained row's drafts replaced by its forced tokens (where the grammar forces any:
-        ``replaced``, their drafter's drafts are not verified) or cut at their first refused token (deterministic
-        drafts: before it; drawn ones, whose drafter masks its distribution and so never draws one: after it). A
-        tree row (deterministic drafts) keeps the nodes whose path the grammar accepts, each branch walked alone."""
-        prop = self._pruned(prop)
+        """``prop`` with each constrained row's drafts replaced by its forced tokens where the grammar forces any
+        (``forced[b]``: the drafter's drafts for that row are not verified), else cut at their first refused token
+        (deterministic drafts: before it; drawn ones, whose drafter masks its distribution and so never draws one:
+        after it). A tree row (deterministic drafts) keeps the nodes whose path the grammar accepts, each branch
+        walked alone."""
+        prop, host = self._pruned(prop)
         counts = prop.row_counts()
-        host = prop.tokens.tolist()
         for b, st in enumerate(self.states):
             if st is None:
                 continue
@@ -96,18 +95,19 @@ class GrammarRound:
                     probs[b, idx, tokens[b, : len(f)].to(probs.device)] = 1.0
                 if parents is not None:
                     parents[b] = torch.arange(-1, width - 1)
-        self.replaced = [bool(f) for f in self.forced]
         dev = prop.tokens.device
         if parents is None or width == 0:
             return Proposal(tokens.to(dev), probs, counts)
         return Proposal(tokens.to(dev), probs, counts, parents.to(dev)).simplified()
 
-    def _pruned(self, prop: Proposal) -> Proposal:
+    def _pruned(self, prop: Proposal) -> tuple[Proposal, list[list[int]]]:
         """A tree proposal with each constrained row's nodes whose path the grammar refuses (and so their subtrees)
-        dropped, the rest renumbered in order; ``_paths`` set to each kept node's path (column n + 1)."""
+        dropped, the rest renumbered in order; ``_paths`` set to each kept node's path (column n + 1). Also its
+        tokens on the host."""
+        tokens = prop.tokens.tolist()
         if prop.parents is None or prop.probs is not None:  # drawn trees: constrained rows took their first branch
-            return prop
-        tokens, parents, counts = prop.tokens.tolist(), prop.parents.tolist(), prop.row_counts()
+            return prop, tokens
+        parents, counts = prop.parents.tolist(), prop.row_counts()
         for b, st in enumerate(self.states):
             if st is None or self.forced[b]:
                 continue
@@ -124,7 +124,7 @@ class GrammarRound:
             counts[b] = len(kept)
             self._paths[b] = [()] + [path[n] for n in kept]
         dev = prop.tokens.device
-        return Proposal(torch.tensor(tokens, device=dev), None, counts, torch.tensor(parents, device=dev))
+        return Proposal(torch.tensor(tokens, device=dev), None, counts, torch.tensor(parents, device=dev)), tokens
 
 
 def _resized(prop: Proposal, width: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
