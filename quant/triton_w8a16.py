@@ -1,14 +1,24 @@
 """The CUDA W8A16 GEMM in Triton: int8 weights read as int8 and dequantized in registers.
 
 y[M, N] = x[M, K] @ (q[N, K] * s)^T for fp16 / bf16 ``x``; ``s`` is one float32 scale per output
-channel ([N], applied to the fp32 accumulator) or per group of ``group`` input channels ([N, K / group],
-applied to the weight tile before the dot, as the dequantized reference rounds it). A step reads the
-int8 weight once per block of M rows, half the bytes of an fp16 weight, which is what a memory-bound
-decode or verify step pays for. Imported only where CUDA and Triton are present
+channel ([N], applied to the fp32 accumulator) or per group of ``group`` input channels ([N, ceil(K /
+group)], applied to the weight tile in fp32 before the product; the dot form rounds the scaled tile to
+``x``'s dtype, as the dequantized reference does).
+A step reads the int8 weight once per block of M rows, half the bytes of an fp16 weight, which is what a
+memory-bound decode or verify step pays for.
+
+Two forms:
+- ``gemv`` (one row): no matrix unit; each program reduces BLOCK_N weight rows against the row in fp32.
+- ``dot`` (more rows): tiles of BLOCK_M x BLOCK_N through ``tl.dot``.
+Narrow weight tiles (2 to 32 rows) give a decode step enough programs in flight to keep the memory
+system busy. :func:`config_for` picks the form and tile per row count; :class:`Config` lets a tuning run
+(engine/cli/gpu_w8a16_tune.py) try others. Imported only where CUDA and Triton are present
 (quant/matmul_kernels.py chooses it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,10 +26,71 @@ import triton.language as tl
 from torch import Tensor
 
 
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration of the W8A16 GEMM."""
+
+    form: str
+    """``gemv`` (one row, no matrix unit) or ``dot`` (tl.dot over BLOCK_M-row tiles)."""
+    block_n: int
+    """Output channels (weight rows) per program."""
+    block_k: int
+    """Input channels per loop step (a power of two). Group sizes that neither divide it nor are a multiple of it
+    read each weight's scale by a gather."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 3
+    """Software-pipelining depth of the K loop."""
+
+
 @triton.jit
-def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
+def _scaled_tile(w, s_ptr, offs_n, k0, n, n_groups, stride_sn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """The int8 tile [BLOCK_N, BLOCK_K] (input channels k0...) times its group scales, in fp32."""
+    if GROUP % BLOCK_K == 0:  # the step lies in one group (k0 < K): one scale per row
+        s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=offs_n < n, other=0.0)
+        return w.to(tl.float32) * s[:, None]
+    elif BLOCK_K % GROUP == 0:  # whole groups: one scale per row and group
+        PER: tl.constexpr = BLOCK_K // GROUP
+        gi = k0 // GROUP + tl.arange(0, PER)
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :],
+                    mask=(offs_n[:, None] < n) & (gi[None, :] < n_groups), other=0.0)  # fmt: skip
+        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, PER, GROUP)) * s[:, :, None]
+        return tl.reshape(wf, (BLOCK_N, BLOCK_K))
+    else:  # a group size that does not tile the step: each weight's scale gathered
+        gi = (k0 + tl.arange(0, BLOCK_K)) // GROUP
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :],
+                    mask=(offs_n[:, None] < n) & (gi[None, :] < n_groups), other=0.0)  # fmt: skip
+        return w.to(tl.float32) * s
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_groups, stride_wn, stride_sn,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n[:, None] < N) & (kk[None, :] < K),
+                    other=0)  # fmt: skip
+        if GROUP > 0:
+            wf = _scaled_tile(w, s_ptr, offs_n, k0, N, n_groups, stride_sn, GROUP, BLOCK_N, BLOCK_K)
+        else:
+            wf = w.to(tl.float32)
+        acc += wf * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if GROUP == 0:
+        y = y * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, n_groups, stride_xm, stride_wn, stride_sn, stride_ym,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -33,8 +104,7 @@ def _w8a16_kernel(
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok & k_ok, other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_ok & k_ok, other=0)
         if GROUP > 0:
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + kk[None, :] // GROUP, mask=n_ok & k_ok, other=0.0)
-            wt = (w.to(tl.float32) * s).to(x.dtype)
+            wt = _scaled_tile(w, s_ptr, offs_n, k0, N, n_groups, stride_sn, GROUP, BLOCK_N, BLOCK_K).to(x.dtype)
         else:
             wt = w.to(x.dtype)  # int8 values are exact in fp16 and bf16
         acc += tl.dot(x, tl.trans(wt))
@@ -44,27 +114,52 @@ def _w8a16_kernel(
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=m_ok & (offs_n[None, :] < N))
 
 
-def _blocks(m: int, n: int, sms: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): M padded to the dot's 16 rows; narrower N blocks when the grid would leave SMs idle."""
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn = 64 if triton.cdiv(m, bm) * triton.cdiv(n, 64) >= sms else 32
-    return bm, bn
+def block_m(m: int) -> int:
+    """The dot form's rows per tile: M padded to the matrix unit's 16 rows, at most 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def w8a16_matmul(x: Tensor, q: Tensor, scale: Tensor, group: int | None) -> Tensor:
+def config_for(m: int, group: int | None) -> Config:
+    """The launch configuration for ``m`` rows: the fastest of engine/cli/gpu_w8a16_tune.py's sweep on an H200
+    over the Llama-2-7B Linear shapes (profiles/gpu-results.md)."""
+    if m == 1:
+        return Config("gemv", 4, 1024, num_warps=2) if group and group < 128 else Config("gemv", 2, 1024, num_warps=1)
+    if m <= 16:
+        return Config("dot", 32, 128, num_warps=4, num_stages=4) if group and m <= 8 else Config("dot", 32, 256)
+    if m <= 32:
+        return Config("dot", 16, 256) if group is None else Config("dot", 16, 512)
+    return Config("dot", 32, 256)
+
+
+def _check(cfg: Config, m: int) -> None:
+    if cfg.form not in ("gemv", "dot"):
+        raise ValueError(f"form must be 'gemv' or 'dot', not {cfg.form!r}")
+    if cfg.form == "gemv" and m != 1:
+        raise ValueError(f"the gemv form takes one row, not {m}")
+
+
+def w8a16_matmul(x: Tensor, q: Tensor, scale: Tensor, group: int | None, cfg: Config | None = None) -> Tensor:
     """x [M, K] fp16/bf16, q [N, K] int8, scale float32 [N] or [N, ceil(K / group)] -> y [M, N] in x's dtype.
 
-    CUDA tensors; CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter)."""
+    CUDA tensors; CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter). ``cfg`` overrides
+    :func:`config_for` (a one-row form needs one row)."""
     assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1] and x.dtype in (torch.float16, torch.bfloat16)
     x, q, scale = x.contiguous(), q.contiguous(), scale.float().contiguous()
     (m, k), n = x.shape, q.shape[0]
+    cfg = cfg or config_for(m, group)
+    _check(cfg, m)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1  # 1: the interpreter
-    bm, bn = _blocks(m, n, sms)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    stride_sn = scale.stride(0)
-    _w8a16_kernel[grid](
-        x, q, scale, y, m, n, k, x.stride(0), q.stride(0), stride_sn, y.stride(0),
-        GROUP=group or 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=4,
+    n_groups = scale.shape[1] if scale.dim() == 2 else 1
+    opts = dict(GROUP=group or 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)  # fmt: skip
+    if cfg.form == "gemv":
+        _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, q, scale, y, n, k, n_groups, q.stride(0), scale.stride(0), **opts
+        )
+        return y
+    bm = block_m(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n))
+    _dot_kernel[grid](
+        x, q, scale, y, m, n, k, n_groups, x.stride(0), q.stride(0), scale.stride(0), y.stride(0), BLOCK_M=bm, **opts
     )  # fmt: skip
     return y

@@ -20,6 +20,7 @@ from engine.api.options import (
     SpeculationConfig,
 )
 from engine.core.attention import sdpa_attention
+from engine.core.forward import ForwardCall
 from engine.core.model import KVCache
 from engine.kernels.backends import (
     FlashAttention,
@@ -138,9 +139,10 @@ def test_gpu_graph_logits_match_eager_fp16():
     blk = torch.randint(0, 300, (3, 5), device="cuda")
     pos = (20 + torch.arange(5, device="cuda")).expand(3, 5)
     idx = torch.arange(5, device="cuda").expand(3, 5)
-    a = m(blk, pos, cache, 25, None, logits_idx=idx).float()
-    b = runner(blk, pos, cache, 25, None, logits_idx=idx).float()
-    b2 = runner(blk, pos, cache, 25, None, logits_idx=idx).float()  # a replay of the captured graph
+    call = ForwardCall(blk, pos, cache, 25, logits_idx=idx)
+    a = m.run(call).logits.float()
+    b = runner.run(call).logits.float()
+    b2 = runner.run(call).logits.float()  # a replay of the captured graph
     assert ((a - b).norm() / a.norm()).item() <= 1e-2 and torch.equal(b, b2)
     assert runner.stats.captures == 1 and runner.stats.replays == 2
 

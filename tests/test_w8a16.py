@@ -186,24 +186,27 @@ def test_gpu_triton_w8a16_matches_the_dequantized_product(dtype, group_size):
 
 def test_triton_w8a16_kernel_in_the_interpreter():
     """The Triton GEMM's indexing and scaling, run by Triton's CPU interpreter (fp16: the interpreter computes
-    bf16 through numpy, which lacks it) on odd shapes, every group size and 1 to 70 rows, against fp64."""
+    bf16 through numpy, which lacks it) on odd shapes, group sizes that tile a step or not, 1 to 70 rows, each
+    form with its chosen tiles and with small ones (several steps, several groups a step), against fp64."""
     pytest.importorskip("triton")
     code = """
 import torch
 from quant.int8 import dequantize_int8, dequantize_int8_groupwise, quantize_int8_groupwise, quantize_int8_rowwise
-from quant.triton_w8a16 import w8a16_matmul
+from quant.triton_w8a16 import Config, w8a16_matmul
 
 torch.manual_seed(0)
-for g in (None, 32, 64, 128):
-    for m, n, k in ((1, 72, 200), (5, 130, 1000), (17, 64, 257), (40, 100, 300), (70, 33, 128)):
+for g in (None, 32, 64, 128, 48, 100):  # 48 and 100 tile no step: each weight's scale is gathered
+    for m, n, k in ((1, 72, 200), (1, 130, 1000), (5, 130, 1000), (17, 64, 257), (40, 100, 300), (70, 33, 128)):
         w = torch.randn(n, k) * 0.02
         q, s = quantize_int8_rowwise(w) if g is None else quantize_int8_groupwise(w, g)
         wd = dequantize_int8(q, s, torch.float32) if g is None else dequantize_int8_groupwise(q, s, g, torch.float32)
         x = torch.randn(m, k).half()
-        y = w8a16_matmul(x, q, s, g)
         ref = x.double() @ wd.double().t()
-        assert y.dtype == torch.float16 and torch.isfinite(y).all(), (g, m)
-        assert float((y.double() - ref).norm() / ref.norm()) <= 2e-3, (g, m, n, k)
+        forms = [None, Config("dot", 16, 64)] + ([Config("gemv", 8, 64)] if m == 1 else [])  # None: config_for's
+        for cfg in forms:
+            y = w8a16_matmul(x, q, s, g, cfg)
+            assert y.dtype == torch.float16 and torch.isfinite(y).all(), (g, m, cfg)
+            assert float((y.double() - ref).norm() / ref.norm()) <= 2e-3, (g, m, n, k, cfg)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
