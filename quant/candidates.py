@@ -3,14 +3,13 @@
 Per Linear: ``w8a8`` (SmoothQuant, int8 tensor cores; only where the GPU has them), ``w8a16`` per
 output channel, ``w8a16`` per group of 128, 64, 32 input channels, then ``fp16``. On paper
 (``paper_cost``, for a GPU the profile is not built on): max(the bytes the kernel that runs moves /
-bandwidth, 2 * rows * N * K / throughput of its math), from the catalog's memory bandwidth and tensor
-throughput. The bytes are those of the kernels quant.matmul_kernels runs on CUDA (``kernel_bytes``):
-the dense fp16 weight; w8a8's int8 weight; w8a16's int8 weight through torch._weight_int8pack_mm
-(per output channel, at most W8A16_PACKED_ROWS rows), else the weight dequantized to fp16 on every
-call (int8 read, fp16 written and read again: 5 bytes a weight, more than fp16's 2). The Triton W8A16
-GEMM (quant/triton_w8a16.py, 16-bit inputs where Triton is installed) reads 1 byte a weight; the paper
-model keeps the dequantizing path's bytes until that kernel is measured on a GPU
-(profiles/gpu-results.md). Measured (a
+(bandwidth x the rate that kernel reaches), 2 * rows * N * K / throughput of its math), from the
+catalog's memory bandwidth and tensor throughput. The bytes (``kernel_bytes``) are those of the kernels
+quant.matmul_kernels runs on CUDA: the dense fp16 weight; w8a8's int8 weight; w8a16's int8 weight through
+the Triton GEMM (quant/triton_w8a16.py). The rate (``read_rate``) is the fraction
+of fp16 ``F.linear``'s bytes per second each int8 kernel reached on an H200 (tools/gpu_kernels.py and
+tools/gpu_w8a16_tune.py, profiles/gpu-results.md): reading half the bytes wins only where the rate
+stays above one half, as for a single row. Measured (a
 ``CostFn`` from the build, engine/kernels/cpu_int8.py ``CpuCostMeter`` where the profile is built on
 the CPU it runs on): the kernel itself timed on the device. quant/search.py orders each module's
 candidates by the cost and says in a module's "why" when its choice is slower than the dense Linear.
@@ -26,10 +25,15 @@ from typing import Any
 from engine.core.errors import InvalidConfigError
 
 from .catalog import validate_gpu
-from .matmul_kernels import W8A16_PACKED_ROWS
 
 DEFAULT_ROWS = 64  # a verify pass of a batch of sequences: (K + 1) rows each
 MEASURED_TIE = 1.1  # measured costs within this ratio of each other count as equal (timing noise)
+# (up to rows, fraction of fp16 F.linear's bytes per second): an H200, Llama-2-7B Linear shapes, medians
+# over the shapes and the per-channel and per-group forms (profiles/gpu-results.md, 2026-12-04)
+READ_RATES = {
+    "w8a16": ((1, 0.63), (16, 0.5), (32, 0.39), (64, 0.3)),
+    "w8a8": ((1, 0.2), (8, 0.2), (32, 0.19), (128, 0.16)),
+}
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,15 @@ def kernel_bytes(choice: Choice, n_out: int, n_in: int, rows: int) -> int:
         return 2 * n_out * n_in
     groups = 1 if choice.group_size is None else -(-n_in // choice.group_size)
     stored = n_out * n_in + 4 * n_out * groups
-    fused = choice.kernel == "w8a8" or (choice.group_size is None and rows <= W8A16_PACKED_ROWS)
-    return stored if fused else stored + 2 * (2 * n_out * n_in)  # + the fp16 copy written and read back
+    return stored
+
+
+def read_rate(choice: Choice, rows: int) -> float:
+    """The fraction of fp16 ``F.linear``'s bytes per second the kernel of ``choice`` reaches at ``rows`` rows."""
+    if choice.kernel == "dense":
+        return 1.0
+    rates = READ_RATES[choice.kernel]
+    return next((r for up_to, r in rates if rows <= up_to), rates[-1][1])
 
 
 def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows: int = DEFAULT_ROWS) -> float:
@@ -73,7 +84,7 @@ def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows:
         )
     act_bytes = 2 * rows * (n_in + n_out)
     math_tput = tflops["int8"] if choice.kernel == "w8a8" else tflops["fp16"]
-    moved = kernel_bytes(choice, n_out, n_in, rows) + act_bytes
+    moved = kernel_bytes(choice, n_out, n_in, rows) / read_rate(choice, rows) + act_bytes
     return max(moved / (gpu["memory_bandwidth_gbps"] * 1e9), 2.0 * rows * n_out * n_in / (math_tput * 1e12))
 
 

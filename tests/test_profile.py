@@ -15,7 +15,9 @@ from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.api.profile import Profile, engine_options, load_profile
 from engine.core.errors import KernelUnavailableError, ProfileError
+from engine.kernels.cpu_gemm import small_gemm_status
 from engine.spec_decode.adaptive import Costs
+from quant.linear import FP8Linear
 from quant.plan_io import plan_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,6 +142,10 @@ def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in validated.generate(prompts, sp)]
     assert type(eng.target.layers[0].mlp.up_proj).__name__ == "Int8Linear"
     assert type(eng.draft_model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
+    if small_gemm_status() is None:  # the FP8 draft runs on the C++ step: no dequantized fp32 copy is ever made
+        assert eng.info["cpu_decode_step"] == ["target", "draft"] and eng.info["draft_step_weights"] == "float16"
+        fp8 = [m for m in eng.draft_model.modules() if isinstance(m, FP8Linear)]
+        assert fp8 and not any(m.kernel_state for m in fp8)
 
 
 def test_the_profile_written_is_the_profile_read(build_run):

@@ -13,10 +13,11 @@ PyTorch forward is its fallback with the same inputs and outputs (tests run both
 
 The GEMM weights: fp32 (the model's own tensors) on the small-GEMM kernel (AVX-512 or AVX2), or 16-bit
 copies widened in registers, or a precision plan's INT8 weights (kernel w8a16) read as int8 by the int8 GEMM
-(engine/kernels/cpu_int8.py: dequantized in registers, the modules' own tensors, no fp32 copy). A model whose
-weights are all bf16 values (a bf16 checkpoint loaded
-in fp32, as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a
-CPU with AMX its GEMMs run on tiles (engine/kernels/csrc/amx_gemm.cpp: fp32 inputs split exactly into
+(engine/kernels/cpu_int8.py: dequantized in registers, the modules' own tensors, no fp32 copy), or a draft
+plan's FP8 weights and embedding table dequantized once into the step's weight dtype
+(engine/kernels/cpu_fp8.py). A model whose weights are all bf16 values (a bf16 checkpoint loaded in fp32,
+as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a CPU with AMX its
+GEMMs run on tiles (engine/kernels/csrc/amx_gemm.cpp: fp32 inputs split exactly into
 three bf16 parts, fp32 accumulation), where the rows of a verify pass come almost free.
 
 Every row is computed the same way whatever the number of rows in the call (both GEMM kernels are
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from engine.core.checkpoint import DTYPES
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import Features, ForwardCall, ForwardOut, FusedLinear, Transformer
+from engine.kernels.cpu_fp8 import fp8_bias, fp8_reason, fp8_table, fp8_weight
 from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
     amx_status,
@@ -43,7 +45,7 @@ from engine.kernels.cpu_gemm import (
     small_gemm_status,
 )
 from engine.kernels.cpu_int8 import Int8Weight, fused_int8, int8_gemm_reason, step_int8_reason
-from quant.linear import Int8Linear
+from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +70,23 @@ def _slots(layer: Any) -> dict[str, tuple[Any, tuple[nn.Module, ...]]]:
     }
 
 
-def _float_gemm(mod: Any, parts: tuple[nn.Module, ...]) -> bool:
-    """The slot runs on a float weight (a fused group, or a lone plain Linear), not on INT8 Linears."""
-    return mod is not None and not isinstance(mod, Int8Linear) and not isinstance(parts[0], Int8Linear)
+def _float_weight(mod: Any, parts: tuple[nn.Module, ...]) -> Tensor | None:
+    """The slot's float GEMM weight: a fused group's or a lone plain Linear's, FP8 Linears' dequantized (float32);
+    None for INT8 Linears (read as they are)."""
+    if isinstance(parts[0], Int8Linear) or isinstance(mod, Int8Linear):
+        return None
+    return fp8_weight(parts) if isinstance(parts[0], FP8Linear) else mod.weight
+
+
+def _head_weight(model: Transformer) -> Tensor:
+    head = model.lm_head
+    return fp8_weight((head,)) if isinstance(head, FP8Linear) else head.weight
 
 
 def _gemm_weights(model: Transformer) -> list[Tensor]:
     """The float GEMM weights of the step (INT8 ones are read as they are)."""
-    return [
-        mod.weight for layer in model.layers for mod, parts in _slots(layer).values() if _float_gemm(mod, parts)
-    ] + [model.lm_head.weight]
+    ws = [_float_weight(mod, parts) for layer in model.layers for mod, parts in _slots(layer).values()]
+    return [w for w in ws if w is not None] + [_head_weight(model)]
 
 
 def exact_weight_dtype(model: Transformer) -> torch.dtype:
@@ -122,8 +131,9 @@ def _plain_weight(mod: Any) -> bool:
     )
 
 
-def decode_step_reason(model: Transformer) -> str | None:
-    """None when ``DecodeStep`` can run this model here, else why not."""
+def decode_step_reason(model: Transformer, approximate: bool = False) -> str | None:
+    """None when ``DecodeStep`` can run this model here, else why not. ``approximate``: the step may compute another
+    function than the modules (a draft's: FP8 Linears that quantize activations read as weight-only)."""
     if model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
         return (
             f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on "
@@ -136,7 +146,7 @@ def decode_step_reason(model: Transformer) -> str | None:
         return "needs heads divisible by kv heads and an even head_dim"
     for i, layer in enumerate(model.layers):
         for name, (mod, parts) in _slots(layer).items():
-            why = _slot_reason(mod, parts)
+            why = _slot_reason(mod, parts, approximate)
             if why is not None:
                 return f"layer {i} {name} {why}"
         gate_up = layer.mlp.gate_up
@@ -144,17 +154,22 @@ def decode_step_reason(model: Transformer) -> str | None:
             gate_up is not None and gate_up.bias is not None
         ):
             return f"layer {i} gate_up has a bias"
-    if (
-        type(model.embed_tokens) is not nn.Embedding
-        or not _plain_weight(model.lm_head)
-        or model.lm_head.bias is not None
-    ):
-        return f"the embedding or LM head is not a plain fp32 one ({type(model.lm_head).__name__})"
+    head = model.lm_head
+    head_ok = _plain_weight(head) or (isinstance(head, FP8Linear) and fp8_reason(head, approximate) is None)
+    if type(model.embed_tokens) not in (nn.Embedding, FP8Embedding) or not head_ok or head.bias is not None:
+        return f"the embedding or LM head is not a plain fp32 or FP8 one ({type(head).__name__})"
     return small_gemm_status()
 
 
-def _slot_reason(mod: Any, parts: tuple[nn.Module, ...]) -> str | None:
-    """None when the step can run this GEMM: a plain fp32 weight, or INT8 Linears the int8 GEMM reads."""
+def _slot_reason(mod: Any, parts: tuple[nn.Module, ...], approximate: bool) -> str | None:
+    """None when the step can run this GEMM: a plain fp32 weight, INT8 Linears the int8 GEMM reads, or FP8 Linears
+    it reads dequantized (engine/kernels/cpu_fp8.py)."""
+    if isinstance(parts[0], FP8Linear):
+        for p in parts:
+            why = fp8_reason(p, approximate) if isinstance(p, FP8Linear) else f"mixes {type(p).__name__} with FP8"
+            if why is not None:
+                return why
+        return None
     if isinstance(parts[0], Int8Linear):
         if len(parts) == 1:
             why = step_int8_reason(parts[0])
@@ -179,10 +194,15 @@ class DecodeStep:
     """``model``'s forward with a cache as one C++ call (same inputs and result as PyTorch's)."""
 
     def __init__(
-        self, model: Transformer, weight_dtype: torch.dtype | str = torch.float32, amx: bool | None = None
+        self,
+        model: Transformer,
+        weight_dtype: torch.dtype | str = torch.float32,
+        amx: bool | None = None,
+        approximate: bool = False,
     ) -> None:
-        """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them."""
-        reason = decode_step_reason(model)
+        """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them.
+        ``approximate``: as ``decode_step_reason`` takes it (a draft's step)."""
+        reason = decode_step_reason(model, approximate)
         if reason is not None:
             raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
         if weight_dtype not in (*WEIGHT_DTYPES, PER_WEIGHT):
@@ -199,7 +219,8 @@ class DecodeStep:
         self.model, self.weight_dtype = model, weight_dtype
 
         sw = layer_weights(model.layers, weight_dtype)
-        sw.add(_vec(model.embed_tokens.weight), _vec(model.norm.weight), _mat(model.lm_head.weight, weight_dtype))
+        table, head = _table_and_head(model, weight_dtype)
+        sw.add(table, _vec(model.norm.weight), head)
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.tensors = sw.tensors()  # what the step holds (Engine.stats counts its copies as resident weights)
@@ -304,6 +325,17 @@ def _vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
     return torch.empty(0) if t is None else t.detach()
 
 
+def _table_and_head(model: Transformer, dtype: torch.dtype | str) -> tuple[Tensor, Tensor]:
+    """The embedding table (a plain one as it is; an FP8 one dequantized in the GEMM weights' dtype) and the LM
+    head's weight; a tied FP8 pair shares one copy."""
+    emb, head = model.embed_tokens, model.lm_head
+    if not isinstance(emb, FP8Embedding):
+        return _vec(emb.weight), _mat(_head_weight(model), dtype)
+    table = _mat(fp8_table(emb), dtype)
+    tied = isinstance(head, FP8Linear) and head.weight is emb.weight and head.weight_scale is emb.weight_scale
+    return table, table if tied else _mat(_head_weight(model), dtype)
+
+
 @dataclass
 class StepWeights:
     """The C++ ``DecodeModel``'s tensors: per tensor an int8 GEMM weight's scales and group size (empty, 0 else)."""
@@ -338,6 +370,9 @@ def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.
         sw.add_int8(q)
         bs = [p.bias for p in parts]  # type: ignore[union-attr]
         b = None if all(x is None for x in bs) else torch.cat([_vec(x) for x in bs])
+    elif isinstance(parts[0], FP8Linear):
+        sw.add(_mat(fp8_weight(parts), dtype))
+        b = fp8_bias(parts)
     else:
         sw.add(_mat(mod.weight, dtype))
         b = mod.bias
@@ -366,12 +401,14 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
     """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).
     ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless); "auto": that when it is 16-bit, else
     float16 (for a draft: rounding its weights moves only the acceptance)."""
-    reason = decode_step_reason(model)
+    approximate = weight_dtype is not None  # a draft's step: it may round
+    reason = decode_step_reason(model, approximate)
     if reason is not None:
         log.info("the model's steps stay on PyTorch: %s", reason)
         model.use_kernels(step=None)
         return reason
-    model.use_kernels(step=DecodeStep(model, step_weight_dtype(_gemm_weights(model), weight_dtype)))
+    dtype = step_weight_dtype(_gemm_weights(model), weight_dtype)
+    model.use_kernels(step=DecodeStep(model, dtype, approximate=approximate))
     return None
 
 

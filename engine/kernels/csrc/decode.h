@@ -9,10 +9,11 @@
 class DecodeModel {
  public:
   // weights: 9 per layer (input norm, qkv weight, qkv bias or empty, o weight, o bias or empty, post norm,
-  // gate_up weight, down weight, down bias or empty), then embed, final norm, head; GEMM weights float32,
-  // float16, bfloat16 or int8, everything else float32. scales, smooths, groups: per weight, an int8 GEMM
-  // weight's float32 scales, SmoothQuant factors and group size (0: one scale per output row, -1: W8A8 with
-  // activations quantized per row; int8_gemm.h), empty, empty and 0 for the others.
+  // gate_up weight, down weight, down bias or empty), then embed, final norm, head; GEMM weights and the
+  // embedding table float32, float16 or bfloat16 (GEMM weights also int8), everything else float32.
+  // scales, smooths, groups: per weight, an int8 GEMM weight's float32 scales, SmoothQuant factors and group
+  // size (0: one scale per output row, -1: W8A8 with activations quantized per row; int8_gemm.h), empty,
+  // empty and 0 for the others.
   // amx: the 16-bit GEMMs on AMX tiles (bf16 GEMM weights, packed here; int8 ones stay on the int8 kernel)
   DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
               std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads, int64_t n_kv,

@@ -226,8 +226,10 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::
   TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
   n_layers_ = static_cast<int64_t>(weights_.size() - 3) / 9;
   const torch::Tensor &embed = weights_[9 * n_layers_], &head = weights_[9 * n_layers_ + 2];
-  f32(embed, "embed");
-  TORCH_CHECK(embed.dim() == 2, "DecodeModel: embed [V, H]");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.device().is_cpu() &&
+              (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf ||
+               embed.scalar_type() == at::kBFloat16),
+              "DecodeModel: embed must be a contiguous float32/float16/bfloat16 CPU matrix [V, H]");
   hidden_ = embed.size(1);
   check_vector(weights_[9 * n_layers_ + 1], hidden_, "final norm");
   TORCH_CHECK(head.dim() == 2, "DecodeModel: head [V, H]");
@@ -285,8 +287,18 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
   std::vector<float> x(M * H);
-  const float* ep = embed.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
+  if (embed.scalar_type() == at::kFloat) {
+    const float* ep = embed.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
+  } else if (embed.scalar_type() == at::kHalf) {  // a 16-bit table (a draft's): rows widened exactly
+    const at::Half* ep = embed.data_ptr<at::Half>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < H; ++h) x[m * H + h] = static_cast<float>(ep[tp[m] * H + h]);
+  } else {
+    const at::BFloat16* ep = embed.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < H; ++h) x[m * H + h] = static_cast<float>(ep[tp[m] * H + h]);
+  }
   return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden, slots, mask);
 }
 
@@ -365,7 +377,7 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   std::vector<float> normed(R * H);
   for (int64_t r = 0; r < R; ++r)
     rms_norm(x.data() + sel[r] * H, norm.data_ptr<float>(), normed.data() + r * H, 1, H, static_cast<float>(eps_));
-  torch::Tensor logits = torch::empty(shape, embed.options());
+  torch::Tensor logits = torch::empty(shape, embed.options().dtype(at::kFloat));
   const size_t hi = static_cast<size_t>(9 * n_layers_ + 2);
   gemm(amx_, normed.data(), Mat{head, scales_[hi], smooths_[hi], groups_[hi]}, logits.data_ptr<float>(), R, H, V);
   if (hidden.numel() > 0) {

@@ -75,9 +75,8 @@ class ModelDrafter:
         """(Re)allocate the draft's own static cache when it is missing or too small."""
         c = self.cache
         if c is None or c.max_batch < max_batch or c.max_seq_len != max_seq_len:
-            w = self.module.embed_tokens.weight
-            dtype = w.dtype if w.is_floating_point() else torch.float16
-            self.cache = KVCache(self.module.config, max_batch, max_seq_len, dtype, w.device)
+            m = self.module  # the compute dtype (an FP8 draft's e4m3 tables and weights are storage only)
+            self.cache = KVCache(m.config, max_batch, max_seq_len, m.dtype, m.device)
 
     def _start(self, seq: Seq) -> int:
         return self._fed(seq).dlen

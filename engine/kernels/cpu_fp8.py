@@ -1,0 +1,54 @@
+"""A precision plan's FP8 modules (a draft's) as the C++ decode step reads them: dequantized once, held in the
+step's weight dtype.
+
+The CPU has no FP8 arithmetic: ``fp8/weight-only`` computes x @ (q * s)^T from the e4m3 bytes q and per-row
+float32 scales s, and an ``FP8Embedding`` looks up q * s. The step holds q * s, formed in float32 as
+``quant.fp8.dequantize_fp8`` forms it: in float32 it computes exactly what weight-only computes; a 16-bit
+copy (a draft's ``"auto"`` step) rounds, which moves only the acceptance. ``fp8/native`` also quantizes each
+activation row to e4m3, so the step (which does not) stands for it only where it may round (``approximate``:
+a draft's step). Nothing else is kept: the e4m3 bytes stay the module's, and the weight-only kernel's
+dequantized float32 copy is never made, since every cached forward of the model goes through the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from quant.fp8 import dequantize_fp8
+from quant.linear import FP8Embedding, FP8Linear
+
+
+def fp8_reason(mod: FP8Linear, approximate: bool) -> str | None:
+    """None when the step can stand for this FP8 Linear, else why not."""
+    if mod.kernel == "weight-only" or approximate:
+        return None
+    return (
+        f"is FP8 with kernel {mod.kernel!r}, which quantizes activations: only a step that may round (a draft's) "
+        "reads it"
+    )
+
+
+def fp8_weight(parts: Sequence[nn.Module]) -> Tensor:
+    """The FP8 Linears' weights dequantized in float32, stacked as the slot fuses them (q/k/v, gate/up)."""
+    ws = [dequantize_fp8(p.weight, p.weight_scale) for p in parts]  # type: ignore[arg-type]
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
+
+
+def fp8_bias(parts: Sequence[nn.Module]) -> Tensor | None:
+    """The FP8 Linears' biases stacked (float32), or None when none has one."""
+    bs = [p.bias for p in parts]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([torch.zeros(p.out_features) if b is None else b.float() for p, b in zip(parts, bs)])  # type: ignore[union-attr]
+
+
+def fp8_table(emb: FP8Embedding) -> Tensor:
+    """The embedding table as its lookups return it, in float32."""
+    return dequantize_fp8(emb.weight, emb.weight_scale)
+
+
+def is_fp8(mod: nn.Module) -> bool:
+    return isinstance(mod, (FP8Linear, FP8Embedding))
