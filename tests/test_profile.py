@@ -165,6 +165,12 @@ def test_the_profile_written_is_the_profile_read(build_run):
 
 def test_the_sections_are_typed(builds, tiny_demo):
     prof = load_profile(builds["a100"])
+    t = prof.throughput  # the planned models decoded beside the unquantized ones on the build's device
+    assert t is not None and t.rounds == 3 and t.prompts >= 1 and t.max_new_tokens >= 1
+    assert all(r.tokens_per_s > 0 and r.weight_bytes > 0 for r in (t.unquantized_plain, t.planned_speculative))
+    assert t.planned_plain.weight_bytes < t.unquantized_plain.weight_bytes  # the INT8 FFN, no dense copy kept
+    assert t.planned_speculative.weight_bytes < t.unquantized_speculative.weight_bytes  # and the FP8 draft
+    assert "## Throughput" in builds["a100"].with_suffix(".md").read_text(encoding="utf-8")
     s = prof.speculation
     assert s.config.drafter == "model" and s.config.k_policy == "measured" and s.config.costs is not None
     assert s.config.k_min <= s.config.k <= s.config.k_max
@@ -234,6 +240,12 @@ def test_refuses_schema_version_2_naming_it(builds, tmp_path):
         (lambda d: d["calibration"].update(text=None), r"field calibration.text=None is invalid"),
         (lambda d: d["quality"].pop("gates"), r"field quality.gates is missing"),
         (lambda d: d["speculation"].update(k_min=99), r"speculation: speculation.k_min=99 is above"),
+        (
+            lambda d: d["throughput"]["planned_plain"].update(tokens_per_s=0),
+            r"field throughput.planned_plain.tokens_per_s=0 is invalid: allowed a positive number",
+        ),
+        (lambda d: d["throughput"].update(rounds=0), r"field throughput.rounds=0 is invalid: allowed an int >= 1"),
+        (lambda d: d["throughput"].pop("unquantized_plain"), r"field throughput.unquantized_plain is missing"),
     ],
 )
 def test_refuses_a_wrong_typed_field_naming_it(builds, tmp_path, edit, match):
@@ -293,6 +305,7 @@ def test_refuses_a_cuda_profile_without_cuda(builds, tmp_path):
             "/nonexistent/t: model directory does not exist",
         ),
         (["--gpu", "a100", "--draft", "/nonexistent/d"], "--draft needs --target"),
+        (["--gpu", "a100", "--throughput-rounds", "-1"], "--throughput-rounds=-1 is invalid: allowed an int in 0..100"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, match, tiny_demo):

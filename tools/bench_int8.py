@@ -4,15 +4,16 @@ precision plan (plain and with the drafter), each mode in its own process so its
 
     python tools/bench_int8.py --profile /tmp/smol-a100.json [--max-new-tokens 96] [--rounds 3] [--json FILE]
 
-Greedy, batch 1, the same chat prompts for every mode. Each round runs every mode once, one after another
-(a fresh process each: model load, one warm-up prompt, then the prompts timed); figures are medians over the
-rounds and the ratios are within this one run. Resident weight bytes are ``Engine.stats()["memory"]``
-(weights as allocated: the kernels' copies included). Prints one Markdown table.
+Greedy, batch 1, the same chat prompts for every mode (the text itself where the model has no chat template).
+Each round runs every mode once, one after another (a fresh process each: model load, one warm-up prompt, then
+the prompts timed); figures are medians over the rounds and the ratios are within this one run. Resident weight
+bytes are ``Engine.stats()["memory"]`` (weights as allocated: the kernels' copies included). Prints one Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import resource
@@ -40,13 +41,19 @@ def _engine(profile: str, mode: str) -> Any:
     from engine.api.profile import engine_options, load_profile
 
     o = engine_options(load_profile(profile))
-    spec = o["speculation"] if mode.endswith("drafter") else SpeculationConfig()
+    drafter = mode.endswith("drafter")
+    spec = o["speculation"] if drafter else SpeculationConfig()
+    draft = o["draft"] if drafter else None  # a plain mode loads no draft (a draft alone means the model drafter)
     if mode.startswith("plan"):
+        precision = o["precision"] if drafter else dataclasses.replace(o["precision"], plan=_target_only(o))
         return Engine.from_pretrained(
-            o["target"], o["draft"], speculation=spec, precision=o["precision"], kernels=o["kernels"],
-            device=o["device"],
-        )  # fmt: skip
-    return Engine.from_pretrained(o["target"], o["draft"] if spec.drafter is not None else None, speculation=spec)
+            o["target"], draft, speculation=spec, precision=precision, kernels=o["kernels"], device=o["device"]
+        )
+    return Engine.from_pretrained(o["target"], draft, speculation=spec)
+
+
+def _target_only(o: dict[str, Any]) -> Any:
+    return dataclasses.replace(o["precision"].plan, draft=None)
 
 
 def child(profile: str, mode: str, max_new: int) -> dict[str, Any]:
@@ -55,7 +62,12 @@ def child(profile: str, mode: str, max_new: int) -> dict[str, Any]:
 
     eng = _engine(profile, mode)
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
-    ids = [eng.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+    from engine.core.chat import ChatTemplateMissingError
+
+    try:
+        ids = [eng.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+    except ChatTemplateMissingError:  # a base model (the demo pair): the prompts as plain text
+        ids = [eng.tokenizer.encode(p) for p in PROMPTS]
     eng.generate([ids[0]], params)  # warm-up (kernels built, caches sized)
     n, t0 = 0, time.perf_counter()
     outs = []

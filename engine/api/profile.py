@@ -24,7 +24,7 @@ import torch
 from engine.api.options import KernelOptions, Limits, PrecisionConfig
 from engine.api.profile_fields import JsonFields
 from engine.api.profile_quality import Quality
-from engine.api.profile_sections import CalibrationText, Memory, Models, Speculation
+from engine.api.profile_sections import CalibrationText, Memory, Models, Speculation, Throughput
 from engine.api.runtime import RuntimeSettings, parse_runtime, runtime_options, runtime_settings
 from engine.core.checkpoint import weight_files
 from engine.core.errors import InvalidConfigError, ProfileError
@@ -103,6 +103,8 @@ class Profile:
     """The profile's name (``<gpu>-<model>`` or the output file's stem); None: unnamed."""
     runtime: RuntimeSettings | None = None
     """CUDA graphs and the load window; None: the section is absent (the defaults: eager, window on)."""
+    throughput: Throughput | None = None
+    """The build's decoding of the planned models against the unquantized ones; None: not measured."""
     schema_version: int = PROFILE_SCHEMA_VERSION
     """The schema's version (only 1 is read)."""
     path: Path | None = field(default=None, compare=False)
@@ -132,6 +134,8 @@ class Profile:
         )
         if self.runtime is not None:
             out["runtime"] = self.runtime.to_dict()
+        if self.throughput is not None:
+            out["throughput"] = self.throughput.to_dict()
         out.update(versions=self.versions.to_dict(), created_at=self.created_at)
         return out
 
@@ -172,6 +176,7 @@ class Profile:
             created_at=r.string("created_at"),
             name=r.opt_string("name"),
             runtime=None if d.get("runtime") is None else parse_runtime(d["runtime"], f"{where}: runtime"),
+            throughput=None if d.get("throughput") is None else Throughput.from_dict(d["throughput"], where),
         )
 
 

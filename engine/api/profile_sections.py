@@ -239,3 +239,64 @@ class Speculation:
         except InvalidConfigError as e:
             raise ProfileError(f"{where}: speculation: {e}") from None
         return cls(config, SpeculationCalibration.from_dict(d, where))
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """One engine's decoding in the build's throughput check."""
+
+    tokens_per_s: float
+    """New tokens per second, greedy, batch 1 (the median over the rounds)."""
+    weight_bytes: int
+    """Its target's and draft's weights resident after decoding, as allocated (the kernels' copies included)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens_per_s": self.tokens_per_s, "weight_bytes": self.weight_bytes}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str, path: str) -> DecodeRun:
+        r = JsonFields(d, path, where)
+        rate, nbytes = r.number("tokens_per_s"), r.integer("weight_bytes")
+        if not rate > 0:
+            r.refuse("tokens_per_s", r.raw("tokens_per_s"), "a positive number")
+        if nbytes < 0:
+            r.refuse("weight_bytes", nbytes, "an int >= 0")
+        return cls(rate, nbytes)
+
+
+THROUGHPUT_RUNS = ("unquantized_plain", "planned_plain", "unquantized_speculative", "planned_speculative")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The ``throughput`` section: the planned models against the unquantized ones on the build's device
+    (engine/build/throughput.py), each alone and with the calibrated speculation."""
+
+    unquantized_plain: DecodeRun
+    """The unquantized target decoding alone."""
+    planned_plain: DecodeRun
+    """The planned target decoding alone."""
+    unquantized_speculative: DecodeRun
+    """The unquantized target and draft with the profile's speculation."""
+    planned_speculative: DecodeRun
+    """The planned target and draft with the profile's speculation (what the profile runs)."""
+    prompts: int
+    """Calibration-text prompts decoded per round."""
+    max_new_tokens: int
+    """New tokens per prompt."""
+    rounds: int
+    """Timed rounds per engine."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name).to_dict() for name in THROUGHPUT_RUNS}
+        return {**out, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "rounds": self.rounds}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "profile") -> Throughput:
+        r = JsonFields(d, "throughput", where)
+        runs = {name: DecodeRun.from_dict(r.raw(name), where, f"throughput.{name}") for name in THROUGHPUT_RUNS}
+        counts = {key: r.integer(key) for key in ("prompts", "max_new_tokens", "rounds")}
+        for key, v in counts.items():
+            if v < 1:
+                r.refuse(key, v, "an int >= 1")
+        return cls(**runs, **counts)

@@ -17,7 +17,15 @@ import torch
 import engine
 from engine.api.profile import PROFILE_SCHEMA_VERSION, Profile, Versions, model_ref, weight_hashes
 from engine.api.profile_quality import GateAttempt, Quality, QualityFigures, QualityGates
-from engine.api.profile_sections import CalibrationText, Memory, ModelRecord, Models, Speculation, WeightBytes
+from engine.api.profile_sections import (
+    CalibrationText,
+    Memory,
+    ModelRecord,
+    Models,
+    Speculation,
+    Throughput,
+    WeightBytes,
+)
 from engine.api.runtime import RuntimeSettings
 from engine.build.report import build_report_files
 from engine.core.config import load_config
@@ -104,8 +112,11 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def make_profile(inp: ProfileInputs, gate: PassedGate, speculation: Speculation) -> Profile:
-    """The profile of a build whose plan passed the gate and whose speculation was calibrated."""
+def make_profile(
+    inp: ProfileInputs, gate: PassedGate, speculation: Speculation, throughput: Throughput | None = None
+) -> Profile:
+    """The profile of a build whose plan passed the gate and whose speculation was calibrated (and, where measured,
+    whose models' decoding was timed against the unquantized ones)."""
     ref = lambda p: model_ref(p, inp.demo)  # noqa: E731
     return Profile(
         name=inp.name,
@@ -131,6 +142,7 @@ def make_profile(inp: ProfileInputs, gate: PassedGate, speculation: Speculation)
         # how the engine runs the plan: CUDA graphs where the profile's device is a GPU (never on the
         # CPU), and the load-aware window (lower K and the batch above this GPU memory use)
         runtime=RuntimeSettings(cuda_graphs=inp.device == "cuda", load_window=True),
+        throughput=throughput,
         versions=Versions(torch=torch.__version__, specmix=engine.__version__),
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         schema_version=PROFILE_SCHEMA_VERSION,

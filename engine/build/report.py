@@ -1,5 +1,5 @@
 """The profile's build report: the Markdown file ``tools/build_profile.py`` writes beside a profile
-(plan, quality gate with every fallback attempt, speculation calibration) and its plot (engine.build.plots).
+(plan, quality gate with every fallback attempt, speculation calibration, throughput) and its plot (engine.build.plots).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.api.profile import Profile
 from engine.api.profile_quality import Quality, QualityFigures, QualityGates
+from engine.api.profile_sections import THROUGHPUT_RUNS
 from engine.build.plots import INSTALL_HINT, draw_profile, matplotlib_available, profile_series
 from quant.plan_schema import PrecisionPlan
 
@@ -242,6 +243,32 @@ def _speculation_section(p: Profile, series: Mapping[str, Any] | None) -> list[s
     return out
 
 
+def _throughput_section(p: Profile) -> list[str]:
+    t = p.throughput
+    if t is None:
+        return ["## Throughput", "", "Not measured (`--throughput-rounds 0`).", ""]
+    base = t.unquantized_plain
+    rows = [
+        [
+            name.replace("_", ", "),
+            f"{r.tokens_per_s:.1f}",
+            f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+            f"{r.weight_bytes / 2**20:.2f}",
+            f"{r.weight_bytes / base.weight_bytes:.2f}x",
+        ]
+        for name, r in ((n, getattr(t, n)) for n in THROUGHPUT_RUNS)
+    ]
+    out = [
+        "## Throughput",
+        "",
+        f"Greedy decoding at batch 1 on the build's device ({p.validated_on}): {t.prompts} calibration prompts, "
+        f"{t.max_new_tokens} new tokens each, the median of {t.rounds} rounds per engine, one engine after another "
+        "(engine/build/throughput.py). Weights: target and draft resident after decoding, as allocated.",
+        "",
+    ]
+    return out + _table(["models, decoding", "tokens/s", "x unquantized plain", "weights MiB", "x unquantized"], rows)
+
+
 def build_report(profile: Profile, plot_name: str | None, plot_note: str | None = None) -> str:
     """The Markdown build report of a profile; ``plot_name`` is the PNG beside it (None: ``plot_note``
     says why there is no plot)."""
@@ -265,7 +292,7 @@ def build_report(profile: Profile, plot_name: str | None, plot_note: str | None 
     )
     out += _plan_section(p) + _quality_section(p.quality)
     series = profile_series(p)
-    out += _speculation_section(p, series)
+    out += _speculation_section(p, series) + _throughput_section(p)
     out += ["## Plot", ""]
     if plot_name:
         out += [f"![predicted speedup vs K]({plot_name})", ""]

@@ -32,11 +32,12 @@ import torch
 from engine import Engine
 from engine.api.options import PrecisionConfig
 from engine.api.profile_quality import FfnChoice, GateAttempt, QualityFigures, QualityGates
-from engine.api.profile_sections import Speculation
+from engine.api.profile_sections import THROUGHPUT_RUNS, Speculation, Throughput
 from engine.build.calibrate import calibrate
 from engine.build.planner import DEFAULT_KLD_BUDGET, DEFAULT_MIN_TOP1
 from engine.build.profile import PassedGate, ProfileInputs, make_profile, write_profile
 from engine.build.quality import compare_models, default_context, load_eval_ids
+from engine.build.throughput import ThroughputOptions, measure_throughput
 from engine.core.cli import run_tool
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError
@@ -105,6 +106,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"the search's bound on top-1 agreement on the calibration text (default {DEFAULT_MIN_TOP1})",
     )
     p.add_argument("--prompt-lookup", type=int, default=None, metavar="N", help=LOOKUP_HELP)
+    p.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=ThroughputOptions.rounds,
+        metavar="N",
+        help="time the planned models' decoding against the unquantized ones over N rounds (0: skip the check)",
+    )
     p.add_argument("--out", type=Path, help="output file (default profiles/<gpu>-<model>.json)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="build and check on it (default: cuda if any, else cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -259,6 +267,8 @@ def run_gate(a: argparse.Namespace, inp: ProfileInputs) -> tuple[PassedGate | No
 
 
 def build(a: argparse.Namespace) -> int:
+    if not 0 <= a.throughput_rounds <= 100:
+        raise InvalidConfigError(f"--throughput-rounds={a.throughput_rounds} is invalid: allowed an int in 0..100")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise InvalidConfigError("--device cuda: no CUDA device on this machine; use --device cpu")
@@ -276,9 +286,15 @@ def build(a: argparse.Namespace) -> int:
     d = inp.draft
     drafter = "ngram" if d is None else read_head_config(d).kind if is_head_dir(d) else "model"
     spec = calibrate(inp.target, d, passed.plan, inp.calib_text, device=device, drafter=drafter, lookup=a.prompt_lookup)
-    written = write_profile(make_profile(inp, passed, spec), out)
+    tput = None
+    if a.throughput_rounds:
+        opts = ThroughputOptions(rounds=a.throughput_rounds)
+        tput = measure_throughput(inp.target, d, passed.plan, inp.calib_text, spec.config, device=device, opts=opts)
+    written = write_profile(make_profile(inp, passed, spec, tput), out)
     print(summary_table(attempts))
     print(speculation_line(spec))
+    if tput is not None:
+        print(throughput_line(tput))
     print(f"wrote {out}")
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
@@ -291,6 +307,14 @@ def speculation_line(spec: Speculation) -> str:
     return (
         f"speculation: {cfg.drafter} K={cfg.k} in [{cfg.k_min}, {cfg.resolved_k_max}], acceptance "
         f"{m.acceptance:.3f}{fp16}, c={c}, predicted speedup {m.predicted_speedup:.2f}x"
+    )
+
+
+def throughput_line(t: Throughput) -> str:
+    base = t.unquantized_plain.tokens_per_s
+    runs = ((n.replace("_", " "), getattr(t, n)) for n in THROUGHPUT_RUNS)
+    return "throughput (tokens/s, x unquantized plain): " + ", ".join(
+        f"{name} {r.tokens_per_s:.1f} ({r.tokens_per_s / base:.2f}x)" for name, r in runs
     )
 
 
