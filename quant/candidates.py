@@ -10,8 +10,9 @@ the Triton GEMM (quant/triton_w8a16.py). The rate (``read_rate``) is the fractio
 of fp16 ``F.linear``'s bytes per second each int8 kernel reached on an H200 (tools/gpu_kernels.py and
 tools/gpu_w8a16_tune.py, profiles/gpu-results.md): reading half the bytes wins only where the rate
 stays above one half, as for a single row. Measured (a
-``CostFn`` from the build, engine/kernels/cpu_int8.py ``CpuCostMeter`` where the profile is built on
-the CPU it runs on): the kernel itself timed on the device. quant/search.py orders each module's
+``CostFn`` from the build where the profile is built on the device it runs on: engine/kernels/cpu_int8.py
+``CpuCostMeter`` on the CPU, engine/kernels/cost_meter.py ``ModuleCostMeter`` on CUDA): the kernel itself
+timed on the device. quant/search.py orders each module's
 candidates by the cost and says in a module's "why" when its choice is slower than the dense Linear.
 """
 

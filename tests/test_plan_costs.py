@@ -7,6 +7,8 @@ import pytest
 import torch
 from test_plan_search import tiny, windows
 
+from engine.build.planner import measured_costs
+from engine.kernels.cost_meter import ModuleCostMeter
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_int8 import CpuCostMeter
 from quant.candidates import CHOICES, DENSE, kernel_bytes, ordered_choices, paper_cost, read_rate
@@ -48,3 +50,22 @@ def test_cpu_cost_meter_measures_the_step_kernels():
     res = search_ffn(m, calib, lookup_gpu("a100"), kld_budget=1e9, cost=meter, cost_source="measured here")
     assert set(res.modules) == {f"layers.0.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")}
     assert torch.is_grad_enabled()
+
+
+def test_module_cost_meter_times_each_candidates_linear():
+    """The GPU build's meter, run here on the CPU's registry kernels: every candidate timed, cached per shape."""
+    meter = ModuleCostMeter(torch.device("cpu"), torch.float32, rows=4, stream_bytes=2 << 20, repeats=2)
+    costs = {c.label: meter(c, 128, 96, 64) for c in CHOICES}
+    assert all(v > 0 for v in costs.values()) and len(meter.cache) == len(CHOICES)
+    assert meter(CHOICES[2], 128, 96, 16) == costs["w8a16/g128"]  # rows capped at the meter's: the same entry
+    order = ordered_choices(lookup_gpu("a100"), 128, 96, 64, meter)
+    assert order[-1] == DENSE and {c.label for c in order} == {c.label for c in CHOICES}
+
+
+@pytest.mark.gpu
+def test_a_cuda_build_measures_its_candidates_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cost, source = measured_costs("cuda")
+    assert isinstance(cost, ModuleCostMeter) and torch.cuda.get_device_name() in source
+    assert all(cost(c, 1024, 512, 64) > 0 for c in CHOICES)

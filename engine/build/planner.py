@@ -20,8 +20,10 @@ from engine.api.plan_apply import calib_batches
 from engine.core.checkpoint import load_model
 from engine.core.config import load_config
 from engine.core.tokenizer import Tokenizer
+from engine.kernels.cost_meter import ModuleCostMeter
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_int8 import CpuCostMeter
+from quant.candidates import CostFn
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,19 @@ log = logging.getLogger(__name__)
 DEFAULT_KLD_BUDGET = 8e-4
 DEFAULT_MIN_TOP1 = 0.98
 KLD_WINDOWS = 16  # of calib_batches' 256-token windows: 4,096 calibration tokens score each candidate plan
+
+
+def measured_costs(device: str) -> tuple[CostFn | None, str | None]:
+    """The plan runs where it is built: its candidates' costs measured there (the CPU's C++ step kernels; on CUDA
+    each candidate's Linear), and how the profile names them; (None, None) where the CPU kernels are missing
+    (the costs are then on paper)."""
+    if device == "cuda":
+        meter = ModuleCostMeter(torch.device("cuda"))
+        return meter, f"measured on {torch.cuda.get_device_name()} at {meter.rows} rows"
+    if small_gemm_status() is None:
+        cpu = CpuCostMeter()
+        return cpu, f"measured on this CPU at {cpu.rows} rows"
+    return None, None
 
 
 def search_plan(
@@ -51,10 +66,7 @@ def search_plan(
     model = load_model(target_dir, dtype, device)
     tok = Tokenizer(target_dir)
     calib = collect_calibration(model, calib_batches(tok, calib_text), kld_windows=KLD_WINDOWS)
-    cost, source = None, None
-    if device == "cpu" and small_gemm_status() is None:  # the plan runs here: its kernels' costs measured here
-        cost = CpuCostMeter()
-        source = f"measured on this CPU at {cost.rows} rows"
+    cost, source = measured_costs(device)
     res = search_ffn(
         model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1, dense_storage=plan.target.compute_dtype,
         cost=cost, cost_source=source,
