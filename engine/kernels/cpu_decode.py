@@ -131,9 +131,8 @@ def _plain_weight(mod: Any) -> bool:
     )
 
 
-def decode_step_reason(model: Transformer, approximate: bool = False) -> str | None:
-    """None when ``DecodeStep`` can run this model here, else why not. ``approximate``: the step may compute another
-    function than the modules (a draft's: FP8 Linears that quantize activations read as weight-only)."""
+def decode_step_reason(model: Transformer) -> str | None:
+    """None when ``DecodeStep`` can run this model here, else why not."""
     if model.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
         return (
             f"needs a float32 model on the CPU (this one is {str(model.dtype).replace('torch.', '')} on "
@@ -146,7 +145,7 @@ def decode_step_reason(model: Transformer, approximate: bool = False) -> str | N
         return "needs heads divisible by kv heads and an even head_dim"
     for i, layer in enumerate(model.layers):
         for name, (mod, parts) in _slots(layer).items():
-            why = _slot_reason(mod, parts, approximate)
+            why = _slot_reason(mod, parts)
             if why is not None:
                 return f"layer {i} {name} {why}"
         gate_up = layer.mlp.gate_up
@@ -155,18 +154,18 @@ def decode_step_reason(model: Transformer, approximate: bool = False) -> str | N
         ):
             return f"layer {i} gate_up has a bias"
     head = model.lm_head
-    head_ok = _plain_weight(head) or (isinstance(head, FP8Linear) and fp8_reason(head, approximate) is None)
+    head_ok = _plain_weight(head) or (isinstance(head, FP8Linear) and fp8_reason(head) is None)
     if type(model.embed_tokens) not in (nn.Embedding, FP8Embedding) or not head_ok or head.bias is not None:
         return f"the embedding or LM head is not a plain fp32 or FP8 one ({type(head).__name__})"
     return small_gemm_status()
 
 
-def _slot_reason(mod: Any, parts: tuple[nn.Module, ...], approximate: bool) -> str | None:
+def _slot_reason(mod: Any, parts: tuple[nn.Module, ...]) -> str | None:
     """None when the step can run this GEMM: a plain fp32 weight, INT8 Linears the int8 GEMM reads, or FP8 Linears
     it reads dequantized (engine/kernels/cpu_fp8.py)."""
     if isinstance(parts[0], FP8Linear):
         for p in parts:
-            why = fp8_reason(p, approximate) if isinstance(p, FP8Linear) else f"mixes {type(p).__name__} with FP8"
+            why = fp8_reason(p) if isinstance(p, FP8Linear) else f"mixes {type(p).__name__} with FP8"
             if why is not None:
                 return why
         return None
@@ -194,15 +193,10 @@ class DecodeStep:
     """``model``'s forward with a cache as one C++ call (same inputs and result as PyTorch's)."""
 
     def __init__(
-        self,
-        model: Transformer,
-        weight_dtype: torch.dtype | str = torch.float32,
-        amx: bool | None = None,
-        approximate: bool = False,
+        self, model: Transformer, weight_dtype: torch.dtype | str = torch.float32, amx: bool | None = None
     ) -> None:
-        """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them.
-        ``approximate``: as ``decode_step_reason`` takes it (a draft's step)."""
-        reason = decode_step_reason(model, approximate)
+        """``amx``: the GEMMs on AMX tiles (bf16 weights only): None where this CPU has them, True requires them."""
+        reason = decode_step_reason(model)
         if reason is not None:
             raise KernelUnavailableError(f"the fp32 decode-step kernel cannot run this model: {reason}")
         if weight_dtype not in (*WEIGHT_DTYPES, PER_WEIGHT):
@@ -401,14 +395,12 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
     """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).
     ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless); "auto": that when it is 16-bit, else
     float16 (for a draft: rounding its weights moves only the acceptance)."""
-    approximate = weight_dtype is not None  # a draft's step: it may round
-    reason = decode_step_reason(model, approximate)
+    reason = decode_step_reason(model)
     if reason is not None:
         log.info("the model's steps stay on PyTorch: %s", reason)
         model.use_kernels(step=None)
         return reason
-    dtype = step_weight_dtype(_gemm_weights(model), weight_dtype)
-    model.use_kernels(step=DecodeStep(model, dtype, approximate=approximate))
+    model.use_kernels(step=DecodeStep(model, step_weight_dtype(_gemm_weights(model), weight_dtype)))
     return None
 
 

@@ -4,10 +4,11 @@ step's weight dtype.
 The CPU has no FP8 arithmetic: ``fp8/weight-only`` computes x @ (q * s)^T from the e4m3 bytes q and per-row
 float32 scales s, and an ``FP8Embedding`` looks up q * s. The step holds q * s, formed in float32 as
 ``quant.fp8.dequantize_fp8`` forms it: in float32 it computes exactly what weight-only computes; a 16-bit
-copy (a draft's ``"auto"`` step) rounds, which moves only the acceptance. ``fp8/native`` also quantizes each
-activation row to e4m3, so the step (which does not) stands for it only where it may round (``approximate``:
-a draft's step). Nothing else is kept: the e4m3 bytes stay the module's, and the weight-only kernel's
-dequantized float32 copy is never made, since every cached forward of the model goes through the step.
+copy (a draft's ``"auto"`` step) rounds it, which moves only the acceptance. ``fp8/native`` also quantizes
+each activation row to e4m3, which the step does not do: such a model stays on PyTorch's ops, so that what
+runs (and the acceptance a build measures) is the plan's function. Nothing else is kept: the e4m3 bytes
+stay the module's, and the weight-only kernel's dequantized float32 copy is never made, since every
+cached forward of the model goes through the step.
 """
 
 from __future__ import annotations
@@ -21,14 +22,11 @@ from quant.fp8 import dequantize_fp8
 from quant.linear import FP8Embedding, FP8Linear
 
 
-def fp8_reason(mod: FP8Linear, approximate: bool) -> str | None:
-    """None when the step can stand for this FP8 Linear, else why not."""
-    if mod.kernel == "weight-only" or approximate:
+def fp8_reason(mod: FP8Linear) -> str | None:
+    """None when the step computes what this FP8 Linear computes, else why not."""
+    if mod.kernel == "weight-only":
         return None
-    return (
-        f"is FP8 with kernel {mod.kernel!r}, which quantizes activations: only a step that may round (a draft's) "
-        "reads it"
-    )
+    return f"is FP8 with kernel {mod.kernel!r}, which quantizes activations (the step reads weight-only FP8)"
 
 
 def fp8_weight(parts: Sequence[nn.Module]) -> Tensor:
