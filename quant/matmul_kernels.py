@@ -10,7 +10,8 @@ each of them on the same data and compare.
     fp8/native       torch._scaled_mm, per-token x scales x per-channel w scales
                      (CPU; CUDA compute capability >= 8.9)
     fp8/te           transformer-engine te.Linear under fp8_autocast (CUDA >= 8.9)
-    fp8/weight-only  FP8 storage dequantized to the compute dtype, then F.linear (anywhere)
+    fp8/weight-only  FP8 storage dequantized to the compute dtype, then F.linear (anywhere); on CUDA with
+                     Triton, fp16/bf16 inputs run the Triton GEMM that reads the e4m3 bytes (quant/triton_w8a16.py)
     int8/w8a8        int8 x int8 -> int32 GEMM, per-token dynamic x scales (torch._int_mm: CUDA >= 7.5, and
                      the CPU, where oneDNN runs it faster than a float GEMM; the decode step's C++
                      kernel computes the same numbers: engine/kernels/csrc/int8_gemm.cpp)
@@ -124,6 +125,11 @@ def _probe_fp8_te(device: torch.device) -> tuple[bool, str]:
 
 
 def _probe_weight_only(device: torch.device) -> tuple[bool, str]:
+    if device.type == "cuda" and _has_triton():
+        return True, (
+            f"the Triton GEMM reading the e4m3 bytes (quant/triton_w8a16.py) for fp16/bf16 inputs on "
+            f"{_sm(_cc(device))}; fp32 inputs dequantize + F.linear"
+        )
     return True, f"dequantize + F.linear on {device.type}"
 
 
@@ -248,6 +254,10 @@ def _fp8_weight_only(mod: Any, x: Tensor) -> Tensor:
             w = dequantize_fp8(mod.weight, mod.weight_scale, x.dtype)
             mod.kernel_state.clear()
             mod.kernel_state[key] = w
+    elif x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" and _has_triton() and not _grad(x):
+        from quant.triton_w8a16 import fp8_weight_matmul
+
+        return _add_bias(fp8_weight_matmul(x, mod.weight, mod.weight_scale), mod.bias)
     else:
         w = dequantize_fp8(mod.weight, mod.weight_scale, x.dtype)
     return F.linear(x, w, None if mod.bias is None else mod.bias.to(x.dtype))

@@ -5,7 +5,9 @@ channel ([N], applied to the fp32 accumulator) or per group of ``group`` input c
 group)], applied to the weight tile in fp32 before the product; the dot form rounds the scaled tile to
 ``x``'s dtype, as the dequantized reference does).
 A step reads the int8 weight once per block of M rows, half the bytes of an fp16 weight, which is what a
-memory-bound decode or verify step pays for.
+memory-bound decode or verify step pays for. The same kernels read FP8 weight-only Linears
+(:func:`fp8_weight_matmul`: e4m3 bytes with one scale per output channel, decoded exactly in registers), for
+GPUs without FP8 arithmetic.
 
 Two forms:
 - ``gemv`` (one row): no matrix unit; each program reduces BLOCK_N weight rows against the row in fp32.
@@ -44,30 +46,50 @@ class Config:
 
 
 @triton.jit
+def _e4m3(bits):
+    """e4m3fn bytes (loaded as uint8) -> their values in fp32, exactly: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal (m * 2^-9); S.1111.111 is NaN (e4m3fn has no infinity)."""
+    b = bits.to(tl.int32) & 0xFF
+    e, m = (b >> 3) & 0xF, b & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e - 7) * (1 + m / 8)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # 2^-9
+    v = tl.where((e == 15) & (m == 7), float("nan"), v)
+    return tl.where(b >= 128, -v, v)
+
+
+@triton.jit
+def _widen(w, FP8: tl.constexpr):
+    """A loaded weight tile in fp32: int8 values, or e4m3 bytes decoded."""
+    if FP8:
+        return _e4m3(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _scaled_tile(w, s_ptr, offs_n, k0, n, n_groups, stride_sn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):  # fmt: skip
-    """The int8 tile [BLOCK_N, BLOCK_K] (input channels k0...) times its group scales, in fp32."""
+    """The fp32 weight tile [BLOCK_N, BLOCK_K] (input channels k0...) times its group scales."""
     if GROUP % BLOCK_K == 0:  # the step lies in one group (k0 < K): one scale per row
         s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=offs_n < n, other=0.0)
-        return w.to(tl.float32) * s[:, None]
+        return w * s[:, None]
     elif BLOCK_K % GROUP == 0:  # whole groups: one scale per row and group
         PER: tl.constexpr = BLOCK_K // GROUP
         gi = k0 // GROUP + tl.arange(0, PER)
         s = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :],
                     mask=(offs_n[:, None] < n) & (gi[None, :] < n_groups), other=0.0)  # fmt: skip
-        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, PER, GROUP)) * s[:, :, None]
+        wf = tl.reshape(w, (BLOCK_N, PER, GROUP)) * s[:, :, None]
         return tl.reshape(wf, (BLOCK_N, BLOCK_K))
     else:  # a group size that does not tile the step: each weight's scale gathered
         gi = (k0 + tl.arange(0, BLOCK_K)) // GROUP
         s = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :],
                     mask=(offs_n[:, None] < n) & (gi[None, :] < n_groups), other=0.0)  # fmt: skip
-        return w.to(tl.float32) * s
+        return w * s
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_groups, stride_wn, stride_sn,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -77,10 +99,9 @@ def _gemv_kernel(
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n[:, None] < N) & (kk[None, :] < K),
                     other=0)  # fmt: skip
+        wf = _widen(w, FP8)
         if GROUP > 0:
-            wf = _scaled_tile(w, s_ptr, offs_n, k0, N, n_groups, stride_sn, GROUP, BLOCK_N, BLOCK_K)
-        else:
-            wf = w.to(tl.float32)
+            wf = _scaled_tile(wf, s_ptr, offs_n, k0, N, n_groups, stride_sn, GROUP, BLOCK_N, BLOCK_K)
         acc += wf * x[None, :]
     y = tl.sum(acc, axis=1)
     if GROUP == 0:
@@ -91,7 +112,7 @@ def _gemv_kernel(
 @triton.jit
 def _dot_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, n_groups, stride_xm, stride_wn, stride_sn, stride_ym,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,9 +125,10 @@ def _dot_kernel(
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok & k_ok, other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=n_ok & k_ok, other=0)
         if GROUP > 0:
-            wt = _scaled_tile(w, s_ptr, offs_n, k0, N, n_groups, stride_sn, GROUP, BLOCK_N, BLOCK_K).to(x.dtype)
+            wt = _scaled_tile(_widen(w, FP8), s_ptr, offs_n, k0, N, n_groups, stride_sn, GROUP, BLOCK_N, BLOCK_K)
+            wt = wt.to(x.dtype)
         else:
-            wt = w.to(x.dtype)  # int8 values are exact in fp16 and bf16
+            wt = _widen(w, FP8).to(x.dtype)  # int8 and e4m3 values are exact in fp16 and bf16
         acc += tl.dot(x, tl.trans(wt))
     if GROUP == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
@@ -143,6 +165,18 @@ def w8a16_matmul(x: Tensor, q: Tensor, scale: Tensor, group: int | None, cfg: Co
 
     CUDA tensors; CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter). ``cfg`` overrides
     :func:`config_for` (a one-row form needs one row)."""
+    assert q.dtype == torch.int8
+    return _matmul(x, q, scale, group, cfg, fp8=False)
+
+
+def fp8_weight_matmul(x: Tensor, q: Tensor, scale: Tensor, cfg: Config | None = None) -> Tensor:
+    """x [M, K] fp16/bf16, q [N, K] e4m3 (float8_e4m3fn), scale float32 [N] -> y [M, N] in x's dtype: FP8
+    weight-only, the e4m3 bytes read and decoded in registers (the same forms and tiles as per-channel int8)."""
+    assert q.dtype == torch.float8_e4m3fn
+    return _matmul(x, q.view(torch.uint8), scale, None, cfg, fp8=True)
+
+
+def _matmul(x: Tensor, q: Tensor, scale: Tensor, group: int | None, cfg: Config | None, fp8: bool) -> Tensor:
     assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1] and x.dtype in (torch.float16, torch.bfloat16)
     x, q, scale = x.contiguous(), q.contiguous(), scale.float().contiguous()
     (m, k), n = x.shape, q.shape[0]
@@ -150,7 +184,7 @@ def w8a16_matmul(x: Tensor, q: Tensor, scale: Tensor, group: int | None, cfg: Co
     _check(cfg, m)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     n_groups = scale.shape[1] if scale.dim() == 2 else 1
-    opts = dict(GROUP=group or 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+    opts = dict(GROUP=group or 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=fp8, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)  # fmt: skip
     if cfg.form == "gemv":
         _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

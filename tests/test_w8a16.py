@@ -212,3 +212,56 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_triton_fp8_weight_kernel_in_the_interpreter():
+    """The e4m3 decode of the Triton GEMM's FP8 weight-only path on every byte value (NaN where e4m3fn has NaN,
+    each finite value exact), and the GEMM on odd shapes and 1 to 40 rows against fp64, in Triton's interpreter."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from quant.fp8 import dequantize_fp8, quantize_fp8_rowwise
+from quant.triton_w8a16 import Config, fp8_weight_matmul
+
+K = 16  # row b holds byte b K times; x = ones: y[b] = K * value(b)
+q = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, K).contiguous().view(torch.float8_e4m3fn)
+want = q.float()[:, 0] * K
+for cfg in (None, Config("dot", 16, 16)):
+    y = fp8_weight_matmul(torch.ones(1, K, dtype=torch.float16), q, torch.ones(256), cfg)[0].float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(y), nan) and int(nan.sum()) == 2, cfg
+    assert torch.equal(y[~nan], want[~nan].half().float()), cfg
+torch.manual_seed(0)
+for m, n, k in ((1, 72, 200), (1, 130, 1000), (5, 130, 1000), (17, 64, 257), (40, 100, 300)):
+    q, s = quantize_fp8_rowwise(torch.randn(n, k) * 0.02)
+    x = torch.randn(m, k).half()
+    ref = x.double() @ dequantize_fp8(q, s).double().t()
+    for cfg in [None, Config("dot", 16, 64)] + ([Config("gemv", 8, 64)] if m == 1 else []):
+        y = fp8_weight_matmul(x, q, s, cfg)
+        assert y.dtype == torch.float16 and torch.isfinite(y).all(), (m, cfg)
+        assert float((y.double() - ref).norm() / ref.norm()) <= 2e-3, (m, n, k, cfg)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_fp8_weight_only_reads_the_e4m3_bytes(dtype):
+    """An FP8 weight-only Linear on CUDA runs the Triton GEMM (the probe names it) and matches the fp64 product of
+    its dequantized weight, 1 to 40 rows; no dequantized copy is kept."""
+    pytest.importorskip("triton")
+    from quant.linear import FP8Linear
+    from quant.matmul_kernels import kernel_available
+
+    assert "Triton" in kernel_available("fp8", "weight-only", "cuda")[1]
+    for rows in (1, 5, 40):
+        lin = torch.nn.Linear(1000, 4100, device="cuda", dtype=dtype)
+        m = FP8Linear.from_float(lin, "weight-only")
+        x = torch.randn(rows, 1000, device="cuda", dtype=dtype)
+        ref = x.double() @ (m.weight.float().double() * m.weight_scale.double()[:, None]).t() + m.bias.double()
+        y = m(x)
+        assert y.dtype == dtype and rel_fro(y, ref) <= (2e-3 if dtype == torch.float16 else 1e-2), rows
+        assert not m.kernel_state
