@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -146,6 +147,9 @@ def test_round_trip_same_plan_and_same_greedy_outputs(builds, tiny_demo):
         assert eng.info["cpu_decode_step"] == ["target", "draft"] and eng.info["draft_step_weights"] == "float16"
         fp8 = [m for m in eng.draft_model.modules() if isinstance(m, FP8Linear)]
         assert fp8 and not any(m.kernel_state for m in fp8)
+    alone = PrecisionConfig(dataclasses.replace(plan, draft=None), calib)  # the planned target, no speculation
+    plain = Engine.from_pretrained(tiny_demo[0], precision=alone)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
 
 
 def test_the_profile_written_is_the_profile_read(build_run):
