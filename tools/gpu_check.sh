@@ -11,8 +11,9 @@
 # 3. gpu-kernels.md/json: tools/gpu_kernels.py, copy and matmul ceilings, FP8 / INT8 Linears vs fp16
 # 4. gpu-bench-w8a16.md/json, gpu-bench-int8.md/json: tools/gpu_bench.py with INT8 FFNs (W8A16, W8A8)
 # 5. gpu-load.md/json: tools/gpu_load.py, Engine.from_pretrained and generate on a 1B-shaped checkpoint
-# 6. pytest-gpu.txt: python -m pytest -m gpu -q over the files holding gpu-marked tests
-# Every step has its own time limit; the whole check finishes within ~8 minutes. Exit status 0 only
+# 6. gpu-w8a16-tune.md/json: tools/gpu_w8a16_tune.py, the Triton W8A16 GEMM's launch configurations vs fp16
+# 7. pytest-gpu.txt: python -m pytest -m gpu -q over the files holding gpu-marked tests
+# Every step has its own time limit; the whole check takes about 6 minutes (at most ~12 by the limits). Exit status 0 only
 # when every step passed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,7 @@ step bench-w8a16 60 python tools/gpu_bench.py --device cuda --ffn w8a16 --batche
 step bench-int8 50 python tools/gpu_bench.py --device cuda --ffn int8 --batches 1,8 --ks 1,4,8 --out "$OUT" \
     --budget-s 20
 step load 80 python tools/gpu_load.py --device cuda --out "$OUT" --work "${TMPDIR:-/tmp}"
+step w8a16-tune 100 python tools/gpu_w8a16_tune.py --out "$OUT" --rows 1,8,32 --budget-s 70
 
 files=$(grep -l "mark.gpu" tests/test_*.py)
 per_test=()
