@@ -28,65 +28,35 @@ steps agree bit for bit.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from engine.core.checkpoint import DTYPES
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import Features, ForwardCall, ForwardOut, FusedLinear, Transformer
-from engine.kernels.cpu_fp8 import fp8_bias, fp8_reason, fp8_table, fp8_weight
+from engine.kernels.cpu_fp8 import fp8_reason
 from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
     amx_status,
     cpu_kernels,
     small_gemm_status,
 )
-from engine.kernels.cpu_int8 import Int8Weight, fused_int8, int8_gemm_reason, step_int8_reason
+from engine.kernels.cpu_int8 import int8_gemm_reason, step_int8_reason
+from engine.kernels.step_weights import (
+    PER_WEIGHT,
+    WEIGHT_DTYPES,
+    exact_dtype,
+    gemm_weights,
+    layer_weights,
+    slots,
+    step_weight_dtype,
+    table_and_head,
+    vec,
+)
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 
 log = logging.getLogger(__name__)
-
-# the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or 16-bit copies
-# (widened to fp32 in registers: half the bytes a step streams). A copy is lossless when every weight
-# already has a value of that dtype (a bf16 or fp16 checkpoint loaded in fp32: see exact_weight_dtype);
-# otherwise it rounds, which only a draft may do (the target verifies its proposals: the output is
-# unchanged and only the acceptance can move)
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PER_WEIGHT = "exact"  # each GEMM weight in its own narrowest lossless dtype (a plan's fp16-valued attention
-# beside a bf16-valued LM head: neither dtype holds both, each holds its own)
-
-
-def _slots(layer: Any) -> dict[str, tuple[Any, tuple[nn.Module, ...]]]:
-    """A decoder layer's 4 GEMMs: name -> (the float module running it or None, the Linears it stands for)."""
-    a, m = layer.self_attn, layer.mlp
-    return {
-        "qkv": (a.qkv, (a.q_proj, a.k_proj, a.v_proj)),
-        "o_proj": (a.o_proj, (a.o_proj,)),
-        "gate_up": (m.gate_up, (m.gate_proj, m.up_proj)),
-        "down_proj": (m.down_proj, (m.down_proj,)),
-    }
-
-
-def _float_weight(mod: Any, parts: tuple[nn.Module, ...]) -> Tensor | None:
-    """The slot's float GEMM weight: a fused group's or a lone plain Linear's, FP8 Linears' dequantized (float32);
-    None for INT8 Linears (read as they are)."""
-    if isinstance(parts[0], Int8Linear) or isinstance(mod, Int8Linear):
-        return None
-    return fp8_weight(parts) if isinstance(parts[0], FP8Linear) else mod.weight
-
-
-def _head_weight(model: Transformer) -> Tensor:
-    head = model.lm_head
-    return fp8_weight((head,)) if isinstance(head, FP8Linear) else head.weight
-
-
-def _gemm_weights(model: Transformer) -> list[Tensor]:
-    """The float GEMM weights of the step (INT8 ones are read as they are)."""
-    ws = [_float_weight(mod, parts) for layer in model.layers for mod, parts in _slots(layer).values()]
-    return [w for w in ws if w is not None] + [_head_weight(model)]
 
 
 def exact_weight_dtype(model: Transformer) -> torch.dtype:
@@ -94,28 +64,7 @@ def exact_weight_dtype(model: Transformer) -> torch.dtype:
     ``decode_step_reason`` accepts) exactly: bfloat16 or float16 when all their values are of
     that dtype, else float32. The small-GEMM kernel computes the very same fp32 numbers on such a
     copy; AMX tiles (bf16) compute the same products and add them in another order."""
-    return exact_dtype(_gemm_weights(model))
-
-
-def step_weight_dtype(weights: list[Tensor], choice: torch.dtype | str | None) -> torch.dtype | str:
-    """How a C++ step stores these GEMM weights: None -> ``exact_dtype(weights)`` (lossless) when it is 16-bit,
-    else PER_WEIGHT (each weight's own lossless dtype); "auto" -> the common exact dtype when it is 16-bit, else
-    float16 (a draft's rounding: only the acceptance can move); a dtype or its name (as
-    ``KernelOptions.draft_step_weights`` gives it) -> that dtype (the step checks it)."""
-    if choice is None or choice == "auto":
-        exact = exact_dtype(weights)
-        if exact != torch.float32:
-            return exact
-        return torch.float16 if choice == "auto" else PER_WEIGHT
-    return DTYPES.get(choice, choice) if isinstance(choice, str) else choice
-
-
-def exact_dtype(weights: list[Tensor]) -> torch.dtype:
-    """bfloat16 or float16 when every value of ``weights`` is of that dtype, else float32."""
-    for dtype in (torch.bfloat16, torch.float16):
-        if all(torch.equal(w.detach().to(dtype).float(), w.detach()) for w in weights):
-            return dtype
-    return torch.float32
+    return exact_dtype(gemm_weights(model))
 
 
 def _plain_weight(mod: Any) -> bool:
@@ -144,7 +93,7 @@ def decode_step_reason(model: Transformer) -> str | None:
     if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
         return "needs heads divisible by kv heads and an even head_dim"
     for i, layer in enumerate(model.layers):
-        for name, (mod, parts) in _slots(layer).items():
+        for name, (mod, parts) in slots(layer).items():
             why = _slot_reason(mod, parts)
             if why is not None:
                 return f"layer {i} {name} {why}"
@@ -213,8 +162,8 @@ class DecodeStep:
         self.model, self.weight_dtype = model, weight_dtype
 
         sw = layer_weights(model.layers, weight_dtype)
-        table, head = _table_and_head(model, weight_dtype)
-        sw.add(table, _vec(model.norm.weight), head)
+        table, head = table_and_head(model, weight_dtype)
+        sw.add(table, vec(model.norm.weight), head)
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.tensors = sw.tensors()  # what the step holds (Engine.stats counts its copies as resident weights)
@@ -311,86 +260,6 @@ class DecodeStep:
         )
 
 
-def _mat(t: Tensor, dtype: torch.dtype | str) -> Tensor:  # a GEMM weight: shared in fp32, a 16-bit copy otherwise
-    return t.detach().to(exact_dtype([t]) if dtype == PER_WEIGHT else dtype).contiguous()
-
-
-def _vec(t: Tensor | None) -> Tensor:  # a norm weight or bias (none: empty)
-    return torch.empty(0) if t is None else t.detach()
-
-
-def _table_and_head(model: Transformer, dtype: torch.dtype | str) -> tuple[Tensor, Tensor]:
-    """The embedding table (a plain one as it is; an FP8 one dequantized in the GEMM weights' dtype) and the LM
-    head's weight; a tied FP8 pair shares one copy."""
-    emb, head = model.embed_tokens, model.lm_head
-    if not isinstance(emb, FP8Embedding):
-        return _vec(emb.weight), _mat(_head_weight(model), dtype)
-    table = _mat(fp8_table(emb), dtype)
-    tied = isinstance(head, FP8Linear) and head.weight is emb.weight and head.weight_scale is emb.weight_scale
-    return table, table if tied else _mat(_head_weight(model), dtype)
-
-
-@dataclass
-class StepWeights:
-    """The C++ ``DecodeModel``'s tensors: per tensor an int8 GEMM weight's scales and group size (empty, 0 else)."""
-
-    weights: list[Tensor] = field(default_factory=list)
-    scales: list[Tensor] = field(default_factory=list)
-    smooths: list[Tensor] = field(default_factory=list)
-    groups: list[int] = field(default_factory=list)
-
-    def add(self, *ts: Tensor) -> None:
-        for t in ts:
-            self.add_int8(Int8Weight(t, torch.empty(0), 0, torch.empty(0)))
-
-    def add_int8(self, w: Int8Weight) -> None:
-        self.weights.append(w.q)
-        self.scales.append(w.scale)
-        self.smooths.append(w.smooth)
-        self.groups.append(w.group)
-
-    def args(self) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[int]]:
-        """The C++ ``DecodeModel``'s first four arguments."""
-        return self.weights, self.scales, self.smooths, self.groups
-
-    def tensors(self) -> list[Tensor]:
-        return [t for t in self.weights + self.scales + self.smooths if t.numel()]
-
-
-def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.dtype | str, bias: bool) -> None:
-    """One GEMM slot (and its bias when ``bias``): INT8 Linears stacked as they are, else the float weight."""
-    q = fused_int8(parts) if isinstance(parts[0], Int8Linear) else None
-    if q is not None:
-        sw.add_int8(q)
-        bs = [p.bias for p in parts]  # type: ignore[union-attr]
-        b = None if all(x is None for x in bs) else torch.cat([_vec(x) for x in bs])
-    elif isinstance(parts[0], FP8Linear):
-        sw.add(_mat(fp8_weight(parts), dtype))
-        b = fp8_bias(parts)
-    else:
-        sw.add(_mat(mod.weight, dtype))
-        b = mod.bias
-    if bias:
-        sw.add(_vec(b))
-
-
-def layer_weights(layers: Any, weight_dtype: torch.dtype | str) -> StepWeights:
-    """The decoder layers' tensors in the C++ ``DecodeModel``'s order, 9 per layer: input norm, q/k/v weight and
-    bias, o_proj weight and bias, post norm, gate/up weight, down weight and bias (q/k/v and gate/up fused:
-    ``fuse_projections``, or INT8 Linears stacked by ``fused_int8``; float GEMM weights in ``weight_dtype``,
-    INT8 ones as they are, the rest as they are, a missing bias empty)."""
-    sw = StepWeights()
-    for layer in layers:
-        slots = _slots(layer)
-        sw.add(_vec(layer.input_layernorm.weight))
-        _gemm(sw, *slots["qkv"], weight_dtype, True)
-        _gemm(sw, *slots["o_proj"], weight_dtype, True)
-        sw.add(_vec(layer.post_attention_layernorm.weight))
-        _gemm(sw, *slots["gate_up"], weight_dtype, False)
-        _gemm(sw, *slots["down_proj"], weight_dtype, True)
-    return sw
-
-
 def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | None = None) -> str | None:
     """Run ``model``'s cached forwards through ``DecodeStep``; None when installed, else why not (logged).
     ``weight_dtype`` None: ``exact_weight_dtype(model)`` (lossless); "auto": that when it is 16-bit, else
@@ -400,7 +269,7 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
         log.info("the model's steps stay on PyTorch: %s", reason)
         model.use_kernels(step=None)
         return reason
-    model.use_kernels(step=DecodeStep(model, step_weight_dtype(_gemm_weights(model), weight_dtype)))
+    model.use_kernels(step=DecodeStep(model, step_weight_dtype(gemm_weights(model), weight_dtype)))
     return None
 
 

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from engine.core.config import ModelConfig
 from engine.core.model import RMSNorm, rope_cos_sin
-from engine.kernels.cpu_decode import WEIGHT_DTYPES, layer_weights, step_weight_dtype
 from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
+from engine.kernels.step_weights import WEIGHT_DTYPES, layer_weights, step_weight_dtype
 
 log = logging.getLogger(__name__)
 
