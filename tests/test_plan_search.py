@@ -146,6 +146,7 @@ def test_search_steps_back_only_the_damaging_layers():
     _, m = tiny(4, outliers=True)
     calib = collect_calibration(m, windows(5), sample=96)
     ref_logits = [m(w) for w in calib.windows]
+
     # costs that make W8A8 the fastest (as on a GPU whose W8A8 kernel reads its int8 bytes at fp16's rate)
     def cost(c, n, k, rows):
         return float(2 ** CHOICES.index(c))
