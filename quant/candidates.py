@@ -58,7 +58,7 @@ CostFn = Callable[[Choice, int, int, int], float]
 """(choice, n_out, n_in, rows) -> seconds for one call of the Linear's kernel."""
 
 
-def kernel_bytes(choice: Choice, n_out: int, n_in: int, rows: int) -> int:
+def kernel_bytes(choice: Choice, n_out: int, n_in: int) -> int:
     """Weight bytes one call of the kernel that runs ``choice`` on CUDA moves (quant.matmul_kernels)."""
     if choice.kernel == "dense":
         return 2 * n_out * n_in
@@ -85,7 +85,7 @@ def paper_cost(gpu: dict[str, Any], n_out: int, n_in: int, choice: Choice, rows:
         )
     act_bytes = 2 * rows * (n_in + n_out)
     math_tput = tflops["int8"] if choice.kernel == "w8a8" else tflops["fp16"]
-    moved = kernel_bytes(choice, n_out, n_in, rows) / read_rate(choice, rows) + act_bytes
+    moved = kernel_bytes(choice, n_out, n_in) / read_rate(choice, rows) + act_bytes
     return max(moved / (gpu["memory_bandwidth_gbps"] * 1e9), 2.0 * rows * n_out * n_in / (math_tput * 1e12))
 
 

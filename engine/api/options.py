@@ -192,6 +192,10 @@ class PrecisionConfig:
                 f"precision.calibration={self.calibration!r:.60} is invalid: allowed a str, token-id lists or None"
             )
 
+    def target_only(self) -> PrecisionConfig:
+        """The same plan for the target alone (its draft section dropped), with the same calibration."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, draft=None))
+
 
 @dataclass(frozen=True)
 class LoadWindowConfig:

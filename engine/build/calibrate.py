@@ -3,7 +3,6 @@ with the unquantized draft, cost ratios on the device at hand, and K with its bo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +81,7 @@ def calibrate(
     quantized_head = plan.draft is not None and any(f.quantized for f in plan.draft.all_plans())
     loads = spec.registry[drafter].loads
     if loads is Loads.DRAFT_MODEL or (loads is Loads.HEAD and quantized_head):
-        fp16 = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
+        fp16 = PrecisionConfig(plan, calib_text).target_only()
         fp16_draft = Engine.from_pretrained(target_dir, draft_dir, speculation=spec, device=device, precision=fp16)
         a16 = acceptance(fp16_draft, prompts, probe.max_new_tokens)
     elif loads is Loads.HEAD:

@@ -10,7 +10,6 @@ resident after decoding (as allocated: the kernels' copies included). The output
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import statistics
@@ -69,7 +68,7 @@ def measure_throughput(
 ) -> Throughput:
     """The profile's ``throughput`` section (see the module doc)."""
     planned = PrecisionConfig(plan, calib_text)
-    alone = PrecisionConfig(dataclasses.replace(plan, draft=None), calib_text)
+    alone = planned.target_only()
     makers: dict[str, Callable[[], Engine]] = {
         "unquantized_plain": lambda: Engine.from_pretrained(target_dir, device=device),
         "planned_plain": lambda: Engine.from_pretrained(target_dir, device=device, precision=alone),

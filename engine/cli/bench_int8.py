@@ -13,7 +13,6 @@ bytes are ``Engine.stats()["memory"]`` (weights as allocated: the kernels' copie
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import resource
@@ -53,15 +52,11 @@ def _engine(profile: str, mode: str) -> Any:
     spec = o["speculation"] if drafter else SpeculationConfig()
     draft = o["draft"] if drafter else None  # a plain mode loads no draft (a draft alone means the model drafter)
     if mode.startswith("plan"):
-        precision = o["precision"] if drafter else dataclasses.replace(o["precision"], plan=_target_only(o))
+        precision = o["precision"] if drafter else o["precision"].target_only()
         return Engine.from_pretrained(
             o["target"], draft, speculation=spec, precision=precision, kernels=o["kernels"], device=o["device"]
         )
     return Engine.from_pretrained(o["target"], draft, speculation=spec)
-
-
-def _target_only(o: dict[str, Any]) -> Any:
-    return dataclasses.replace(o["precision"].plan, draft=None)
 
 
 def child(profile: str, mode: str, max_new: int) -> dict[str, Any]:

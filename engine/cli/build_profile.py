@@ -247,7 +247,7 @@ def run_gate(a: argparse.Namespace, inp: ProfileInputs) -> tuple[PassedGate | No
                 draft_dir=None if dcfg is None else inp.draft,  # no draft model: no draft part to plan
             )
         ffn = plan.target.families["ffn"]
-        precision = PrecisionConfig(dataclasses.replace(plan, draft=None), inp.calib_text)
+        precision = PrecisionConfig(plan, inp.calib_text).target_only()
         planned = Engine.from_pretrained(inp.target, device=inp.device, precision=precision)
         rep = compare_models(ref.logits, planned.logits, ids, context, progress=not a.quiet)
         ok = rep.passes(inp.gates.max_drift, inp.gates.max_kld)

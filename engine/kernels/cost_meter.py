@@ -50,11 +50,11 @@ class ModuleCostMeter:
     def _modules(self, choice: Choice, n_out: int, n_in: int) -> list[nn.Module]:
         g = torch.Generator(device=self.device).manual_seed(0)
         per = n_out * n_in * (torch.finfo(self.dtype).bits // 8 if choice.kernel == "dense" else 1)
+        dense = choice.kernel == "dense"
         mods: list[nn.Module] = []
         for _ in range(max(1, min(64, self.stream_bytes // max(1, per)))):
             lin = nn.Linear(n_in, n_out, bias=False, device=self.device, dtype=self.dtype)
             lin.weight.normal_(0, 0.05, generator=g)
-            dense = choice.kernel == "dense"
             mods.append(lin if dense else Int8Linear.from_float(lin, choice.kernel, group_size=choice.group_size))
         return mods
 

@@ -35,18 +35,6 @@ def fp8_weight(parts: Sequence[nn.Module]) -> Tensor:
     return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def fp8_bias(parts: Sequence[nn.Module]) -> Tensor | None:
-    """The FP8 Linears' biases stacked (float32), or None when none has one."""
-    bs = [p.bias for p in parts]
-    if all(b is None for b in bs):
-        return None
-    return torch.cat([torch.zeros(p.out_features) if b is None else b.float() for p, b in zip(parts, bs)])  # type: ignore[union-attr]
-
-
 def fp8_table(emb: FP8Embedding) -> Tensor:
     """The embedding table as its lookups return it, in float32."""
     return dequantize_fp8(emb.weight, emb.weight_scale)
-
-
-def is_fp8(mod: nn.Module) -> bool:
-    return isinstance(mod, (FP8Linear, FP8Embedding))

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from engine.core.checkpoint import DTYPES
 from engine.core.model import Transformer
-from engine.kernels.cpu_fp8 import fp8_bias, fp8_table, fp8_weight
+from engine.kernels.cpu_fp8 import fp8_table, fp8_weight
 from engine.kernels.cpu_int8 import Int8Weight, fused_int8
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 
@@ -130,16 +130,23 @@ def _gemm(sw: StepWeights, mod: Any, parts: tuple[nn.Module, ...], dtype: torch.
     q = fused_int8(parts) if isinstance(parts[0], Int8Linear) else None
     if q is not None:
         sw.add_int8(q)
-        bs = [p.bias for p in parts]  # type: ignore[union-attr]
-        b = None if all(x is None for x in bs) else torch.cat([vec(x) for x in bs])
+        b = _stacked_bias(parts)
     elif isinstance(parts[0], FP8Linear):
         sw.add(mat(fp8_weight(parts), dtype))
-        b = fp8_bias(parts)
+        b = _stacked_bias(parts)
     else:
         sw.add(mat(mod.weight, dtype))
         b = mod.bias
     if bias:
         sw.add(vec(b))
+
+
+def _stacked_bias(parts: tuple[nn.Module, ...]) -> Tensor | None:
+    """Quantized Linears' biases stacked as their slot fuses them (float32; zeros for one without), or None."""
+    bs = [p.bias for p in parts]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([torch.zeros(p.out_features) if b is None else b.detach().float() for p, b in zip(parts, bs)])  # type: ignore[union-attr]
 
 
 def layer_weights(layers: Any, weight_dtype: torch.dtype | str) -> StepWeights:
