@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gemm_block.h"
 #include "int8_gemm.h"
 #include "simd.h"
 
@@ -27,6 +28,8 @@ using simd::Vec;
 // room to spare (a block too large for the registers spills its accumulators at every group boundary)
 constexpr int NB = LANES == 16 ? 4 : 2;
 constexpr int MB = 4;
+// the weight bytes prefetched ahead of the ones being read (whole blocks, at least this many)
+constexpr int64_t AHEAD_BYTES = 8192;
 
 struct Weights {
   const int8_t* q;
@@ -34,9 +37,15 @@ struct Weights {
   int64_t G, group;  // scales per row and input channels per scale (per-row scaling: G 1, group K)
 };
 
+// the int8 vector at q widened to fp32 and scaled: the weight value quant.int8 dequantizes to, in registers
+inline Vec dequant(const int8_t* q, Vec scale) { return simd::mul(simd::load(q), scale); }
+inline Vec dequant_first(const int8_t* q, Vec scale, int64_t n) { return simd::mul(simd::load_first(q, n), scale); }
+
+// One pass of up to MB rows reading the int8 block directly, each weight vector dequantized in registers (not
+// inlined, as gemm_block::block)
 template <int M, int R>
-inline void block(const float* __restrict x, const Weights& w, float* __restrict y, int64_t K, int64_t N,
-                  int64_t n0, const int8_t* pf, int64_t pf_start, int64_t pf_rate) {
+__attribute__((noinline)) void block(const float* __restrict x, const Weights& w, float* __restrict y, int64_t K, int64_t N,
+                  int64_t n0, gemm_block::Prefetch ahead) {
   Vec acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = simd::zero();
@@ -48,15 +57,12 @@ inline void block(const float* __restrict x, const Weights& w, float* __restrict
     Vec sc[R];
     for (int i = 0; i < R; ++i) sc[i] = simd::set1(sr[i * w.G + g]);
     for (int64_t k = k0; k < full; k += LANES) {
-      if ((k & 63) == 0) {  // the next block's rows, a cache line per 64 k (a hint: never faults)
-        const int64_t at = pf_start + ((k * pf_rate) >> 16);
-        for (int i = 0; i < R; ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(pf + i * K + at)), _MM_HINT_T0);
-      }
+      if ((k & 63) == 0)  // a cache line of each row a block ahead per 64 k
+        for (int i = 0; i < R; ++i) gemm_block::prefetch_l2(ahead.base, i * ahead.row_bytes + k);
       Vec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
       for (int i = 0; i < R; ++i) {
-        const Vec wv = simd::mul(simd::load(wr + i * K + k), sc[i]);
+        const Vec wv = dequant(wr + i * K + k, sc[i]);
         for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
       }
     }
@@ -64,7 +70,7 @@ inline void block(const float* __restrict x, const Weights& w, float* __restrict
       Vec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = simd::load_first(x + m * K + full, k1 - full);
       for (int i = 0; i < R; ++i) {
-        const Vec wv = simd::mul(simd::load_first(wr + i * K + full, k1 - full), sc[i]);
+        const Vec wv = dequant_first(wr + i * K + full, sc[i], k1 - full);
         for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
       }
     }
@@ -75,20 +81,44 @@ inline void block(const float* __restrict x, const Weights& w, float* __restrict
 
 template <int Mc, int R>
 inline void pass(int64_t m, const float* x, const Weights& w, float* y, int64_t K, int64_t N, int64_t n0,
-                 const int8_t* pf, int64_t pf_start, int64_t pf_rate) {
+                 gemm_block::Prefetch ahead) {
   if constexpr (Mc > 1) {
-    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, n0, pf, pf_start, pf_rate);
+    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, n0, ahead);
   }
-  block<Mc, R>(x, w, y, K, N, n0, pf, pf_start, pf_rate);
+  block<Mc, R>(x, w, y, K, N, n0, ahead);
 }
 
-// the P passes over a block of R rows (MB input rows each) prefetch the next block, pass p its p-th P-th
+// the block's R weight rows dequantized into out[R, K] (fp32, L1-resident): the values block() forms in registers
 template <int R>
-inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+inline void dequant_rows(const Weights& w, int64_t K, int64_t n0, float* __restrict out) {
+  for (int i = 0; i < R; ++i) {
+    const int8_t* q = w.q + (n0 + i) * K;
+    const float* s = w.s + (n0 + i) * w.G;
+    float* o = out + i * K;
+    for (int64_t g = 0; g < w.G; ++g) {
+      const int64_t k0 = g * w.group, k1 = std::min(K, k0 + w.group);
+      const int64_t full = k0 + (k1 - k0) / LANES * LANES;
+      const Vec sc = simd::set1(s[g]);
+      for (int64_t k = k0; k < full; k += LANES) simd::store(o + k, dequant(q + k, sc));
+      if (full < k1) simd::store_first(o + full, dequant_first(q + full, sc, k1 - full), k1 - full);
+    }
+  }
+}
+
+// A block of R weight rows against all M input rows. One pass (M <= MB) reads the int8 weights directly. More
+// passes dequantize the block once into `scratch` and run the fp32 passes over it (widening and scaling each
+// weight once, not once per pass); their sums are the same FMA chains over the same values, so a row's
+// result is bit for bit the one-pass one. Meanwhile the block `ahead` bytes on streams into L2.
+template <int R>
+inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                 int64_t ahead, float* scratch) {
+  const char* next = reinterpret_cast<const char*>(w.q + n0 * K + ahead);
+  if (M <= MB) return pass<MB, R>(M, x, w, y, K, N, n0, gemm_block::Prefetch{next, K, 0, 65536});
+  dequant_rows<R>(w, K, n0, scratch);
   const int64_t P = (M + MB - 1) / MB;
   for (int64_t p = 0; p < P; ++p)
-    pass<MB, R>(std::min<int64_t>(MB, M - p * MB), x + p * MB * K, w, y + p * MB * N, K, N, n0,
-                w.q + (n0 + R) * K, p * K / P, 65536 / P);
+    gemm_block::pass<MB, R>(std::min<int64_t>(MB, M - p * MB), x + p * MB * K, scratch, y + p * MB * N + n0, K, N,
+                            gemm_block::Prefetch{next, K, p * K / P, 65536 / P});
 }
 
 // float32 sums of at most this many int8 x int8 products are exact integers (127^2 * 1040 < 2^24; a multiple of LANES)
@@ -172,10 +202,14 @@ void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor&
   const Weights w{q.data_ptr<int8_t>(), s.data_ptr<float>(), group == 0 ? 1 : (K + group - 1) / group,
                   group == 0 ? K : group};
   const int64_t blocks = N / NB;
+  // prefetch distance: whole blocks, at least AHEAD_BYTES (a single block of a short row is too near)
+  const int64_t ahead = NB * K * std::max<int64_t>(1, (AHEAD_BYTES + NB * K - 1) / (NB * K));
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB);
+    std::vector<float> scratch(M > MB ? NB * K : 0);
+    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB, ahead, scratch.data());
   });
-  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n);  // the N tail
+  std::vector<float> scratch(M > MB ? K : 0);
+  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, scratch.data());  // the N tail
 }
 
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group) {

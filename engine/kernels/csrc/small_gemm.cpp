@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gemm_block.h"
 #include "simd.h"
 #include "small_gemm.h"
 
@@ -21,72 +22,23 @@ namespace {
 using simd::BF16;
 using simd::F16;
 using simd::LANES;
-using simd::Vec;
 
 // weight rows per block and input rows per pass over it: NB * MB accumulators, MB inputs and a weight in
 // registers (32 of them on AVX-512, 16 on AVX2)
 constexpr int NB = LANES == 16 ? 8 : 4;
 constexpr int MB = LANES == 16 ? 4 : 3;
 
-// Prefetch: at k, the weight rows pf[i * K + (start + k * rate / 65536)] (rate in 1/65536 elements per element)
-struct Prefetch {
-  const void* pf;
-  int64_t start, rate;
-};
-
-template <int M, int R, typename W>
-inline void block(const float* __restrict x, const W* __restrict w, float* __restrict y,
-                  int64_t K, int64_t N, int64_t n0, Prefetch ahead) {
-  const W* pf = static_cast<const W*>(ahead.pf);
-  int64_t at = ahead.start << 16;  // fixed point, 16 fraction bits
-  const int64_t step = ahead.rate * LANES;
-  Vec acc[R][M];
-  for (int i = 0; i < R; ++i)
-    for (int m = 0; m < M; ++m) acc[i][m] = simd::zero();
-  const int64_t full = K / LANES * LANES;
-  for (int64_t k = 0; k < full; k += LANES) {
-    Vec xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
-    for (int i = 0; i < R; ++i) {
-      // a hint only (never faults); the address is formed as an integer, as it may lie past the weight
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(pf + i * K + (at >> 16))), _MM_HINT_T0);
-      const Vec wv = simd::load(w + (n0 + i) * K + k);
-      for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
-    }
-    at += step;
-  }
-  if (full < K) {  // the K tail: lanes past it load as 0 and add 0
-    Vec xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = simd::load_first(x + m * K + full, K - full);
-    for (int i = 0; i < R; ++i) {
-      const Vec wv = simd::load_first(w + (n0 + i) * K + full, K - full);
-      for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int m = 0; m < M; ++m) y[m * N + n0 + i] = simd::reduce_add(acc[i][m]);
-}
-
-// block<m, R> for a run-time m <= Mc
-template <int Mc, int R, typename W>
-inline void pass(int64_t m, const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, Prefetch ahead) {
-  if constexpr (Mc > 1) {
-    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, n0, ahead);
-  }
-  block<Mc, R>(x, w, y, K, N, n0, ahead);
-}
-
 // The weight rows stream from memory one block ahead: the P passes over a block (MB input rows each) prefetch
 // the next block's rows, pass p its p-th P-th, so the memory streams while the FMAs run (prefetching a fixed
 // distance ahead on the rows being read left the memory idle during the passes after the first).
 template <int R, typename W>
 inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  const int64_t P = (M + MB - 1) / MB;
+  const int64_t P = (M + MB - 1) / MB, row_bytes = K * static_cast<int64_t>(sizeof(W));
+  const char* next = reinterpret_cast<const char*>(w + (n0 + R) * K);
   for (int64_t p = 0; p < P; ++p) {
-    const float* xs = x + p * MB * K;
-    float* ys = y + p * MB * N;
-    const Prefetch ahead{w + (n0 + R) * K, p * K / P, 65536 / P};
-    pass<MB, R>(std::min<int64_t>(MB, M - p * MB), xs, w, ys, K, N, n0, ahead);
+    const gemm_block::Prefetch ahead{next, row_bytes, p * row_bytes / P, 65536 * static_cast<int64_t>(sizeof(W)) / P};
+    gemm_block::pass<MB, R>(std::min<int64_t>(MB, M - p * MB), x + p * MB * K, w + n0 * K, y + p * MB * N + n0, K,
+                            N, ahead);
   }
 }
 
