@@ -87,7 +87,7 @@ def child(profile: str, mode: str, max_new: int) -> dict[str, Any]:
 
 def run_rounds(profile: str, max_new: int, rounds: int, modes: list[str]) -> dict[str, list[dict[str, Any]]]:
     res: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for r in range(rounds):
+    for rnd in range(rounds):
         for m in modes:
             cmd = [sys.executable, "-m", "engine.cli.bench_int8", "--profile", profile, "--child", m]
             r = subprocess.run([*cmd, "--max-new-tokens", str(max_new)], capture_output=True, text=True)
@@ -95,7 +95,7 @@ def run_rounds(profile: str, max_new: int, rounds: int, modes: list[str]) -> dic
                 last = (r.stderr.strip().splitlines() or ["no output"])[-1]
                 raise BenchError(f"mode {m} failed (exit {r.returncode}): {last}")
             res[m].append(json.loads(r.stdout.strip().splitlines()[-1]))
-            log.info("round %d %s: %.1f tok/s", r, m, res[m][-1]["tok_s"])
+            log.info("round %d %s: %.1f tok/s", rnd, m, res[m][-1]["tok_s"])
     return res
 
 
