@@ -1,10 +1,10 @@
 // y[M, N] = x[M, K] @ (q * s)^T for the few rows of a decode step or a verify pass, reading int8 weights.
 //
-// The loop is the fp32 kernel's (small_gemm.cpp: blocks of NB weight rows streamed once and reused from L1
-// for every group of up to MB input rows, the next block prefetched), with each weight vector loaded as
-// int8, widened to fp32 and multiplied by its row's (group's) scale in registers before the FMA: a quarter
-// of the fp32 bytes to stream, the dequantized value q * s exactly as quant.int8 computes it, and the same
-// FMA order, so every output equals small_gemm on the dequantized weight bit for bit, for any M.
+// The loop is the fp32 kernel's (small_gemm.cpp: blocks of NB weight rows streamed once, prefetched ahead into
+// L2), with each weight vector loaded as int8, widened to fp32 and multiplied by its row's (group's) scale
+// before the FMA (in registers for a few rows, into an L1 scratch once per block for more): a quarter of the
+// fp32 bytes to stream, the dequantized value q * s exactly as quant.int8 computes it, and the same FMA order,
+// so every output equals small_gemm on the dequantized weight bit for bit, for any M.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,6 +28,9 @@ using simd::Vec;
 // room to spare (a block too large for the registers spills its accumulators at every group boundary)
 constexpr int NB = LANES == 16 ? 4 : 2;
 constexpr int MB = 4;
+// up to this many input rows read the int8 block directly; more dequantize it once into a scratch (faster from
+// 4 rows on with AVX-512: docs/performance.md)
+constexpr int DIRECT_ROWS = 3;
 // the weight bytes prefetched ahead of the ones being read (whole blocks, at least this many)
 constexpr int64_t AHEAD_BYTES = 8192;
 
@@ -41,7 +44,7 @@ struct Weights {
 inline Vec dequant(const int8_t* q, Vec scale) { return simd::mul(simd::load(q), scale); }
 inline Vec dequant_first(const int8_t* q, Vec scale, int64_t n) { return simd::mul(simd::load_first(q, n), scale); }
 
-// One pass of up to MB rows reading the int8 block directly, each weight vector dequantized in registers (not
+// One pass of up to DIRECT_ROWS rows reading the int8 block directly, each weight vector dequantized in registers (not
 // inlined, as gemm_block::block)
 template <int M, int R>
 __attribute__((noinline)) void block(const float* __restrict x, const Weights& w, float* __restrict y, int64_t K, int64_t N,
@@ -105,15 +108,15 @@ inline void dequant_rows(const Weights& w, int64_t K, int64_t n0, float* __restr
   }
 }
 
-// A block of R weight rows against all M input rows. One pass (M <= MB) reads the int8 weights directly. More
-// passes dequantize the block once into `scratch` and run the fp32 passes over it (widening and scaling each
-// weight once, not once per pass); their sums are the same FMA chains over the same values, so a row's
-// result is bit for bit the one-pass one. Meanwhile the block `ahead` bytes on streams into L2.
+// A block of R weight rows against all M input rows. Up to DIRECT_ROWS rows read the int8 weights directly, in
+// one pass. More dequantize the block once into `scratch` and run the fp32 passes over it (widening and scaling
+// each weight once, not once per pass of MB rows); their sums are the same FMA chains over the same values, so
+// a row's result is bit for bit the direct one. Meanwhile the block `ahead` bytes on streams into L2.
 template <int R>
 inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
                  int64_t ahead, float* scratch) {
   const char* next = reinterpret_cast<const char*>(w.q + n0 * K + ahead);
-  if (M <= MB) return pass<MB, R>(M, x, w, y, K, N, n0, gemm_block::Prefetch{next, K, 0, 65536});
+  if (M <= DIRECT_ROWS) return pass<DIRECT_ROWS, R>(M, x, w, y, K, N, n0, gemm_block::Prefetch{next, K, 0, 65536});
   dequant_rows<R>(w, K, n0, scratch);
   const int64_t P = (M + MB - 1) / MB;
   for (int64_t p = 0; p < P; ++p)
@@ -205,10 +208,10 @@ void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor&
   // prefetch distance: whole blocks, at least AHEAD_BYTES (a single block of a short row is too near)
   const int64_t ahead = NB * K * std::max<int64_t>(1, (AHEAD_BYTES + NB * K - 1) / (NB * K));
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(M > MB ? NB * K : 0);
+    std::vector<float> scratch(M > DIRECT_ROWS ? NB * K : 0);
     for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB, ahead, scratch.data());
   });
-  std::vector<float> scratch(M > MB ? K : 0);
+  std::vector<float> scratch(M > DIRECT_ROWS ? K : 0);
   for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, scratch.data());  // the N tail
 }
 
