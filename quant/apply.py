@@ -8,7 +8,8 @@ Every kernel the plan names is checked against the model's device first
 shared by embed_tokens and lm_head; a tied FP8 draft shares one e4m3 table (and
 its per-row scales) between FP8Embedding and the FP8 LM head. After the swap the
 remaining float parameters (norms, dense Linears, biases) are cast to the plan's
-compute dtype; quantized data and scales keep their dtypes.
+compute dtype; quantized data and scales keep their dtypes. A dense Linear whose family is stored narrower
+than the compute dtype (a CPU plan's fp16 attention) becomes a StoredLinear: its weight rounded to that dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 from engine.core.model import Transformer
+from engine.core.stored_linear import StoredLinear
 
 from .linear import FP8Embedding, FP8Linear, Int8Linear
 from .matmul_kernels import require_kernel
@@ -81,6 +83,24 @@ def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] |
             raise InvalidConfigError(f"calib[{n!r}] has shape {tuple(calib[n].shape)}; expected ({k},)")
 
 
+def store_narrow(model: Transformer, model_plan: ModelPlan) -> int:
+    """Swap each dense Linear that ``model_plan`` stores in 16 bits while computing in fp32 (a CPU plan's fp16
+    attention) for a StoredLinear (its weight rounded to that dtype): the part of ``apply_plan`` the planner's
+    search measures its trials with. Returns the number swapped; Linears already swapped are left alone."""
+    n_swapped = 0
+    with torch.no_grad():
+        for n, m in list(model.named_modules()):
+            where = _family_of(n)
+            if type(m) is not nn.Linear or where is None or model_plan.compute_dtype != "fp32":
+                continue
+            fam = model_plan.module_plan(n, where[1])
+            if not fam.quantized and fam.storage in ("fp16", "bf16"):
+                parent = model.get_submodule(n.rsplit(".", 1)[0])
+                setattr(parent, where[2], StoredLinear.from_linear(m, TORCH_DTYPES[fam.storage]))
+                n_swapped += 1
+    return n_swapped
+
+
 def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tensor] | None = None) -> Transformer:
     """Swap the model's modules in place as ``model_plan`` (``plan.target`` or ``plan.draft``) says.
 
@@ -107,6 +127,7 @@ def apply_plan(model: Transformer, model_plan: ModelPlan, calib: dict[str, Tenso
     smooth = [n for n in names if plans[n].quantized and plans[n].scaling.get("smoothquant_alpha") is not None]
     smooth_fams = sorted({_family_of(n)[1] for n in smooth})  # type: ignore[index]
     _check_calib(model, smooth, calib, smooth_fams)
+    store_narrow(model, model_plan)
     with torch.no_grad():
         for n in names:
             _, fam_name, leaf = _family_of(n)  # type: ignore[misc]

@@ -72,7 +72,7 @@ def linear_bytes(n_out: int, n_in: int, bias: bool, fam: FamilyPlan, b: int) -> 
         g = fam.scaling.get("group_size")
         scales = 4 * n_out * (1 if g is None else -(-n_in // int(g)))
         return n_out * n_in + scales + smooth + bias_bytes
-    return n_out * n_in * b + bias_bytes  # dense storage is the compute dtype
+    return n_out * n_in * min(DTYPE_BYTES[fam.storage], b) + bias_bytes  # dense: its storage (at most the compute's)
 
 
 def embedding_bytes(vocab: int, hidden: int, fam: FamilyPlan, b: int) -> int:

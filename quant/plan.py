@@ -8,8 +8,8 @@ section's validation are quant.plan_schema. Rules:
 - draft "fp8": every Linear, the LM head and the embedding table in e4m3 (per-row
   scales). Kernel ``native`` (torch._scaled_mm) where the GPU has FP8 tensor cores
   (compute capability >= 8.9), ``weight-only`` (FP8 storage, fp16 matmul) below.
-- target: attention "fp16" (dense); FFN "int8" with the ``w8a8`` (+ SmoothQuant
-  alpha 0.5) or ``llm-int8`` kernel where the GPU has INT8 tensor cores (>= 7.5), or
+- target: attention "fp16" (dense; on the CPU stored in fp16, computed in fp32); FFN "int8" with the
+  ``w8a8`` (+ SmoothQuant alpha 0.5) or ``llm-int8`` kernel where the GPU has INT8 tensor cores (>= 7.5), or
   ``w8a16`` (INT8 weight-only, per output channel or per ``group_size`` input channels).
 - per layer: ``ModelPlan.modules`` maps a module name (``layers.12.mlp.down_proj``) to its
   own FamilyPlan, overriding its family's; each says why (quant.search fills it from the
@@ -241,7 +241,7 @@ def _target_plan(
     else:
         ffn = _dense(dt, "main_model.ffn = fp16")
     families = {
-        "attention": _dense(dt, "main_model.attention = fp16"),
+        "attention": _dense("fp16", "main_model.attention = fp16" + ("" if dt == "fp16" else f", computed in {dt}")),
         "ffn": ffn,
         "embeddings": _dense(dt),
         "lm_head": _dense(dt, "verifier: never quantized"),

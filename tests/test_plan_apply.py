@@ -10,7 +10,7 @@ from util import llama_config
 
 from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
-from engine.core.model import Transformer
+from engine.core.model import StoredLinear, Transformer
 from quant.apply import apply_plan, collect_activation_stats, model_weight_bytes
 from quant.catalog import (
     lookup_gpu,
@@ -68,7 +68,9 @@ def test_apply_plan_to_target_and_tied_draft(gpu, int8_kernel):
     assert (
         isinstance(target.layers[1].mlp.down_proj, Int8Linear) and target.layers[1].mlp.down_proj.kernel == int8_kernel
     )
-    assert type(target.layers[0].self_attn.q_proj) is torch.nn.Linear and type(target.lm_head) is torch.nn.Linear
+    q_proj = target.layers[0].self_attn.q_proj  # the plan's fp16 attention: stored in fp16, computed in fp32
+    assert type(q_proj) is StoredLinear and q_proj.weight.dtype == torch.float16 and q_proj.bias is None
+    assert type(target.lm_head) is torch.nn.Linear and target.lm_head.weight.dtype == torch.float32
     assert isinstance(draft.embed_tokens, FP8Embedding) and isinstance(draft.lm_head, FP8Linear)
     assert draft.lm_head.weight is draft.embed_tokens.weight  # tied stays tied
     assert draft.layers[0].mlp.up_proj.kernel == plan.draft.families["ffn"].kernel

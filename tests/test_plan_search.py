@@ -12,7 +12,7 @@ import torch
 from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.model import Transformer
-from quant.apply import apply_plan, model_weight_bytes
+from quant.apply import apply_plan, model_weight_bytes, store_narrow
 from quant.candidates import CHOICES, ordered_choices, paper_cost, read_rate
 from quant.catalog import lookup_gpu
 from quant.linear import Int8Linear
@@ -145,6 +145,8 @@ def test_module_errors_rank_outlier_modules_and_search_alpha():
 def test_search_steps_back_only_the_damaging_layers():
     _, m = tiny(4, outliers=True)
     calib = collect_calibration(m, windows(5), sample=96)
+    plan = make_plan(lookup_gpu("a100"), m.config, None, device="cpu")
+    assert store_narrow(m, plan.target) == 4 * m.config.num_hidden_layers  # as the planner: fp16 attention first
     ref_logits = [m(w) for w in calib.windows]
 
     # costs that make W8A8 the fastest (as on a GPU whose W8A8 kernel reads its int8 bytes at fp16's rate)
@@ -180,8 +182,6 @@ def test_search_steps_back_only_the_damaging_layers():
     )
     for w, r in zip(calib.windows, ref_logits):
         torch.testing.assert_close(m(w), r)
-    tc = m.config
-    plan = make_plan(lookup_gpu("a100"), tc, None, device="cpu")
     plan.target.families["ffn"] = res.family
     plan.target.modules.update(res.modules)
     from quant.search import Calibration
@@ -299,9 +299,10 @@ def _build(target: Path, root: Path, out: Path, *extra: str) -> dict:
 
 def test_ladder_steps_back_on_injected_outliers(outlier_ckpts, tmp_path):
     clean, hot, root = outlier_ckpts
-    ok = _build(clean, root, tmp_path / "clean.json", "--no-search")
+    # a KLD bound between the clean model's W8A8 (~6e-5) and the outlier model's (~2e-3)
+    ok = _build(clean, root, tmp_path / "clean.json", "--no-search", "--max-kld", "0.001")
     assert [t["passed"] for t in ok["quality"]["attempts"]] == [True]  # W8A8 holds on the clean model
-    p = _build(hot, root, tmp_path / "hot.json", "--no-search")
+    p = _build(hot, root, tmp_path / "hot.json", "--no-search", "--max-kld", "0.001")
     tries = p["quality"]["attempts"]
     assert tries[0]["plan"] == "int8 w8a8 + SmoothQuant" and not tries[0]["passed"]
     assert tries[0]["kld_mean"] > 10 * ok["quality"]["kld_mean"]

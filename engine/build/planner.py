@@ -59,6 +59,7 @@ def search_plan(
     draft_dir: Path | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """(the plan with the searched target FFN, the search record for the profile)."""
+    from quant.apply import store_narrow
     from quant.plan import with_target_choices
     from quant.search import collect_calibration, search_ffn
 
@@ -66,6 +67,7 @@ def search_plan(
     model = load_model(target_dir, dtype, device)
     tok = Tokenizer(target_dir)
     calib = collect_calibration(model, calib_batches(tok, calib_text), kld_windows=KLD_WINDOWS)
+    store_narrow(model, plan.target)  # the trials' KLD is the plan's: its 16-bit attention included
     cost, source = measured_costs(device)
     res = search_ffn(
         model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1, dense_storage=plan.target.compute_dtype,

@@ -26,6 +26,7 @@ from engine.core.attention import AttentionBackend, AttentionContext, position_m
 from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError
 from engine.core.forward import Features, ForwardCall, ForwardOut, KVCache, StepKernel  # KVCache: also for importers
+from engine.core.stored_linear import StoredLinear  # also for importers
 
 
 class RMSNorm(nn.Module):
@@ -149,21 +150,22 @@ class MLP(nn.Module):
 
 class FusedLinear:
     """Several Linears' outputs from one GEMM. Not a Module: the Linears keep the parameters (as views
-    of ``weight``), so state_dict and checkpoints are unchanged. engine/kernels/cpu_linear.py packs it."""
+    of ``weight``), so state_dict and checkpoints are unchanged. engine/kernels/cpu_linear.py packs it.
+    A group of StoredLinears keeps their storage dtype; the weight is widened to the input's per call."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
 
 
 def _fuse(mods: tuple[nn.Module, ...]) -> FusedLinear | None:
     """One weight (and bias) stacking the Linears' outputs; each Linear's weight becomes a view of it,
     so no memory is added and the modules (names, state_dict) stay as the checkpoint has them.
-    None when any of them is not a plain nn.Linear (a quantized or packed layer) or they differ in
-    dtype, device or having a bias."""
-    if any(type(m) is not nn.Linear for m in mods):
+    None when they are not all plain nn.Linear or all StoredLinear (a quantized or packed layer) or they
+    differ in dtype, device or having a bias."""
+    if len({type(m) for m in mods}) != 1 or type(mods[0]) not in (nn.Linear, StoredLinear):
         return None
     ws = [m.weight for m in mods]  # type: ignore[union-attr]
     bs = [m.bias for m in mods]  # type: ignore[union-attr]

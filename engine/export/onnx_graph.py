@@ -18,7 +18,8 @@ passes step = K + 1 and a rollback is the caller slicing present to the accepted
 Modules map one to one (the graph always computes in float32, like specmix's CPU plans):
 
     nn.Linear, OneDNNLinear,
-    SmallGemmLinear              Gemm(x, W, transB=1) with W the float32 weight [out, in]
+    SmallGemmLinear, StoredLinear  Gemm(x, W, transB=1) with W the float32 weight [out, in] (a StoredLinear's
+                                 16-bit values widened)
     Int8Linear (kernel w8a8)     [Div by the SmoothQuant factors] -> per-token dynamic
                                  QuantizeLinear(int8, axis 0) -> DequantizeLinear, times
                                  DequantizeLinear(int8 W, per-channel scale, axis 0) in a Gemm
@@ -45,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
-from engine.core.model import Transformer
+from engine.core.model import StoredLinear, Transformer
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.16 / onnxruntime 1.18 and later read it
@@ -181,12 +182,12 @@ class _StepBuilder:
                 x = self._dynamic_qdq(x, 448.0, g.TP.FLOAT8E4M3FN, name)
             w = self._dequant_weight(mod.weight, mod.weight_scale, name)
             self._note(f"fp8 {mod.kernel}", name)
-        elif type(mod) in (nn.Linear, OneDNNLinear, SmallGemmLinear):  # the same weight (a packed copy aside)
+        elif type(mod) in (nn.Linear, OneDNNLinear, SmallGemmLinear, StoredLinear):  # float32 (a 16-bit one widened)
             w = g.tensor(mod.weight, f"{name}.weight")
         else:
             raise InvalidConfigError(
                 f"{name}: module {type(mod).__name__} cannot be exported: allowed nn.Linear, "
-                "OneDNNLinear, SmallGemmLinear, Int8Linear, FP8Linear"
+                "StoredLinear, OneDNNLinear, SmallGemmLinear, Int8Linear, FP8Linear"
             )
         ins = [x, w] + ([g.tensor(mod.bias, f"{name}.bias")] if mod.bias is not None else [])
         return g.op("Gemm", ins, f"{name}_out", transB=1)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import KernelUnavailableError
-from engine.core.model import Features, ForwardCall, ForwardOut, FusedLinear, Transformer
+from engine.core.model import Features, ForwardCall, ForwardOut, FusedLinear, StoredLinear, Transformer
 from engine.kernels.cpu_fp8 import fp8_reason
 from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
@@ -68,12 +68,13 @@ def exact_weight_dtype(model: Transformer) -> torch.dtype:
 
 
 def _plain_weight(mod: Any) -> bool:
-    """An unquantized fp32 CPU projection: nn.Linear, a fused group or their small-GEMM forms."""
-    if not (type(mod) in (nn.Linear, SmallGemmLinear) or isinstance(mod, FusedLinear)):
+    """An unquantized CPU projection: nn.Linear, a StoredLinear, a fused group or their small-GEMM forms, its
+    weight float32 or (a StoredLinear's) 16-bit, its bias float32."""
+    if not (type(mod) in (nn.Linear, SmallGemmLinear, StoredLinear) or isinstance(mod, FusedLinear)):
         return False
     w = mod.weight
     return (
-        w.dtype == torch.float32
+        w.dtype in WEIGHT_DTYPES
         and w.device.type == "cpu"
         and w.is_contiguous()
         and (mod.bias is None or mod.bias.dtype == torch.float32)
@@ -131,7 +132,7 @@ def _slot_reason(mod: Any, parts: tuple[nn.Module, ...]) -> str | None:
         if any(g is not None and finest is not None and g % finest for g in groups):
             return f"stacks INT8 groups {sorted(groups, key=str)} that do not divide one another"
         return None
-    if mod is None and type(parts[0]) is nn.Linear:
+    if mod is None and type(parts[0]) in (nn.Linear, StoredLinear):
         return "is not fused (fuse_projections first)"
     if mod is None or not _plain_weight(mod):
         return f"is {type(parts[0] if mod is None else mod).__name__}, not a plain fp32 projection"
