@@ -87,11 +87,13 @@ def store_narrow(model: Transformer, model_plan: ModelPlan) -> int:
     """Swap each dense Linear that ``model_plan`` stores in 16 bits while computing in fp32 (a CPU plan's fp16
     attention) for a StoredLinear (its weight rounded to that dtype): the part of ``apply_plan`` the planner's
     search measures its trials with. Returns the number swapped; Linears already swapped are left alone."""
+    if model_plan.compute_dtype != "fp32":
+        return 0
     n_swapped = 0
     with torch.no_grad():
         for n, m in list(model.named_modules()):
             where = _family_of(n)
-            if type(m) is not nn.Linear or where is None or model_plan.compute_dtype != "fp32":
+            if type(m) is not nn.Linear or where is None:
                 continue
             fam = model_plan.module_plan(n, where[1])
             if not fam.quantized and fam.storage in ("fp16", "bf16"):

@@ -47,10 +47,10 @@ inline Vec dequant(const int8_t* q, Vec scale) { return simd::mul(simd::load(q),
 inline Vec dequant_first(const int8_t* q, Vec scale, int64_t n) { return simd::mul(simd::load_first(q, n), scale); }
 
 // One pass of up to DIRECT_ROWS rows reading the int8 block directly, each weight vector dequantized in registers (not
-// inlined, as gemm_block::block)
+// inlined, as gemm_block::block); `next`: the int8 block to pull into L2 meanwhile, row by row
 template <int M, int R>
-__attribute__((noinline)) void block(const float* __restrict x, const Weights& w, float* __restrict y, int64_t K, int64_t N,
-                  int64_t n0, gemm_block::Prefetch ahead) {
+__attribute__((noinline)) void block(const float* __restrict x, const Weights& w, float* __restrict y, int64_t K,
+                                     int64_t N, int64_t n0, const char* next) {
   Vec acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = simd::zero();
@@ -63,7 +63,7 @@ __attribute__((noinline)) void block(const float* __restrict x, const Weights& w
     for (int i = 0; i < R; ++i) sc[i] = simd::set1(sr[i * w.G + g]);
     for (int64_t k = k0; k < full; k += LANES) {
       if ((k & 63) == 0)  // a cache line of each row a block ahead per 64 k
-        for (int i = 0; i < R; ++i) gemm_block::prefetch_l2(ahead.base, i * ahead.row_bytes + k);
+        for (int i = 0; i < R; ++i) gemm_block::prefetch_l2(next, i * K + k);
       Vec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
       for (int i = 0; i < R; ++i) {
@@ -86,11 +86,11 @@ __attribute__((noinline)) void block(const float* __restrict x, const Weights& w
 
 template <int Mc, int R>
 inline void pass(int64_t m, const float* x, const Weights& w, float* y, int64_t K, int64_t N, int64_t n0,
-                 gemm_block::Prefetch ahead) {
+                 const char* next) {
   if constexpr (Mc > 1) {
-    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, n0, ahead);
+    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, n0, next);
   }
-  block<Mc, R>(x, w, y, K, N, n0, ahead);
+  block<Mc, R>(x, w, y, K, N, n0, next);
 }
 
 // the block's R weight rows dequantized into out[R, K] (fp32, L1-resident): the values block() forms in registers
@@ -118,12 +118,20 @@ template <int R>
 inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
                  int64_t ahead, float* scratch) {
   const char* next = reinterpret_cast<const char*>(w.q + n0 * K + ahead);
-  if (M <= DIRECT_ROWS) return pass<DIRECT_ROWS, R>(M, x, w, y, K, N, n0, gemm_block::Prefetch{next, K, 0, 65536});
+  if (M <= DIRECT_ROWS) return pass<DIRECT_ROWS, R>(M, x, w, y, K, N, n0, next);
   dequant_rows<R>(w, K, n0, scratch);
   const int64_t P = (M + SCRATCH_ROWS - 1) / SCRATCH_ROWS, per = (M + P - 1) / P;  // passes of equal rows
   for (int64_t p = 0; p < P; ++p)
     gemm_block::pass<SCRATCH_ROWS, R>(std::min<int64_t>(per, M - p * per), x + p * per * K, scratch,
                                       y + p * per * N + n0, K, N, gemm_block::Prefetch{next, K, p * K / P, 65536 / P});
+}
+
+// this thread's dequantization scratch of at least n floats: grown, never shrunk or freed, so a verify pass
+// allocates nothing once the largest block has been seen
+float* thread_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
 }
 
 // float32 sums of at most this many int8 x int8 products are exact integers (127^2 * 1040 < 2^24; a multiple of LANES)
@@ -210,11 +218,11 @@ void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor&
   // prefetch distance: whole blocks, at least AHEAD_BYTES (a single block of a short row is too near)
   const int64_t ahead = NB * K * std::max<int64_t>(1, (AHEAD_BYTES + NB * K - 1) / (NB * K));
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(M > DIRECT_ROWS ? NB * K : 0);
-    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB, ahead, scratch.data());
+    float* scratch = M > DIRECT_ROWS ? thread_scratch(NB * K) : nullptr;
+    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB, ahead, scratch);
   });
-  std::vector<float> scratch(M > DIRECT_ROWS ? K : 0);
-  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, scratch.data());  // the N tail
+  float* scratch = M > DIRECT_ROWS ? thread_scratch(K) : nullptr;
+  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, scratch);  // the N tail
 }
 
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group) {
