@@ -9,7 +9,8 @@ shared by embed_tokens and lm_head; a tied FP8 draft shares one e4m3 table (and
 its per-row scales) between FP8Embedding and the FP8 LM head. After the swap the
 remaining float parameters (norms, dense Linears, biases) are cast to the plan's
 compute dtype; quantized data and scales keep their dtypes. A dense Linear whose family is stored narrower
-than the compute dtype (a CPU plan's fp16 attention) becomes a StoredLinear: its weight rounded to that dtype.
+than the compute dtype (a CPU plan's fp16 attention and LM head) becomes a StoredLinear, its weight rounded to that
+dtype, and such an embedding table a StoredEmbedding (a tied pair shares the one 16-bit table).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 from engine.core.model import Transformer
-from engine.core.stored_linear import StoredLinear
+from engine.core.stored_linear import StoredEmbedding, StoredLinear
 
 from .linear import FP8Embedding, FP8Linear, Int8Linear
 from .matmul_kernels import require_kernel
@@ -85,7 +86,8 @@ def _check_calib(model: Transformer, want: list[str], calib: dict[str, Tensor] |
 
 def store_narrow(model: Transformer, model_plan: ModelPlan) -> int:
     """Swap each dense Linear that ``model_plan`` stores in 16 bits while computing in fp32 (a CPU plan's fp16
-    attention) for a StoredLinear (its weight rounded to that dtype): the part of ``apply_plan`` the planner's
+    attention and LM head) for a StoredLinear (its weight rounded to that dtype), and such an embedding table for a
+    StoredEmbedding: the part of ``apply_plan`` the planner's
     search measures its trials with. Returns the number swapped; Linears already swapped are left alone."""
     if model_plan.compute_dtype != "fp32":
         return 0
@@ -96,10 +98,32 @@ def store_narrow(model: Transformer, model_plan: ModelPlan) -> int:
             if type(m) is not nn.Linear or where is None:
                 continue
             fam = model_plan.module_plan(n, where[1])
-            if not fam.quantized and fam.storage in ("fp16", "bf16"):
+            if _narrow(fam):
                 parent = model.get_submodule(n.rsplit(".", 1)[0])
                 setattr(parent, where[2], StoredLinear.from_linear(m, TORCH_DTYPES[fam.storage]))
                 n_swapped += 1
+    return n_swapped + _store_verifier(model, model_plan)
+
+
+def _narrow(fam: FamilyPlan) -> bool:
+    return not fam.quantized and fam.storage in ("fp16", "bf16")
+
+
+def _store_verifier(model: Transformer, model_plan: ModelPlan) -> int:
+    """The embedding table and LM head stored as the plan says when that is 16 bits (a CPU plan's fp16 verifier);
+    a tied pair keeps one table. Returns the number of modules swapped."""
+    emb, head = model_plan.families["embeddings"], model_plan.families["lm_head"]
+    n_swapped = 0
+    if type(model.embed_tokens) is nn.Embedding and _narrow(emb):
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        model.embed_tokens = StoredEmbedding.from_embedding(model.embed_tokens, TORCH_DTYPES[emb.storage])
+        n_swapped += 1
+        if tied:
+            model.lm_head = StoredLinear(model.embed_tokens.weight, None)
+            return n_swapped + 1
+    if type(model.lm_head) is nn.Linear and _narrow(head):
+        model.lm_head = StoredLinear.from_linear(model.lm_head, TORCH_DTYPES[head.storage])
+        n_swapped += 1
     return n_swapped
 
 

@@ -76,9 +76,10 @@ def linear_bytes(n_out: int, n_in: int, bias: bool, fam: FamilyPlan, b: int) -> 
 
 
 def embedding_bytes(vocab: int, hidden: int, fam: FamilyPlan, b: int) -> int:
+    """Stored bytes of an embedding table planned as ``fam`` with compute dtype of ``b`` bytes."""
     if fam.storage == "fp8_e4m3":
         return vocab * hidden + 4 * vocab
-    return vocab * hidden * b
+    return vocab * hidden * min(DTYPE_BYTES[fam.storage], b)  # dense: its storage (at most the compute's)
 
 
 def weight_bytes(cfg: ModelConfig, plan: ModelPlan, compute_bytes: int | None = None) -> int:

@@ -16,12 +16,14 @@ section's validation are quant.plan_schema. Rules:
   calibration text).
   V100 (7.0) has none: the plan keeps the FFN in fp16 and records why, rather than
   refusing (the build still gets the fp16 attention and FP8 draft savings).
-- verifier: the target's embeddings, LM head and every norm stay in the compute
-  dtype; softmax and acceptance arithmetic in fp32. KV cache fp16.
+- verifier: the target's embeddings and LM head in fp16 (the precision section's
+  ``verifier``), never quantized; every norm in the compute dtype; softmax and
+  acceptance arithmetic in fp32. KV cache fp16.
 - attention backend flash-attn-2 where the GPU supports it (>= 8.0), else sdpa.
 - compute dtype fp16 on a GPU (bf16 support is recorded, attention stays "fp16");
-  ``device="cpu"`` keeps every storage/kernel choice of the GPU but computes in
-  fp32 with an fp32 KV cache and sdpa; its memory plan is still the GPU's.
+  ``device="cpu"`` keeps every storage/kernel choice of the GPU (fp16 attention,
+  embeddings and LM head stored in fp16) but computes in fp32 with an fp32 KV cache
+  and sdpa; its memory plan is still the GPU's.
 - memory: weights + KV cache (max_batch x max_seq_len) + workspace (quant.memory)
   under 80% of the GPU's memory, lowering max_batch first, then max_seq_len; when
   batch 1 at MIN_SEQ_LEN does not fit, PlanDoesNotFitError with the figures.
@@ -240,11 +242,12 @@ def _target_plan(
         notes.append(ffn.reason)
     else:
         ffn = _dense(dt, "main_model.ffn = fp16")
+    computed = "" if dt == "fp16" else f", computed in {dt}"
     families = {
-        "attention": _dense("fp16", "main_model.attention = fp16" + ("" if dt == "fp16" else f", computed in {dt}")),
+        "attention": _dense("fp16", "main_model.attention = fp16" + computed),
         "ffn": ffn,
-        "embeddings": _dense(dt),
-        "lm_head": _dense(dt, "verifier: never quantized"),
+        "embeddings": _dense("fp16", "verifier = fp16" + computed),
+        "lm_head": _dense("fp16", "verifier = fp16: never quantized" + computed),
         "norms": _dense(dt, "verifier: never quantized"),
     }
     return ModelPlan("target", dt, families, _shape(target_cfg)), notes

@@ -59,6 +59,25 @@ def plain(ckpt_dir):
 
 
 @pytest.fixture(scope="session")
+def planned_plain(ckpt_dir):
+    """Greedy outputs of the ckpt_dir target under a CPU precision plan whose target keeps its FFN in fp16 (the
+    target part of test_head_fp8's ``head_plan``: fp16 attention, FFN, embeddings and LM head, computed in fp32),
+    alone over util.PROMPTS, 40 new tokens each: the oracle for speculation with a planned head."""
+    from util import PROMPTS
+
+    from engine import Engine, SamplingParams
+    from engine.api.options import PrecisionConfig
+    from engine.core.config import load_config
+    from quant.catalog import lookup_gpu
+    from quant.plan import make_plan
+
+    fp16_target = {"draft_model": "fp8", "main_model": {"attention": "fp16", "ffn": "fp16"}, "verifier": "fp16"}
+    plan = make_plan(lookup_gpu("h100"), load_config(ckpt_dir), None, fp16_target, device="cpu")
+    eng = Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(plan, None))
+    return [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+
+
+@pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory):
     """A 16-token target and a fairly different draft (its weights plus 0.1 noise): both acceptance and the
     residual path get exercised, and a two-token joint can be enumerated exactly."""

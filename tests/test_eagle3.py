@@ -216,7 +216,7 @@ def test_fixed_text_training_generates_nothing(ckpt_dir, tmp_path):
         )
 
 
-def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_head, plain):
+def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_head, planned_plain):
     """The draft plan's FP8 on the EAGLE-3 head: fc and the layer's projections FP8Linear (weight-only on this
     CPU), its own LM head and norms kept; the planned bytes are what it stores; greedy output still the target's."""
     import copy
@@ -244,5 +244,5 @@ def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_h
     assert plan.memory.draft_weight_bytes == stored + 8 * ref.cfg.draft_vocab
     spec_eng = Engine.from_pretrained(ckpt_dir, path, speculation=spec("eagle3", 3), precision=PrecisionConfig(plan))
     assert spec_eng.info["draft_head_fp8"] == names
-    assert_greedy_grid(spec_eng, plain, "fp8")
+    assert_greedy_grid(spec_eng, planned_plain, "fp8")  # the planned target's own greedy output
     assert spec_eng.stats()["accepted"] > 0

@@ -84,15 +84,19 @@ def test_medusa_kept_unquantized_and_said_so(ckpt_dir, heads):
 
 
 @pytest.mark.parametrize("k", [2, 5])
-def test_fp8_head_greedy_equals_plain(ckpt_dir, heads, plain, k):  # noqa: F811
+def test_fp8_head_greedy_equals_plain(ckpt_dir, heads, planned_plain, k):  # noqa: F811
     plan = head_plan(ckpt_dir, heads["eagle"], "h100")
     eng = Engine.from_pretrained(
         ckpt_dir, heads["eagle"], speculation=spec("eagle", k), precision=PrecisionConfig(plan, None)
     )
     assert eng.info["draft_head_fp8"] == ["fc", "gate_up.0", "down.0"]
     assert isinstance(eng.drafter.head.fc, FP8Linear)
-    assert eng.target.lm_head.weight.dtype == torch.float32  # the shared LM head: the verifier's, untouched
-    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
+    assert eng.target.lm_head.weight.dtype == torch.float16  # the shared LM head: the verifier's fp16, not FP8
+    assert (
+        plan.target.families
+        == make_plan(lookup_gpu("h100"), load_config(ckpt_dir), None, FP16_TARGET, device="cpu").target.families
+    )
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == planned_plain
     assert eng.stats()["drafted"] > 0
 
 

@@ -16,7 +16,8 @@ from util import PROMPTS
 from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
 from engine.core.checkpoint import load_model
-from engine.core.model import KVCache, StoredLinear, fuse_projections
+from engine.core.model import KVCache, fuse_projections
+from engine.core.stored_linear import StoredEmbedding
 from engine.kernels.cpu_decode import DecodeStep, install_decode_step
 from engine.kernels.cpu_gemm import cpu_kernels, small_gemm_status
 from engine.kernels.cpu_int8 import install_int8_row_kernels
@@ -170,28 +171,34 @@ def test_speculation_is_greedy_identical_on_the_int8_plan(ckpt_dir):
     assert outs[0] == outs[1]
 
 
-def test_the_plans_fp16_attention_is_stored_and_read_in_fp16(ckpt_dir):
-    """A CPU plan keeps its fp16 attention in fp16 (StoredLinear; q/k/v fused as views of one 16-bit weight) and the
-    decode step reads those tensors as they are: no fp32 copy of an attention weight, the PyTorch forward's logits."""
+def test_the_plans_fp16_attention_and_verifier_are_stored_and_read_in_fp16(ckpt_dir):
+    """A CPU plan keeps its fp16 attention, embeddings and LM head in fp16 (q/k/v fused as views of one 16-bit
+    weight; a tied table shared) and the decode step reads those tensors as they are: no fp32 copy of any of them,
+    the PyTorch forward's logits."""
     ref = load_model(ckpt_dir, torch.float32)
     cfg = ref.config
     plan = make_plan(lookup_gpu("a100"), cfg, None, device="cpu", int8_kernel="w8a16", group_size=32)
     eng = Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(plan=plan))
     t = eng.target
     attn = t.layers[0].self_attn
-    assert isinstance(attn.o_proj, StoredLinear) and attn.qkv.weight.dtype == torch.float16
+    assert attn.o_proj.weight.dtype == torch.float16 and attn.qkv.weight.dtype == torch.float16
     assert torch.equal(attn.q_proj.weight, ref.layers[0].self_attn.q_proj.weight.half())  # rounded to nearest
     assert attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr()  # a view of the fused weight
+    assert isinstance(t.embed_tokens, StoredEmbedding)
+    assert torch.equal(t.embed_tokens.weight, ref.embed_tokens.weight.half())
+    assert t.lm_head.weight.dtype == torch.float16
+    assert (t.lm_head.weight.data_ptr() == t.embed_tokens.weight.data_ptr()) == cfg.tie_word_embeddings
     step = t.layer_step
     held = {x.data_ptr() for x in step.tensors}
-    assert attn.qkv.weight.data_ptr() in held and attn.o_proj.weight.data_ptr() in held  # read as stored
-    shapes = {tuple(attn.qkv.weight.shape), tuple(attn.o_proj.weight.shape)}
+    stored = (attn.qkv.weight, attn.o_proj.weight, t.embed_tokens.weight, t.lm_head.weight)
+    assert all(w.data_ptr() in held for w in stored)  # read as stored
+    shapes = {tuple(w.shape) for w in stored}
     assert not [x for x in [*t.parameters(), *step.tensors] if x.dtype == torch.float32 and tuple(x.shape) in shapes]
     toks = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         cached = t(toks, cache=KVCache(cfg, 2, 32, torch.float32, "cpu"), kv_len=9)
         plain = t(toks)  # the no-cache forward (the quality gate's)
-    assert torch.allclose(cached, plain, rtol=1e-4, atol=1e-4)
+    assert cached.dtype == torch.float32 and torch.allclose(cached, plain, rtol=1e-4, atol=1e-4)
 
 
 def test_stats_count_the_kernels_copies(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from util import llama_config
 from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, KernelUnavailableError
 from engine.core.model import StoredLinear, Transformer
+from engine.core.stored_linear import StoredEmbedding
 from quant.apply import apply_plan, collect_activation_stats, model_weight_bytes
 from quant.catalog import (
     lookup_gpu,
@@ -70,7 +72,10 @@ def test_apply_plan_to_target_and_tied_draft(gpu, int8_kernel):
     )
     q_proj = target.layers[0].self_attn.q_proj  # the plan's fp16 attention: stored in fp16, computed in fp32
     assert type(q_proj) is StoredLinear and q_proj.weight.dtype == torch.float16 and q_proj.bias is None
-    assert type(target.lm_head) is torch.nn.Linear and target.lm_head.weight.dtype == torch.float32
+    # the verifier's fp16 embeddings and LM head: stored in fp16 (not quantized), computed in fp32
+    assert type(target.lm_head) is StoredLinear and target.lm_head.weight.dtype == torch.float16
+    assert type(target.embed_tokens) is StoredEmbedding and target.embed_tokens.weight.dtype == torch.float16
+    assert target.embed_tokens(toks).dtype == torch.float32
     assert isinstance(draft.embed_tokens, FP8Embedding) and isinstance(draft.lm_head, FP8Linear)
     assert draft.lm_head.weight is draft.embed_tokens.weight  # tied stays tied
     assert draft.layers[0].mlp.up_proj.kernel == plan.draft.families["ffn"].kernel
@@ -133,3 +138,54 @@ def test_gpu_apply_plan_fp16():
         assert rel_fro(target(toks), ref_t) <= 0.03
         assert rel_fro(draft(toks), ref_d) <= 0.12
     assert model_weight_bytes(draft) == weight_bytes(dc, plan.draft)
+
+
+def test_a_tied_target_keeps_one_fp16_table_that_follows_no_dtype_cast():
+    """A CPU plan's verifier: the tied embedding table and LM head become one fp16 parameter (rounded to nearest),
+    rows and logits come out in the compute dtype, and ``.to(dtype)`` moves the compute dtype, not the storage."""
+    tc, target = tiny(6, tie_word_embeddings=True)
+    ref = target.embed_tokens.weight.detach().clone()
+    toks = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = target(toks)
+    plan = make_plan(lookup_gpu("a100"), tc, None, device="cpu", int8_kernel="w8a16")
+    apply_plan(target, plan.target, collect_activation_stats(target, [toks]))
+    emb, head = target.embed_tokens, target.lm_head
+    assert type(emb) is StoredEmbedding and type(head) is StoredLinear and head.weight is emb.weight
+    assert emb.weight.dtype == torch.float16 and torch.equal(emb.weight, ref.half())
+    assert model_weight_bytes(target) == weight_bytes(tc, plan.target)  # the table counted once, in fp16
+    with torch.no_grad():
+        got = target(toks)
+        assert got.dtype == torch.float32 and rel_fro(got, want) <= 0.03
+        assert torch.equal(emb(toks[0]), ref.half().float()[toks[0]])  # rows widened exactly
+        target.to(torch.float64)
+        assert emb.weight.dtype == torch.float16 and emb(toks[0]).dtype == torch.float64
+        assert head.weight is emb.weight and target(toks).dtype == torch.float64
+
+
+def test_a_planned_checkpoint_releases_the_files_memory_map(tmp_path):
+    """load_model copies the vectors (norms) out of the safetensors map, so once a CPU plan has replaced every
+    matrix, no tensor keeps the map (and the unquantized weights' pages) alive."""
+    import gc
+
+    from util import make_checkpoint
+
+    from engine.core.checkpoint import load_model
+
+    path = make_checkpoint(tmp_path / "ckpt", "llama", num_hidden_layers=2)
+    weights = str(path / "model.safetensors")
+
+    def mapped() -> bool:
+        gc.collect()
+        return any(line.rstrip().endswith(weights) for line in open("/proc/self/maps"))
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps")
+    model = load_model(path)
+    assert mapped()  # the matrices read the map
+    norm = model.layers[0].input_layernorm.weight
+    assert norm.untyped_storage().nbytes() == norm.numel() * norm.element_size()  # a copy of its own
+    plan = make_plan(lookup_gpu("a100"), model.config, None, device="cpu", int8_kernel="w8a16")
+    toks = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    apply_plan(model, plan.target, collect_activation_stats(model, [toks]))
+    assert not mapped()

@@ -2,7 +2,7 @@
 
 The model is built on the meta device and the safetensors tensors are assigned
 in place (memory-mapped reads, one conversion per tensor), so a checkpoint is
-never held twice. Every failure is a CheckpointError naming the path and cause.
+never held twice; vectors are copied, so the map outlives no matrix that reads it. Every failure is a CheckpointError naming the path and cause.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def load_model(
                     want = tuple(expected[name].shape)
                     if tuple(t.shape) != want:
                         raise CheckpointError(f"{path}: tensor {key} has shape {tuple(t.shape)}, expected {want}")
-                    state[name] = t.to(device=device, dtype=dtype)
+                    # vectors (norms, biases) are copied out of the file's memory map, so the map lives only as
+                    # long as the matrices reading it (a precision plan that replaces them all releases it)
+                    state[name] = t.to(device=device, dtype=dtype, copy=t.dim() < 2)
         except SafetensorError as e:
             raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from None
         except OSError as e:

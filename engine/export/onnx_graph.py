@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
 from engine.core.model import StoredLinear, Transformer
+from engine.core.stored_linear import StoredEmbedding
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.16 / onnxruntime 1.18 and later read it
@@ -199,11 +200,12 @@ class _StepBuilder:
         if isinstance(mod, FP8Embedding):
             table = self._dequant_weight(mod.weight, mod.weight_scale, "embed_tokens")
             self._note("fp8 embedding", "embed_tokens")
-        elif type(mod) is nn.Embedding:
+        elif type(mod) in (nn.Embedding, StoredEmbedding):  # float32 (a 16-bit table widened)
             table = g.tensor(mod.weight, "embed_tokens.weight")
         else:
             raise InvalidConfigError(
-                f"embed_tokens: module {type(mod).__name__} cannot be exported: allowed nn.Embedding, FP8Embedding"
+                f"embed_tokens: module {type(mod).__name__} cannot be exported: allowed nn.Embedding, "
+                "StoredEmbedding, FP8Embedding"
             )
         return g.op("Gather", [table, ids_flat], "embeds", axis=0)
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import Features, ForwardCall, ForwardOut, FusedLinear, StoredLinear, Transformer
+from engine.core.stored_linear import StoredEmbedding
 from engine.kernels.cpu_fp8 import fp8_reason
 from engine.kernels.cpu_gemm import (
     SmallGemmLinear,
@@ -105,8 +106,12 @@ def decode_step_reason(model: Transformer) -> str | None:
             return f"layer {i} gate_up has a bias"
     head = model.lm_head
     head_ok = _plain_weight(head) or (isinstance(head, FP8Linear) and fp8_reason(head) is None)
-    if type(model.embed_tokens) not in (nn.Embedding, FP8Embedding) or not head_ok or head.bias is not None:
-        return f"the embedding or LM head is not a plain fp32 or FP8 one ({type(head).__name__})"
+    if (
+        type(model.embed_tokens) not in (nn.Embedding, StoredEmbedding, FP8Embedding)
+        or not head_ok
+        or head.bias is not None
+    ):
+        return f"the embedding or LM head is not a plain, 16-bit stored or FP8 one ({type(head).__name__})"
     return small_gemm_status()
 
 

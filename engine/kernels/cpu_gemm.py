@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.core.errors import KernelUnavailableError
-from engine.core.model import FusedLinear
+from engine.core.model import FusedLinear, StoredLinear
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ SOURCES = [
         "bindings.cpp",
     )
 ]
+SMALL_GEMM_DTYPES = (torch.float32, torch.float16)  # the weights the kernel reads (activations fp32)
 MAX_ROWS = 32  # up to here the kernel beats MKL on the demo target's shapes (docs/performance.md)
 KERNEL_NAME = "small-gemm-fp32"
 
@@ -169,7 +170,7 @@ def _small_gemm_linear(
     """``F.linear(x, weight, bias)`` through the kernel when x has at most MAX_ROWS rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or _needs_torch(x, weight, bias):
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)  # (a 16-bit weight widened)
     y = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y.add_(bias)
 
@@ -184,17 +185,18 @@ def _needs_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def _check_weight(weight: Tensor) -> None:
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if weight.device.type != "cpu" or weight.dtype not in SMALL_GEMM_DTYPES or not weight.is_contiguous():
         raise ValueError(
-            f"the small-GEMM kernel needs a contiguous fp32 CPU weight, got {weight.dtype} on "
+            f"the small-GEMM kernel needs a contiguous fp32 or fp16 CPU weight, got {weight.dtype} on "
             f"{weight.device} (contiguous={weight.is_contiguous()})"
         )
 
 
 class SmallGemmLinear(nn.Module):
-    """Same API and parameters as the fp32 ``nn.Linear`` it replaces (the weight is shared, not copied)."""
+    """Same API and parameters as the fp32 ``nn.Linear`` or fp16 ``StoredLinear`` it replaces (the weight is shared,
+    not copied; the kernel widens a 16-bit one in registers)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear | StoredLinear) -> None:
         super().__init__()
         _check_weight(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -13,7 +13,8 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
   their argmaxes (16-bit copies of the stacked head weights, the LM head's fp32 rows).
 - eagle with attention: ``AttnHeadKernel`` runs the decoder layers, output norm and scores on the drafter's
   entries through the decode step's kernel (its ``forward_x``), with the head's own KV cache.
-``scorer_on_kernel`` puts the PyTorch steps' scorer (the LM head's rows) on the few-row GEMM, same fp32 weight.
+``scorer_on_kernel`` puts the PyTorch steps' scorer (the LM head's rows) on the few-row GEMM, same weight (fp32,
+or a CPU plan's fp16 LM head, whose heads run on PyTorch: the C++ steps read fp32 rows).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.config import ModelConfig
-from engine.core.model import RMSNorm, rope_cos_sin
-from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_status
+from engine.core.model import RMSNorm, StoredLinear, rope_cos_sin
+from engine.kernels.cpu_gemm import SMALL_GEMM_DTYPES, SmallGemmLinear, cpu_kernels, small_gemm_status
 from engine.kernels.step_weights import WEIGHT_DTYPES, layer_weights, step_weight_dtype
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,12 @@ class MedusaKernel:
         return self.impl.greedy(f.float().contiguous(), n)
 
 
-def scorer_on_kernel(scorer: nn.Linear) -> nn.Module:
+def scorer_on_kernel(scorer: nn.Linear | StoredLinear) -> nn.Module:
     """The LM head's scorer (engine/spec_decode/heads/modules.py ``draft_lm_head``) on the few-row GEMM, same
-    fp32 weight."""
+    weight (fp32, or a CPU plan's fp16 LM head)."""
     w = scorer.weight
-    if type(scorer) is nn.Linear and _fp32_cpu(w) and small_gemm_status() is None:
+    ok = w.device.type == "cpu" and w.dtype in SMALL_GEMM_DTYPES and w.is_contiguous()
+    if type(scorer) in (nn.Linear, StoredLinear) and ok and small_gemm_status() is None:
         return SmallGemmLinear(scorer)
     return scorer
 

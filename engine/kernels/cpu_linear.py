@@ -30,9 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
-from engine.core.model import FusedLinear, Transformer
+from engine.core.model import FusedLinear, StoredLinear, Transformer
 from engine.kernels.cpu_gemm import (
     KERNEL_NAME,
+    SMALL_GEMM_DTYPES,
     SmallGemmFused,
     SmallGemmLinear,
     small_gemm_status,
@@ -95,13 +96,14 @@ class PackedFused(FusedLinear):
 
 def _swap_linears(
     model: Transformer,
-    dtype: torch.dtype,
+    dtypes: tuple[torch.dtype, ...],
     make_linear: Callable[[nn.Linear], nn.Module],
     make_fused: Callable[[FusedLinear], FusedLinear],
+    types: tuple[type[nn.Module], ...] = (nn.Linear,),
 ) -> int:
-    """Swap every CPU ``nn.Linear`` of ``dtype`` (exactly that class: quantized layers stay) and every plain
-    fused projection; returns the number of GEMMs swapped. Linears inside a fused group are left alone
-    (the group's GEMM is the fused one: no second copy)."""
+    """Swap every CPU Linear of exactly one of ``types`` (quantized layers stay) whose weight has one of
+    ``dtypes``, and every such plain fused projection; returns the number of GEMMs swapped. Linears inside a
+    fused group are left alone (the group's GEMM is the fused one: no second copy)."""
     n = 0
     in_fused: set[int] = set()
     for layer in model.layers:
@@ -114,15 +116,15 @@ def _swap_linears(
                 continue
             in_fused.update(id(p) for p in parts)  # swapped or not, the group's GEMM is the fused one
             w = fused.weight
-            if type(fused) is FusedLinear and w.dtype == dtype and w.device.type == "cpu":
+            if type(fused) is FusedLinear and w.dtype in dtypes and w.device.type == "cpu":
                 setattr(owner, attr, make_fused(fused))
                 n += 1
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
             if (
-                type(child) is nn.Linear
+                type(child) in types
                 and id(child) not in in_fused
-                and child.weight.dtype == dtype
+                and child.weight.dtype in dtypes
                 and child.weight.device.type == "cpu"
             ):
                 setattr(mod, cname, make_linear(child))
@@ -133,15 +135,16 @@ def _swap_linears(
 def pack_linears(model: Transformer) -> int:
     """Swap every bf16 CPU ``nn.Linear`` for a ``OneDNNLinear`` and pack the fused projections; returns the
     number of GEMMs packed."""
-    n = _swap_linears(model, torch.bfloat16, OneDNNLinear, PackedFused)
+    n = _swap_linears(model, (torch.bfloat16,), OneDNNLinear, PackedFused)
     log.debug("oneDNN-packed %d bf16 GEMMs", n)
     return n
 
 
 def small_gemm_linears(model: Transformer) -> int:
-    """Swap every fp32 CPU ``nn.Linear`` and fused projection for the small-GEMM kernel (engine/kernels/cpu_gemm.py);
-    returns the number of GEMMs swapped. Needs ``small_gemm_status() is None``."""
-    n = _swap_linears(model, torch.float32, SmallGemmLinear, SmallGemmFused)
+    """Swap every fp32 CPU ``nn.Linear``, every fp16 ``StoredLinear`` (a CPU plan's) and their fused projections
+    for the small-GEMM kernel (engine/kernels/cpu_gemm.py); returns the number of GEMMs swapped. Needs
+    ``small_gemm_status() is None``."""
+    n = _swap_linears(model, SMALL_GEMM_DTYPES, SmallGemmLinear, SmallGemmFused, types=(nn.Linear, StoredLinear))
     log.debug("%d fp32 GEMMs on the small-GEMM kernel", n)
     return n
 

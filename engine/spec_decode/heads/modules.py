@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.core.errors import CheckpointError
-from engine.core.model import RMSNorm, Transformer
+from engine.core.model import RMSNorm, StoredLinear, Transformer
 from engine.spec_decode.heads.config import HEAD_KINDS, HeadConfig
 from engine.spec_decode.heads.eagle3 import init_eagle3
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead, head_model_config
@@ -126,14 +126,17 @@ def init_head(cfg: HeadConfig, target: Transformer, seed: int = 0) -> nn.Module:
     return head
 
 
-def draft_lm_head(target: Transformer, vocab_ids: Tensor | None) -> nn.Linear:
+def draft_lm_head(target: Transformer, vocab_ids: Tensor | None) -> nn.Linear | StoredLinear:
     """The heads' scorer: a bias-free Linear on the target's LM head weight (shared, not copied) or, with a
-    reduced draft vocabulary, on its rows ``vocab_ids`` (a copy of V' rows)."""
+    reduced draft vocabulary, on its rows ``vocab_ids`` (a copy of V' rows); a StoredLinear (widened per call)
+    where the target stores its LM head narrower than it computes (a CPU plan's fp16 verifier)."""
     w = target.lm_head.weight
     if vocab_ids is not None:
         w = nn.Parameter(w.detach()[vocab_ids].contiguous(), requires_grad=False)
     elif not isinstance(w, nn.Parameter):
         w = nn.Parameter(w.detach(), requires_grad=False)
+    if isinstance(target.lm_head, StoredLinear):
+        return StoredLinear(w, None)
     with torch.device("meta"):
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight = w
