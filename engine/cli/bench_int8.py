@@ -3,11 +3,14 @@
 precision plan (plain and with the drafter), each mode in its own process so its max RSS is its own.
 
     python tools/bench_int8.py --profile /tmp/smol-a100.json [--max-new-tokens 96] [--rounds 3] [--json FILE]
+        [--gguf model-q8_0.gguf]
 
 Greedy, batch 1, the same chat prompts for every mode (the text itself where the model has no chat template).
 Each round runs every mode once, one after another (a fresh process each: model load, one warm-up prompt, then
 the prompts timed); figures are medians over the rounds and the ratios are within this one run. Resident weight
 bytes are ``Engine.stats()["memory"]`` (weights as allocated: the kernels' copies included). Prints one Markdown table.
+``--gguf`` adds llama.cpp as a peer mode (engine/cli/gguf_peer.py: the same prompt ids, greedy, through
+llama-cpp-python; its weights are the file's bytes).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class BenchError(EngineError, RuntimeError):
 
 
 MODES = ("fp32-plain", "fp32-drafter", "plan-plain", "plan-drafter")
+PEER = "gguf"  # llama.cpp on --gguf FILE
 PROMPTS = (
     "Write a Python function that checks whether a string is a palindrome, and explain it.",
     "List five facts about the Moon, one per line.",
@@ -85,11 +89,22 @@ def child(profile: str, mode: str, max_new: int) -> dict[str, Any]:
     return {"mode": mode, "tok_s": n / dt, "weight_bytes": weights, "max_rss": rss, "tokens": outs}
 
 
-def run_rounds(profile: str, max_new: int, rounds: int, modes: list[str]) -> dict[str, list[dict[str, Any]]]:
+def peer(profile: str, gguf: Path, max_new: int) -> dict[str, Any]:
+    """One round of the llama.cpp peer on the profile's target's prompts."""
+    from engine.api.profile import load_profile, resolve_ref
+    from engine.cli.gguf_peer import peer_child
+
+    return peer_child(resolve_ref(load_profile(profile).models.target.path), gguf, PROMPTS, max_new)
+
+
+def run_rounds(
+    profile: str, max_new: int, rounds: int, modes: list[str], gguf: Path | None = None
+) -> dict[str, list[dict[str, Any]]]:
     res: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rnd in range(rounds):
         for m in modes:
             cmd = [sys.executable, "-m", "engine.cli.bench_int8", "--profile", profile, "--child", m]
+            cmd += ["--gguf", str(gguf)] if m == PEER and gguf is not None else []
             r = subprocess.run([*cmd, "--max-new-tokens", str(max_new)], capture_output=True, text=True)
             if r.returncode != 0:
                 last = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -119,6 +134,10 @@ def table(res: dict[str, list[dict[str, Any]]]) -> str:
     for a, b in (("fp32-plain", "fp32-drafter"), ("plan-plain", "plan-drafter")):
         if a in same and b in same:
             rows.append(f"\ngreedy output {a} == {b}: {same[a] == same[b]}")
+    if PEER in same and "fp32-plain" in same:
+        pairs = [(x, y) for p, q in zip(same[PEER], same["fp32-plain"]) for x, y in zip(p, q)]
+        agree = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+        rows.append(f"\n{PEER} tokens equal to fp32-plain's at the same position: {agree:.2f}")
     return "\n".join(rows)
 
 
@@ -129,17 +148,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--json", type=Path, help="write every round's figures here")
-    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", type=Path, help="a GGUF file of the same model: adds llama.cpp as the mode 'gguf'")
+    ap.add_argument("--child", choices=(*MODES, PEER), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.child else logging.INFO, format="%(message)s")
     if a.child:
-        sys.stdout.write(json.dumps(child(a.profile, a.child, a.max_new_tokens)) + "\n")
+        n = a.max_new_tokens
+        one = peer(a.profile, a.gguf, n) if a.child == PEER else child(a.profile, a.child, n)
+        sys.stdout.write(json.dumps(one) + "\n")
         return 0
     return run_tool("bench_int8", lambda: _run(a))
 
 
 def _run(a: argparse.Namespace) -> int:
-    res = run_rounds(a.profile, a.max_new_tokens, a.rounds, a.modes.split(","))
+    modes = a.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise BenchError(f"--modes {bad[0]!r} is invalid: allowed {', '.join(MODES)}")
+    if a.gguf is not None:
+        if not a.gguf.is_file():
+            raise BenchError(f"--gguf {a.gguf}: no such file")
+        modes.append(PEER)
+    res = run_rounds(a.profile, a.max_new_tokens, a.rounds, modes, a.gguf)
     if a.json:
         a.json.write_text(json.dumps(res))
     sys.stdout.write(table(res) + "\n")

@@ -2,7 +2,8 @@
 
 The model is built on the meta device and the safetensors tensors are assigned
 in place (memory-mapped reads, one conversion per tensor), so a checkpoint is
-never held twice; vectors are copied, so the map outlives no matrix that reads it. Every failure is a CheckpointError naming the path and cause.
+never held twice; vectors are copied, so the map outlives no matrix that reads
+it. Every failure is a CheckpointError naming the path and cause.
 """
 
 from __future__ import annotations
