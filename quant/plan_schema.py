@@ -100,6 +100,8 @@ class PrecisionPlan:
     attention_backend: str
     kv_cache_dtype: str
     verifier: dict[str, str]
+    """The arithmetic dtype of each verifier part (final_norm, lm_head, softmax, acceptance); the storage of the
+    target's embeddings and LM head is ``target.families`` (fp16: the precision section's ``verifier``)."""
     target: ModelPlan
     draft: ModelPlan | None
     memory: MemoryPlan

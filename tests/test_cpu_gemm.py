@@ -207,3 +207,24 @@ def test_no_fast_kernel_for_float16_or_off_the_cpu(ckpt_dir):
             "False",
         ):
             Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=bad))
+
+
+@needs_kernel
+def test_a_stored_fp16_linear_on_the_kernel_is_the_stored_linear():
+    """A CPU plan's fp16 StoredLinear on the small-GEMM kernel: its fp16 weight shared, not widened into a copy; the
+    StoredLinear's output (the fp16 weight widened exactly) up to and past MAX_ROWS; the storage kept under
+    ``.to(dtype)``, while a wrapped fp32 nn.Linear still follows the cast."""
+    from engine.core.stored_linear import StoredLinear
+
+    g = torch.Generator().manual_seed(5)
+    stored = StoredLinear.from_linear(nn.Linear(72, 40), torch.float16)
+    mod = SmallGemmLinear(stored)
+    assert mod.weight is stored.weight and mod.weight.dtype == torch.float16
+    with torch.no_grad():
+        for rows in (1, 5, MAX_ROWS, MAX_ROWS + 7):
+            x = torch.randn(rows, 72, generator=g)
+            torch.testing.assert_close(mod(x), stored(x), rtol=1e-5, atol=1e-5)
+    mod.to(torch.float64)
+    assert mod.weight.dtype == torch.float16
+    plain = SmallGemmLinear(nn.Linear(8, 4)).to(torch.float64)
+    assert plain.weight.dtype == torch.float64

@@ -14,7 +14,7 @@ from test_heads import random_head, spec, tiny_heads  # noqa: F401 (fixtures)
 from util import PROMPTS
 
 from engine import Engine, SamplingParams
-from engine.api.options import KernelOptions, PrecisionConfig
+from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.tokenizer import Tokenizer
@@ -98,6 +98,23 @@ def test_fp8_head_greedy_equals_plain(ckpt_dir, heads, planned_plain, k):  # noq
     )
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == planned_plain
     assert eng.stats()["drafted"] > 0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_under_a_plan_with_measured_k_and_with_emulated_graphs(ckpt_dir, heads, planned_plain, kind):
+    """The plan stores the shared LM head in fp16: the heads' features stay in the target's fp32 (the measured K
+    policy times a draft step on them) and their scorer widens the rows on whatever kernel runs it (emulated graphs
+    keep PyTorch's ops)."""
+    plan = head_plan(ckpt_dir, heads[kind], "h100")
+    measured = SpeculationConfig(drafter=kind, k=3)  # the default policy: "measured"
+    graphs = KernelOptions(cuda_graphs=True, batch_buckets=(1, 2), emulate_graphs=True)
+    for speculation, kernels in ((measured, KernelOptions()), (spec(kind, 3), graphs)):
+        eng = Engine.from_pretrained(
+            ckpt_dir, heads[kind], speculation=speculation, precision=PrecisionConfig(plan, None), kernels=kernels
+        )
+        assert eng.target.lm_head.weight.dtype == torch.float16 and eng.drafter.feature_dtype == torch.float32
+        assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == planned_plain
+        assert eng.stats()["drafted"] > 0
 
 
 def test_plan_and_drafter_mismatch_refused(ckpt_dir, draft_dir, heads):

@@ -177,7 +177,7 @@ def test_a_planned_checkpoint_releases_the_files_memory_map(tmp_path):
 
     def mapped() -> bool:
         gc.collect()
-        return any(line.rstrip().endswith(weights) for line in open("/proc/self/maps"))
+        return any(line.rstrip().endswith(weights) for line in Path("/proc/self/maps").read_text().splitlines())
 
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc/self/maps")

@@ -16,12 +16,16 @@ def _frozen(weight: Tensor) -> nn.Parameter:
     return weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
 
 
-class _KeepsStorage(nn.Module):
-    """A module whose ``weight`` keeps its storage dtype under ``.to(dtype)`` (a device move still applies)."""
+class KeepsStorage(nn.Module):
+    """A module whose ``weight`` keeps its storage dtype under ``.to(dtype)`` (a device move still applies) while
+    ``keeps_storage`` holds (a kernel wrapper sets it for the stored weights it runs)."""
 
     weight: nn.Parameter
+    keeps_storage = True
 
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _KeepsStorage:
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> KeepsStorage:
+        if not self.keeps_storage:
+            return super()._apply(fn, recurse)
         stored = self.weight.data
         super()._apply(fn, recurse)
         if self.weight.dtype != stored.dtype:  # a dtype cast: the storage stays
@@ -29,7 +33,7 @@ class _KeepsStorage(nn.Module):
         return self
 
 
-class StoredLinear(_KeepsStorage):
+class StoredLinear(KeepsStorage):
     """A Linear whose weight is stored in a narrower float dtype than the model computes in (a precision plan's
     fp16 attention in a fp32 CPU model) and widened to the input's dtype per call. The weight keeps its dtype
     under ``.to(dtype)`` (the bias follows it); the C++ decode step reads the 16-bit weight as it is."""
@@ -52,7 +56,7 @@ class StoredLinear(_KeepsStorage):
         return f"in_features={self.in_features}, out_features={self.out_features}, storage={self.weight.dtype}"
 
 
-class StoredEmbedding(_KeepsStorage):
+class StoredEmbedding(KeepsStorage):
     """An embedding table stored in a narrower float dtype than the model computes in (a CPU plan's fp16 verifier
     table, shared with a tied StoredLinear LM head); the looked-up rows are widened to the compute dtype, which a
     zero-size buffer tracks through ``.to(dtype)`` while the table keeps its storage."""

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from engine.core.errors import KernelUnavailableError
 from engine.core.model import FusedLinear, StoredLinear
+from engine.core.stored_linear import KeepsStorage
 
 log = logging.getLogger(__name__)
 
@@ -192,12 +193,13 @@ def _check_weight(weight: Tensor) -> None:
         )
 
 
-class SmallGemmLinear(nn.Module):
+class SmallGemmLinear(KeepsStorage):
     """Same API and parameters as the fp32 ``nn.Linear`` or fp16 ``StoredLinear`` it replaces (the weight is shared,
-    not copied; the kernel widens a 16-bit one in registers)."""
+    not copied; the kernel widens a 16-bit one in registers, which keeps its storage under ``.to(dtype)``)."""
 
     def __init__(self, linear: nn.Linear | StoredLinear) -> None:
         super().__init__()
+        self.keeps_storage = type(linear) is StoredLinear
         _check_weight(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # shared (a tied LM head stays tied to the embedding)

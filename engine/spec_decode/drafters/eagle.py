@@ -71,7 +71,7 @@ class EagleDrafter(HeadDrafter):
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         w = self.head_weight
-        f = torch.randn(batch, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        f = torch.randn(batch, self.cfg.hidden_size, dtype=self.feature_dtype, device=w.device)
         tok = torch.zeros(batch, dtype=torch.long, device=w.device)
         greedy = self.greedy
         if greedy is not None:  # a draft step as greedy rounds run it

@@ -102,7 +102,7 @@ class EagleAttnDrafter(HeadDrafter):
         new = [n if n is not None and len(n) else None for n in new]  # [m, H] per row, None: nothing to run
         width = max([len(n) for n in new if n is not None], default=1)
         B = len(seqs)
-        f = torch.zeros(B, width, H, dtype=self.head_weight.dtype, device=batch.device)
+        f = torch.zeros(B, width, H, dtype=self.feature_dtype, device=batch.device)
         nxt = torch.zeros(B, width, dtype=torch.long)
         pos = torch.full((B, width), scratch, dtype=torch.long)
         last = [0] * B
@@ -158,7 +158,7 @@ class EagleAttnDrafter(HeadDrafter):
         w = self.head_weight
         drafter = type(self)(self.loaded, self.target, self.lm_head, self._kernel)
         drafter.cache = self.head.new_cache(batch, 128, w.device)  # the engine's cache stays as it is
-        f = torch.randn(batch, 1, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        f = torch.randn(batch, 1, self.cfg.hidden_size, dtype=self.feature_dtype, device=w.device)
         e = self.embed(torch.zeros(batch, 1, dtype=torch.long, device=w.device))
         pos = torch.full((batch, 1), 64, dtype=torch.long, device=w.device)
         last = torch.zeros(batch, dtype=torch.long, device=w.device)

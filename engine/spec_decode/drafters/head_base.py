@@ -47,6 +47,7 @@ class HeadDrafter:
         self.head, self.cfg, self.vocab_ids = head.module, head.config, head.vocab_ids
         self.loaded, self.target, self.lm_head = head, target, scorer
         self.head_weight: Tensor = scorer.weight  # type: ignore[assignment]
+        self.feature_dtype = target.dtype  # the target's compute dtype (the scorer may store its rows narrower)
         self.max_drafts: int | None = self.cfg.max_drafts
         self._last = SeqStates(_LastFeature)
 
@@ -73,7 +74,7 @@ class HeadDrafter:
 
     def _features(self, seqs: list[Seq], dev: torch.device) -> tuple[Tensor, list[bool]]:
         feats = [self._last(s).feature for s in seqs]
-        zero = torch.zeros(self.cfg.hidden_size, dtype=self.head_weight.dtype, device=dev)
+        zero = torch.zeros(self.cfg.hidden_size, dtype=self.feature_dtype, device=dev)
         return torch.stack([f if f is not None else zero for f in feats]), [f is not None for f in feats]
 
     def _draw(self, logits: Tensor, batch: DraftBatch, drafts: list[Tensor]) -> tuple[Tensor, Tensor | None]:

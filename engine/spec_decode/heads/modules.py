@@ -135,7 +135,7 @@ def draft_lm_head(target: Transformer, vocab_ids: Tensor | None) -> nn.Linear | 
         w = nn.Parameter(w.detach()[vocab_ids].contiguous(), requires_grad=False)
     elif not isinstance(w, nn.Parameter):
         w = nn.Parameter(w.detach(), requires_grad=False)
-    if isinstance(target.lm_head, StoredLinear):
+    if w.dtype != target.dtype:  # stored narrower than the target computes (whatever kernel runs the target's)
         return StoredLinear(w, None)
     with torch.device("meta"):
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
