@@ -18,6 +18,7 @@ from engine.api.options import KernelOptions, PrecisionConfig, SpeculationConfig
 from engine.core.config import load_config
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.tokenizer import Tokenizer
+from engine.kernels.cpu_gemm import small_gemm_status
 from engine.spec_decode.heads.checkpoint import load_head
 from engine.spec_decode.heads.config import read_head_config
 from quant.catalog import lookup_gpu
@@ -115,6 +116,21 @@ def test_heads_under_a_plan_with_measured_k_and_with_emulated_graphs(ckpt_dir, h
         assert eng.target.lm_head.weight.dtype == torch.float16 and eng.drafter.feature_dtype == torch.float32
         assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == planned_plain
         assert eng.stats()["drafted"] > 0
+
+
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"no CPU kernels: {small_gemm_status()}")
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_fp16_head_under_a_plan_keeps_its_cpu_step(ckpt_dir, heads, planned_plain, kind):
+    """A plan whose draft stays 16-bit (draft_model fp16): the head's C++ step reads the target's fp16 LM head rows
+    (and eagle its fp16 embedding) as stored, and speculation keeps the planned target's greedy output."""
+    hc = dataclasses.asdict(read_head_config(heads[kind]))
+    fp16_draft = {**FP16_TARGET, "draft_model": "fp16"}
+    plan = make_plan(lookup_gpu("h100"), load_config(ckpt_dir), None, fp16_draft, device="cpu", draft_head=hc)
+    eng = Engine.from_pretrained(ckpt_dir, heads[kind], speculation=spec(kind, 3), precision=PrecisionConfig(plan))
+    assert eng.target.lm_head.weight.dtype == torch.float16
+    assert eng.info["draft_head_step_weights"] is not None and eng.drafter.greedy is not None  # the C++ step
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == planned_plain
+    assert eng.stats()["drafted"] > 0
 
 
 def test_plan_and_drafter_mismatch_refused(ckpt_dir, draft_dir, heads):

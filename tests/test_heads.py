@@ -141,10 +141,13 @@ def test_eagle_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
             t = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
             drafts.append(t)
         assert torch.equal(kernel.greedy(f, tok, 4), torch.stack(drafts, 1))
-    assert head_kernel_reason([*weights, target.embed_tokens.weight, lm]) is None
+    shared = [target.embed_tokens.weight, lm]
+    assert head_kernel_reason(weights, shared) is None
+    assert head_kernel_reason(weights, [w.half() for w in shared]) is None  # a CPU plan's fp16 verifier
     quantized = [None if w.dim() == 2 else w for w in weights]  # what kernel_weights gives for FP8 Linears
-    assert "quantized" in head_kernel_reason([*quantized, target.embed_tokens.weight, lm])
-    assert "float32" in head_kernel_reason([*weights, lm.half()])
+    assert "quantized" in head_kernel_reason(quantized, shared)
+    assert "head's tensors in float32" in head_kernel_reason([*weights[:-1], weights[-1].half()], shared)
+    assert "contiguous on the CPU" in head_kernel_reason(weights, [shared[0], lm.T])
     assert head_store_dtype(weights, "float32") == torch.float32
     with pytest.raises(ValueError, match="store='int8' is invalid"):
         head_store_dtype(weights, "int8")
@@ -172,7 +175,7 @@ def test_medusa_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
         torch.testing.assert_close(logits, ref.step(f, 3), rtol=1e-4, atol=1e-4)
         best = logits.argmax(-1)
         assert torch.equal(kernel.greedy(f, 3), best if ids is None else ids[best])
-    assert head_kernel_reason([weight, bias, lm]) is None
+    assert head_kernel_reason([weight, bias], [lm]) is None
     scorer = scorer_on_kernel(draft_lm_head(target, None))
     assert scorer.weight.data_ptr() == target.lm_head.weight.data_ptr()  # the verifier's fp32 weight, not a copy
     x = torch.randn(3, cfg.hidden_size)

@@ -7,14 +7,15 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
 - eagle: ``EagleKernel`` runs the whole step (the embedding's norm, fc, the MLP blocks, the output norm
   and the scores) as one C++ call, and ``greedy`` drafts k tokens in one call with no Python between the
   steps. The head's GEMM weights are 16-bit copies (the head is the draft: rounding its weights moves only
-  the acceptance, as for a draft model's C++ step); the LM head's rows stay the target's fp32 weight (the
-  verifier's precision, shared when the head scores the full vocabulary).
+  the acceptance, as for a draft model's C++ step); the LM head's rows and the embedding stay the target's
+  weights in the verifier's precision (fp32, or a CPU plan's fp16, widened exactly; shared when the head scores
+  the full vocabulary).
 - medusa: ``MedusaKernel`` runs the first n heads' blocks and scores in one call, and ``greedy`` returns
-  their argmaxes (16-bit copies of the stacked head weights, the LM head's fp32 rows).
+  their argmaxes (16-bit copies of the stacked head weights, the LM head's rows as the target stores them).
 - eagle with attention: ``AttnHeadKernel`` runs the decoder layers, output norm and scores on the drafter's
   entries through the decode step's kernel (its ``forward_x``), with the head's own KV cache.
 ``scorer_on_kernel`` puts the PyTorch steps' scorer (the LM head's rows) on the few-row GEMM, same weight (fp32,
-or a CPU plan's fp16 LM head, whose heads run on PyTorch: the C++ steps read fp32 rows).
+or a CPU plan's fp16 LM head).
 """
 
 from __future__ import annotations
@@ -47,16 +48,18 @@ def head_store_dtype(weights: list[Tensor], store: str | torch.dtype | None) -> 
     return dtype  # type: ignore[return-value]
 
 
-def head_kernel_reason(tensors: list[Tensor | None]) -> str | None:
-    """None when a head's C++ step can run on these tensors here (the head's own, as its ``kernel_weights``
-    gives them, and the target's it reads: the LM head's rows, eagle's embedding), else why not."""
+def head_kernel_reason(tensors: list[Tensor | None], shared: list[Tensor]) -> str | None:
+    """None when a head's C++ step can run here on ``tensors`` (the head's own, as its ``kernel_weights`` gives
+    them) and ``shared`` (the target's it reads: the LM head's rows, eagle's embedding), else why not."""
     why = small_gemm_status()
     if why is not None:
         return why
     if any(t is None for t in tensors):
         return "the head's Linears are quantized (the precision plan's FP8): they run on PyTorch"
     if not all(_fp32_cpu(t) for t in tensors if t is not None):
-        return "needs the head and the target's tensors it reads in float32 on the CPU"
+        return "needs the head's tensors in float32 on the CPU"
+    if not all(t.device.type == "cpu" and t.dtype in WEIGHT_DTYPES and t.is_contiguous() for t in shared):
+        return "needs the target's LM head rows and embedding contiguous on the CPU in float32, float16 or bfloat16"
     return None
 
 
@@ -76,7 +79,7 @@ class EagleKernel:
         """``weights``: the head's own tensors in the kernel's order (engine/spec_decode/heads/modules.py
         ``EagleHead.kernel_weights``: embed_norm, fc, per block norm, gate_up, down, then out_norm; 2-D ones are
         GEMM weights, copied to ``store``); ``embed`` the target's embedding [V, H], ``lm_weight`` the LM head's
-        rows [V', H] (fp32, shared), ``vocab_ids`` [V'] or None."""
+        rows [V', H] (shared; fp32 or 16-bit as the target stores them), ``vocab_ids`` [V'] or None."""
 
         def own(t: Tensor) -> Tensor:  # a GEMM weight: a copy in ``store``; a norm weight: itself
             return t.detach().to(store).contiguous() if t.dim() == 2 else t.detach().contiguous()
@@ -103,7 +106,7 @@ class MedusaKernel:
         self, weight: Tensor, bias: Tensor, lm_weight: Tensor, vocab_ids: Tensor | None, vocab: int, store: torch.dtype
     ) -> None:
         """``weight`` [L, M, H, H] (copied to ``store``), ``bias`` [L, M, H], ``lm_weight`` the LM head's rows
-        [V', H] (fp32, shared), ``vocab_ids`` [V'] or None, ``vocab`` the target's vocabulary size."""
+        [V', H] (shared; fp32 or 16-bit), ``vocab_ids`` [V'] or None, ``vocab`` the target's vocabulary size."""
         ids = torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids.long().contiguous()
         w = weight.detach().to(store).contiguous()
         self.impl = cpu_kernels().MedusaStep(w, bias.detach().contiguous(), lm_weight.detach().contiguous(), ids, vocab)

@@ -92,7 +92,7 @@ class DraftKernelChooser:
         if any(m.bias is not None for mlp in mlps for m in (mlp.gate_proj, mlp.up_proj)):
             why = why or "the kernel has no gate/up bias (mlp_bias)"
         ws = head.kernel_weights()
-        why = why or head_kernel_reason([*ws, scorer.weight])
+        why = why or head_kernel_reason(ws, [scorer.weight])
         if why is not None:
             log.info("the eagle head's layers stay on PyTorch: %s", why)
             return None
@@ -105,7 +105,7 @@ class DraftKernelChooser:
         None: PyTorch's step (the log says why)."""
         if not self.cpu_kernels or self.cuda_graphs:  # (graphs capture the PyTorch step)
             return None
-        why = head_kernel_reason([*weights, *shared])
+        why = head_kernel_reason(weights, shared)
         if why is not None:
             log.info("the %s head's step stays on PyTorch: %s", kind, why)
             return None

@@ -287,18 +287,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
   std::vector<float> x(M * H);
-  if (embed.scalar_type() == at::kFloat) {
-    const float* ep = embed.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) std::copy_n(ep + tp[m] * H, H, x.data() + m * H);
-  } else if (embed.scalar_type() == at::kHalf) {  // a 16-bit table (a draft's): rows widened exactly
-    const at::Half* ep = embed.data_ptr<at::Half>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t h = 0; h < H; ++h) x[m * H + h] = static_cast<float>(ep[tp[m] * H + h]);
-  } else {
-    const at::BFloat16* ep = embed.data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t h = 0; h < H; ++h) x[m * H + h] = static_cast<float>(ep[tp[m] * H + h]);
-  }
+  table_rows(embed, tp, M, x.data());  // a 16-bit table (a draft's, a CPU plan's): rows widened exactly
   return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden, slots, mask);
 }
 

@@ -47,7 +47,7 @@ EagleStep::EagleStep(std::vector<torch::Tensor> weights, double eps) : w_(std::m
   check(w_.size() >= 6 && (w_.size() - 6) % 3 == 0, "weights: embed, embed_norm, fc, 3 per block, out_norm, lm, ids");
   layers_ = static_cast<int64_t>(w_.size() - 6) / 3;
   const torch::Tensor& embed = w_[0];
-  check(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(), "embed [V, H] float32");
+  check(embed.dim() == 2 && gemm_weight(embed, embed.size(0), embed.size(1)), "embed [V, H] float32/float16/bfloat16");
   vocab_ = embed.size(0);
   hidden_ = embed.size(1);
   const int64_t H = hidden_;
@@ -73,12 +73,13 @@ int64_t EagleStep::scratch_size(int64_t B) const { return B * (5 * hidden_ + 3 *
 void EagleStep::run(const float* f, const int64_t* tok, int64_t B, float* f_out, float* logits, float* scratch) const {
   const int64_t H = hidden_, I = inter_;
   const float eps = static_cast<float>(eps_);
-  const float* embed = w_[0].data_ptr<float>();
   float *in = scratch, *x = in + B * 2 * H, *h = x + B * H, *y = h + B * H, *gu = y + B * H, *act = gu + B * 2 * I;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(tok[b] >= 0 && tok[b] < vocab_, "EagleStep: a token id is out of range");
     std::copy_n(f + b * H, H, in + b * 2 * H);
-    row_ops::rms_norm(embed + tok[b] * H, w_[1].data_ptr<float>(), in + b * 2 * H + H, 1, H, eps);
+    float* e = in + b * 2 * H + H;
+    table_rows(w_[0], tok + b, 1, e);  // the target's embedding row (a CPU plan's fp16 table widened exactly)
+    row_ops::rms_norm(e, w_[1].data_ptr<float>(), e, 1, H, eps);
   }
   small_gemm_into(in, w_[2], x, B, 2 * H, H);
   for (int64_t l = 0; l < layers_; ++l) {

@@ -72,3 +72,24 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w) {
   small_gemm_into(x.data_ptr<float>(), w, y.data_ptr<float>(), x.size(0), x.size(1), w.size(0));
   return y;
 }
+
+namespace {
+template <typename T>
+void widen_rows(const T* table, const int64_t* ids, int64_t M, int64_t H, float* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < H; ++h) out[m * H + h] = static_cast<float>(table[ids[m] * H + h]);
+}
+}  // namespace
+
+void table_rows(const torch::Tensor& table, const int64_t* ids, int64_t M, float* out) {
+  const int64_t H = table.size(1);
+  if (table.scalar_type() == at::kFloat) {
+    const float* p = table.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) std::copy_n(p + ids[m] * H, H, out + m * H);
+  } else if (table.scalar_type() == at::kHalf) {
+    widen_rows(table.data_ptr<at::Half>(), ids, M, H, out);
+  } else {
+    TORCH_CHECK(table.scalar_type() == at::kBFloat16, "table_rows: a float32, float16 or bfloat16 table");
+    widen_rows(table.data_ptr<at::BFloat16>(), ids, M, H, out);
+  }
+}
