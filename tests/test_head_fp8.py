@@ -133,6 +133,23 @@ def test_a_fp16_head_under_a_plan_keeps_its_cpu_step(ckpt_dir, heads, planned_pl
     assert eng.stats()["drafted"] > 0
 
 
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"no CPU kernels: {small_gemm_status()}")
+def test_a_weight_only_fp8_head_runs_its_cpu_step_and_a_native_one_stays_on_pytorch(ckpt_dir, heads, planned_plain):
+    """The a100 plan's FP8 head (weight-only: fp16 activations on e4m3 weights) runs its one-call C++ step on its
+    weights dequantized once (a 16-bit copy, not a per-call fp32 one); the h100 plan's (native: activations scaled
+    per token) keeps PyTorch's ops, which compute it. Both keep the planned target's greedy output."""
+    for gpu, kernel in (("a100", "weight-only"), ("h100", "native")):
+        plan = head_plan(ckpt_dir, heads["eagle"], gpu)
+        assert plan.draft.families["ffn"].kernel == kernel
+        precision = PrecisionConfig(plan)
+        eng = Engine.from_pretrained(ckpt_dir, heads["eagle"], speculation=spec("eagle", 3), precision=precision)
+        assert isinstance(eng.drafter.head.fc, FP8Linear)
+        on_kernel = eng.drafter.greedy is not None
+        assert on_kernel == (kernel == "weight-only") == (eng.info["draft_head_step_weights"] is not None)
+        assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == planned_plain
+        assert eng.stats()["drafted"] > 0
+
+
 def test_plan_and_drafter_mismatch_refused(ckpt_dir, draft_dir, heads):
     medusa_plan = head_plan(ckpt_dir, heads["medusa"])
     with pytest.raises(InvalidConfigError, match="plan.draft.head='medusa' but the head is a 'eagle' head"):

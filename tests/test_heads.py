@@ -22,6 +22,7 @@ from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_head import (
     EagleKernel,
     MedusaKernel,
+    head_gemm_weight,
     head_kernel_reason,
     head_store_dtype,
     scorer_on_kernel,
@@ -120,7 +121,7 @@ def test_eagle_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
     PyTorch's step on those weights, and its greedy call drafts what the step and argmax do in a loop."""
     target = load_model(ckpt_dir)
     module, cfg, ids = load_head(trained_heads[("eagle", draft_vocab)], target, Tokenizer(ckpt_dir).vocab(), "eagle")
-    weights = module.kernel_weights()
+    weights = module.kernel_weights(head_gemm_weight)
     store = head_store_dtype([w for w in weights if w.dim() == 2], None)
     assert store == torch.float16  # trained fp32 weights: not exact in bf16, the draft rounds to fp16
     lm = draft_lm_head(target, ids).weight
@@ -144,8 +145,8 @@ def test_eagle_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
     shared = [target.embed_tokens.weight, lm]
     assert head_kernel_reason(weights, shared) is None
     assert head_kernel_reason(weights, [w.half() for w in shared]) is None  # a CPU plan's fp16 verifier
-    quantized = [None if w.dim() == 2 else w for w in weights]  # what kernel_weights gives for FP8 Linears
-    assert "quantized" in head_kernel_reason(quantized, shared)
+    quantized = [None if w.dim() == 2 else w for w in weights]  # what kernel_weights gives for native FP8 Linears
+    assert "activation scaling" in head_kernel_reason(quantized, shared)
     assert "head's tensors in float32" in head_kernel_reason([*weights[:-1], weights[-1].half()], shared)
     assert "contiguous on the CPU" in head_kernel_reason(weights, [shared[0], lm.T])
     assert head_store_dtype(weights, "float32") == torch.float32
@@ -163,7 +164,7 @@ def test_medusa_step_on_the_cpu_kernel(ckpt_dir, trained_heads, draft_vocab):
     module, cfg, _ = load_head(trained_heads[("medusa", None)], target, Tokenizer(ckpt_dir).vocab(), "medusa")
     ids = None if draft_vocab is None else torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
     lm = draft_lm_head(target, ids).weight
-    weight, bias = module.kernel_weights()
+    weight, bias = module.kernel_weights(head_gemm_weight)
     kernel = MedusaKernel(weight, bias, lm, ids, cfg.vocab_size, torch.bfloat16)
     ref_module = copy.deepcopy(module)
     with torch.no_grad():

@@ -7,9 +7,10 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
 - eagle: ``EagleKernel`` runs the whole step (the embedding's norm, fc, the MLP blocks, the output norm
   and the scores) as one C++ call, and ``greedy`` drafts k tokens in one call with no Python between the
   steps. The head's GEMM weights are 16-bit copies (the head is the draft: rounding its weights moves only
-  the acceptance, as for a draft model's C++ step); the LM head's rows and the embedding stay the target's
-  weights in the verifier's precision (fp32, or a CPU plan's fp16, widened exactly; shared when the head scores
-  the full vocabulary).
+  the acceptance, as for a draft model's C++ step; a weight-only FP8 Linear's dequantized once,
+  ``head_gemm_weight``; a native FP8 one keeps the head on PyTorch); the LM head's rows and the embedding stay
+  the target's weights in the verifier's precision (fp32, or a CPU plan's fp16, widened exactly; shared when the
+  head scores the full vocabulary).
 - medusa: ``MedusaKernel`` runs the first n heads' blocks and scores in one call, and ``greedy`` returns
   their argmaxes (16-bit copies of the stacked head weights, the LM head's rows as the target stores them).
 - eagle with attention: ``AttnHeadKernel`` runs the decoder layers, output norm and scores on the drafter's
@@ -21,6 +22,7 @@ or a CPU plan's fp16 LM head).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -28,8 +30,10 @@ from torch import Tensor, nn
 
 from engine.core.config import ModelConfig
 from engine.core.model import RMSNorm, StoredLinear, rope_cos_sin
+from engine.kernels.cpu_fp8 import fp8_reason, fp8_weight
 from engine.kernels.cpu_gemm import SMALL_GEMM_DTYPES, SmallGemmLinear, cpu_kernels, small_gemm_status
 from engine.kernels.step_weights import WEIGHT_DTYPES, layer_weights, step_weight_dtype
+from quant.linear import FP8Linear
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,17 @@ def head_store_dtype(weights: list[Tensor], store: str | torch.dtype | None) -> 
     return dtype  # type: ignore[return-value]
 
 
+def head_gemm_weight(mod: nn.Module) -> Tensor | None:
+    """A head Linear's weight as its C++ step reads it (the step keeps a 16-bit copy): a plain Linear's, or a
+    weight-only FP8 Linear's dequantized (fp32, transient: as the draft model's step, only the acceptance can move);
+    None for one the step does not compute (a native FP8 Linear scales its activations per token)."""
+    if type(mod) is nn.Linear:
+        return mod.weight
+    if isinstance(mod, FP8Linear) and fp8_reason(mod) is None and mod.bias is None:
+        return fp8_weight((mod,))
+    return None
+
+
 def head_kernel_reason(tensors: list[Tensor | None], shared: list[Tensor]) -> str | None:
     """None when a head's C++ step can run here on ``tensors`` (the head's own, as its ``kernel_weights`` gives
     them) and ``shared`` (the target's it reads: the LM head's rows, eagle's embedding), else why not."""
@@ -55,7 +70,7 @@ def head_kernel_reason(tensors: list[Tensor | None], shared: list[Tensor]) -> st
     if why is not None:
         return why
     if any(t is None for t in tensors):
-        return "the head's Linears are quantized (the precision plan's FP8): they run on PyTorch"
+        return "the head's Linears are FP8 with activation scaling (the plan's native kernel): they run on PyTorch"
     if not all(_fp32_cpu(t) for t in tensors if t is not None):
         return "needs the head's tensors in float32 on the CPU"
     if not all(t.device.type == "cpu" and t.dtype in WEIGHT_DTYPES and t.is_contiguous() for t in shared):
@@ -142,8 +157,8 @@ class AttnHeadLayers(Protocol):
     inv_freq: Tensor
     """Its rotary frequencies, fp32."""
 
-    def kernel_weights(self) -> list[Tensor | None]:
-        """The GEMM weights a C++ step would copy (None: a quantized Linear)."""
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
+        """The GEMM weights a C++ step would copy, as ``gemm`` reads them (None: one the step cannot read)."""
         ...
 
 

@@ -19,6 +19,7 @@ from engine.kernels.cpu_head import (
     AttnHeadLayers,
     EagleKernel,
     MedusaKernel,
+    head_gemm_weight,
     head_kernel_reason,
     head_store_dtype,
     scorer_on_kernel,
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 class KernelHead(Protocol):
     """A trained head as the kernels read it (engine/spec_decode/heads/modules.py)."""
 
-    def kernel_weights(self) -> list[Tensor | None]:
-        """The tensors of its C++ step, in the kernel's order (None: a quantized Linear)."""
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
+        """The tensors of its C++ step, in the kernel's order, each Linear's weight as ``gemm`` reads it (None:
+        one the step cannot read)."""
         ...
 
 
@@ -69,7 +71,7 @@ class DraftKernelChooser:
     def eagle_step(
         self, head: KernelHead, embed: Tensor, scorer: nn.Linear, vocab_ids: Tensor | None, eps: float
     ) -> EagleKernel | None:
-        weights = head.kernel_weights()
+        weights = head.kernel_weights(head_gemm_weight)
         store = self._store("eagle", weights, [scorer.weight, embed])
         if store is None:
             return None
@@ -78,7 +80,7 @@ class DraftKernelChooser:
     def medusa_step(
         self, head: KernelHead, scorer: nn.Linear, vocab_ids: Tensor | None, vocab: int
     ) -> MedusaKernel | None:
-        weights = head.kernel_weights()
+        weights = head.kernel_weights(head_gemm_weight)
         store = self._store("medusa", weights, [scorer.weight])
         if store is None:
             return None
@@ -91,7 +93,7 @@ class DraftKernelChooser:
         mlps = [layer.mlp for layer in head.layers]
         if any(m.bias is not None for mlp in mlps for m in (mlp.gate_proj, mlp.up_proj)):
             why = why or "the kernel has no gate/up bias (mlp_bias)"
-        ws = head.kernel_weights()
+        ws = head.kernel_weights(head_gemm_weight)
         why = why or head_kernel_reason(ws, [scorer.weight])
         if why is not None:
             log.info("the eagle head's layers stay on PyTorch: %s", why)

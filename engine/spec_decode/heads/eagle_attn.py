@@ -17,6 +17,7 @@ training and the held-out evaluation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -78,14 +79,14 @@ class EagleAttnHead(nn.Module):
                         p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
             self.out_norm.weight.copy_(target_norm.detach().float())
 
-    def kernel_weights(self) -> list[Tensor | None]:
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
         """The GEMM weights the C++ step would copy (engine/kernels/cpu_head.py ``AttnHeadKernel``): fc and every
-        layer projection's; None for a Linear without a plain weight (a quantized one)."""
+        layer projection's as ``gemm`` (the kernel's reader) gives them, None for one the step cannot read."""
         mods: list[nn.Module] = [self.fc]
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             mods += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-        return [m.weight if type(m) is nn.Linear else None for m in mods]
+        return [gemm(m) for m in mods]
 
     def entries(self, f: Tensor, e: Tensor) -> Tensor:
         """f, e [..., H] -> the decoder's inputs [..., H]."""

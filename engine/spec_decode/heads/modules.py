@@ -17,6 +17,7 @@ vocabulary), so a head adds no embedding or output matrix of its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,9 @@ class MedusaHeads(nn.Module):
         self.weight = nn.Parameter(torch.zeros(L, M, H, H))  # [layer, head, out, in]: 0 -> the identity
         self.bias = nn.Parameter(torch.zeros(L, M, H))
 
-    def kernel_weights(self) -> list[Tensor | None]:
-        """The tensors of the heads' C++ step (engine/kernels/cpu_head.py): the stacked weight and bias."""
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
+        """The tensors of the heads' C++ step (engine/kernels/cpu_head.py): the stacked weight and bias (no
+        Linear modules: ``gemm`` is not needed)."""
         return [self.weight, self.bias]
 
     def forward(self, h: Tensor, n: int | None = None) -> Tensor:
@@ -66,15 +68,12 @@ class EagleHead(nn.Module):
         self.down = nn.ModuleList(nn.Linear(inter, H, bias=False) for _ in range(cfg.layers))
         self.out_norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def kernel_weights(self) -> list[Tensor | None]:
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
         """The tensors of the head's C++ step (engine/kernels/cpu_head.py) in its order: embed_norm, fc, per
-        block norm, gate_up, down, then out_norm; None for a Linear without a plain weight (a quantized one)."""
-
-        def w(mod: nn.Module) -> Tensor | None:
-            return mod.weight if type(mod) is nn.Linear else None
-
-        blocks = [t for n, gu, d in zip(self.norms, self.gate_up, self.down) for t in (n.weight, w(gu), w(d))]
-        return [self.embed_norm.weight, w(self.fc), *blocks, self.out_norm.weight]
+        block norm, gate_up, down, then out_norm; each Linear's weight as ``gemm`` (the kernel's reader) gives it,
+        None for one the step cannot read."""
+        blocks = [t for n, gu, d in zip(self.norms, self.gate_up, self.down) for t in (n.weight, gemm(gu), gemm(d))]
+        return [self.embed_norm.weight, gemm(self.fc), *blocks, self.out_norm.weight]
 
     def forward(self, f: Tensor, e: Tensor) -> Tensor:
         """f, e [..., H] -> the next feature [..., H]."""
