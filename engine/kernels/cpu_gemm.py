@@ -185,8 +185,13 @@ def _needs_torch(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     )
 
 
+def small_gemm_reads(weight: Tensor) -> bool:
+    """Whether the kernel reads this weight as it is: contiguous, on the CPU, fp32 or fp16."""
+    return weight.device.type == "cpu" and weight.dtype in SMALL_GEMM_DTYPES and weight.is_contiguous()
+
+
 def _check_weight(weight: Tensor) -> None:
-    if weight.device.type != "cpu" or weight.dtype not in SMALL_GEMM_DTYPES or not weight.is_contiguous():
+    if not small_gemm_reads(weight):
         raise ValueError(
             f"the small-GEMM kernel needs a contiguous fp32 or fp16 CPU weight, got {weight.dtype} on "
             f"{weight.device} (contiguous={weight.is_contiguous()})"

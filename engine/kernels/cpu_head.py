@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from engine.core.config import ModelConfig
 from engine.core.model import RMSNorm, StoredLinear, rope_cos_sin
 from engine.kernels.cpu_fp8 import fp8_reason, fp8_weight
-from engine.kernels.cpu_gemm import SMALL_GEMM_DTYPES, SmallGemmLinear, cpu_kernels, small_gemm_status
+from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_reads, small_gemm_status
 from engine.kernels.step_weights import WEIGHT_DTYPES, layer_weights, step_weight_dtype
 from quant.linear import FP8Linear
 
@@ -138,9 +138,7 @@ class MedusaKernel:
 def scorer_on_kernel(scorer: nn.Linear | StoredLinear) -> nn.Module:
     """The LM head's scorer (engine/spec_decode/heads/modules.py ``draft_lm_head``) on the few-row GEMM, same
     weight (fp32, or a CPU plan's fp16 LM head)."""
-    w = scorer.weight
-    ok = w.device.type == "cpu" and w.dtype in SMALL_GEMM_DTYPES and w.is_contiguous()
-    if type(scorer) in (nn.Linear, StoredLinear) and ok and small_gemm_status() is None:
+    if type(scorer) in (nn.Linear, StoredLinear) and small_gemm_reads(scorer.weight) and small_gemm_status() is None:
         return SmallGemmLinear(scorer)
     return scorer
 
