@@ -132,6 +132,7 @@ def test_plain_rounds_of_the_tuner_keep_greedy_and_seeded_output(ckpt_dir, draft
     sampled row keeps its own K, so its tokens are those of an engine without the tuner."""
     from engine import Engine, SamplingParams
     from engine.api.options import SpeculationConfig
+    from engine.runtime.k_tuner import Arm
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
     params = [SamplingParams(max_new_tokens=n) for n in (8, 12, 40)]
@@ -145,7 +146,7 @@ def test_plain_rounds_of_the_tuner_keep_greedy_and_seeded_output(ckpt_dir, draft
     for b in (2, 3, 4):  # as if plain rounds had measured 10x faster at buckets 2 and 4
         for k in range(tuner.k_max + 1):
             for _ in range(tuner.warmup):
-                tuner.record(b, k, 1.0 if k == 0 else 10.0)
+                tuner.record(b, Arm(k), 1.0 if k == 0 else 10.0)
     out = eng.generate(prompts, params)
     assert [o.token_ids for o in out[:3]] == ref and out[3].token_ids == seeded
     st = eng.stats()

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from engine.runtime.k_tuner import KTuner, bucket
+from engine.runtime.k_tuner import PLAIN, Arm, KTuner, bucket
 from engine.spec_decode.adaptive import expected_tokens
 
 
@@ -23,13 +23,14 @@ def true_best(batch: int, a: float, k_max: int, **kw: float) -> int:
 
 
 def run(tuner: KTuner, batch: int, a: float, rounds: int, **kw: float) -> Counter[int]:
-    """The K chosen in the last half of ``rounds`` rounds at this batch."""
+    """The K chosen in the last half of ``rounds`` rounds at this batch (chains only)."""
     seen: Counter[int] = Counter()
     for i in range(rounds):
-        k = tuner.choose(batch, [a] * batch)
-        tuner.record(batch, k, round_time(batch, k, **kw))
+        arm = tuner.choose(batch, [a] * batch)
+        assert not arm.tree
+        tuner.record(batch, arm, round_time(batch, arm.k, **kw))
         if i >= rounds // 2:
-            seen[k] += 1
+            seen[arm.k] += 1
     return seen
 
 
@@ -47,8 +48,8 @@ def test_buckets_are_tuned_apart():
     for _ in range(3):  # interleaved, as a server's batch changes
         run(tuner, 1, 0.8, 60)
         run(tuner, 64, 0.5, 60)
-    assert tuner.choose(1, [0.8]) == true_best(1, 0.8, 8) > 0
-    assert tuner.choose(64, [0.5] * 64) == true_best(64, 0.5, 8) == 0
+    assert tuner.choose(1, [0.8]).k == true_best(1, 0.8, 8) > 0
+    assert tuner.choose(64, [0.5] * 64) == PLAIN and true_best(64, 0.5, 8) == 0
     snap = tuner.snapshot()
     assert snap[str(bucket(64))]["k"] == 0 and snap["1"]["k"] == true_best(1, 0.8, 8)
 
@@ -70,8 +71,65 @@ def test_the_choice_depends_only_on_the_past():
         acc = [0.5 + 0.01 * (i % 7)] * 4
         ka, kb = a.choose(4, acc), b.choose(4, acc)
         assert ka == kb
-        a.record(4, ka, round_time(4, ka))
-        b.record(4, kb, round_time(4, kb))
+        a.record(4, ka, round_time(4, ka.k))
+        b.record(4, kb, round_time(4, kb.k))
+
+
+# ---------------------------------------------------------------- trees beside chains
+def tree_tokens(a: float, k: int) -> float:
+    """Tokens a row commits per round with a tree of k nodes: two candidates per depth (a depth is accepted with
+    probability 1 - (1 - a)^2), k / 2 deep (smoothly: the search is a neighbour search, for unimodal curves)."""
+    return expected_tokens(1 - (1 - a) ** 2, k / 2)
+
+
+def tree_time(batch: int, k: int, mask: float, **kw: float) -> float:
+    return round_time(batch, k, **kw) + mask  # a tree's verify also builds and reads its attention mask
+
+
+def best_arm(batch: int, a: float, k_max: int, mask: float, **kw: float) -> Arm:
+    rates = {Arm(k): batch * expected_tokens(a, k) / round_time(batch, k, **kw) for k in range(k_max + 1)}
+    for k in range(2, k_max + 1):
+        rates[Arm(k, True)] = batch * tree_tokens(a, k) / tree_time(batch, k, mask, **kw)
+    return max(rates, key=lambda x: rates[x])
+
+
+def run_arms(tuner: KTuner, batch: int, a: float, rounds: int, mask: float, **kw: float) -> Counter[Arm]:
+    """The arms chosen in the last half of ``rounds`` rounds; a tree round reports its rows' committed tokens."""
+    seen: Counter[Arm] = Counter()
+    for i in range(rounds):
+        arm = tuner.choose(batch, [a] * batch)
+        if arm.tree:
+            tuner.record(batch, arm, tree_time(batch, arm.k, mask, **kw), [tree_tokens(a, arm.k)] * batch)
+        else:
+            tuner.record(batch, arm, round_time(batch, arm.k, **kw), [expected_tokens(a, arm.k)] * batch)
+        if i >= rounds // 2:
+            seen[arm] += 1
+    return seen
+
+
+@pytest.mark.parametrize(
+    "batch, a, mask, want_tree",
+    [
+        (1, 0.45, 0.02, True),  # a weak drafter: its second candidates pay for the tree
+        (4, 0.5, 0.02, True),
+        (1, 0.9, 0.02, False),  # a strong drafter goes deeper as a chain than a tree of the same nodes
+        (1, 0.45, 2.0, False),  # trees whose verify costs more than they gain
+        (32, 0.5, 0.02, False),  # compute-bound: plain rounds win
+    ],
+)
+def test_it_takes_a_tree_only_where_trees_commit_more_per_second(batch, a, mask, want_tree):
+    tuner = KTuner(k_max=8, k_start=4, trees=True)
+    want = best_arm(batch, a, 8, mask)
+    assert want.tree == want_tree
+    seen = run_arms(tuner, batch, a, 300, mask)
+    assert seen.most_common(1)[0][0] == want
+    assert seen[want] >= 0.75 * sum(seen.values())
+    assert tuner.snapshot()[str(bucket(batch))]["tree"] == want_tree
+
+
+def test_without_trees_it_never_tries_one():
+    tuner = KTuner(k_max=6, k_start=3)
+    assert all(not arm.tree for arm in tuner.arms()) and all(not a.tree for a in run_arms(tuner, 1, 0.45, 80, 0.0))
 
 
 # ---------------------------------------------------------------- in the engine

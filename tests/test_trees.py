@@ -91,6 +91,31 @@ def test_draft_model_trees_are_token_identical_to_plain(ckpt_dir, draft_dir, pla
     assert st["accepted"] > 0 and st["mean_accepted_length"] > 2
 
 
+def test_the_measured_policy_chooses_trees_or_chains_per_batch_and_keeps_the_tokens(ckpt_dir, draft_dir, plain):
+    """The default K policy with a tree-capable drafter: the tuner runs tree and chain arms (each round's shape is
+    its choice) and greedy outputs stay plain decoding's."""
+    spec = SpeculationConfig(drafter="model", tree_branches=2, k=4)
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=spec)
+    assert eng.policy.name == "measured" and eng.policy.trees
+    assert_greedy_grid(eng, plain, "measured trees")
+    st = eng.stats()
+    assert 0 < st["tree_rounds"] < st["sequence_rounds"] and st["accepted"] > 0
+
+
+def test_a_seeded_sampled_row_keeps_its_drafts_shape_in_any_batch(ckpt_dir):
+    """Under the measured policy a seeded sampled row drafts trees as configured whatever the tuner chose for the
+    batch: its tokens are the same alone and beside greedy rows."""
+    spec = SpeculationConfig(drafter="ngram", tree_branches=3, k=4)
+    prompt = [10, 11, 12, 10, 11, 13, 10, 11, 14, 10, 11]
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
+    alone = Engine.from_pretrained(ckpt_dir, speculation=spec).generate([prompt], seeded)[0].token_ids
+    eng = Engine.from_pretrained(ckpt_dir, speculation=spec)
+    greedy = SamplingParams(max_new_tokens=24)
+    for _ in range(3):  # the tuner's arms change between these batches
+        outs = eng.generate([prompt, [5, 6, 5, 7, 5, 6, 5], prompt, [3, 4, 3, 4, 3]], [greedy, greedy, seeded, greedy])
+        assert outs[2].token_ids == alone
+
+
 def test_medusa_trees_are_token_identical_to_plain(ckpt_dir, plain, tmp_path, monkeypatch):
     """Greedy Medusa trees (each depth's children: that head's top tokens) keep plain decoding's tokens."""
     from test_heads import random_head

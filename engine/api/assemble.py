@@ -290,7 +290,7 @@ def parts_from_models(models: Models, spec: SpeculationConfig, kernels: KernelOp
         )  # fmt: skip
         drafter = build_drafter(entry, ctx, spec.prompt_lookup_min)
     graphs += chooser.graphs
-    policy = None if drafter is None else k_policy(spec, drafter)
+    policy = None if drafter is None or entry is None else k_policy(spec, drafter, entry.trees)
     lookup = spec.prompt_lookup_min if drafter is not None else None
     info = {**models.info, **chooser.chosen, "drafter": entry.name if drafter else None, "prompt_lookup_min": lookup}
     return Parts(
@@ -300,8 +300,10 @@ def parts_from_models(models: Models, spec: SpeculationConfig, kernels: KernelOp
     )  # fmt: skip
 
 
-def k_policy(spec: SpeculationConfig, drafter: Drafter) -> KPolicy:
-    """The K policy of ``spec``, K capped at the most drafts a round of ``drafter`` can use (Medusa: its heads)."""
+def k_policy(spec: SpeculationConfig, drafter: Drafter, trees: bool) -> KPolicy:
+    """The K policy of ``spec``, K capped at the most drafts a round of ``drafter`` can use (Medusa: its heads);
+    ``trees``: the drafter's registry entry drafts trees (then with ``tree_branches`` > 1 it does)."""
     k_max = spec.resolved_k_max if drafter.max_drafts is None else min(spec.resolved_k_max, drafter.max_drafts)
     k = min(spec.k, k_max)
-    return KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max)
+    tree = trees and (spec.tree_branches or 1) > 1
+    return KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max, trees=tree)

@@ -83,7 +83,9 @@ class Engine:
             )
         pol = self.policy
         measured = pol is not None and pol.name == "measured"
-        tuner = KTuner(k_max=pol.k_max, k_start=pol.k, k_min=pol.k_min) if pol is not None and measured else None
+        tuner = None
+        if pol is not None and measured:
+            tuner = KTuner(k_max=pol.k_max, k_start=pol.k, k_min=pol.k_min, trees=pol.trees)
         self.scheduler = Scheduler(
             self.loop,
             SchedulerLimits(limits.max_batch, limits.max_waiting, self.max_seq_len),

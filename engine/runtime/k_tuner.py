@@ -1,29 +1,36 @@
-"""K from measured rounds: per batch bucket, the K whose rounds commit the most tokens per second.
+"""K from measured rounds: per batch bucket, the K (and draft shape) whose rounds commit the most tokens per second.
 
 A cost table measured apart from the serving rounds (one sequence, bare forward passes) misprices them: a real
 round also pays per-round costs that plain rounds pay too, and at a batch of B sequences a verify pass of
 B (K+1) tokens can cost far more than B times one token (a CPU, or a GPU at a large batch). The tuner measures
-the rounds themselves. Per batch bucket (the running batch rounded up to a power of two) and per K (0: plain
-decoding) it keeps a decayed mean of the round's wall time. With each row's running acceptance a (the K
-controller's EMA) a round at K is expected to commit sum_rows (1 - a^(K+1)) / (1 - a) tokens, so the round
-takes the measured K with the most expected tokens per second.
+the rounds themselves. An arm is a K (0: plain decoding) and, where the drafter is configured for trees
+(``tree_branches`` > 1), whether the round drafts trees of K nodes or chains of K drafts. Per batch bucket (the
+running batch rounded up to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
-Exploration is bounded: a K is measured ``warmup`` times before its estimate counts; the start K and K = 0 are
-measured first, then the neighbours of the best, and every ``explore``-th round at a bucket runs a neighbour of
-the best again so that a change of load or acceptance is seen. An estimate not refreshed for ``stale`` rounds is
-dropped, so a K far from today's best is measured afresh when the search reaches it again. Speculation turns
-off for a bucket where plain rounds commit more per second, and back on when speculating wins again.
+Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA)
+predicts (1 - a^(K+1)) / (1 - a) committed tokens; for a tree of K nodes no such closed form holds (it depends
+on how the drafter spends its nodes), so the tuner keeps a decayed mean of the tokens a tuned row committed in
+that arm's rounds. The round takes the measured arm with the most expected tokens per second; a tree is taken
+only where its measured rate beats every chain's, so a drafter whose trees do not pay runs chains.
 
-The choice depends only on rounds already run (their times, the rows' past acceptance), never on this round's
-draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a seeded
-sampled row keeps its own controller's K, which depends on its own history only, so its tokens do not depend
-on the batch.
+Exploration is bounded: an arm is measured ``warmup`` times before its estimate counts; the start K and K = 0
+are measured first (and the start K's tree where trees are on), then the neighbours of the best (K +- 1 in the
+same shape, the other shape at the same K), and every ``explore``-th round at a bucket runs a neighbour of the
+best again so that a change of load or acceptance is seen. An estimate not refreshed for ``stale`` rounds is
+dropped, so an arm far from today's best is measured afresh when the search reaches it again. Speculation
+turns off for a bucket where plain rounds commit more per second, and back on when speculating wins again.
+
+The choice depends only on rounds already run (their times, the rows' past acceptance and commits), never on
+this round's draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a
+seeded sampled row keeps its own controller's K, which depends on its own history only, so its tokens do not
+depend on the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.spec_decode.adaptive import expected_tokens
 
@@ -33,9 +40,19 @@ def bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
+class Arm(NamedTuple):
+    """What a round runs: K drafts per row (tree nodes where ``tree``; 0: a plain round) and the draft shape."""
+
+    k: int
+    tree: bool = False
+
+
+PLAIN = Arm(0)
+
+
 @dataclass
 class KTuner:
-    """The round's K per batch bucket from measured round times (see the module doc)."""
+    """The round's K and draft shape per batch bucket from measured round times (see the module doc)."""
 
     k_max: int
     """The largest K tried."""
@@ -43,72 +60,99 @@ class KTuner:
     """The K measured first at each bucket (the configured K)."""
     k_min: int = 1
     """The smallest K tried besides 0 (plain rounds)."""
+    trees: bool = False
+    """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
     warmup: int = 2
-    """Rounds measured at a K before its estimate counts."""
+    """Rounds measured at an arm before its estimate counts."""
     explore: int = 12
-    """Every explore-th round at a bucket runs a neighbour of the best K."""
+    """Every explore-th round at a bucket runs a neighbour of the best arm."""
     decay: float = 0.85
-    """Weight of the past in the decayed round-time means."""
+    """Weight of the past in the decayed means (round times, a tree's tokens per row)."""
     stale: int = 36
-    """A K's estimate not refreshed in this many rounds at its bucket is dropped (measured afresh when needed)."""
-    _times: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (bucket, K) -> [seconds, rounds]
-    _at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, K) -> the bucket's round of its last
+    """An arm's estimate not refreshed in this many rounds at its bucket is dropped (measured afresh when needed)."""
+    _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # (bucket, arm) -> [seconds, rounds]
+    _tokens: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # tree arms: [tokens, rows] decayed
+    _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
-    _best: dict[int, int] = field(default_factory=dict)  # the last best K per bucket
+    _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
 
-    def round_time(self, batch: int, k: int) -> float | None:
-        """The decayed mean round time at this batch's bucket and K (None: not measured ``warmup`` times)."""
-        s = self._times.get((bucket(batch), k))
+    def round_time(self, batch: int, arm: Arm) -> float | None:
+        """The decayed mean round time at this batch's bucket and arm (None: not measured ``warmup`` times)."""
+        s = self._times.get((bucket(batch), arm))
         return None if s is None or s[1] < self.warmup * self.decay ** (self.warmup - 1) else s[0] / s[1]
 
-    def rate(self, batch: int, acceptance: Sequence[float], k: int) -> float | None:
-        """Expected committed tokens per second of a round of ``batch`` rows at K for the rows it tunes (their
-        running acceptances)."""
-        t = self.round_time(batch, k)
+    def rate(self, batch: int, acceptance: Sequence[float], arm: Arm) -> float | None:
+        """Expected committed tokens per second of a round of ``batch`` rows at ``arm`` for the rows it tunes
+        (their running acceptances)."""
+        t = self.round_time(batch, arm)
         if t is None or t <= 0:
             return None
-        return sum(expected_tokens(min(a, 0.999), k) for a in acceptance) / t
+        if not arm.tree:
+            return sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / t
+        got = self._tokens.get((bucket(batch), arm))
+        return None if got is None or got[1] <= 0 else len(acceptance) * got[0] / got[1] / t
 
-    def choose(self, batch: int, acceptance: Sequence[float]) -> int:
-        """This round's K: ``batch`` rows run, those it tunes have these running acceptances."""
+    def arms(self) -> list[Arm]:
+        """Every arm tried: plain, chains of k_min..k_max and, with trees, trees of 2..k_max nodes."""
+        chains = [Arm(k) for k in range(self.k_min, self.k_max + 1)]
+        return [PLAIN, *chains, *(Arm(k, True) for k in range(max(2, self.k_min), self.k_max + 1) if self.trees)]
+
+    def _neighbours(self, best: Arm) -> list[Arm]:
+        """K +- 1 in the same shape, then the other shape at the same K (plain's: the smallest chain)."""
+        known = set(self.arms())
+        near = [Arm(best.k + 1, best.tree), Arm(best.k - 1, best.tree), Arm(best.k, not best.tree)]
+        if best == PLAIN:
+            near = [Arm(self.k_min)]
+        return [a if a.k > 0 else PLAIN for a in near if a in known or a.k == 0]
+
+    def choose(self, batch: int, acceptance: Sequence[float]) -> Arm:
+        """This round's arm: ``batch`` rows run, those it tunes have these running acceptances."""
         b = bucket(batch)
         n = self._rounds[b] = self._rounds.get(b, 0) + 1
         for key in [key for key, at in self._at.items() if key[0] == b and n - at > self.stale]:
             del self._times[key], self._at[key]  # the load may have changed since: measure it again when needed
-        for k in (self.k_start, 0):
-            if self.round_time(batch, k) is None:
-                return k
-        ks = [0, *range(self.k_min, self.k_max + 1)]
-        rates = {k: r for k in ks if (r := self.rate(batch, acceptance, k)) is not None}
-        best = max(rates, key=lambda k: (rates[k], -k))
+            self._tokens.pop(key, None)
+        rates = {a: r for a in self.arms() if (r := self.rate(batch, acceptance, a)) is not None}
+        if b not in self._best or not rates:  # a new bucket (or one whose estimates all went stale)
+            first = [Arm(self.k_start), PLAIN] + ([Arm(self.k_start, True)] if self.trees and self.k_start > 1 else [])
+            for arm in first:
+                if arm not in rates:
+                    return arm
+        best = max(rates, key=lambda a: (rates[a], not a.tree, -a.k))  # ties: chains, then the smaller K
         self._best[b] = best
-        i = ks.index(best)
-        neighbours = [ks[j] for j in (i + 1, i - 1) if 0 <= j < len(ks)]
-        for k in neighbours:
-            if k not in rates:
-                return k
+        neighbours = list(dict.fromkeys(self._neighbours(best)))
+        for arm in neighbours:
+            if arm not in rates:
+                return arm
         if n % self.explore == 0 and neighbours:
             return neighbours[(n // self.explore) % len(neighbours)]
         return best
 
-    def record(self, batch: int, k: int, seconds: float) -> None:
-        """One round's wall time at K (a round that prefilled is not recorded: its prefill dominates)."""
+    def record(self, batch: int, arm: Arm, seconds: float, committed: Sequence[float] = ()) -> None:
+        """One round's wall time at ``arm`` and, for a tree, the tokens each tuned row committed (a round that
+        prefilled is not recorded: its prefill dominates)."""
         b = bucket(batch)
-        s = self._times.setdefault((b, k), [0.0, 0.0])
+        s = self._times.setdefault((b, arm), [0.0, 0.0])
         s[0] = self.decay * s[0] + seconds
         s[1] = self.decay * s[1] + 1.0
-        self._at[(b, k)] = self._rounds.get(b, 0)
+        if arm.tree and committed:
+            t = self._tokens.setdefault((b, arm), [0.0, 0.0])
+            t[0] = self.decay * t[0] + sum(committed)
+            t[1] = self.decay * t[1] + len(committed)
+        self._at[(b, arm)] = self._rounds.get(b, 0)
 
     def best_k(self) -> dict[str, int | None]:
         """The best K so far per batch bucket (a copy)."""
-        return {str(b): k for b, k in dict(self._best).items()}
+        return {str(b): a.k for b, a in dict(self._best).items()}
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per bucket: the best K so far and the measured mean round time per K (seconds)."""
+        """Per bucket: the best K so far, whether it drafts trees, and the measured mean round time per arm
+        (seconds; a tree's key is its K with a "t": "4t")."""
         out: dict[str, dict[str, object]] = {}
-        for (b, k), (sec, n) in sorted(dict(self._times).items()):  # a copy: the worker records
-            entry = out.setdefault(str(b), {"k": self._best.get(b), "round_s": {}})
+        for (b, arm), (sec, n) in sorted(dict(self._times).items()):  # a copy: the worker records
+            best = self._best.get(b)
+            entry = out.setdefault(str(b), {"k": best and best.k, "tree": bool(best and best.tree), "round_s": {}})
             times = entry["round_s"]
             assert isinstance(times, dict)
-            times[str(k)] = sec / n if n else None
+            times[f"{arm.k}t" if arm.tree else str(arm.k)] = sec / n if n else None
         return out

@@ -51,6 +51,7 @@ class Totals:
     prefill_tokens: int = 0  # prompt tokens the target computed (a prompt shared by sequences admitted together: once)
     prefill_shared: int = 0  # prompt tokens copied from a sequence of the same prompt instead of computed
     plain_rounds: int = 0  # rounds the K tuner ran plainly (K = 0: plain rounds measured faster at that batch)
+    tree_rounds: int = 0  # sequence-rounds that verified a draft tree (the rest of those with drafts: chains)
     seconds: float = 0.0  # worker time spent in rounds
     pos_tried: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
@@ -78,6 +79,7 @@ class Totals:
             "mean_accepted_length": 1 + self.accepted / self.iterations if self.iterations else None,
             "tokens_per_s": self.generated / self.seconds if self.seconds else None,
             "target_passes_per_token": self.iterations / self.generated if self.generated else None,
+            "tree_rounds": self.tree_rounds,
             "target_forwards": self.target_forwards,
             "prefill_tokens": self.prefill_tokens,
             "prefill_shared": self.prefill_shared,

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
-from engine.runtime.k_tuner import KTuner
+from engine.runtime.k_tuner import PLAIN, Arm, KTuner
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
@@ -295,8 +295,9 @@ class Scheduler:
             self.k_cap, self.batch_cap = self.governor.poll()
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
-        tuned = self._tuned_k(seqs)
-        caps = KCaps(all=self.k_cap, tuned=tuned)
+        arm = self._tuned(seqs)
+        tree = arm is None or arm.tree or not all(tunable(s) for s in seqs)  # a seeded row's shape is configured
+        caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=tree)
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         t0 = time.perf_counter()
         self._round_started = time.monotonic()
@@ -311,22 +312,28 @@ class Scheduler:
         finally:
             self._round_started = None
         dt = time.perf_counter() - t0
-        if tuned is not None and clean and not prefill and self.tuner is not None:
-            self.tuner.record(len(seqs), tuned, dt)
+        if arm is not None and clean and not prefill and self.tuner is not None:
+            tuned = {id(s) for s in seqs if tunable(s)}
+            self.tuner.record(len(seqs), arm, dt, [len(new) for s, new in events if id(s) in tuned])
         with self._lock:
             if clean:
                 self._failed_streak = 0
             self.totals.seconds += dt
             self.totals.target_forwards += rounds
-            self.totals.plain_rounds += tuned == 0
+            self.totals.plain_rounds += arm == PLAIN
         self._hand_out(events)
 
-    def _tuned_k(self, seqs: list[Seq]) -> int | None:
-        """The round's K from the tuner for the rows it may set (None: no tuner, or no such row)."""
+    def _tuned(self, seqs: list[Seq]) -> Arm | None:
+        """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled
+        row drafts as configured (its draws depend on its draft's shape): with one in the batch, a tree-capable
+        drafter drafts trees for every row this round, and the round is measured as the tree arm it runs."""
         rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
         if self.tuner is None or not rows:
             return None
-        return self.tuner.choose(len(seqs), [s.k_ctl.acceptance for s in rows if s.k_ctl is not None])
+        arm = self.tuner.choose(len(seqs), [s.k_ctl.acceptance for s in rows if s.k_ctl is not None])
+        if self.tuner.trees and not arm.tree and arm.k > 1 and len(rows) < len(seqs):
+            return Arm(arm.k, True)
+        return arm
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a
@@ -419,6 +426,7 @@ class Scheduler:
         t.drafted += st.drafted
         t.accepted += st.accepted
         t.iterations += st.target_passes
+        t.tree_rounds += st.tree_rounds
         if len(t.pos_tried) < len(st.pos_tried):
             t.pos_tried += [0] * (len(st.pos_tried) - len(t.pos_tried))
             t.pos_accepted += [0] * (len(st.pos_tried) - len(t.pos_accepted))

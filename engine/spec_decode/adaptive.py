@@ -91,6 +91,7 @@ class KPolicy:
     decay: float = 0.8  # weight of the past in the acceptance EMA
     prior_a: float = 0.7  # acceptance assumed before any observation
     prior_weight: float = 2.0  # pseudo-trials behind the prior
+    trees: bool = False  # the drafter drafts trees (tree_branches > 1): ``measured`` chooses trees or chains per batch
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

@@ -66,6 +66,9 @@ class DraftBatch:
     """The target's cache (the early-exit drafter writes its first layers)."""
     device: torch.device
     """Where the round runs."""
+    tree: bool = True
+    """Whether a drafter configured for trees drafts them this round (False: chains; the serving layer measured
+    chains faster at this batch, ``KCaps.tree``)."""
 
 
 @dataclass(frozen=True)

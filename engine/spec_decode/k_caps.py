@@ -11,7 +11,7 @@ NO_CAP = 1 << 30  # a K cap that caps nothing
 
 @dataclass(frozen=True)
 class KCaps:
-    """Caps on this round's K, set by the serving layer."""
+    """Caps on this round's K and its draft shape, set by the serving layer."""
 
     all: int = NO_CAP
     """The K of every row but seeded sampled ones (the load window lowers it under GPU memory pressure). A sampled
@@ -19,6 +19,10 @@ class KCaps:
     tuned: int | None = None
     """The round's K from measured rounds (engine/runtime/k_tuner.py; 0: a plain round) for every row but seeded
     sampled ones, in place of each row's own controller K; None: each row's own."""
+    tree: bool = True
+    """Whether a drafter configured for trees (``tree_branches`` > 1) drafts trees this round; False: chains (the
+    tuner measured chains faster at this batch). The serving layer keeps it True while a seeded sampled row runs:
+    its draws depend on its draft's shape."""
 
 
 def tunable(s: Seq) -> bool:

@@ -73,6 +73,7 @@ class RoundPlan:
     noise: RoundNoise | None  # None: an all-greedy batch (no draws)
     waiting: dict[int, list[Seq]]  # sequences waiting for a row's prefill, by that row's id
     grammar: GrammarRound | None = None  # the rows' grammars (None: no row is constrained)
+    tree: bool = True  # whether a drafter configured for trees drafts them this round (KCaps.tree)
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +90,7 @@ class Verdict:
     last_features: Tensor | None  # [B, H] the feature that scored each row's new last token
     cols: Tensor  # [B, K+1] the scored column of each committed token (a tree: its path's nodes + 1)
     paths: list[list[int]] | None = None  # trees: each row's accepted nodes by depth (None: chains)
+    spans: list[int] | None = None  # trees: each row's tree depth, the most it could accept (None: chains)
 
 
 class _Steps(NamedTuple):
@@ -183,7 +185,7 @@ class DecodeLoop:
         if proc.mode != "greedy":  # a greedy row draws nothing: its target and draft distributions are one-hot
             gens = [s.generator for s in active]
             noise = RoundNoise.draw(gens, ks, [not s.params.greedy for s in active], self.vocab, dev)
-        return RoundPlan(active, ks, proc, noise, waiting, grammar)
+        return RoundPlan(active, ks, proc, noise, waiting, grammar, caps.tree)
 
     def _grammar_round(self, active: list[Seq], ks: list[int]) -> GrammarRound | None:
         """The round's grammar work, each constrained row's matcher made on its first round."""
@@ -207,6 +209,7 @@ class DecodeLoop:
         batch = DraftBatch(
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
+            tree=plan.tree,
         )  # fmt: skip
         g = plan.grammar
         if g is not None and g.all_forced:  # the grammar drafts every row: no drafter
@@ -270,12 +273,15 @@ class DecodeLoop:
                 out, nacc, cols = tree_rejection_sample(proposal.tokens, tree, *args)
         rows = torch.arange(B, device=dev)
         last = None if scores.features is None else scores.features[rows, cols[rows, nacc]]  # [B, H]
-        parts = [out, nacc[:, None], bad[:, None].to(out.dtype)] + ([] if tree is None else [cols])
+        parts = [out, nacc[:, None], bad[:, None].to(out.dtype)]
+        if tree is not None:  # the accepted path's columns and the tree's depth
+            parts += [cols, (proposal.depth() * (torch.arange(K, device=dev) < num_draft[:, None])).amax(1, True)]
         res = torch.cat(parts, 1).tolist()  # the one host sync
         paths = None if tree is None else [[c - 1 for c in r[K + 3 : K + 3 + r[K + 1] + 1][1:]] for r in res]
+        spans = None if tree is None else [r[-1] for r in res]
         lp_rows = {b: s.params.logprobs for b, s in enumerate(plan.seqs) if s.params.logprobs is not None}
         lps = token_logprobs(logits.gather(1, cols[..., None].expand(-1, -1, V)), out, lp_rows) if lp_rows else {}
-        return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths)
+        return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths, spans)
 
     def commit(
         self, plan: RoundPlan, proposal: Proposal, scores: Scores, verdict: Verdict
@@ -318,8 +324,9 @@ class DecodeLoop:
         if id(s) in plan.waiting:
             self._share_prefill(s, plan.waiting[id(s)], steps.scores, b)
         s.stats.record(k, a)
-        if s.k_ctl is not None and k > 0:
-            s.k_ctl.update(k, a)
+        s.stats.tree_rounds += verdict.paths is not None and k > 0
+        if s.k_ctl is not None and k > 0:  # a tree's row could accept at most its depth
+            s.k_ctl.update(k if verdict.spans is None else verdict.spans[b], a)
         if plan.grammar is not None and s.grammar is not None:
             new = self._commit_grammar(b, s, plan.grammar, new, a)
         kept = self.stops.cut(s, new)

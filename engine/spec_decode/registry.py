@@ -51,6 +51,9 @@ class DrafterEntry:
     """``specmix-train-draft --kind NAME`` trains a draft for it (a head's kind is its name)."""
     lookup_first: bool = True
     """Prompt lookup first may wrap it (``SpeculationConfig.prompt_lookup_min``)."""
+    trees: bool = False
+    """It drafts trees where ``tree_branches`` > 1 (the model and the heads for greedy batches); the measured K
+    policy then chooses per batch between its trees and chains."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -117,6 +120,7 @@ DRAFTERS = DrafterRegistry(
             ModelDrafter.build,
             loads=Loads.DRAFT_MODEL,
             trainable=True,
+            trees=True,
         ),
         DrafterEntry(
             "ngram",
@@ -124,6 +128,7 @@ DRAFTERS = DrafterRegistry(
             "tree_branches > 1, a tree of the continuations of several matches); no model",
             NGramDrafter.build,
             lookup_first=False,
+            trees=True,
         ),
         DrafterEntry(
             "early-exit",
@@ -138,6 +143,7 @@ DRAFTERS = DrafterRegistry(
             MedusaDrafter.build,
             loads=Loads.HEAD,
             trainable=True,
+            trees=True,
         ),
         DrafterEntry(
             "eagle",
@@ -145,6 +151,7 @@ DRAFTERS = DrafterRegistry(
             EagleDrafter.build,
             loads=Loads.HEAD,
             trainable=True,
+            trees=True,
         ),
         DrafterEntry(
             "eagle3",
@@ -162,6 +169,7 @@ DRAFTERS = DrafterRegistry(
             SuffixDrafter.build,
             fields=("suffix_global_tokens",),
             lookup_first=False,
+            trees=True,
         ),
     )
 )

@@ -27,6 +27,7 @@ class SeqStats:
     forced: int = 0  # drafts that were tokens the request's grammar forced (structured outputs)
     forced_accepted: int = 0
     mask_seconds: float = 0.0  # time computing the grammar's masks
+    tree_rounds: int = 0  # rounds that verified this sequence's drafts as a tree (the tree attention mask)
 
     def record(self, k: int, a: int) -> None:
         self.drafted += k
@@ -51,6 +52,7 @@ class SeqStats:
             "target_passes": self.target_passes,
             "prefill_tokens": self.prefill_tokens,
             "prefill_shared": self.prefill_shared,
+            "tree_rounds": self.tree_rounds,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             # draft positions tested (accepted ones + one per round that rejected): accepted / trials is the
             # per-token acceptance a of the cost model (accepted / drafted is biased low for K > 1)

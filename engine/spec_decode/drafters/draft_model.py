@@ -95,7 +95,7 @@ class ModelDrafter:
         greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
         aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
         call = ForwardCall(toks, pos, cache, kv_len, batch.rows, last, self.n_layers, starts[0] if aligned else None)
-        tree = greedy and self.branches > 1 and self.n_layers is None
+        tree = greedy and batch.tree and self.branches > 1 and self.n_layers is None
         for s in seqs:
             self._fed(s).tree = tree
         if tree:

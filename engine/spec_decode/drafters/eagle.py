@@ -49,7 +49,7 @@ class EagleDrafter(HeadDrafter):
     def propose(self, batch: DraftBatch) -> Proposal:
         f, have = self._features(batch.seqs, batch.device)
         tok = torch.tensor([s.tokens[-1] for s in batch.seqs], dtype=torch.long, device=batch.device)
-        if batch.processing.mode == "greedy" and self.branches > 1:
+        if batch.processing.mode == "greedy" and batch.tree and self.branches > 1:
             toks, parents, _ = dynamic_tree(self.runner, f, tok, batch.k, self.branches, self.vocab_ids)
             return tree_proposal(toks, parents, have)
         if batch.processing.mode == "greedy" and self.greedy is not None:

@@ -46,7 +46,7 @@ class MedusaDrafter(HeadDrafter):
     def propose(self, batch: DraftBatch) -> Proposal:
         f, have = self._features(batch.seqs, batch.device)
         k = min(batch.k, self.cfg.num_heads)
-        if batch.processing.mode == "greedy" and self.branches > 1 and self.cfg.num_heads > 1:
+        if batch.processing.mode == "greedy" and batch.tree and self.branches > 1 and self.cfg.num_heads > 1:
             return self._tree(f, have, batch.k)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, k), [], have, k, batch.k)

@@ -56,7 +56,7 @@ class NGramDrafter:
         return found
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        if self.branches > 1:
+        if batch.tree and self.branches > 1:
             return self._propose_tree(batch)
         props = [self.lookup(s.tokens, batch.k) for s in batch.seqs]
         out = torch.zeros(len(props), batch.k, dtype=torch.long)

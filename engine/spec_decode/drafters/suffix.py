@@ -88,27 +88,29 @@ class SuffixDrafter:
         B, k = len(batch.seqs), batch.k
         tokens = torch.zeros(B, k, dtype=torch.long)
         parents = torch.full((B, k), -1, dtype=torch.long)
-        counts = []
+        counts, tree = [], self.tree and batch.tree
         for b, s in enumerate(batch.seqs):
-            d = self.draft(s, min(batch.ks[b], k))
+            d = self.draft(s, min(batch.ks[b], k), tree)
             n = len(d.tokens)
             if n:
                 tokens[b, :n] = torch.tensor(d.tokens, dtype=torch.long)
                 parents[b, :n] = torch.tensor(d.parents, dtype=torch.long)
             counts.append(n)
-        if not self.tree:
+        if not tree:
             return Proposal.chain(tokens.to(batch.device), None, counts)
         return Proposal(tokens.to(batch.device), None, counts, parents.to(batch.device))
 
-    def draft(self, s: Seq, budget: int) -> Draft:
-        """The row's tree (or path) of at most ``budget`` nodes: the request's or the global one, the higher score."""
+    def draft(self, s: Seq, budget: int, tree: bool | None = None) -> Draft:
+        """The row's tree (a path where ``tree`` is False; None: as configured) of at most ``budget`` nodes: the
+        request's or the global one, the higher score."""
+        tree = self.tree if tree is None else tree
         req = self._request(s)
         req.index.catch_up(s.tokens)
         context = s.tokens[-(self.max_match + 1) :]  # matches of 1 .. max_match tokens are tried
-        own = req.index.speculate(context, budget, self.params, self.tree)
+        own = req.index.speculate(context, budget, self.params, tree)
         if self.index is None:
             return own
-        other = self.index.speculate(context, budget, self.params, self.tree)
+        other = self.index.speculate(context, budget, self.params, tree)
         return own if own.score >= other.score else other
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
