@@ -86,10 +86,15 @@ def tree_time(batch: int, k: int, mask: float, **kw: float) -> float:
     return round_time(batch, k, **kw) + mask  # a tree's verify also builds and reads its attention mask
 
 
-def best_arm(batch: int, a: float, k_max: int, mask: float, **kw: float) -> Arm:
+def arm_rates(batch: int, a: float, k_max: int, mask: float, **kw: float) -> dict[Arm, float]:
     rates = {Arm(k): batch * expected_tokens(a, k) / round_time(batch, k, **kw) for k in range(k_max + 1)}
     for k in range(2, k_max + 1):
         rates[Arm(k, True)] = batch * tree_tokens(a, k) / tree_time(batch, k, mask, **kw)
+    return rates
+
+
+def best_arm(batch: int, a: float, k_max: int, mask: float, **kw: float) -> Arm:
+    rates = arm_rates(batch, a, k_max, mask, **kw)
     return max(rates, key=lambda x: rates[x])
 
 
@@ -122,9 +127,12 @@ def test_it_takes_a_tree_only_where_trees_commit_more_per_second(batch, a, mask,
     want = best_arm(batch, a, 8, mask)
     assert want.tree == want_tree
     seen = run_arms(tuner, batch, a, 300, mask)
-    assert seen.most_common(1)[0][0] == want
-    assert seen[want] >= 0.75 * sum(seen.values())
+    rates = arm_rates(batch, a, 8, mask)
+    top = seen.most_common(1)[0][0]
+    assert top.tree == want_tree and rates[top] >= 0.99 * rates[want]  # the best, or one as good within 1%
     assert tuner.snapshot()[str(bucket(batch))]["tree"] == want_tree
+    # the rounds commit at least 96% of the best arm's rate: exploration costs a few percent
+    assert sum(rates[arm] * n for arm, n in seen.items()) >= 0.96 * rates[want] * sum(seen.values())
 
 
 def test_without_trees_it_never_tries_one():
@@ -196,5 +204,6 @@ def test_the_tuner_and_the_accepted_length_histogram_in_the_metrics(ckpt_dir, dr
     assert bins and sum(bins.values()) == drafts  # every round with drafts, binned by what it accepted
     assert sum(int(a) * n for a, n in bins.items()) == eng.stats()["accepted"]
     assert "specmix:spec_decode_tuned_k{" in text
+    assert 'specmix:spec_decode_tuned_tree{batch_bucket="1"} 0' in text  # chains: no tree_branches
     tuned = eng.stats()["k_tuner"]
     assert all(0 <= (v["k"] or 0) <= eng.policy.k_max for v in tuned.values())

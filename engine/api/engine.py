@@ -259,7 +259,7 @@ class Engine:
             cuda_memory=CudaMemory.read(self.device),
             governor=self.scheduler.governor,
             graphs=graph_stats(self.cuda_graphs),
-            tuned_k=None if self.scheduler.tuner is None else self.scheduler.tuner.best_k(),
+            tuned=None if self.scheduler.tuner is None else self.scheduler.tuner.best(),
         )
         return engine_samples(self.scheduler.snapshot(), gauges)
 

@@ -15,10 +15,13 @@ only where its measured rate beats every chain's, so a drafter whose trees do no
 
 Exploration is bounded: an arm is measured ``warmup`` times before its estimate counts; the start K and K = 0
 are measured first (and the start K's tree where trees are on), then the neighbours of the best (K +- 1 in the
-same shape, the other shape at the same K), and every ``explore``-th round at a bucket runs a neighbour of the
-best again so that a change of load or acceptance is seen. An estimate not refreshed for ``stale`` rounds is
-dropped, so an arm far from today's best is measured afresh when the search reaches it again. Speculation
-turns off for a bucket where plain rounds commit more per second, and back on when speculating wins again.
+same shape, the other shape at the same K). A neighbour is measured again so that a change of load or
+acceptance is seen: at most every ``explore`` rounds at its bucket, and the worse it measured the more seldom
+(``explore_cost``: each neighbour costs about 1% of the throughput). A measurement after a gap weighs more
+(the past decays per ``explore`` rounds), so a rarely measured arm follows the load. Other estimates not
+refreshed for ``stale`` rounds are dropped, and an arm far from today's best is measured afresh when the
+search reaches it again. Speculation turns off for a bucket where plain rounds commit more per second, and
+back on when speculating wins again.
 
 The choice depends only on rounds already run (their times, the rows' past acceptance and commits), never on
 this round's draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a
@@ -62,24 +65,35 @@ class KTuner:
     """The smallest K tried besides 0 (plain rounds)."""
     trees: bool = False
     """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
+    tree_prior: float = 4.0
+    """A tree arm's tokens per row start from a chain's at its K, worth this many measured rounds and fading by
+    ``decay`` per measurement: one lucky tree round (accepted lengths vary from 1 to K + 1) does not make trees
+    the best."""
     warmup: int = 2
     """Rounds measured at an arm before its estimate counts."""
     explore: int = 12
-    """Every explore-th round at a bucket runs a neighbour of the best arm."""
+    """A neighbour of the best arm is measured again at most every ``explore`` rounds at its bucket."""
+    explore_cost: float = 0.01
+    """And at most once in (1 - its rate / the best's) / explore_cost rounds: exploring a neighbour costs about this
+    share of the bucket's throughput, so an arm that measured far worse (a tree that does not pay) is seldom rerun."""
     decay: float = 0.85
-    """Weight of the past in the decayed means (round times, a tree's tokens per row)."""
-    stale: int = 36
-    """An arm's estimate not refreshed in this many rounds at its bucket is dropped (measured afresh when needed)."""
-    _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # (bucket, arm) -> [seconds, rounds]
+    """Weight of the past in the decayed means (round times, a tree's tokens per row), per ``explore`` rounds
+    since the arm's last measurement (at least once per measurement)."""
+    stale: int = 96
+    """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
+    bucket is dropped (measured afresh when the search reaches it again)."""
+    _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
     _tokens: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # tree arms: [tokens, rows] decayed
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
     _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
+    _shapes: dict[tuple[int, bool], tuple[int, float]] = field(default_factory=dict)  # (bucket, tree) -> the
+    # bucket's round of the shape's last measurement, its best rate then / the bucket's best
 
     def round_time(self, batch: int, arm: Arm) -> float | None:
         """The decayed mean round time at this batch's bucket and arm (None: not measured ``warmup`` times)."""
         s = self._times.get((bucket(batch), arm))
-        return None if s is None or s[1] < self.warmup * self.decay ** (self.warmup - 1) else s[0] / s[1]
+        return None if s is None or s[2] < self.warmup else s[0] / s[1]
 
     def rate(self, batch: int, acceptance: Sequence[float], arm: Arm) -> float | None:
         """Expected committed tokens per second of a round of ``batch`` rows at ``arm`` for the rows it tunes
@@ -87,10 +101,13 @@ class KTuner:
         t = self.round_time(batch, arm)
         if t is None or t <= 0:
             return None
+        chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance)
         if not arm.tree:
-            return sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / t
-        got = self._tokens.get((bucket(batch), arm))
-        return None if got is None or got[1] <= 0 else len(acceptance) * got[0] / got[1] / t
+            return chain / t
+        got = self._tokens.get((bucket(batch), arm), [0.0, 0.0])  # shrunk toward the chain's tokens at its K
+        times = self._times[(bucket(batch), arm)]
+        w = self.tree_prior * len(acceptance) * self.decay ** times[2]  # the prior fades as measurements come
+        return len(acceptance) * (got[0] + w * chain / max(1, len(acceptance))) / (got[1] + w) / t
 
     def arms(self) -> list[Arm]:
         """Every arm tried: plain, chains of k_min..k_max and, with trees, trees of 2..k_max nodes."""
@@ -109,47 +126,77 @@ class KTuner:
         """This round's arm: ``batch`` rows run, those it tunes have these running acceptances."""
         b = bucket(batch)
         n = self._rounds[b] = self._rounds.get(b, 0) + 1
-        for key in [key for key, at in self._at.items() if key[0] == b and n - at > self.stale]:
+        last = self._best.get(b)
+        keep = set() if last is None else {last, *self._neighbours(last)}
+        for key in [key for key, at in self._at.items() if key[0] == b and n - at > self.stale and key[1] not in keep]:
             del self._times[key], self._at[key]  # the load may have changed since: measure it again when needed
             self._tokens.pop(key, None)
         rates = {a: r for a in self.arms() if (r := self.rate(batch, acceptance, a)) is not None}
-        if b not in self._best or not rates:  # a new bucket (or one whose estimates all went stale)
+        if last is None or not rates:  # a new bucket (or one whose estimates all went stale)
             first = [Arm(self.k_start), PLAIN] + ([Arm(self.k_start, True)] if self.trees and self.k_start > 1 else [])
             for arm in first:
                 if arm not in rates:
                     return arm
         best = max(rates, key=lambda a: (rates[a], not a.tree, -a.k))  # ties: chains, then the smaller K
         self._best[b] = best
+        self._note_shapes(b, rates, best)
         neighbours = list(dict.fromkeys(self._neighbours(best)))
-        for arm in neighbours:
-            if arm not in rates:
+        for arm in neighbours:  # the other shape at the best's K: when that shape is due (see _shape_due)
+            if arm not in rates and (arm.tree == best.tree or arm == PLAIN or self._shape_due(b, n, arm.tree)):
                 return arm
-        if n % self.explore == 0 and neighbours:
-            return neighbours[(n // self.explore) % len(neighbours)]
-        return best
+        overdue = [(self._lateness(b, n, a, rates, best), a) for a in neighbours if a in rates]
+        late, arm = max(overdue, default=(-1.0, best))
+        return arm if late >= 0 else best
+
+    def _lateness(self, b: int, n: int, arm: Arm, rates: dict[Arm, float], best: Arm) -> float:
+        """Rounds past a measured neighbour's next measurement (< 0: not due); one of the other shape waits for its
+        shape too (``_shape_due``), so neighbouring K of a shape that does not pay share its exploration."""
+        late = n - self._at[(b, arm)] - self._interval(rates[arm], rates[best])
+        seen = self._shapes.get((b, arm.tree))
+        if arm.tree != best.tree and arm != PLAIN and seen is not None:
+            late = min(late, n - seen[0] - self._interval(seen[1], 1.0))
+        return late
+
+    def _note_shapes(self, b: int, rates: dict[Arm, float], best: Arm) -> None:
+        """Per shape: when an arm of it was last measured and how its best rate compared with the best arm's."""
+        for tree in (False, True):
+            measured = [a for a in rates if a.tree == tree and a != PLAIN]
+            if measured and rates[best] > 0:
+                at = max(self._at[(b, a)] for a in measured)
+                self._shapes[(b, tree)] = (at, max(rates[a] for a in measured) / rates[best])
+
+    def _shape_due(self, b: int, n: int, tree: bool) -> bool:
+        """Whether the shape is due another measurement at a K not measured in it: a shape that measured far
+        worse at its best K waits as its arms would (``explore_cost``), not once per new K."""
+        seen = self._shapes.get((b, tree))
+        return seen is None or n - seen[0] >= self._interval(seen[1], 1.0)
+
+    def _interval(self, rate: float, best: float) -> float:
+        """Rounds between measurements of a neighbour with this rate (see ``explore_cost``)."""
+        return max(self.explore, (1.0 - min(1.0, rate / best)) / self.explore_cost) if best > 0 else self.explore
 
     def record(self, batch: int, arm: Arm, seconds: float, committed: Sequence[float] = ()) -> None:
         """One round's wall time at ``arm`` and, for a tree, the tokens each tuned row committed (a round that
         prefilled is not recorded: its prefill dominates)."""
-        b = bucket(batch)
-        s = self._times.setdefault((b, arm), [0.0, 0.0])
-        s[0] = self.decay * s[0] + seconds
-        s[1] = self.decay * s[1] + 1.0
+        b, now = bucket(batch), self._rounds.get(bucket(batch), 0)
+        w = self.decay ** max(1.0, (now - self._at.get((b, arm), now)) / self.explore)  # the past's weight
+        s = self._times.setdefault((b, arm), [0.0, 0.0, 0])
+        s[0], s[1], s[2] = w * s[0] + seconds, w * s[1] + 1.0, s[2] + 1
         if arm.tree and committed:
             t = self._tokens.setdefault((b, arm), [0.0, 0.0])
-            t[0] = self.decay * t[0] + sum(committed)
-            t[1] = self.decay * t[1] + len(committed)
-        self._at[(b, arm)] = self._rounds.get(b, 0)
+            t[0] = w * t[0] + sum(committed)
+            t[1] = w * t[1] + len(committed)
+        self._at[(b, arm)] = now
 
-    def best_k(self) -> dict[str, int | None]:
-        """The best K so far per batch bucket (a copy)."""
-        return {str(b): a.k for b, a in dict(self._best).items()}
+    def best(self) -> dict[str, Arm]:
+        """The best arm so far per batch bucket (a copy)."""
+        return {str(b): a for b, a in dict(self._best).items()}
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per bucket: the best K so far, whether it drafts trees, and the measured mean round time per arm
         (seconds; a tree's key is its K with a "t": "4t")."""
         out: dict[str, dict[str, object]] = {}
-        for (b, arm), (sec, n) in sorted(dict(self._times).items()):  # a copy: the worker records
+        for (b, arm), (sec, n, _) in sorted(dict(self._times).items()):  # a copy: the worker records
             best = self._best.get(b)
             entry = out.setdefault(str(b), {"k": best and best.k, "tree": bool(best and best.tree), "round_s": {}})
             times = entry["round_s"]

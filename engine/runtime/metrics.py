@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from engine.runtime.k_tuner import Arm
 from engine.runtime.telemetry import LoadGovernor
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class EngineGauges:
     cuda_memory: CudaMemory | None = None  # None: not on CUDA
     governor: LoadGovernor | None = None  # None: no load window
     graphs: dict[str, Any] | None = None  # graph_stats(...) (None: CUDA graphs off)
-    tuned_k: dict[str, int | None] | None = None  # the K tuner's K per batch bucket (None: no tuner)
+    tuned: dict[str, Arm] | None = None  # the K tuner's best arm per batch bucket (None: no tuner)
 
 
 def kv_cache_usage(cache: KVCache | None, running: Sequence[Request]) -> float:
@@ -307,21 +308,20 @@ def engine_samples(snap: dict[str, Any], gauges: EngineGauges) -> list[Sample]:
         *_load_samples(snap, gauges),
         *_device_samples(gauges),
         *_graph_samples(gauges.graphs),
-        *_tuner_samples(gauges.tuned_k),
+        *_tuner_samples(gauges.tuned),
     ]
 
 
-def _tuner_samples(tuned: dict[str, int | None] | None) -> list[Sample]:
+def _tuner_samples(tuned: dict[str, Arm] | None) -> list[Sample]:
+    arms = sorted((tuned or {}).items(), key=lambda x: int(x[0]))
+    k_help = "The K the tuner runs at each batch bucket (0: plain rounds; engine/runtime/k_tuner.py)."
+    tree_help = "1 where the tuner drafts trees of K nodes at a batch bucket, 0 where chains or plain rounds."
     return [
-        Sample(
-            PREFIX + "spec_decode_tuned_k",
-            "gauge",
-            "The K the tuner runs at each batch bucket (0: plain rounds; engine/runtime/k_tuner.py).",
-            k,
-            {"batch_bucket": b},
-        )
-        for b, k in sorted((tuned or {}).items(), key=lambda x: int(x[0]))
-        if k is not None
+        *(Sample(PREFIX + "spec_decode_tuned_k", "gauge", k_help, a.k, {"batch_bucket": b}) for b, a in arms),
+        *(
+            Sample(PREFIX + "spec_decode_tuned_tree", "gauge", tree_help, int(a.tree), {"batch_bucket": b})
+            for b, a in arms
+        ),
     ]
 
 
