@@ -208,6 +208,49 @@ def test_tree_sampling_keeps_the_target_joint(pair8, case, iid):
         assert pooled_pvalue(counts, _exact_joint3(eng, prompt, plain_t)) < ALPHA
 
 
+@pytest.mark.parametrize("drafter,case", [("model", "t1.5-k5-p0.9"), ("eagle", "t1.0"), ("eagle", "penalties")])
+def test_sampled_spine_trees_keep_the_target_joint(pair8, tmp_path, drafter, case):
+    """Sampled rows' trees of i.i.d. siblings around the drafter's sampled chain (3 per depth, 6 nodes): the
+    3-token joint is the target's exact one; rows with penalties take the spine (the first branch)."""
+    from test_heads import random_head
+
+    target, draft = pair8
+    if drafter == "eagle":
+        draft = random_head(target, tmp_path / "head", "eagle", scale=2.0, seed=4)
+    spec = SpeculationConfig(drafter=drafter, tree_branches=3, k=6, k_policy="constant")
+    eng = Engine.from_pretrained(target, draft, speculation=spec, limits=Limits(max_batch=1000))
+    prompt, V = [1, 2, 3], eng.vocab
+    sp = SamplingParams(max_new_tokens=8, **CASES[case])  # a round's tree reaches depth 2 within the 3 tokens
+    exact = _exact_joint3(eng, prompt, sp)
+    counts = np.zeros(V**3)
+    for _ in range(5):
+        for o in eng.generate([prompt] * 4000, sp):
+            t = o.token_ids
+            counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    assert counts[exact == 0].sum() == 0, "a sequence of zero probability was produced"
+    st = eng.stats()
+    assert 0.05 < st["acceptance_rate"] < 0.95
+    assert (st["tree_rounds"] > 0) == (case != "penalties")  # penalties: every row takes its spine, a chain
+    assert pooled_pvalue(counts, exact) > ALPHA
+
+
+def test_a_spine_tree_is_the_chain_with_independent_siblings():
+    from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
+
+    g = torch.Generator().manual_seed(0)
+    B, K, V, w = 2, 7, 5, 3
+    noise = torch.empty(B, K, V).exponential_(generator=g)
+    p = torch.softmax(torch.randn(B, spine_depth(K, w), V, generator=g), -1)  # [B, 3, V]
+    spine = (p / spine_noise(noise, K, w)).argmax(-1)  # the chain drawn with the spine's noise vectors
+    tree = spine_tree(Proposal.chain(spine, p), noise, K, w)
+    assert tree.parents.tolist() == [[-1, -1, -1, 0, 0, 0, 3]] * B  # depth 1: 3 nodes, depth 2: 3, depth 3: 1
+    assert torch.equal(tree.tokens[:, [0, 3, 6]], spine)  # the spine is each depth's first node
+    assert torch.equal(tree.tokens, (tree.probs / noise).argmax(-1))  # every node: its own draw from its depth's p
+    assert torch.equal(tree.probs[:, 4], p[:, 1])
+    first = tree.first_branches([0, 1])
+    assert first.row_counts() == [3, 3] and torch.equal(first.tokens[:, :3], spine)
+
+
 def test_ngram_tree_merges_the_continuations_of_several_matches():
     from types import SimpleNamespace
 

@@ -4,8 +4,9 @@ Node n of row b is the token ``tokens[b, n]``; its parent is ``parents[b, n]`` (
 committed token), so its depth is one more than its parent's; ``probs[b, n]`` is the draft distribution it was
 drawn from (None: one-hot at the token, a deterministic drafter). Rows may have fewer nodes than the batch's
 widest (``counts``); entries past a row's count are padding. Nodes are in topological order (a parent before
-its children), which every chain is; siblings are distinct tokens. The verify pass (engine/spec_decode/verify.py)
-scores every node in one target pass (a tree attention mask, engine/spec_decode/tree.py).
+its children), which every chain is; siblings are distinct tokens, except where they are independent draws from
+their parent's distribution (a sampled tree: ``probs`` given; drafters/spine_tree.py). The verify pass
+(engine/spec_decode/verify.py) scores every node in one target pass (a tree attention mask, engine/spec_decode/tree.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +13,7 @@ from engine.core.forward import CachedForward, ForwardCall, KVCache
 from engine.spec_decode.costs import cached_forward
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, SeqStates
 from engine.spec_decode.drafters.draft_tree import model_tree
+from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.sampling import sample_from_probs
 
@@ -58,7 +59,7 @@ class ModelDrafter:
         self.model, self.module, self.n_layers = model, module, n_layers
         self.cache: KVCache | None = None
         self._fed = SeqStates(_Fed)
-        self.branches = 1  # > 1: greedy batches draft EAGLE-2 trees (draft_tree.py; not the early-exit drafter)
+        self.branches = 1  # > 1: trees: EAGLE-2's for greedy batches (draft_tree.py), i.i.d. ones else (spine_tree.py)
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> ModelDrafter:
@@ -108,6 +109,13 @@ class ModelDrafter:
             if drafts is not None:
                 return Proposal.chain(drafts)
         logits = self.model.run(call).logits
+        if not greedy and batch.tree and self.branches > 1 and batch.noise is not None and self.n_layers is None:
+            for s in seqs:  # the cache holds the spine: a sibling accepted at the end makes its last slot stale
+                self._fed(s).tree = True
+            w, k = self.branches, batch.k
+            spine = replace(batch, k=spine_depth(k, w), noise=spine_noise(batch.noise, k, w))
+            drafts, probs = self._steps(spine, logits, cache, kv_len, n_tok, aligned)
+            return spine_tree(Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1)), batch.noise, k, w)
         drafts, probs = self._steps(batch, logits, cache, kv_len, n_tok, aligned)
         return Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
+from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ class EagleDrafter(HeadDrafter):
         super().__init__(head, target, scorer)
         self.runner: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = self.step
         self.greedy: Callable[[Tensor, Tensor, int], Tensor] | None = None  # all k greedy drafts in one call
-        self.branches = 1  # > 1: greedy batches draft EAGLE-2 trees (head_tree.py)
+        self.branches = 1  # > 1: trees: EAGLE-2's for greedy batches (head_tree.py), i.i.d. ones else (spine_tree.py)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
@@ -54,6 +56,14 @@ class EagleDrafter(HeadDrafter):
             return tree_proposal(toks, parents, have)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, tok, batch.k), [], have, batch.k, batch.k)
+        if batch.processing.mode != "greedy" and batch.tree and self.branches > 1 and batch.noise is not None:
+            w, k = self.branches, batch.k
+            spine = replace(batch, k=spine_depth(k, w), noise=spine_noise(batch.noise, k, w))
+            return spine_tree(self._chain(f, tok, have, spine), batch.noise, k, w)
+        return self._chain(f, tok, have, batch)
+
+    def _chain(self, f: Tensor, tok: Tensor, have: list[bool], batch: DraftBatch) -> Proposal:
+        """A chain of ``batch.k`` drafts, each drawn from the head's processed distribution (argmax: greedy)."""
         drafts: list[Tensor] = []
         probs: list[Tensor] = []
         for _ in range(batch.k):
