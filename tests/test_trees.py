@@ -208,15 +208,17 @@ def test_tree_sampling_keeps_the_target_joint(pair8, case, iid):
         assert pooled_pvalue(counts, _exact_joint3(eng, prompt, plain_t)) < ALPHA
 
 
-@pytest.mark.parametrize("drafter,case", [("model", "t1.5-k5-p0.9"), ("eagle", "t1.0"), ("eagle", "penalties")])
+@pytest.mark.parametrize(
+    "drafter,case", [("model", "t1.5-k5-p0.9"), ("eagle", "t1.0"), ("eagle", "penalties"), ("medusa", "min_p")]
+)
 def test_sampled_spine_trees_keep_the_target_joint(pair8, tmp_path, drafter, case):
     """Sampled rows' trees of i.i.d. siblings around the drafter's sampled chain (3 per depth, 6 nodes): the
     3-token joint is the target's exact one; rows with penalties take the spine (the first branch)."""
     from test_heads import random_head
 
     target, draft = pair8
-    if drafter == "eagle":
-        draft = random_head(target, tmp_path / "head", "eagle", scale=2.0, seed=4)
+    if drafter != "model":
+        draft = random_head(target, tmp_path / "head", drafter, scale=2.0, seed=4)
     spec = SpeculationConfig(drafter=drafter, tree_branches=3, k=6, k_policy="constant")
     eng = Engine.from_pretrained(target, draft, speculation=spec, limits=Limits(max_batch=1000))
     prompt, V = [1, 2, 3], eng.vocab

@@ -1,10 +1,12 @@
-"""Medusa heads: head i proposes draft i + 1 from the same feature, all drafts at once: a chain, or (greedy rows,
-``tree_branches`` > 1) a tree of each head's top tokens, the most probable paths kept (Medusa's candidate tree,
-chosen per round by path probability through head_tree.py's dynamic tree)."""
+"""Medusa heads: head i proposes draft i + 1 from the same feature, all drafts at once: a chain, or with
+``tree_branches`` > 1 a tree: for greedy rows each head's top tokens, the most probable paths kept (Medusa's candidate
+tree, chosen per round by path probability through head_tree.py's dynamic tree); for sampled rows the sampled chain
+with independent siblings (spine_tree.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +15,7 @@ from torch import Tensor, nn
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
+from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -40,7 +43,7 @@ class MedusaDrafter(HeadDrafter):
         super().__init__(head, target, scorer)
         self.runner: Callable[[Tensor, int], Tensor] = self.step
         self.greedy: Callable[[Tensor, int], Tensor] | None = None  # all k greedy drafts in one call
-        self.branches = 1  # > 1: greedy batches draft trees of the heads' top tokens
+        self.branches = 1  # > 1: trees (the heads' top tokens for greedy batches, spine trees for sampled ones)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
@@ -50,6 +53,14 @@ class MedusaDrafter(HeadDrafter):
             return self._tree(f, have, batch.k)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, k), [], have, k, batch.k)
+        if batch.processing.mode != "greedy" and batch.tree and self.branches > 1 and batch.noise is not None:
+            w, n = self.branches, min(batch.k, self.cfg.num_heads * self.branches)
+            spine = replace(batch, k=spine_depth(n, w), noise=spine_noise(batch.noise, n, w))
+            return spine_tree(self._chain(f, have, spine, spine.k), batch.noise, n, w)
+        return self._chain(f, have, batch, k)
+
+    def _chain(self, f: Tensor, have: list[bool], batch: DraftBatch, k: int) -> Proposal:
+        """Heads 1..k's drafts, each drawn from its processed distribution (k <= the heads)."""
         logits = self.runner(f, k)  # [B, k, V']
         drafts: list[Tensor] = []
         probs: list[Tensor] = []
