@@ -16,6 +16,7 @@ from engine.api.requests import Prompts, RequestChecks, is_id_list
 from engine.api.runtime import make_governor
 from engine.core.chat import ChatTemplate, ChatTemplateMissingError
 from engine.core.errors import InvalidConfigError, InvalidRequestError, UnhealthyError
+from engine.core.hub import HubOptions, resolve_ref
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
 from engine.kernels.memory import resident_weight_bytes
@@ -109,8 +110,10 @@ class Engine:
         kernels: KernelOptions = KernelOptions(),
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        hub: HubOptions = HubOptions(),
     ) -> Engine:
-        """Load a target checkpoint (and a draft checkpoint) and build the engine.
+        """Load a target checkpoint (and a draft checkpoint or head) and build the engine; either may be a
+        directory or a Hugging Face Hub id (``owner/name``, resolved through huggingface_hub as ``hub`` says).
 
         ``speculation``: the drafter and the K policy (without a draft checkpoint and a drafter, plain
         decoding); ``precision``: the precision plan (None: unquantized); ``limits``: batch, queue and
@@ -128,6 +131,10 @@ class Engine:
                 raise InvalidConfigError(f"{name}={v!r:.60} is invalid: allowed a {typ.__name__}")
         if precision is not None and not isinstance(precision, PrecisionConfig):
             raise InvalidConfigError(f"precision={precision!r:.60} is invalid: allowed a PrecisionConfig or None")
+        if not isinstance(hub, HubOptions):
+            raise InvalidConfigError(f"hub={hub!r:.60} is invalid: allowed a HubOptions")
+        target = resolve_ref(target, hub)
+        draft = None if draft is None else resolve_ref(draft, hub, draft=True)
         parts = assemble(target, draft, speculation, precision, kernels, resolve_device(device), dtype)
         return cls(parts, limits, speculation.costs, None)
 

@@ -152,12 +152,16 @@ SPEC_ARGS = ("draft", "drafter", "no_spec", "k", "k_policy", "prompt_lookup")  #
 
 
 def _draft_kind(draft: Path | None) -> str | None:
-    """The drafter a --draft directory implies: a trained head's kind, else a draft model."""
+    """The drafter a --draft directory implies: a trained head's kind, a published EAGLE-3 head's, else a draft
+    model."""
     from engine.spec_decode.heads.config import is_head_dir, read_head_config
+    from engine.spec_decode.heads.eagle3_formats import is_published_eagle3
 
     if draft is None:
         return None
-    return read_head_config(draft).kind if is_head_dir(draft) else "model"
+    if is_head_dir(draft):
+        return read_head_config(draft).kind
+    return "eagle3" if is_published_eagle3(draft) else "model"
 
 
 def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
@@ -181,7 +185,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
         return eng, args.served_model_name or Path(args.profile).stem, Path(eng.info["target_dir"])
     hub = {"cache_dir": args.hub_cache_dir, "offline": args.offline or None}
     target = resolve_model(args.target, **hub)
-    draft = resolve_model(args.draft, **hub) if args.draft and not args.no_spec else None
+    draft = resolve_model(args.draft, draft=True, **hub) if args.draft and not args.no_spec else None
     drafter = None if args.no_spec else (args.drafter or _draft_kind(draft))
     spec = SpeculationConfig(
         drafter=drafter,

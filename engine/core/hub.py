@@ -1,7 +1,8 @@
 """Models by name: a local checkpoint directory, or a Hugging Face Hub id resolved through huggingface_hub.
 
 Only the files an engine reads are fetched (safetensors weights, JSON configs, the tokenizer and a
-chat template), never pickled weights. ``offline`` (or ``HF_HUB_OFFLINE=1``) uses the local cache
+chat template); pickled weights only for a draft head (``draft=True``: published EAGLE heads ship
+``pytorch_model.bin``, read as tensors only). ``offline`` (or ``HF_HUB_OFFLINE=1``) uses the local cache
 only; a model that neither the cache nor the Hub provides is a CheckpointError naming both.
 """
 
@@ -10,13 +11,44 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.errors import CheckpointError
+from engine.core.errors import CheckpointError, InvalidConfigError
 
 log = logging.getLogger(__name__)
 
 HUB_FILES = ("*.safetensors", "*.json", "chat_template.jinja")
+HEAD_FILES = ("pytorch_model.bin",)  # a draft head's weights besides safetensors (tensors only, weights_only)
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """Where ``Engine.from_pretrained`` resolves Hub ids (``owner/name``) of the target and the draft."""
+
+    cache_dir: str | Path | None = None
+    """The huggingface_hub cache (None: its default, HF_HUB_CACHE)."""
+    offline: bool | None = None
+    """Only the local cache (None: HF_HUB_OFFLINE)."""
+    revision: str | None = None
+    """A branch, tag or commit of both (None: main)."""
+
+    def __post_init__(self) -> None:
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, Path)):
+            raise InvalidConfigError(f"hub.cache_dir={self.cache_dir!r:.60} is invalid: allowed a path or None")
+        if self.offline is not None and not isinstance(self.offline, bool):
+            raise InvalidConfigError(f"hub.offline={self.offline!r:.60} is invalid: allowed a bool or None")
+        if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
+            raise InvalidConfigError(f"hub.revision={self.revision!r:.60} is invalid: allowed a non-empty str or None")
+
+
+def resolve_ref(ref: str | Path, hub: HubOptions, *, draft: bool = False) -> str | Path:
+    """A Hub id's local snapshot (``resolve_model``); anything else as it is (a local path, checked where read)."""
+    if not is_hub_id(str(ref)):
+        return ref
+    return resolve_model(ref, cache_dir=hub.cache_dir, offline=hub.offline, revision=hub.revision, draft=draft)
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 
@@ -26,9 +58,15 @@ def is_hub_id(ref: str) -> bool:
 
 
 def resolve_model(
-    ref: str | Path, *, cache_dir: str | Path | None = None, offline: bool | None = None, revision: str | None = None
+    ref: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    offline: bool | None = None,
+    revision: str | None = None,
+    draft: bool = False,
 ) -> Path:
-    """The local directory of ``ref``: the path itself, or the Hub snapshot of an ``owner/name`` id."""
+    """The local directory of ``ref``: the path itself, or the Hub snapshot of an ``owner/name`` id (``draft``: a
+    draft model or head, whose weights may also be ``pytorch_model.bin``)."""
     p = Path(ref)
     if p.exists() or not is_hub_id(str(ref)):
         if not p.is_dir():
@@ -44,7 +82,7 @@ def resolve_model(
             str(ref),
             revision=revision,
             cache_dir=None if cache_dir is None else str(cache_dir),
-            allow_patterns=list(HUB_FILES),
+            allow_patterns=list(HUB_FILES + (HEAD_FILES if draft else ())),
             local_files_only=offline,
         )
     except LocalEntryNotFoundError:
@@ -55,7 +93,8 @@ def resolve_model(
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise CheckpointError(f"{ref}: could not be fetched from the Hub: {e}") from None
     path = Path(d)
-    if not any(path.glob("*.safetensors")):
-        raise CheckpointError(f"{ref}: the snapshot {path} has no .safetensors weights (only safetensors are loaded)")
+    if not any(path.glob("*.safetensors")) and not (draft and any((path / f).is_file() for f in HEAD_FILES)):
+        allowed = "safetensors or a head's pytorch_model.bin" if draft else "only safetensors are loaded"
+        raise CheckpointError(f"{ref}: the snapshot {path} has no .safetensors weights ({allowed})")
     log.info("model %s resolved to %s%s", ref, path, " (offline)" if offline else "")
     return path

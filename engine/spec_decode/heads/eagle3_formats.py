@@ -85,6 +85,20 @@ def load_eagle3(
     return head, cfg, None if vocab_ids is None else vocab_ids.to(w.device)
 
 
+def is_published_eagle3(path: str | Path) -> bool:
+    """Whether ``path`` holds an EAGLE-3 head in the EAGLE authors' / SpecForge or the speculators layout."""
+    f = Path(path) / "config.json"
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    archs = raw.get("architectures")
+    authors = isinstance(archs, list) and any(a in AUTHORS_ARCHITECTURES for a in archs)
+    return authors or raw.get("speculators_model_type") == "eagle3"
+
+
 def _authors_name(key: str) -> str:
     """speculators' ``layers.0.*`` -> the authors' ``midlayer.*``; other names as they are."""
     return "midlayer." + key[len("layers.0.") :] if key.startswith("layers.0.") else key
