@@ -237,20 +237,38 @@ def test_sampled_spine_trees_keep_the_target_joint(pair8, tmp_path, drafter, cas
 
 
 def test_a_spine_tree_is_the_chain_with_independent_siblings():
-    from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
+    from engine.spec_decode.drafter import DraftBatch
+    from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
 
     g = torch.Generator().manual_seed(0)
     B, K, V, w = 2, 7, 5, 3
     noise = torch.empty(B, K, V).exponential_(generator=g)
-    p = torch.softmax(torch.randn(B, spine_depth(K, w), V, generator=g), -1)  # [B, 3, V]
-    spine = (p / spine_noise(noise, K, w)).argmax(-1)  # the chain drawn with the spine's noise vectors
-    tree = spine_tree(Proposal.chain(spine, p), noise, K, w)
+
+    def batch(chains):
+        return DraftBatch([None] * B, None, None, K, [K] * B, noise, V, 0, None, torch.device("cpu"), chains=chains)
+
+    spine_b = spine_batch(batch(None), w)
+    assert spine_b.k == 3 and torch.equal(spine_b.noise, noise[:, [0, 3, 6]])  # the spine nodes' noise vectors
+    p = torch.softmax(torch.randn(B, K, V, generator=g), -1)  # a distribution per chain step
+    spine = (p[:, :3] / spine_b.noise).argmax(-1)  # the chain drawn for the spine batch
+    tree = spine_tree(Proposal.chain(spine, p[:, :3]), batch(None), w)
     assert tree.parents.tolist() == [[-1, -1, -1, 0, 0, 0, 3]] * B  # depth 1: 3 nodes, depth 2: 3, depth 3: 1
     assert torch.equal(tree.tokens[:, [0, 3, 6]], spine)  # the spine is each depth's first node
     assert torch.equal(tree.tokens, (tree.probs / noise).argmax(-1))  # every node: its own draw from its depth's p
     assert torch.equal(tree.probs[:, 4], p[:, 1])
     first = tree.first_branches([0, 1])
     assert first.row_counts() == [3, 3] and torch.equal(first.tokens[:, :3], spine)
+    # row 1 reads its drafts in order: a chain of K drafts with the vectors 0..K-1; row 0 keeps its tree
+    mixed_b = spine_batch(batch([False, True]), w)
+    assert (
+        mixed_b.k == K
+        and torch.equal(mixed_b.noise[1], noise[1])
+        and torch.equal(mixed_b.noise[0, :3], noise[0, [0, 3, 6]])
+    )
+    drawn = (p / mixed_b.noise).argmax(-1)
+    mixed = spine_tree(Proposal.chain(drawn, p), batch([False, True]), w)
+    assert mixed.parents[1].tolist() == list(range(-1, K - 1)) and torch.equal(mixed.tokens[1], drawn[1])
+    assert torch.equal(mixed.tokens[0], tree.tokens[0]) and torch.equal(mixed.parents[0], tree.parents[0])
 
 
 def test_ngram_tree_merges_the_continuations_of_several_matches():

@@ -1,9 +1,9 @@
 """Models by name: a local checkpoint directory, or a Hugging Face Hub id resolved through huggingface_hub.
 
 Only the files an engine reads are fetched (safetensors weights, JSON configs, the tokenizer and a
-chat template); pickled weights only for a draft head (``draft=True``: published EAGLE heads ship
-``pytorch_model.bin``, read as tensors only). ``offline`` (or ``HF_HUB_OFFLINE=1``) uses the local cache
-only; a model that neither the cache nor the Hub provides is a CheckpointError naming both.
+chat template); pickled weights only for a draft without safetensors (``draft=True``: published EAGLE heads
+ship ``pytorch_model.bin``, which the head loader reads as tensors only). ``offline`` (or ``HF_HUB_OFFLINE=1``)
+uses the local cache only; a model that neither the cache nor the Hub provides is a CheckpointError naming both.
 """
 
 from __future__ import annotations
@@ -31,22 +31,26 @@ class HubOptions:
     offline: bool | None = None
     """Only the local cache (None: HF_HUB_OFFLINE)."""
     revision: str | None = None
-    """A branch, tag or commit of both (None: main)."""
+    """The target's branch, tag or commit (None: main)."""
+    draft_revision: str | None = None
+    """The draft's (None: main)."""
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, Path)):
             raise InvalidConfigError(f"hub.cache_dir={self.cache_dir!r:.60} is invalid: allowed a path or None")
         if self.offline is not None and not isinstance(self.offline, bool):
             raise InvalidConfigError(f"hub.offline={self.offline!r:.60} is invalid: allowed a bool or None")
-        if self.revision is not None and not (isinstance(self.revision, str) and self.revision):
-            raise InvalidConfigError(f"hub.revision={self.revision!r:.60} is invalid: allowed a non-empty str or None")
+        for name, v in (("revision", self.revision), ("draft_revision", self.draft_revision)):
+            if v is not None and not (isinstance(v, str) and v):
+                raise InvalidConfigError(f"hub.{name}={v!r:.60} is invalid: allowed a non-empty str or None")
 
 
 def resolve_ref(ref: str | Path, hub: HubOptions, *, draft: bool = False) -> str | Path:
     """A Hub id's local snapshot (``resolve_model``); anything else as it is (a local path, checked where read)."""
     if not is_hub_id(str(ref)):
         return ref
-    return resolve_model(ref, cache_dir=hub.cache_dir, offline=hub.offline, revision=hub.revision, draft=draft)
+    revision = hub.draft_revision if draft else hub.revision
+    return resolve_model(ref, cache_dir=hub.cache_dir, offline=hub.offline, revision=revision, draft=draft)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
@@ -77,14 +81,13 @@ def resolve_model(
 
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    cache = None if cache_dir is None else str(cache_dir)
     try:
-        d = snapshot_download(
-            str(ref),
-            revision=revision,
-            cache_dir=None if cache_dir is None else str(cache_dir),
-            allow_patterns=list(HUB_FILES + (HEAD_FILES if draft else ())),
-            local_files_only=offline,
-        )
+        d = snapshot_download(str(ref), revision=revision, cache_dir=cache, allow_patterns=list(HUB_FILES),
+                              local_files_only=offline)  # fmt: skip
+        if draft and not any(Path(d).glob("*.safetensors")):  # a head published with pickled weights only
+            d = snapshot_download(str(ref), revision=revision, cache_dir=cache, allow_patterns=list(HEAD_FILES),
+                                  local_files_only=offline)  # fmt: skip
     except LocalEntryNotFoundError:
         where = "the local cache (offline mode)" if offline else "the local cache nor the Hub (network unreachable?)"
         raise CheckpointError(

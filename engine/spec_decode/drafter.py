@@ -69,6 +69,10 @@ class DraftBatch:
     tree: bool = True
     """Whether a drafter configured for trees drafts them this round (False: chains; the serving layer measured
     chains faster at this batch, ``KCaps.tree``)."""
+    chains: list[bool] | None = None
+    """Rows that take a chain in a tree round (None: none): they read their drafts in order (penalties, min_tokens,
+    a sliding window), are sampled under a grammar, or are greedy rows of a sampled batch. The loop cuts what it
+    gets for them to its first branch; a drafter whose first branch is shorter than its chain drafts them a chain."""
 
 
 @dataclass(frozen=True)

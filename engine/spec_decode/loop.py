@@ -57,6 +57,7 @@ from engine.spec_decode.seq import Seq, TokenLogprob, token_logprobs, waiting_fo
 from engine.spec_decode.stops import StopChecker
 from engine.spec_decode.structured.grammar import GrammarCompiler
 from engine.spec_decode.structured.masks import GrammarRound
+from engine.spec_decode.tree import first_branch
 from engine.spec_decode.tree_accept import tree_greedy_accept, tree_rejection_sample
 from engine.spec_decode.verify import Scores, verify, verify_batch
 
@@ -90,7 +91,7 @@ class Verdict:
     last_features: Tensor | None  # [B, H] the feature that scored each row's new last token
     cols: Tensor  # [B, K+1] the scored column of each committed token (a tree: its path's nodes + 1)
     paths: list[list[int]] | None = None  # trees: each row's accepted nodes by depth (None: chains)
-    spans: list[int] | None = None  # trees: each row's tree depth, the most it could accept (None: chains)
+    firsts: list[tuple[int, int]] | None = None  # trees: per row (its first branch's length, accepted along it)
 
 
 class _Steps(NamedTuple):
@@ -206,19 +207,22 @@ class DecodeLoop:
         row_ids = [s.row for s in plan.seqs]
         rows = None if row_ids == list(range(len(row_ids))) else torch.tensor(row_ids, device=dev)
         draft_noise = None if plan.noise is None else plan.noise.draft
+        window, sampled = self.target.config.sliding_window is not None, not plan.greedy
+        chains = [window or needs_history(s.params) or (sampled and (s.grammar is not None or s.params.greedy))
+                  for s in plan.seqs]  # fmt: skip
         batch = DraftBatch(
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
-            tree=plan.tree,
+            tree=plan.tree, chains=chains,
         )  # fmt: skip
         g = plan.grammar
         if g is not None and g.all_forced:  # the grammar drafts every row: no drafter
             return g.constrain(Proposal.empty(len(plan.seqs), dev))
         prop = self.drafter.propose(batch).cut(plan.ks)
         if prop.parents is not None:  # a window or a row that reads its drafts in order takes its first branch
-            window, drawn = self.target.config.sliding_window is not None, prop.probs is not None
-            chains = [b for b, s in enumerate(plan.seqs) if window or needs_history(s.params) or (drawn and s.grammar)]
-            prop = prop.first_branches(chains).simplified()
+            drawn = prop.probs is not None
+            cut = [b for b, s in enumerate(plan.seqs) if window or needs_history(s.params) or (drawn and s.grammar)]
+            prop = prop.first_branches(cut).simplified()
         return prop if g is None else g.constrain(prop)
 
     def verify(self, plan: RoundPlan, proposal: Proposal) -> Scores:
@@ -274,14 +278,17 @@ class DecodeLoop:
         rows = torch.arange(B, device=dev)
         last = None if scores.features is None else scores.features[rows, cols[rows, nacc]]  # [B, H]
         parts = [out, nacc[:, None], bad[:, None].to(out.dtype)]
-        if tree is not None:  # the accepted path's columns and the tree's depth
-            parts += [cols, (proposal.depth() * (torch.arange(K, device=dev) < num_draft[:, None])).amax(1, True)]
+        if tree is not None:  # the accepted path's columns; the first branch: its length, the path's nodes on it
+            fb = first_branch(tree, num_draft)  # [B, K]
+            on_path = torch.arange(K, device=dev)[None] < nacc[:, None]  # [B, K] path positions
+            along = (fb.gather(1, (cols[:, 1:] - 1).clamp(min=0)) & on_path).sum(1)  # [B]
+            parts += [cols, fb.sum(1, keepdim=True), along[:, None]]
         res = torch.cat(parts, 1).tolist()  # the one host sync
         paths = None if tree is None else [[c - 1 for c in r[K + 3 : K + 3 + r[K + 1] + 1][1:]] for r in res]
-        spans = None if tree is None else [r[-1] for r in res]
+        firsts = None if tree is None else [(r[-2], r[-1]) for r in res]
         lp_rows = {b: s.params.logprobs for b, s in enumerate(plan.seqs) if s.params.logprobs is not None}
         lps = token_logprobs(logits.gather(1, cols[..., None].expand(-1, -1, V)), out, lp_rows) if lp_rows else {}
-        return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths, spans)
+        return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths, firsts)
 
     def commit(
         self, plan: RoundPlan, proposal: Proposal, scores: Scores, verdict: Verdict
@@ -324,9 +331,10 @@ class DecodeLoop:
         if id(s) in plan.waiting:
             self._share_prefill(s, plan.waiting[id(s)], steps.scores, b)
         s.stats.record(k, a)
-        s.stats.tree_rounds += verdict.paths is not None and k > 0
-        if s.k_ctl is not None and k > 0:  # a tree's row could accept at most its depth
-            s.k_ctl.update(k if verdict.spans is None else verdict.spans[b], a)
+        first = None if verdict.firsts is None else verdict.firsts[b]
+        s.stats.tree_rounds += first is not None and first[0] < k  # a row with branches (not cut to a chain)
+        if s.k_ctl is not None and k > 0:  # a tree's row: as the chain along its first branch would have fared
+            s.k_ctl.update(*((k, a) if first is None else first))
         if plan.grammar is not None and s.grammar is not None:
             new = self._commit_grammar(b, s, plan.grammar, new, a)
         kept = self.stops.cut(s, new)

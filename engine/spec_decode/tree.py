@@ -27,6 +27,20 @@ def ancestors(parents: Tensor) -> Tensor:
     return anc
 
 
+def first_branch(parents: Tensor, counts: Tensor) -> Tensor:
+    """[B, N] bool: the row's first branch, from the root each node's first child in node order (a chain drafter's
+    path: EAGLE-2's top-1 path, a spine tree's spine), among its ``counts`` [B] nodes."""
+    B, N = parents.shape
+    rows, node = torch.arange(B, device=parents.device), torch.arange(N, device=parents.device)
+    same = (parents[:, :, None] == parents[:, None, :]) & (node[None, :] < node[:, None])[None]  # [B, n, m]: m < n
+    first_child = ~same.any(-1) & (node[None] < counts[:, None])  # [B, N] no earlier sibling
+    on = torch.zeros(B, N, dtype=torch.bool, device=parents.device)
+    for n in range(N):  # a parent's flag is set before its children's
+        p = parents[:, n]
+        on[:, n] = first_child[:, n] & torch.where(p >= 0, on[rows, p.clamp(min=0)], True)
+    return on
+
+
 def depths(parents: Tensor) -> Tensor:
     """[B, N] int64 depth of each node (1: a child of the root)."""
     return ancestors(parents).sum(-1)

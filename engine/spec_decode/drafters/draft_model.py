@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +13,7 @@ from engine.core.forward import CachedForward, ForwardCall, KVCache
 from engine.spec_decode.costs import cached_forward
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, SeqStates
 from engine.spec_decode.drafters.draft_tree import model_tree
-from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
+from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.sampling import sample_from_probs
 
@@ -110,12 +110,11 @@ class ModelDrafter:
                 return Proposal.chain(drafts)
         logits = self.model.run(call).logits
         if not greedy and batch.tree and self.branches > 1 and batch.noise is not None and self.n_layers is None:
-            for s in seqs:  # the cache holds the spine: a sibling accepted at the end makes its last slot stale
+            for s in seqs:  # the cache holds the spines: the next catch-up feeds the committed tokens over them
                 self._fed(s).tree = True
-            w, k = self.branches, batch.k
-            spine = replace(batch, k=spine_depth(k, w), noise=spine_noise(batch.noise, k, w))
+            spine = spine_batch(batch, self.branches)
             drafts, probs = self._steps(spine, logits, cache, kv_len, n_tok, aligned)
-            return spine_tree(Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1)), batch.noise, k, w)
+            return spine_tree(Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1)), batch, self.branches)
         drafts, probs = self._steps(batch, logits, cache, kv_len, n_tok, aligned)
         return Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +11,7 @@ from torch import Tensor, nn
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
-from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
+from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -57,9 +56,8 @@ class EagleDrafter(HeadDrafter):
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, tok, batch.k), [], have, batch.k, batch.k)
         if batch.processing.mode != "greedy" and batch.tree and self.branches > 1 and batch.noise is not None:
-            w, k = self.branches, batch.k
-            spine = replace(batch, k=spine_depth(k, w), noise=spine_noise(batch.noise, k, w))
-            return spine_tree(self._chain(f, tok, have, spine), batch.noise, k, w)
+            spine = spine_batch(batch, self.branches)
+            return spine_tree(self._chain(f, tok, have, spine), batch, self.branches)
         return self._chain(f, tok, have, batch)
 
     def _chain(self, f: Tensor, tok: Tensor, have: list[bool], batch: DraftBatch) -> Proposal:

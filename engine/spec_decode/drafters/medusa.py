@@ -6,7 +6,6 @@ with independent siblings (spine_tree.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +14,7 @@ from torch import Tensor, nn
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
-from engine.spec_decode.drafters.spine_tree import spine_depth, spine_noise, spine_tree
+from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -54,9 +53,8 @@ class MedusaDrafter(HeadDrafter):
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, k), [], have, k, batch.k)
         if batch.processing.mode != "greedy" and batch.tree and self.branches > 1 and batch.noise is not None:
-            w, n = self.branches, min(batch.k, self.cfg.num_heads * self.branches)
-            spine = replace(batch, k=spine_depth(n, w), noise=spine_noise(batch.noise, n, w))
-            return spine_tree(self._chain(f, have, spine, spine.k), batch.noise, n, w)
+            spine = spine_batch(batch, self.branches)  # (K <= the heads: max_drafts)
+            return spine_tree(self._chain(f, have, spine, spine.k), batch, self.branches)
         return self._chain(f, have, batch, k)
 
     def _chain(self, f: Tensor, have: list[bool], batch: DraftBatch, k: int) -> Proposal:

@@ -8,16 +8,21 @@ at no extra draft cost: at depth i, d_i and ``branches`` - 1 more independent dr
 d_{i-1}; only d_i is expanded.
 
 K nodes are laid out depth by depth: depth i holds nodes (i-1) w .. i w - 1 with d_i first (the last depth what
-remains of K). A row cut to its K_b nodes keeps a tree of this kind, and its first branch is the chain (what rows
-that read their drafts in order take). Node n draws with the round's noise vector n, so the spine's draws are the
-vectors 0, w, 2w, .. (``spine_noise``). Siblings may repeat a token (independent draws): the rule tests each.
+remains of K), D = ceil(K / w). A row cut to its K_b nodes keeps a tree of this kind, and its first branch is the
+spine. Node n draws with the round's noise vector n, so the spine's draws are the vectors 0, w, 2w, ..
+(``spine_batch``). Siblings may repeat a token (independent draws): the rule tests each. A row that takes a chain
+(``DraftBatch.chains``: it reads its drafts in order, or is greedy) drafts its K-draft chain with the vectors
+0 .. K-1 as in a chain round; the spine then runs K steps for every row (the tree rows' later ones unused).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
+from engine.spec_decode.drafter import DraftBatch
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.sampling import sample_from_probs
 
@@ -27,21 +32,39 @@ def spine_depth(k: int, branches: int) -> int:
     return -(-k // branches)
 
 
-def spine_noise(noise: Tensor, k: int, branches: int) -> Tensor:
-    """[B, D, V] the noise vectors of the spine's nodes (node n = 0, w, 2w, ..) of the round's [B, >= K, V]."""
-    return noise[:, :k:branches]
+def _chain_rows(batch: DraftBatch) -> Tensor:
+    """[B] bool rows that draft a chain."""
+    rows = batch.chains if batch.chains is not None else [False] * len(batch.seqs)
+    return torch.tensor(rows, dtype=torch.bool, device=batch.device)
 
 
-def spine_tree(spine: Proposal, noise: Tensor, k: int, branches: int) -> Proposal:
-    """The tree of K nodes around a sampled chain ``spine`` (D = spine_depth(k, branches) drafts with their
-    distributions, drawn with ``spine_noise``) and the round's noise [B, >= K, V]."""
-    assert spine.probs is not None, "a sampled chain carries its distributions"
-    w, dev = branches, spine.tokens.device
+def spine_batch(batch: DraftBatch, branches: int) -> DraftBatch:
+    """The batch the drafter's chain is drawn for: D steps with each tree row's spine noise (vectors 0, w, 2w, ..),
+    or K steps where a row takes a chain (its vectors 0 .. K-1)."""
+    assert batch.noise is not None, "a sampled batch carries its noise"
+    k, chains = batch.k, _chain_rows(batch)
+    steps = k if bool(chains.any()) else spine_depth(k, branches)
+    i = torch.arange(steps, device=batch.device)
+    idx = torch.where(chains[:, None], i[None], (i * branches).clamp(max=k - 1)[None])  # [B, S] noise per step
+    noise = batch.noise.gather(1, idx[..., None].expand(-1, -1, batch.noise.shape[-1]))
+    return replace(batch, k=steps, noise=noise)
+
+
+def spine_tree(spine: Proposal, batch: DraftBatch, branches: int) -> Proposal:
+    """The rows' trees of K = batch.k nodes around their sampled chain ``spine`` (drawn for ``spine_batch``, with its
+    distributions), chain rows' chains as drafted."""
+    assert spine.probs is not None and batch.noise is not None, "a sampled chain carries its distributions"
+    w, k, dev = branches, batch.k, spine.tokens.device
     node = torch.arange(k, device=dev)
     depth = node // w  # [K]
     probs = spine.probs[:, depth]  # [B, K, V] each node's distribution: its depth's
-    tokens = sample_from_probs(probs, noise[:, :k])  # [B, K] one independent draw per node
+    tokens = sample_from_probs(probs, batch.noise[:, :k])  # [B, K] one independent draw per node
     tokens = torch.where(node % w == 0, spine.tokens[:, depth], tokens)  # the spine's own (the same draws)
     parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(tokens.shape[0], k)  # [B, K] the spine node above
+    chains = _chain_rows(batch)
+    if bool(chains.any()):  # the spine ran K steps: those rows keep it as their chain
+        tokens = torch.where(chains[:, None], spine.tokens[:, :k], tokens)
+        probs = torch.where(chains[:, None, None], spine.probs[:, :k], probs)
+        parents = torch.where(chains[:, None], node - 1, parents)
     counts = None if spine.counts is None else [k if c else 0 for c in spine.counts]
     return Proposal(tokens, probs.contiguous(), counts, parents.contiguous())
