@@ -129,7 +129,7 @@ def test_it_takes_a_tree_only_where_trees_commit_more_per_second(batch, a, mask,
     seen = run_arms(tuner, batch, a, 300, mask)
     rates = arm_rates(batch, a, 8, mask)
     top = seen.most_common(1)[0][0]
-    assert top.tree == want_tree and rates[top] >= 0.99 * rates[want]  # the best, or one as good within 1%
+    assert top.tree == want_tree and rates[top] >= 0.97 * rates[want]  # the best, or one as good within 3%
     assert tuner.snapshot()[str(bucket(batch))]["tree"] == want_tree
     # the rounds commit at least 96% of the best arm's rate: exploration costs a few percent
     assert sum(rates[arm] * n for arm, n in seen.items()) >= 0.96 * rates[want] * sum(seen.values())

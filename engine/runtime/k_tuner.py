@@ -10,8 +10,10 @@ running batch rounded up to a power of two) and per arm it keeps a decayed mean 
 Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA)
 predicts (1 - a^(K+1)) / (1 - a) committed tokens; for a tree of K nodes no such closed form holds (it depends
 on how the drafter spends its nodes), so the tuner keeps a decayed mean of the tokens a tuned row committed in
-that arm's rounds. The round takes the measured arm with the most expected tokens per second; a tree is taken
-only where its measured rate beats every chain's, so a drafter whose trees do not pay runs chains.
+that arm's rounds (rows that drafted the arm's full K and did not end), starting from the chain's prediction at
+its K and leaving it as the tree is measured. The round takes the arm with the most expected tokens per second;
+a tree is taken only where its measured rate beats every chain's, so a drafter whose trees do not pay runs
+chains.
 
 Exploration is bounded: an arm is measured ``warmup`` times before its estimate counts; the start K and K = 0
 are measured first (and the start K's tree where trees are on), then the neighbours of the best (K +- 1 in the
@@ -65,10 +67,10 @@ class KTuner:
     """The smallest K tried besides 0 (plain rounds)."""
     trees: bool = False
     """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
-    tree_prior: float = 4.0
-    """A tree arm's tokens per row start from a chain's at its K, worth this many measured rounds and fading by
-    ``decay`` per measurement: one lucky tree round (accepted lengths vary from 1 to K + 1) does not make trees
-    the best."""
+    tree_prior: float = 8.0
+    """A tree's tokens per row start from a chain's prediction at its K (the rows' acceptance), worth this many
+    measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to
+    K + 1) do not make a tree the best."""
     warmup: int = 2
     """Rounds measured at an arm before its estimate counts."""
     explore: int = 12
@@ -83,7 +85,7 @@ class KTuner:
     """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
-    _tokens: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # tree arms: [tokens, rows] decayed
+    _tokens: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [tokens, rows] decayed
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
     _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
@@ -101,13 +103,13 @@ class KTuner:
         t = self.round_time(batch, arm)
         if t is None or t <= 0:
             return None
-        chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance)
-        if not arm.tree:
-            return chain / t
-        got = self._tokens.get((bucket(batch), arm), [0.0, 0.0])  # shrunk toward the chain's tokens at its K
-        times = self._times[(bucket(batch), arm)]
-        w = self.tree_prior * len(acceptance) * self.decay ** times[2]  # the prior fades as measurements come
-        return len(acceptance) * (got[0] + w * chain / max(1, len(acceptance))) / (got[1] + w) / t
+        rows = max(1, len(acceptance))
+        chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row, from acceptance
+        got = self._tokens.get((bucket(batch), arm))
+        if not arm.tree or got is None:
+            return rows * chain / t
+        w = self.tree_prior * rows * self.decay ** self._times[(bucket(batch), arm)][2]  # fades as measured
+        return rows * (got[0] + w * chain) / (got[1] + w) / t
 
     def arms(self) -> list[Arm]:
         """Every arm tried: plain, chains of k_min..k_max and, with trees, trees of 2..k_max nodes."""
@@ -176,8 +178,8 @@ class KTuner:
         return max(self.explore, (1.0 - min(1.0, rate / best)) / self.explore_cost) if best > 0 else self.explore
 
     def record(self, batch: int, arm: Arm, seconds: float, committed: Sequence[float] = ()) -> None:
-        """One round's wall time at ``arm`` and, for a tree, the tokens each tuned row committed (a round that
-        prefilled is not recorded: its prefill dominates)."""
+        """One round's wall time at ``arm`` and the tokens each tuned row committed (a round that prefilled is not
+        recorded: its prefill dominates)."""
         b, now = bucket(batch), self._rounds.get(bucket(batch), 0)
         w = self.decay ** max(1.0, (now - self._at.get((b, arm), now)) / self.explore)  # the past's weight
         s = self._times.setdefault((b, arm), [0.0, 0.0, 0])

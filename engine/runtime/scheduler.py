@@ -299,6 +299,7 @@ class Scheduler:
         tree = arm is None or arm.tree or not all(tunable(s) for s in seqs)  # a seeded row's shape is configured
         caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=tree)
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
+        full = self._full_rows(seqs, arm)
         t0 = time.perf_counter()
         self._round_started = time.monotonic()
         rounds, clean = 1, True
@@ -313,8 +314,7 @@ class Scheduler:
             self._round_started = None
         dt = time.perf_counter() - t0
         if arm is not None and clean and not prefill and self.tuner is not None:
-            tuned = {id(s) for s in seqs if tunable(s)}
-            self.tuner.record(len(seqs), arm, dt, [len(new) for s, new in events if id(s) in tuned])
+            self.tuner.record(len(seqs), arm, dt, [len(new) for s, new in events if id(s) in full and not s.finished])
         with self._lock:
             if clean:
                 self._failed_streak = 0
@@ -322,6 +322,14 @@ class Scheduler:
             self.totals.target_forwards += rounds
             self.totals.plain_rounds += arm == PLAIN
         self._hand_out(events)
+
+    @staticmethod
+    def _full_rows(seqs: list[Seq], arm: Arm | None) -> set[int]:
+        """The tuned rows that draft the arm's full K this round (not cut short by what remains to generate): the
+        tokens they commit are what the tuner learns an arm's yield from (with those that do not end this round)."""
+        if arm is None:
+            return set()
+        return {id(s) for s in seqs if tunable(s) and s.params.max_new_tokens - len(s.generated) > arm.k}
 
     def _tuned(self, seqs: list[Seq]) -> Arm | None:
         """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled

@@ -52,8 +52,8 @@ class DrafterEntry:
     lookup_first: bool = True
     """Prompt lookup first may wrap it (``SpeculationConfig.prompt_lookup_min``)."""
     trees: bool = False
-    """It drafts trees where ``tree_branches`` > 1 (the model and the heads for greedy batches); the measured K
-    policy then chooses per batch between its trees and chains."""
+    """It drafts trees where ``tree_branches`` > 1 (the model and the heads: EAGLE-2's for greedy batches, spine trees
+    for sampled ones); the measured K policy then chooses per batch between its trees and chains."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -138,8 +138,8 @@ DRAFTERS = DrafterRegistry(
         ),
         DrafterEntry(
             "medusa",
-            "Medusa heads on the target's feature: one draft per head, all at once (greedy, tree_branches > 1: "
-            "a tree of each head's top tokens)",
+            "Medusa heads on the target's feature: one draft per head, all at once (tree_branches > 1: a tree "
+            "of each head's top tokens, or of its draws when sampled)",
             MedusaDrafter.build,
             loads=Loads.HEAD,
             trainable=True,
