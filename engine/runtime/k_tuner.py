@@ -179,7 +179,9 @@ class KTuner:
 
     def record(self, batch: int, arm: Arm, seconds: float, committed: Sequence[float] = ()) -> None:
         """One round's wall time at ``arm`` and the tokens each tuned row committed (a round that prefilled is not
-        recorded: its prefill dominates)."""
+        recorded: its prefill dominates). A tree where the drafter drafts none, or of one node or none, is filed
+        under the chain arm of its K: that is what ran."""
+        arm = Arm(arm.k, arm.tree and self.trees and arm.k > 1)
         b, now = bucket(batch), self._rounds.get(bucket(batch), 0)
         w = self.decay ** max(1.0, (now - self._at.get((b, arm), now)) / self.explore)  # the past's weight
         s = self._times.setdefault((b, arm), [0.0, 0.0, 0])

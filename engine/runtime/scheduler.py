@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
-from engine.runtime.k_tuner import PLAIN, Arm, KTuner
+from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
@@ -296,8 +296,7 @@ class Scheduler:
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
         arm = self._tuned(seqs)
-        tree = arm is None or arm.tree or not all(tunable(s) for s in seqs)  # a seeded row's shape is configured
-        caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=tree)
+        caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         full = self._full_rows(seqs, arm)
         t0 = time.perf_counter()
@@ -320,7 +319,7 @@ class Scheduler:
                 self._failed_streak = 0
             self.totals.seconds += dt
             self.totals.target_forwards += rounds
-            self.totals.plain_rounds += arm == PLAIN
+            self.totals.plain_rounds += arm is not None and arm.k == 0
         self._hand_out(events)
 
     @staticmethod
@@ -334,14 +333,12 @@ class Scheduler:
     def _tuned(self, seqs: list[Seq]) -> Arm | None:
         """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled
         row drafts as configured (its draws depend on its draft's shape): with one in the batch, a tree-capable
-        drafter drafts trees for every row this round, and the round is measured as the tree arm it runs."""
+        drafter drafts trees for every row this round (``KTuner.record`` files it under the arm that ran)."""
         rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
         if self.tuner is None or not rows:
             return None
-        arm = self.tuner.choose(len(seqs), [s.k_ctl.acceptance for s in rows if s.k_ctl is not None])
-        if self.tuner.trees and not arm.tree and arm.k > 1 and len(rows) < len(seqs):
-            return Arm(arm.k, True)
-        return arm
+        arm = self.tuner.choose(len(seqs), [s.k_ctl.acceptance for s in rows])
+        return Arm(arm.k, True) if len(rows) < len(seqs) else arm
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a

@@ -208,8 +208,8 @@ class DecodeLoop:
         rows = None if row_ids == list(range(len(row_ids))) else torch.tensor(row_ids, device=dev)
         draft_noise = None if plan.noise is None else plan.noise.draft
         window, sampled = self.target.config.sliding_window is not None, not plan.greedy
-        chains = [window or needs_history(s.params) or (sampled and (s.grammar is not None or s.params.greedy))
-                  for s in plan.seqs]  # fmt: skip
+        in_order = [window or needs_history(s.params) for s in plan.seqs]  # rows that read their drafts in order
+        chains = [o or (sampled and (s.grammar is not None or s.params.greedy)) for o, s in zip(in_order, plan.seqs)]
         batch = DraftBatch(
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
@@ -221,7 +221,7 @@ class DecodeLoop:
         prop = self.drafter.propose(batch).cut(plan.ks)
         if prop.parents is not None:  # a window or a row that reads its drafts in order takes its first branch
             drawn = prop.probs is not None
-            cut = [b for b, s in enumerate(plan.seqs) if window or needs_history(s.params) or (drawn and s.grammar)]
+            cut = [b for b, (o, s) in enumerate(zip(in_order, plan.seqs)) if o or (drawn and s.grammar)]
             prop = prop.first_branches(cut).simplified()
         return prop if g is None else g.constrain(prop)
 

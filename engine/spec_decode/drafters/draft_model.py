@@ -13,7 +13,7 @@ from engine.core.forward import CachedForward, ForwardCall, KVCache
 from engine.spec_decode.costs import cached_forward
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, SeqStates
 from engine.spec_decode.drafters.draft_tree import model_tree
-from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
+from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.sampling import sample_from_probs
 
@@ -109,14 +109,16 @@ class ModelDrafter:
             if drafts is not None:
                 return Proposal.chain(drafts)
         logits = self.model.run(call).logits
-        if not greedy and batch.tree and self.branches > 1 and batch.noise is not None and self.n_layers is None:
+
+        def chain(b: DraftBatch) -> Proposal:
+            drafts, probs = self._steps(b, logits, cache, kv_len, n_tok, aligned)
+            return Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
+
+        if spine_trees(batch, self.branches) and self.n_layers is None:
             for s in seqs:  # the cache holds the spines: the next catch-up feeds the committed tokens over them
                 self._fed(s).tree = True
-            spine = spine_batch(batch, self.branches)
-            drafts, probs = self._steps(spine, logits, cache, kv_len, n_tok, aligned)
-            return spine_tree(Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1)), batch, self.branches)
-        drafts, probs = self._steps(batch, logits, cache, kv_len, n_tok, aligned)
-        return Proposal.chain(torch.stack(drafts, 1), torch.stack(probs, 1) if probs else None)
+            return sampled_trees(batch, self.branches, chain)
+        return chain(batch)
 
     def _steps(
         self, batch: DraftBatch, logits: Tensor, cache: KVCache, kv_len: int, n_tok: list[int], aligned: bool

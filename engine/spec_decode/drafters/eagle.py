@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
-from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
+from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -55,9 +55,8 @@ class EagleDrafter(HeadDrafter):
             return tree_proposal(toks, parents, have)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, tok, batch.k), [], have, batch.k, batch.k)
-        if batch.processing.mode != "greedy" and batch.tree and self.branches > 1 and batch.noise is not None:
-            spine = spine_batch(batch, self.branches)
-            return spine_tree(self._chain(f, tok, have, spine), batch, self.branches)
+        if spine_trees(batch, self.branches):
+            return sampled_trees(batch, self.branches, lambda b: self._chain(f, tok, have, b))
         return self._chain(f, tok, have, batch)
 
     def _chain(self, f: Tensor, tok: Tensor, have: list[bool], batch: DraftBatch) -> Proposal:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from engine.spec_decode.drafter import DraftBatch, DrafterContext, LoadedHead
 from engine.spec_decode.drafters.head_base import HeadDrafter
 from engine.spec_decode.drafters.head_tree import dynamic_tree, tree_proposal
-from engine.spec_decode.drafters.spine_tree import spine_batch, spine_tree
+from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
@@ -52,9 +52,8 @@ class MedusaDrafter(HeadDrafter):
             return self._tree(f, have, batch.k)
         if batch.processing.mode == "greedy" and self.greedy is not None:
             return self._result(self.greedy(f, k), [], have, k, batch.k)
-        if batch.processing.mode != "greedy" and batch.tree and self.branches > 1 and batch.noise is not None:
-            spine = spine_batch(batch, self.branches)  # (K <= the heads: max_drafts)
-            return spine_tree(self._chain(f, have, spine, spine.k), batch, self.branches)
+        if spine_trees(batch, self.branches):  # (K <= the heads: max_drafts)
+            return sampled_trees(batch, self.branches, lambda b: self._chain(f, have, b, b.k))
         return self._chain(f, have, batch, k)
 
     def _chain(self, f: Tensor, have: list[bool], batch: DraftBatch, k: int) -> Proposal:

@@ -17,6 +17,7 @@ spine. Node n draws with the round's noise vector n, so the spine's draws are th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -32,18 +33,29 @@ def spine_depth(k: int, branches: int) -> int:
     return -(-k // branches)
 
 
-def _chain_rows(batch: DraftBatch) -> Tensor:
-    """[B] bool rows that draft a chain."""
+def spine_trees(batch: DraftBatch, branches: int) -> bool:
+    """Whether a drafter configured for ``branches`` drafts spine trees this round: a sampled batch, trees on."""
+    return batch.processing.mode != "greedy" and batch.tree and branches > 1 and batch.noise is not None
+
+
+def sampled_trees(batch: DraftBatch, branches: int, chain: Callable[[DraftBatch], Proposal]) -> Proposal:
+    """The round's spine trees: ``chain`` (the drafter's sampled chain of ``b.k`` drafts with its distributions,
+    drawn with ``b.noise``) run on ``spine_batch``, its siblings drawn by ``spine_tree``."""
+    return spine_tree(chain(spine_batch(batch, branches)), batch, branches)
+
+
+def _chain_rows(batch: DraftBatch) -> tuple[bool, Tensor]:
+    """(whether any row drafts a chain, [B] bool those rows); the flag is read on the host."""
     rows = batch.chains if batch.chains is not None else [False] * len(batch.seqs)
-    return torch.tensor(rows, dtype=torch.bool, device=batch.device)
+    return any(rows), torch.tensor(rows, dtype=torch.bool, device=batch.device)
 
 
 def spine_batch(batch: DraftBatch, branches: int) -> DraftBatch:
     """The batch the drafter's chain is drawn for: D steps with each tree row's spine noise (vectors 0, w, 2w, ..),
     or K steps where a row takes a chain (its vectors 0 .. K-1)."""
     assert batch.noise is not None, "a sampled batch carries its noise"
-    k, chains = batch.k, _chain_rows(batch)
-    steps = k if bool(chains.any()) else spine_depth(k, branches)
+    k, (some, chains) = batch.k, _chain_rows(batch)
+    steps = k if some else spine_depth(k, branches)
     i = torch.arange(steps, device=batch.device)
     idx = torch.where(chains[:, None], i[None], (i * branches).clamp(max=k - 1)[None])  # [B, S] noise per step
     noise = batch.noise.gather(1, idx[..., None].expand(-1, -1, batch.noise.shape[-1]))
@@ -61,8 +73,8 @@ def spine_tree(spine: Proposal, batch: DraftBatch, branches: int) -> Proposal:
     tokens = sample_from_probs(probs, batch.noise[:, :k])  # [B, K] one independent draw per node
     tokens = torch.where(node % w == 0, spine.tokens[:, depth], tokens)  # the spine's own (the same draws)
     parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(tokens.shape[0], k)  # [B, K] the spine node above
-    chains = _chain_rows(batch)
-    if bool(chains.any()):  # the spine ran K steps: those rows keep it as their chain
+    some, chains = _chain_rows(batch)
+    if some:  # the spine ran K steps: those rows keep it as their chain
         tokens = torch.where(chains[:, None], spine.tokens[:, :k], tokens)
         probs = torch.where(chains[:, None, None], spine.probs[:, :k], probs)
         parents = torch.where(chains[:, None], node - 1, parents)

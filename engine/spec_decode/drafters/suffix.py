@@ -100,10 +100,9 @@ class SuffixDrafter:
             return Proposal.chain(tokens.to(batch.device), None, counts)
         return Proposal(tokens.to(batch.device), None, counts, parents.to(batch.device))
 
-    def draft(self, s: Seq, budget: int, tree: bool | None = None) -> Draft:
-        """The row's tree (a path where ``tree`` is False; None: as configured) of at most ``budget`` nodes: the
-        request's or the global one, the higher score."""
-        tree = self.tree if tree is None else tree
+    def draft(self, s: Seq, budget: int, tree: bool) -> Draft:
+        """The row's tree (a path where ``tree`` is False) of at most ``budget`` nodes: the request's or the global
+        one, the higher score."""
         req = self._request(s)
         req.index.catch_up(s.tokens)
         context = s.tokens[-(self.max_match + 1) :]  # matches of 1 .. max_match tokens are tried
