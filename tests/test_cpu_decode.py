@@ -114,6 +114,31 @@ def test_hidden_states_of_the_scored_rows_match(model):
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("features", [Features.SCORED, Features.ALL])
+def test_feature_layers_are_the_layer_inputs_of_the_pytorch_layers(model, features):
+    """EAGLE-3's features on the kernel: the hidden states entering the chosen layers, concatenated in the
+    order asked (a layer twice, the first layer's input = the embedding), of the scored rows or of every row."""
+    B, S = 2, 64
+    c1, c2 = _prefilled(model, B, S), _prefilled(model, B, S)
+    toks = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    pos = torch.tensor([[12, 13, 14], [12, 13, S - 1]])
+    idx = torch.tensor([[0, 2], [0, 1]])
+    layers = (2, 0, 2)
+    model.use_feature_layers(layers)
+    try:
+        call = ForwardCall(toks, pos, c1, kv_len=15, logits_idx=idx, features=features)
+        (got, h), (want, h_ref) = _both_runs(model, call, c2)
+    finally:
+        model.use_feature_layers(())
+    H = model.config.hidden_size
+    assert h.shape == h_ref.shape == ((B, 2, 3 * H) if features is Features.SCORED else (B, 3, 3 * H))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+    scored = toks if features is Features.ALL else toks.gather(1, idx)
+    torch.testing.assert_close(h[..., H : 2 * H], model.embed_tokens(scored))
+    torch.testing.assert_close(h[..., :H], h[..., 2 * H :], rtol=0, atol=0)
+
+
 def test_early_exit_layers_and_start_path_match(model):
     c1, c2 = _prefilled(model, 2), _prefilled(model, 2)
     toks = torch.tensor([[5], [7]])

@@ -148,6 +148,23 @@ def test_greedy_equals_plain_with_a_trained_head(ckpt_dir, e3_head, plain):
         assert s["drafted"] > 0 and 0 < s["acceptance_rate"] < 1
 
 
+@pytest.mark.parametrize("attention_head", [False, True], ids=["eagle3", "eagle-attention"])
+def test_greedy_spine_trees_keep_plain_tokens(ckpt_dir, e3_head, plain, tmp_path, attention_head):
+    """Heads with a cache of their own draft greedy trees around their chain: each depth the chain's token and
+    its runners-up (3 per depth, 7 nodes); the output is plain decoding's and branching trees were verified."""
+    from test_heads import random_head
+
+    from engine.api.options import SpeculationConfig
+
+    head = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True) if attention_head else e3_head[0]
+    kind = "eagle" if attention_head else "eagle3"
+    sc = SpeculationConfig(drafter=kind, tree_branches=3, k=7, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, head, speculation=sc)
+    assert_greedy_grid(eng, plain, kind)
+    s = eng.stats()
+    assert s["tree_rounds"] > 0 and s["accepted"] > 0
+
+
 @pytest.mark.parametrize("layout", ["authors", "authors-bin", "speculators"])
 def test_the_same_head_in_a_published_layout_drafts_the_same(ckpt_dir, e3_head, plain, tmp_path, layout):
     """The trained head's weights written in a published layout: the same outputs (the target's), the same
@@ -196,6 +213,27 @@ def test_sampled_drafts_keep_the_targets_three_token_joint(pair8, tmp_path):
             counts[(t[0] * V + t[1]) * V + t[2]] += 1
     assert counts[exact == 0].sum() == 0
     assert 0.05 < eng.stats()["acceptance_rate"] < 0.95
+    assert pooled_pvalue(counts, exact) > ALPHA
+
+
+def test_sampled_spine_trees_keep_the_targets_three_token_joint(pair8, tmp_path):
+    """Temperature and top-k with trees (3 i.i.d. draws per depth around the head's sampled chain, 6 nodes): the
+    target's exact 3-token joint, nothing of probability zero, and branching trees verified."""
+    from engine.api.options import SpeculationConfig
+
+    target, _ = pair8
+    head = native_head(target, tmp_path / "h", (0, 1, 1), 6, seed=2, scale=2.0)
+    sc = SpeculationConfig(drafter="eagle3", tree_branches=3, k=6, k_policy="constant")
+    eng = Engine.from_pretrained(target, head, speculation=sc, limits=Limits(max_batch=1000))
+    prompt, sp = [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=1.2, top_k=6)
+    exact = _exact_joint3(eng, prompt, sp)
+    V, counts = eng.vocab, np.zeros(eng.vocab**3)
+    for _ in range(3):
+        for o in eng.generate([prompt] * 4000, sp):
+            t = o.token_ids
+            counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    assert counts[exact == 0].sum() == 0
+    assert eng.stats()["tree_rounds"] > 0
     assert pooled_pvalue(counts, exact) > ALPHA
 
 

@@ -122,8 +122,9 @@ class StepKernel(Protocol):
         """Whether this call runs on the kernel."""
         ...
 
-    def run(self, call: ForwardCall) -> ForwardOut:
-        """The forward of ``call``."""
+    def run(self, call: ForwardCall, feature_layers: tuple[int, ...] = ()) -> ForwardOut:
+        """The forward of ``call``; with ``feature_layers`` its features are the hidden states entering those
+        layers, concatenated, in place of the final-norm outputs."""
         ...
 
     def greedy(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor:

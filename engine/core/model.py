@@ -246,8 +246,8 @@ class Transformer(nn.Module):
     def use_feature_layers(self, layers: tuple[int, ...]) -> None:
         """The hook for a drafter that reads several layers (EAGLE-3): with ``layers`` set, the features a forward
         returns (``ForwardCall.features``) are the hidden states entering those layers, concatenated in this
-        order [..., len(layers) * H], captured in the same pass (no step kernel: PyTorch's layers); () restores
-        the final-norm output."""
+        order [..., len(layers) * H], captured in the same pass (on the step kernel where it takes the call);
+        () restores the final-norm output."""
         n = self.config.num_hidden_layers
         if any(not 0 <= i < n for i in layers):
             raise InvalidConfigError(f"feature_layers={layers!r} is invalid: allowed layer indices 0..{n - 1}")
@@ -298,9 +298,9 @@ class Transformer(nn.Module):
         """
         step = self.layer_step
         aux = self.feature_layers if call.features is not Features.NONE else ()
-        if call.cache is not None and step is not None and not aux and step.takes(call):
+        if call.cache is not None and step is not None and step.takes(call):
             assert call.kv_len is not None, "kv_len is required with a cache"
-            return step.run(call)
+            return step.run(call, aux)
         x = self.embed_tokens(call.tokens)
         cos, sin, ctx = self._context(call, x.dtype)
         layers = self.layers if call.n_layers is None else self.layers[: call.n_layers]

@@ -199,21 +199,23 @@ class DecodeStep:
             and not (torch.is_grad_enabled() and self.model.norm.weight.requires_grad)
         )
 
-    def run(self, call: ForwardCall) -> ForwardOut:
+    def run(self, call: ForwardCall, feature_layers: tuple[int, ...] = ()) -> ForwardOut:
         """The forward of ``call`` (``Transformer.run``'s result): logits [B,T,V] ([B,V] / [B,J,V] at logits_idx
-        [B] / [B,J]) and, with ``call.features``, the final-norm outputs of the scored rows (every row: ALL)."""
+        [B] / [B,J]) and, with ``call.features``, the final-norm outputs of the scored rows (every row: ALL), or
+        with ``feature_layers`` the hidden states entering those layers, concatenated [..., n * H]."""
+        aux = torch.tensor(feature_layers, dtype=torch.long) if feature_layers else self._empty
         if call.features is Features.ALL:  # the kernel scores the rows whose features it returns: all of them
             B, T = call.tokens.shape
             every = torch.arange(T, device=call.tokens.device).expand(B, T)
-            lg, h = self._forward(call, every, True)
+            lg, h = self._forward(call, every, True, aux)
             idx = call.logits_idx
             b = torch.arange(B)
             return ForwardOut(lg if idx is None else lg[b, idx] if idx.dim() == 1 else lg[b[:, None], idx], h)
         want = call.features is Features.SCORED
-        lg, h = self._forward(call, call.logits_idx, want)
+        lg, h = self._forward(call, call.logits_idx, want, aux if want else self._empty)
         return ForwardOut(lg, h if want else None)
 
-    def _forward(self, call: ForwardCall, idx: Tensor | None, hidden: bool) -> tuple[Tensor, Tensor]:
+    def _forward(self, call: ForwardCall, idx: Tensor | None, hidden: bool, aux: Tensor) -> tuple[Tensor, Tensor]:
         cache = call.cache
         assert cache is not None and call.kv_len is not None
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
@@ -233,6 +235,7 @@ class DecodeStep:
             h,
             self._empty if tree is None else tree.slots,
             self._empty_b if tree is None else tree.mask[:, 0],
+            aux,
         )
         return logits, h
 

@@ -160,6 +160,7 @@ DRAFTERS = DrafterRegistry(
             Eagle3Drafter.build,
             loads=Loads.HEAD,
             trainable=True,
+            trees=True,
         ),
         DrafterEntry(
             "suffix",

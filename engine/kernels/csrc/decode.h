@@ -23,10 +23,13 @@ class DecodeModel {
   // the logits' with H in place of V)
   // slots: empty, or [B, T] int64 the cache slots keys are written to (a draft tree: not the positions);
   // mask: empty, or [B, T, kv_len] bool, the keys each query sees (a draft tree's mask; with slots)
+  // aux: empty, or [n] int64 feature layers (EAGLE-3): `hidden` then receives, for the scored rows, the hidden
+  // states entering those layers, concatenated in aux's order (n * H in place of V), not the final-norm outputs
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
-                        torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask) const;
+                        torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask,
+                        const torch::Tensor& aux) const;
   // the same from the first layer's inputs x [B, T, H] float32 instead of token ids (a draft head's entries)
   torch::Tensor forward_x(const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& rows,
                           const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
@@ -43,7 +46,8 @@ class DecodeModel {
   torch::Tensor run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos, const torch::Tensor& rows,
                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                     torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
-                    torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask) const;
+                    torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask,
+                    const torch::Tensor& aux) const;
   std::vector<torch::Tensor> weights_, scales_, smooths_;
   std::vector<int64_t> groups_;
   int64_t n_heads_, n_kv_, window_;

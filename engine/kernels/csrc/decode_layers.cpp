@@ -151,11 +151,11 @@ void gemm(bool amx, const float* x, const Mat& w, float* y, int64_t M, int64_t K
 // The layers on x [M, H] in place: pos [M] the position of each row, row [M] its cache row; kc0, vc0 the
 // caches [L, max_batch, nkv, S, D]; w the 9 weights per layer (DecodeModel checked their shapes). Keys and
 // values of every row are written before any row attends, so a row sees the rows before it in the same
-// call (its sequence's earlier tokens).
+// call (its sequence's earlier tokens). aux: feature layers whose inputs x are copied to cap [n_aux, M, H].
 void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, const int64_t* rp, int64_t kv_len,
             const torch::Tensor* weights,
             const torch::Tensor* scales, const torch::Tensor* smooths, const int64_t* groups, bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
-            const float* sp, float eps) {
+            const float* sp, float eps, const std::vector<int64_t>& aux, float* cap) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
   std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
@@ -166,6 +166,8 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     auto mat = [&](int j) { return Mat{w[j], s[j], sm[j], g[j]}; };
     float* kc = kc0 + l * layer_kv;
     float* vc = vc0 + l * layer_kv;
+    for (size_t a = 0; a < aux.size(); ++a)  // the hidden states entering a feature layer (EAGLE-3)
+      if (aux[a] == l) std::copy_n(xp, d.M * d.H, cap + a * d.M * d.H);
     rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
     float* q = qkv.data();
     gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
@@ -277,7 +279,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
                                    const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                    torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                    const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
-                                   const torch::Tensor& mask) const {
+                                   const torch::Tensor& mask, const torch::Tensor& aux) const {
   TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
   const torch::Tensor& embed = weights_[9 * n_layers_];
@@ -288,7 +290,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
     TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
   std::vector<float> x(M * H);
   table_rows(embed, tp, M, x.data());  // a 16-bit table (a draft's, a CPU plan's): rows widened exactly
-  return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden, slots, mask);
+  return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden, slots, mask, aux);
 }
 
 // the same forward from the first layer's inputs x [B, T, H] float32 (no embedding lookup)
@@ -304,14 +306,14 @@ torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Ten
   std::vector<float> x(xc.data_ptr<float>(), xc.data_ptr<float>() + xc.numel());
   const torch::Tensor none;
   return run(x, x_in.size(0), x_in.size(1), pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden,
-             none, none);
+             none, none, none);
 }
 
 torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos,
                                const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
-                               const torch::Tensor& mask) const {
+                               const torch::Tensor& mask, const torch::Tensor& aux) const {
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
   const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
   const torch::Tensor& head = weights_[9 * n_layers_ + 2];
@@ -340,10 +342,19 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
                     slp[m] >= 0 && slp[m] < d.S,
                 "decode_forward: a position, slot or cache row is out of range");
   }
+  std::vector<int64_t> feat;  // feature layers: the hidden states entering them go to `hidden`
+  if (aux.defined() && aux.numel() > 0) {
+    TORCH_CHECK(aux.dim() == 1 && aux.scalar_type() == at::kLong, "decode_forward: aux layers [n] int64");
+    const torch::Tensor ac = aux.contiguous();
+    feat.assign(ac.data_ptr<int64_t>(), ac.data_ptr<int64_t>() + ac.numel());
+    for (int64_t l : feat) TORCH_CHECK(l >= 0 && l < n_layers, "decode_forward: an aux layer is not in 0..", n_layers - 1);
+    TORCH_CHECK(hidden.numel() > 0, "decode_forward: aux layers need a hidden tensor to write to");
+  }
+  std::vector<float> cap(feat.size() * M * H);
   layers(x.data(), pp, slp, tree ? mc.data_ptr<bool>() : nullptr, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
          n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
-         static_cast<float>(eps_));
+         static_cast<float>(eps_), feat, cap.data());
   // the rows to score, final norm and head
   std::vector<int64_t> sel;
   std::vector<int64_t> shape;
@@ -372,9 +383,13 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   if (hidden.numel() > 0) {
     TORCH_CHECK(hidden.scalar_type() == at::kFloat, "decode_forward: hidden float32");
     std::vector<int64_t> hshape(shape);
-    hshape.back() = H;
+    const int64_t n = static_cast<int64_t>(feat.size());
+    hshape.back() = n ? n * H : H;
     hidden.resize_(hshape);
-    std::copy_n(normed.data(), R * H, hidden.data_ptr<float>());
+    float* hp = hidden.data_ptr<float>();
+    if (n == 0) std::copy_n(normed.data(), R * H, hp);
+    for (int64_t r = 0; r < R; ++r)  // [R, n * H]: the feature layers' inputs of each scored row, in aux order
+      for (int64_t a = 0; a < n; ++a) std::copy_n(cap.data() + (a * M + sel[r]) * H, H, hp + (r * n + a) * H);
   }
   return logits;
 }
@@ -388,7 +403,8 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
   TORCH_CHECK(steps >= 1 && vocab >= 1 && vocab <= vocab_, "greedy: steps >= 1 and 1 <= vocab <= ", vocab_);
   TORCH_CHECK(last.dim() == 1, "greedy: last [B]");
   const torch::Tensor none = torch::empty({0}, tokens.options().dtype(at::kFloat));
-  torch::Tensor logits = forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin, none, none, none);
+  torch::Tensor logits =
+      forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin, none, none, none, none);
   const int64_t B = tokens.size(0), T = tokens.size(1);
   const torch::Tensor pc = pos.contiguous(), lc = last.contiguous();
   auto opts = tokens.options().dtype(at::kLong);
@@ -404,7 +420,8 @@ torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tens
       next.data_ptr<int64_t>()[b] = pc.data_ptr<int64_t>()[b * T + lc.data_ptr<int64_t>()[b]] + 1 + i;
     }
     if (i + 1 < steps)
-      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin, none, none, none);
+      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin, none, none, none,
+                       none);
   }
   return out;
 }

@@ -6,7 +6,8 @@ the same forward. ``commit`` fuses them (the head's fc, 3H -> H) before keeping 
 head with attention's round (drafters/eagle_attn.py): the committed entries catch the head's cache up, each later
 draft is one entry more on the head's own output. Drafts are scored by the head's own norm and reduced-vocabulary
 LM head and mapped to the target's ids (``d2t``); sampled rows return their processed distributions, which the
-core's exact acceptance reads. Chains only (greedy and sampled), on PyTorch's ops; CUDA graphs are refused.
+core's exact acceptance reads. Chains, and with ``tree_branches`` > 1 spine trees (drafters/spine_tree.py), on
+PyTorch's ops; CUDA graphs are refused.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Eagle3Drafter(EagleAttnDrafter):
             raise InvalidConfigError("CUDA graphs of the EAGLE-3 head are not built: cuda_graphs=False for this head")
         assert ctx.head is not None and isinstance(ctx.head.module, Eagle3Head), "the entry loads an EAGLE-3 head"
         ctx.target_module.use_feature_layers(ctx.head.config.feature_layers)
-        return cls(ctx.head, ctx.target_module, ctx.kernels.scorer(ctx.head.module.lm_head))
+        d = cls(ctx.head, ctx.target_module, ctx.kernels.scorer(ctx.head.module.lm_head))
+        d.branches = ctx.options.get("tree_branches", 1)
+        return d
 
     def embed(self, tokens: Tensor) -> Tensor:
         """The head's own embedding where its checkpoint has one, else the target's."""

@@ -3,14 +3,15 @@
 A round first runs the entries of the positions committed since the last (the target's features the round
 hands it: ``FeatureNeed.ALL``, with the tokens after them) into the cache; the last one's output scores the
 first draft. Each later draft is one entry more, on the head's own feature. Entries past the committed ones
-are overwritten by the next round's, so a rejection needs nothing undone. CUDA graphs of its step are not
+are overwritten by the next round's, so a rejection needs nothing undone. With ``tree_branches`` > 1 it drafts
+spine trees around its chain (drafters/spine_tree.py: the cache holds one branch). CUDA graphs of its step are not
 built: its step writes its own cache at per-row positions, so asking for graphs fails at load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,7 @@ from engine.core.forward import KVCache
 from engine.core.model import fuse_projections
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, LoadedHead, SeqStates
 from engine.spec_decode.drafters.head_base import HeadDrafter
+from engine.spec_decode.drafters.spine_tree import greedy_spine_steps, greedy_spine_tree, sampled_trees, spine_trees
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.step_kernels import AttnStepKernel
@@ -58,7 +60,9 @@ class EagleAttnDrafter(HeadDrafter):
         head, plain, _ = cls.scorer_for(ctx)
         fuse_projections(head.module)  # q/k/v and gate/up as one GEMM each, as the target's (the kernel's layout)
         kernel = ctx.kernels.attn_head_step(head.module, plain)
-        return cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain), kernel)
+        d = cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain), kernel)
+        d.branches = ctx.options.get("tree_branches", 1)
+        return d
 
     def __init__(
         self, head: LoadedHead, target: Transformer, scorer: nn.Module, kernel: AttnStepKernel | None = None
@@ -68,6 +72,7 @@ class EagleAttnDrafter(HeadDrafter):
         self.cache: KVCache | None = None
         self._kernel = kernel
         self._entries = SeqStates(_Entries)
+        self.branches = 1  # > 1: spine trees (drafters/spine_tree.py): the head's cache holds one branch
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         c = self.cache
@@ -117,6 +122,19 @@ class EagleAttnDrafter(HeadDrafter):
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
+        w = self.branches
+        if spine_trees(batch, w):
+            return sampled_trees(batch, w, lambda b: self._chain(b)[0])
+        if batch.processing.mode == "greedy" and batch.tree and w > 1:
+            steps = greedy_spine_steps(batch, w)
+            chain, tops, have = self._chain(replace(batch, k=steps, ks=[steps] * len(batch.seqs)), w)
+            assert tops is not None
+            return greedy_spine_tree(tops, batch, w, have)
+        return self._chain(batch)[0]
+
+    def _chain(self, batch: DraftBatch, top: int = 1) -> tuple[Proposal, Tensor | None, list[bool]]:
+        """The rows' chains of ``batch.k`` drafts (greedy, or drawn from the head's processed distributions), and
+        with ``top`` > 1 (greedy) the ``top`` most probable tokens at each step [B, k, top], the chain's first."""
         assert self.cache is not None, "ensure_cache first"
         f, nxt, pos, last, have = self._catch_up(batch)
         hlens = [self._entries(s).hlen + _pending(self._entries(s)) for s in batch.seqs]  # after the catch-up
@@ -128,9 +146,15 @@ class EagleAttnDrafter(HeadDrafter):
         at = torch.tensor([h if on else scratch for h, on in zip(hlens, have)], device=batch.device)  # next entry's
         drafts: list[Tensor] = []
         probs: list[Tensor] = []
+        tops: list[Tensor] = []
         zero = torch.zeros_like(last_t)
         for j in range(batch.k):
-            tok, p = self._draw(logits, batch, drafts)
+            if top > 1:  # greedy: the chain's token is the most probable of the step's top
+                ids = logits.topk(top, dim=-1).indices
+                tops.append(ids if self.vocab_ids is None else self.vocab_ids[ids])
+                tok, p = tops[-1][:, 0], None
+            else:
+                tok, p = self._draw(logits, batch, drafts)
             drafts.append(tok)
             if p is not None:
                 probs.append(p)
@@ -138,7 +162,8 @@ class EagleAttnDrafter(HeadDrafter):
                 e = self.embed(tok)[:, None]
                 logits, g = self._step(g[:, None], e, at[:, None], kv_len, batch.rows, zero)
                 at = torch.where(at == scratch, at, at + 1)
-        return self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
+        chain = self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
+        return chain, torch.stack(tops, 1) if tops else None, have
 
     def _step(
         self, f: Tensor, e: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None, last: Tensor

@@ -1,4 +1,5 @@
-"""Draft trees for sampled rows: a sampled chain (the spine) with i.i.d. siblings.
+"""Draft trees around a drafter's chain (the spine): i.i.d. siblings for sampled rows; for greedy rows of a drafter
+that cannot expand several nodes (a head whose cache holds one branch), the chain's runners-up (``greedy_spine_tree``).
 
 The exact rule for sampled rows over trees (engine/spec_decode/tree_accept.py, SpecInfer's) needs each node's
 children drawn i.i.d. from the draft distribution at that node, their number fixed before they are drawn; EAGLE-2's
@@ -48,6 +49,29 @@ def _chain_rows(batch: DraftBatch) -> tuple[bool, Tensor]:
     """(whether any row drafts a chain, [B] bool those rows); the flag is read on the host."""
     rows = batch.chains if batch.chains is not None else [False] * len(batch.seqs)
     return any(rows), torch.tensor(rows, dtype=torch.bool, device=batch.device)
+
+
+def greedy_spine_steps(batch: DraftBatch, branches: int) -> int:
+    """The greedy chain's steps for a greedy spine tree: D, or K where a row takes a chain."""
+    return batch.k if _chain_rows(batch)[0] else spine_depth(batch.k, branches)
+
+
+def greedy_spine_tree(tops: Tensor, batch: DraftBatch, branches: int, have: list[bool]) -> Proposal:
+    """A greedy batch's trees of K = batch.k nodes for a drafter that cannot expand several nodes (the heads with
+    attention: their cache holds one branch): tops [B, S, w] the ``branches`` most probable tokens at each step of
+    its greedy chain (the chain: tops[:, :, 0], S from ``greedy_spine_steps``). Depth i holds the chain's token
+    and its w - 1 runners-up, distinct siblings, all children of the chain's token above; chain rows keep the
+    chain. Rows without ``have`` get no nodes."""
+    w, k, dev = branches, batch.k, tops.device
+    node = torch.arange(k, device=dev)
+    depth = node // w  # [K]
+    tokens = tops[:, depth, node % w]  # [B, K]
+    parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(tokens.shape[0], k)
+    some, chains = _chain_rows(batch)
+    if some:  # the chain ran K steps: those rows keep it
+        tokens = torch.where(chains[:, None], tops[:, :k, 0], tokens)
+        parents = torch.where(chains[:, None], node - 1, parents)
+    return Proposal(tokens, None, [k if h else 0 for h in have], parents.contiguous())
 
 
 def spine_batch(batch: DraftBatch, branches: int) -> DraftBatch:
