@@ -284,3 +284,16 @@ def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_h
     assert spec_eng.info["draft_head_fp8"] == names
     assert_greedy_grid(spec_eng, planned_plain, "fp8")  # the planned target's own greedy output
     assert spec_eng.stats()["accepted"] > 0
+
+
+def test_the_default_draft_vocabulary_is_the_tokens_the_text_holds():
+    """eagle3's default: every distinct token of the training text (padding past a row's length not counted),
+    at most the cap; the other heads keep the full vocabulary by default."""
+    from engine.train.data import DistillData
+    from engine.train.distill import default_draft_vocab
+
+    tokens = torch.tensor([[5, 7, 5, 9, 0, 0], [7, 7, 11, 3, 2, 0]])
+    data = DistillData(tokens, torch.tensor([4, 5]), torch.empty(0), torch.empty(0), None, 1)
+    assert default_draft_vocab("eagle3", data) == 6  # 5, 7, 9, 11, 3, 2: the padding's 0 is not text
+    assert default_draft_vocab("eagle", data) is None
+    assert default_draft_vocab("eagle3", data, cap=4) == 4

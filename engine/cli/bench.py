@@ -154,14 +154,8 @@ def _lookup_engines(
         engines[f"{mode}+lookup"] = Engine.from_pretrained(
             target, _draft_arg(entry, draft, heads)[1], speculation=spec, **opts
         )
-    tree_modes = (
-        "specmix-model",
-        "specmix-ngram",
-        "specmix-suffix",
-        "specmix-medusa",
-        "specmix-eagle",
-        "specmix-eagle+lookup",
-    )
+    trees = [m for m, e in SPEC_MODES.items() if e.trees]
+    tree_modes = trees + [f"{m}+lookup" for m in trees if f"{m}+lookup" in engines]
     for mode in tree_modes:  # trees beside chains
         base = mode.removesuffix("+lookup")
         if a.tree_branches is None or mode not in engines:

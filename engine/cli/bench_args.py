@@ -72,8 +72,8 @@ def parse_args(argv: list[str] | None, doc: str | None = None) -> argparse.Names
         type=int,
         default=None,
         metavar="N",
-        help="adds a mode <mode>+tree for the drafters that propose trees "
-        "(model, ngram, suffix, medusa, eagle, eagle+lookup)",
+        help="adds a mode <mode>+tree for each drafter that proposes trees (its registry entry's trees: model, "
+        "ngram, medusa, eagle, eagle3, suffix) and for its +lookup mode",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="write a PNG figure (needs matplotlib: pip install 'specmix[plot]')")

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--out", type=Path, required=True, help="output directory (resumes what is there)")
     p.add_argument("--text", type=Path, help="prompt text (default: the demo corpus's training split)")
-    p.add_argument("--steps", type=int, help="training steps (default: model 1500, heads 600)")
+    p.add_argument("--steps", type=int, help="training steps (default: model 1500, medusa and eagle 600, eagle3 1000)")
     p.add_argument(
         "--layers",
         type=int,
@@ -45,7 +45,12 @@ def parse_args(argv: list[str] | None) -> object:
     p.add_argument(
         "--attention", action="store_true", help="eagle: decoder layers with attention over the sequence's features"
     )
-    p.add_argument("--draft-vocab", type=int, help="heads: a reduced draft vocabulary of this many tokens")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="heads: a reduced draft vocabulary of this many tokens, the text's most frequent (default: all; eagle3: "
+        "the tokens the training text holds, at most 32768)",
+    )
     p.add_argument("--samples", type=int, default=256, help="sequences the target generates (256)")
     p.add_argument(
         "--data",

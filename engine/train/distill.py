@@ -60,7 +60,7 @@ class TrainOptions:
     attention: bool = (
         False  # eagle: decoder layers with attention over the sequence (engine/spec_decode/heads/eagle_attn.py)
     )
-    draft_vocab: int | None = None  # heads: the most frequent tokens of the generated text (None: all)
+    draft_vocab: int | None = None  # heads: the most frequent tokens of the text (None: default_draft_vocab)
     samples: int = 256  # generated sequences
     prompt_len: int = 32
     gen_len: int = 224
@@ -147,9 +147,21 @@ def round_weights(module: nn.Module, values: str) -> None:
 
 
 def default_steps(kind: str) -> int:
-    # eagle3: each step runs its layer and LM head at every unrolled depth over whole sequences (about 100 GFLOP
-    # a step on SmolLM2 at depth 5), so fewer steps keep it within half an hour on a 2-core CPU
-    return {"model": 1500, "medusa": 600, "eagle": 600, "eagle3": 400}[kind]
+    # eagle3: each step runs its layer and LM head at every unrolled depth over whole sequences; with its reduced
+    # draft vocabulary (default_draft_vocab) 1,000 steps keep SmolLM2's head within half an hour on a 2-core CPU
+    return {"model": 1500, "medusa": 600, "eagle": 600, "eagle3": 1000}[kind]
+
+
+EAGLE3_MAX_VOCAB = 32768  # EAGLE-3's draft vocabulary for Llama 3's 128k
+
+
+def default_draft_vocab(kind: str, data: DistillData, cap: int = EAGLE3_MAX_VOCAB) -> int | None:
+    """eagle3: the distinct tokens of the training text (the head learns nothing of the others), at most ``cap``;
+    its LM head is most of a draft step's bytes. The other heads: None (all)."""
+    if kind != "eagle3":
+        return None
+    mask = torch.arange(data.tokens.shape[1], device=data.tokens.device)[None] < data.lengths[:, None]
+    return min(int(data.tokens[mask].unique().numel()), cap)
 
 
 def _lr(step: int, total: int, warmup: int, lr: float) -> float:
@@ -362,8 +374,9 @@ def train_draft(
     t0 = time.perf_counter()
     dev = eng.target.norm.weight.device  # the draft trains where the target runs (its features, LM head, embedding)
     vocab_ids = None
-    if opts.kind != "model" and opts.draft_vocab is not None:
-        vocab_ids = frequent_tokens(data, opts.draft_vocab, eng.target.config.vocab_size)
+    n_draft = opts.draft_vocab if opts.draft_vocab is not None else default_draft_vocab(opts.kind, data)
+    if opts.kind != "model" and n_draft is not None:
+        vocab_ids = frequent_tokens(data, n_draft, eng.target.config.vocab_size)
     fit = _Fit(eng, data.to(dev), None if held is None else held.to(dev), steps, state, t0, run)
     if opts.kind == "model":
         loss, train_s, report["heldout"] = _train_model(opts, fit, target_dir, out)
