@@ -286,6 +286,39 @@ def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_h
     assert spec_eng.stats()["accepted"] > 0
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_cpu_kernel_equals_the_pytorch_layer(ckpt_dir, tmp_path, norm_before_residual):
+    """``Eagle3HeadKernel`` (the decode step's forward_pair) with fp32 weights: the same scores and layer outputs
+    as the head's PyTorch forward, for a ragged batch in cache rows 2 and 0, then one more entry each."""
+    from engine.kernels.cpu_gemm import small_gemm_status
+    from engine.kernels.cpu_head import Eagle3HeadKernel, head_gemm_weight
+
+    if small_gemm_status() is not None:
+        pytest.skip(f"no CPU kernels: {small_gemm_status()}")
+    eng = Engine.from_pretrained(ckpt_dir)
+    path = native_head(ckpt_dir, tmp_path / "h", (2, 2, 1), 64, seed=3)
+    cfg = json.loads((path / "head_config.json").read_text())
+    (path / "head_config.json").write_text(json.dumps({**cfg, "norm_before_residual": norm_before_residual}))
+    head = load_head(path, eng.target, eng.tokenizer.vocab(), "eagle3")[0].float()
+    kernel = Eagle3HeadKernel(head, head.kernel_weights(head_gemm_weight), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    H = head.mcfg.hidden_size
+    f, e = torch.randn(2, 6, H, generator=g), torch.randn(2, 6, H, generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 31, 31, 31]])  # row 1 padded to the scratch slot
+    rows, last = torch.tensor([2, 0]), torch.tensor([5, 2])
+    caches = [head.new_cache(3, 32, torch.device("cpu")) for _ in range(2)]
+    with torch.no_grad():
+        ref = head(f, e, pos, caches[0], 8, rows)[torch.arange(2), last]
+        logits, out = kernel(f, e, pos, rows, caches[1], 8, last)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, head.logits(ref), rtol=1e-4, atol=1e-4)
+        nxt = torch.tensor([[6], [3]])
+        ref2 = head(ref[:, None], e[:, :1], nxt, caches[0], 8, rows)[:, 0]
+        _, out2 = kernel(ref[:, None], e[:, :1], nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long))
+        torch.testing.assert_close(out2, ref2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].k[:, [2, 0]], caches[0].k[:, [2, 0]], rtol=1e-4, atol=1e-5)
+
+
 def test_the_default_draft_vocabulary_is_the_tokens_the_text_holds():
     """eagle3's default: every distinct token of the training text (padding past a row's length not counted),
     at most the cap; the other heads keep the full vocabulary by default."""

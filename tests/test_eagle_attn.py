@@ -205,14 +205,12 @@ def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
     caches = [head.new_cache(3, 32, torch.device("cpu")) for _ in range(2)]
     with torch.no_grad():
         ref = head(f, e, pos, caches[0], 8, rows)[torch.arange(2), last]
-        logits, feats = kernel(head.entries(f, e), pos, rows, caches[1], 8, last)
+        logits, feats = kernel(f, e, pos, rows, caches[1], 8, last)
         torch.testing.assert_close(feats, ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(logits, ref @ lm.T, rtol=1e-4, atol=1e-4)
         nxt = torch.tensor([[6], [3]])
         ref2 = head(ref[:, None], e[:, :1], nxt, caches[0], 8, rows)[:, 0]
-        _, feats2 = kernel(
-            head.entries(ref[:, None], e[:, :1]), nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long)
-        )
+        _, feats2 = kernel(ref[:, None], e[:, :1], nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long))
         torch.testing.assert_close(feats2, ref2, rtol=1e-4, atol=1e-4)
 
 

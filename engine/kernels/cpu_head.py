@@ -15,6 +15,8 @@ the kernel's rate, so the dispatch, not the head's size, set its cost (docs/perf
   their argmaxes (16-bit copies of the stacked head weights, the LM head's rows as the target stores them).
 - eagle with attention: ``AttnHeadKernel`` runs the decoder layers, output norm and scores on the drafter's
   entries through the decode step's kernel (its ``forward_x``), with the head's own KV cache.
+- eagle3: ``Eagle3HeadKernel`` runs EAGLE-3's layer (q/k/v over [norm(e); norm(f)], f the residual), its norm
+  and its own LM head through the same kernel (``forward_pair``), returning the layer's output before the norm.
 ``scorer_on_kernel`` puts the PyTorch steps' scorer (the LM head's rows) on the few-row GEMM, same weight (fp32,
 or a CPU plan's fp16 LM head).
 """
@@ -143,6 +145,25 @@ def scorer_on_kernel(scorer: nn.Linear | StoredLinear) -> nn.Module:
     return scorer
 
 
+class Eagle3Layers(Protocol):
+    """An EAGLE-3 head as its kernel reads it (engine/spec_decode/heads/eagle3.py)."""
+
+    mcfg: ModelConfig
+    """The shape of its decoder layer."""
+    midlayer: nn.Module
+    """Its decoder layer (``inputs``: (f, e) -> its q/k/v input and residual; ``post_attention_layernorm``)."""
+    norm: RMSNorm
+    """Its output norm."""
+    lm_head: nn.Linear
+    """Its scores over the draft vocabulary."""
+    inv_freq: Tensor
+    """Its rotary frequencies, fp32."""
+
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
+        """q, k, v, o, gate, up, down and the LM head's weights as ``gemm`` reads them (None: unreadable)."""
+        ...
+
+
 class AttnHeadLayers(Protocol):
     """The EAGLE head with attention as its kernel reads it (engine/spec_decode/heads/eagle_attn.py)."""
 
@@ -157,6 +178,10 @@ class AttnHeadLayers(Protocol):
 
     def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
         """The GEMM weights a C++ step would copy, as ``gemm`` reads them (None: one the step cannot read)."""
+        ...
+
+    def entries(self, f: Tensor, e: Tensor) -> Tensor:
+        """(features f, next tokens' embeddings e [..., H]) -> the decoder's inputs [..., H]."""
         ...
 
 
@@ -177,30 +202,69 @@ class AttnHeadKernel:
             mcfg.rms_norm_eps, False,
         )  # fmt: skip
         self.n_layers = mcfg.num_hidden_layers
-        self._inv_freq = head.inv_freq
-        self._rope: tuple[Tensor, Tensor] | None = None
+        self._entries = head.entries
+        self._rope = RopeTable(head.inv_freq)
 
     def __call__(
-        self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
+        self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Entries x [B, T, H] at positions pos [B, T] in cache rows ``rows`` (None: 0..B-1) -> (scores [B, V'],
-        features [B, H]) of each row's entry ``last`` [B]."""
-        n = cache.max_seq_len
-        if self._rope is None or self._rope[0].shape[0] < n:
-            cos, sin = rope_cos_sin(self._inv_freq, torch.arange(n)[None], torch.float32)
-            self._rope = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
+        """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
+        (None: 0..B-1) -> (scores [B, V'], features [B, H]) of each row's entry ``last`` [B]."""
         hidden = torch.empty(1)
         empty = torch.empty(0, dtype=torch.long)
-        logits = self.impl.forward_x(
-            x.float().contiguous(),
-            pos,
-            empty if rows is None else rows,
-            last,
-            kv_len,
-            self.n_layers,
-            cache.k,
-            cache.v,
-            *self._rope,
-            hidden,
-        )
+        x = self._entries(f, e).float().contiguous()
+        cos, sin = self._rope(cache.max_seq_len)
+        rws = empty if rows is None else rows
+        logits = self.impl.forward_x(x, pos, rws, last, kv_len, self.n_layers, cache.k, cache.v, cos, sin, hidden)
         return logits, hidden
+
+
+class RopeTable:
+    """cos, sin [N, D] fp32 of a head's rotary frequencies for positions 0..N-1, grown on demand."""
+
+    def __init__(self, inv_freq: Tensor) -> None:
+        self._inv_freq = inv_freq
+        self._table: tuple[Tensor, Tensor] | None = None
+
+    def __call__(self, n: int) -> tuple[Tensor, Tensor]:
+        if self._table is None or self._table[0].shape[0] < n:
+            cos, sin = rope_cos_sin(self._inv_freq, torch.arange(n)[None], torch.float32)
+            self._table = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
+        return self._table
+
+
+class Eagle3HeadKernel:
+    """EAGLE-3's layer, norm and scores in one C++ call (the decode step's ``forward_pair``): the layer's q/k/v read
+    [input_layernorm(e); hidden_norm(f)] (2H, computed here on PyTorch), f the residual; returns each row's
+    scores and the layer's output g before the norm (the next entry's feature). GEMM weights, the LM head's
+    included (the head's own), are copies in ``store``."""
+
+    def __init__(self, head: Eagle3Layers, weights: list[Tensor], store: torch.dtype) -> None:
+        """``weights``: ``head.kernel_weights``'s, every one readable."""
+        q, k, v, o, gate, up, down, lm = (w.detach().to(store) for w in weights)
+        mcfg = head.mcfg
+        none = torch.empty(0)
+        post = head.midlayer.post_attention_layernorm.weight.detach().float().contiguous()
+        ws = [torch.ones(mcfg.hidden_size), torch.cat([q, k, v]).contiguous(), none, o.contiguous(), none, post]
+        ws += [torch.cat([gate, up]).contiguous(), down.contiguous(), none]
+        ws += [torch.zeros(1, mcfg.hidden_size), head.norm.weight.detach().float().contiguous(), lm.contiguous()]
+        n = len(ws)
+        self.impl = cpu_kernels().DecodeModel(
+            ws, [none] * n, [none] * n, [0] * n, mcfg.num_attention_heads, mcfg.num_key_value_heads, 0,
+            mcfg.rms_norm_eps, False,
+        )  # fmt: skip
+        self._inputs = head.midlayer.inputs
+        self._rope = RopeTable(head.inv_freq)
+        self._out = torch.tensor([1], dtype=torch.long)  # "entering layer 1": the layer's output, before the norm
+
+    def __call__(
+        self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``AttnHeadKernel``'s call: (scores [B, V'], the layer's outputs g [B, H]) of each row's entry ``last``."""
+        x, res = self._inputs(f, e)
+        g = torch.empty(1)
+        rws = torch.empty(0, dtype=torch.long) if rows is None else rows
+        cos, sin = self._rope(cache.max_seq_len)
+        x, res = x.float().contiguous(), res.float().contiguous()
+        logits = self.impl.forward_pair(x, res, pos, rws, last, kv_len, cache.k, cache.v, cos, sin, g, self._out)
+        return logits, g

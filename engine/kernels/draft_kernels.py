@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from engine.kernels.cpu_head import (
     AttnHeadKernel,
     AttnHeadLayers,
+    Eagle3HeadKernel,
+    Eagle3Layers,
     EagleKernel,
     MedusaKernel,
     head_gemm_weight,
@@ -101,6 +103,13 @@ class DraftKernelChooser:
         store = head_store_dtype([w for w in ws if w is not None], self.store)
         self.chosen["draft_head_step_weights"] = str(store).replace("torch.", "")
         return AttnHeadKernel(head, scorer.weight, store)
+
+    def eagle3_step(self, head: Eagle3Layers) -> Eagle3HeadKernel | None:
+        weights = head.kernel_weights(head_gemm_weight)
+        store = self._store("eagle3", weights, [])
+        if store is None:
+            return None
+        return Eagle3HeadKernel(head, [w for w in weights if w is not None], store)
 
     def _store(self, kind: str, weights: list[Tensor | None], shared: list[Tensor]) -> torch.dtype | None:
         """The C++ step's storage for a head's GEMM weights (it also reads the target's ``shared`` tensors), or

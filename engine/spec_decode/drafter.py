@@ -29,6 +29,7 @@ from engine.spec_decode.sampling import RowProcessing
 if TYPE_CHECKING:
     from engine.core.model import Transformer
     from engine.spec_decode.heads.config import HeadConfig
+    from engine.spec_decode.heads.eagle3 import Eagle3Head
     from engine.spec_decode.heads.eagle_attn import EagleAttnHead
     from engine.spec_decode.seq import Seq
     from engine.spec_decode.step_kernels import AttnStepKernel, EagleStepKernel, MedusaStepKernel
@@ -179,6 +180,10 @@ class DraftKernels(Protocol):
 
     def attn_head_step(self, head: EagleAttnHead, scorer: nn.Linear) -> AttnStepKernel | None:
         """The attention head's layers, output norm and scores on a kernel, or None."""
+        ...
+
+    def eagle3_step(self, head: Eagle3Head) -> AttnStepKernel | None:
+        """The EAGLE-3 head's layer, norm and its own scores on a kernel, or None."""
         ...
 
     def scorer(self, scorer: nn.Linear) -> nn.Module:

@@ -1,5 +1,6 @@
 """What a trained head's drafter needs from a kernel of its step (the kernels layer satisfies these without
-importing them: engine/kernels/cpu_head.py ``EagleKernel``, ``MedusaKernel``, ``AttnHeadKernel``)."""
+importing them: engine/kernels/cpu_head.py ``EagleKernel``, ``MedusaKernel``, ``AttnHeadKernel``,
+``Eagle3HeadKernel``)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,12 @@ class MedusaStepKernel(Protocol):
 
 
 class AttnStepKernel(Protocol):
-    """The head's layers, output norm and scores on a kernel (engine/kernels/cpu_head.py ``AttnHeadKernel``)."""
+    """A head's layers over its own KV cache and its scores on a kernel (engine/kernels/cpu_head.py
+    ``AttnHeadKernel``, ``Eagle3HeadKernel``)."""
 
     def __call__(
-        self, x: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int, last: Tensor
+        self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int, last: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Entries x [B, T, H] at positions pos [B, T] in cache rows ``rows`` -> (scores [B, V'], features [B, H])
-        of each row's entry ``last`` [B]."""
+        """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
+        -> (scores [B, V'], the next features [B, H]) of each row's entry ``last`` [B]."""
         ...

@@ -32,6 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("forward_x", &DecodeModel::forward_x, "the same forward from the first layer's inputs [B, T, H]",
            py::call_guard<py::gil_scoped_release>())
+      .def("forward_pair", &DecodeModel::forward_pair,
+           "a wide first layer's forward: its q/k/v inputs [B, T, 2H] and the residual [B, T, H]",
+           py::call_guard<py::gil_scoped_release>())
       .def("greedy", &DecodeModel::greedy, "greedy drafting: a forward, then steps - 1 steps on its argmax",
            py::call_guard<py::gil_scoped_release>());
   py::class_<EagleStep>(m, "EagleStep")

@@ -24,7 +24,8 @@ class DecodeModel {
   // slots: empty, or [B, T] int64 the cache slots keys are written to (a draft tree: not the positions);
   // mask: empty, or [B, T, kv_len] bool, the keys each query sees (a draft tree's mask; with slots)
   // aux: empty, or [n] int64 feature layers (EAGLE-3): `hidden` then receives, for the scored rows, the hidden
-  // states entering those layers, concatenated in aux's order (n * H in place of V), not the final-norm outputs
+  // states entering those layers (n_layers: the last layer's output), concatenated in aux's order (n * H in place
+  // of V), not the final-norm outputs
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -35,6 +36,12 @@ class DecodeModel {
                           const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                           torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                           torch::Tensor hidden) const;
+  // a model whose first layer's q/k/v read 2H columns (EAGLE-3's layer): qkv_in [B, T, 2H] those inputs, normed
+  // already, residual [B, T, H] the stream the layer adds to; every layer; the rest as forward_x (aux as forward)
+  torch::Tensor forward_pair(const torch::Tensor& qkv_in, const torch::Tensor& residual, const torch::Tensor& pos,
+                             const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len,
+                             torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
+                             const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& aux) const;
   // greedy drafting in one call: forward scored at last [B], then steps - 1 one-token forwards on the argmax
   // over the first vocab logits -> the steps argmaxes [B, steps] int64 (the caches hold every fed token)
   torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
@@ -47,11 +54,11 @@ class DecodeModel {
                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                     torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                     torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask,
-                    const torch::Tensor& aux) const;
+                    const torch::Tensor& aux, const float* qkv_in = nullptr) const;
   std::vector<torch::Tensor> weights_, scales_, smooths_;
   std::vector<int64_t> groups_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;
   bool amx_;
-  int64_t n_layers_, hidden_, head_dim_, inter_, vocab_;  // derived from the weights (checked once, in the constructor)
+  int64_t n_layers_, hidden_, head_dim_, inter_, vocab_, in0_;  // in0_: the first layer's q/k/v input width  // derived from the weights (checked once, in the constructor)
 };

@@ -151,11 +151,13 @@ void gemm(bool amx, const float* x, const Mat& w, float* y, int64_t M, int64_t K
 // The layers on x [M, H] in place: pos [M] the position of each row, row [M] its cache row; kc0, vc0 the
 // caches [L, max_batch, nkv, S, D]; w the 9 weights per layer (DecodeModel checked their shapes). Keys and
 // values of every row are written before any row attends, so a row sees the rows before it in the same
-// call (its sequence's earlier tokens). aux: feature layers whose inputs x are copied to cap [n_aux, M, H].
+// call (its sequence's earlier tokens). aux: feature layers whose inputs x are copied to cap [n_aux, M, H] (L: the
+// last layer's output). qkv_in: null, or the first layer's q/k/v input [M, in0] (x is then only its residual).
 void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, const int64_t* rp, int64_t kv_len,
             const torch::Tensor* weights,
             const torch::Tensor* scales, const torch::Tensor* smooths, const int64_t* groups, bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
-            const float* sp, float eps, const std::vector<int64_t>& aux, float* cap) {
+            const float* sp, float eps, const std::vector<int64_t>& aux, float* cap, const float* qkv_in,
+            int64_t in0) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
   std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
@@ -168,9 +170,13 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     float* vc = vc0 + l * layer_kv;
     for (size_t a = 0; a < aux.size(); ++a)  // the hidden states entering a feature layer (EAGLE-3)
       if (aux[a] == l) std::copy_n(xp, d.M * d.H, cap + a * d.M * d.H);
-    rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
     float* q = qkv.data();
-    gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
+    if (l == 0 && qkv_in) {  // a wide first layer (EAGLE-3's): its q/k/v read the given [M, in0], normed already
+      gemm(amx, qkv_in, mat(1), q, d.M, in0, width);
+    } else {
+      rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
+      gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
+    }
     add_bias(q, w[2], d.M, width);
     for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's slot
       const int64_t p = pp[m], slot = slp[m];
@@ -193,6 +199,8 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
   }
+  for (size_t a = 0; a < aux.size(); ++a)  // "entering layer L": the last layer's output, before the final norm
+    if (aux[a] == L) std::copy_n(xp, d.M * d.H, cap + a * d.M * d.H);
 }
 
 // a GEMM weight: float32/float16/bfloat16, or int8 with its scales (per row: group 0, per group, W8A8: -1)
@@ -243,12 +251,14 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::
   TORCH_CHECK(head_dim_ % 2 == 0, "DecodeModel: head_dim must be even");
   inter_ = weights_[7].dim() == 2 ? weights_[7].size(1) : 0;
   const int64_t width = (n_heads + 2 * n_kv) * head_dim_;
+  in0_ = qkv0.size(1);
+  TORCH_CHECK(in0_ == hidden_ || in0_ == 2 * hidden_, "DecodeModel: the first q/k/v weight reads H or 2H columns");
   for (int64_t l = 0; l < n_layers_; ++l) {  // every weight checked once here, not on each call
     const torch::Tensor* w = weights_.data() + 9 * l;
     const torch::Tensor *s = scales_.data() + 9 * l, *sm = smooths_.data() + 9 * l;
     const int64_t* g = groups_.data() + 9 * l;
     check_vector(w[0], hidden_, "input norm");
-    check_matrix(w[1], s[1], sm[1], g[1], width, hidden_, "qkv weight");
+    check_matrix(w[1], s[1], sm[1], g[1], width, l == 0 ? in0_ : hidden_, "qkv weight");
     if (w[2].numel()) check_vector(w[2], width, "qkv bias");
     check_matrix(w[3], s[3], sm[3], g[3], hidden_, n_heads * head_dim_, "o_proj weight");
     if (w[4].numel()) check_vector(w[4], hidden_, "o_proj bias");
@@ -280,6 +290,7 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
                                    torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                    const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
                                    const torch::Tensor& mask, const torch::Tensor& aux) const {
+  TORCH_CHECK(in0_ == hidden_, "decode_forward: a wide first layer takes forward_pair");
   TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
               pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
   const torch::Tensor& embed = weights_[9 * n_layers_];
@@ -298,6 +309,7 @@ torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Ten
                                      const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                      torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                      const torch::Tensor& sin, torch::Tensor hidden) const {
+  TORCH_CHECK(in0_ == hidden_, "decode_forward_x: a wide first layer takes forward_pair");
   TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == hidden_ && x_in.scalar_type() == at::kFloat &&
               x_in.device().is_cpu(), "decode_forward_x: x [B, T, ", hidden_, "] float32 on the CPU");
   TORCH_CHECK(pos.dim() == 2 && pos.size(0) == x_in.size(0) && pos.size(1) == x_in.size(1) &&
@@ -309,11 +321,33 @@ torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Ten
              none, none, none);
 }
 
+// a wide first layer's forward: its q/k/v read qkv_in [B, T, 2H] (normed by the caller), residual [B, T, H] the
+// stream they add to
+torch::Tensor DecodeModel::forward_pair(const torch::Tensor& qkv_in, const torch::Tensor& residual,
+                                        const torch::Tensor& pos, const torch::Tensor& rows, const torch::Tensor& idx,
+                                        int64_t kv_len, torch::Tensor k_cache, torch::Tensor v_cache,
+                                        const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor hidden,
+                                        const torch::Tensor& aux) const {
+  TORCH_CHECK(in0_ == 2 * hidden_, "decode_forward_pair: the model's first layer reads H columns: use forward_x");
+  TORCH_CHECK(residual.dim() == 3 && residual.size(2) == hidden_ && residual.scalar_type() == at::kFloat &&
+                  residual.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == residual.size(0) &&
+                  qkv_in.size(1) == residual.size(1) && qkv_in.size(2) == in0_ &&
+                  qkv_in.scalar_type() == at::kFloat && qkv_in.device().is_cpu(),
+              "decode_forward_pair: residual [B, T, ", hidden_, "] and qkv_in [B, T, ", in0_, "] float32 on the CPU");
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == residual.size(0) && pos.size(1) == residual.size(1) &&
+              pos.scalar_type() == at::kLong, "decode_forward_pair: pos [B, T] int64");
+  const torch::Tensor rc = residual.contiguous(), qc = qkv_in.contiguous();
+  std::vector<float> x(rc.data_ptr<float>(), rc.data_ptr<float>() + rc.numel());
+  const torch::Tensor none;
+  return run(x, residual.size(0), residual.size(1), pos, rows, idx, kv_len, n_layers_, k_cache, v_cache, cos, sin,
+             hidden, none, none, aux, qc.data_ptr<float>());
+}
+
 torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos,
                                const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
-                               const torch::Tensor& mask, const torch::Tensor& aux) const {
+                               const torch::Tensor& mask, const torch::Tensor& aux, const float* qkv_in) const {
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
   const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
   const torch::Tensor& head = weights_[9 * n_layers_ + 2];
@@ -347,14 +381,14 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
     TORCH_CHECK(aux.dim() == 1 && aux.scalar_type() == at::kLong, "decode_forward: aux layers [n] int64");
     const torch::Tensor ac = aux.contiguous();
     feat.assign(ac.data_ptr<int64_t>(), ac.data_ptr<int64_t>() + ac.numel());
-    for (int64_t l : feat) TORCH_CHECK(l >= 0 && l < n_layers, "decode_forward: an aux layer is not in 0..", n_layers - 1);
+    for (int64_t l : feat) TORCH_CHECK(l >= 0 && l <= n_layers, "decode_forward: an aux layer is not in 0..", n_layers);
     TORCH_CHECK(hidden.numel() > 0, "decode_forward: aux layers need a hidden tensor to write to");
   }
   std::vector<float> cap(feat.size() * M * H);
   layers(x.data(), pp, slp, tree ? mc.data_ptr<bool>() : nullptr, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
          n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
-         static_cast<float>(eps_), feat, cap.data());
+         static_cast<float>(eps_), feat, cap.data(), qkv_in, in0_);
   // the rows to score, final norm and head
   std::vector<int64_t> sel;
   std::vector<int64_t> shape;

@@ -37,7 +37,9 @@ class Eagle3Drafter(EagleAttnDrafter):
             raise InvalidConfigError("CUDA graphs of the EAGLE-3 head are not built: cuda_graphs=False for this head")
         assert ctx.head is not None and isinstance(ctx.head.module, Eagle3Head), "the entry loads an EAGLE-3 head"
         ctx.target_module.use_feature_layers(ctx.head.config.feature_layers)
-        d = cls(ctx.head, ctx.target_module, ctx.kernels.scorer(ctx.head.module.lm_head))
+        kernel = ctx.kernels.eagle3_step(ctx.head.module)
+        lm_head = ctx.head.module.lm_head
+        d = cls(ctx.head, ctx.target_module, lm_head if kernel is not None else ctx.kernels.scorer(lm_head), kernel)
         d.branches = ctx.options.get("tree_branches", 1)
         return d
 

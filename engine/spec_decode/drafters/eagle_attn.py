@@ -173,7 +173,7 @@ class EagleAttnDrafter(HeadDrafter):
         kernel or PyTorch's layers."""
         assert self.cache is not None
         if self._kernel is not None:
-            return self._kernel(self.head.entries(f, e), pos, rows, self.cache, kv_len, last)
+            return self._kernel(f, e, pos, rows, self.cache, kv_len, last)
         out = self.head(f, e, pos, self.cache, kv_len, rows)
         g = out[torch.arange(len(out), device=out.device), last]
         return self.scores(g), g

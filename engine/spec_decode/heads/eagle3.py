@@ -19,6 +19,7 @@ so their checkpoints load as they are (heads/eagle3_formats.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -122,6 +123,13 @@ class Eagle3Head(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
             self.norm.weight.copy_(target_norm.detach().float())
             self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=g) / math.sqrt(H))
+
+    def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
+        """The GEMM weights a C++ step copies (engine/kernels/cpu_head.py ``Eagle3HeadKernel``): q, k, v, o, gate,
+        up, down and the LM head's, as ``gemm`` (the kernel's reader) gives them, None for one it cannot read."""
+        a, m = self.midlayer.self_attn, self.midlayer.mlp
+        mods = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj, self.lm_head]
+        return [gemm(x) for x in mods]
 
     def fuse(self, feats: Tensor) -> Tensor:
         """The target's captured hidden states [..., 3H] -> the head's features [..., H]."""
