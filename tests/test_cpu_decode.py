@@ -139,6 +139,32 @@ def test_feature_layers_are_the_layer_inputs_of_the_pytorch_layers(model, featur
     torch.testing.assert_close(h[..., :H], h[..., 2 * H :], rtol=0, atol=0)
 
 
+def test_the_last_layers_output_and_refused_feature_layers(model):
+    """aux = n_layers: the last layer's output before the final norm (normed, the final-norm features); an aux
+    layer past it, or a wide-first-layer call on this model, is refused before the cache is written."""
+    B, S = 1, 64
+    cache = _prefilled(model, B, S)
+    step, L = model.layer_step, model.config.num_hidden_layers
+    toks, pos, idx = torch.tensor([[5, 6]]), torch.tensor([[12, 13]]), torch.tensor([1])
+    cos, sin = model.rope_table(S, torch.float32)
+    e, eb = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
+
+    def call(aux, h):
+        return step.impl.forward(toks, pos, e, idx, 14, L, cache.k, cache.v, cos, sin, h, e, eb, aux, False)
+
+    g, normed = torch.empty(1), torch.empty(1)
+    call(torch.tensor([L]), g)
+    call(e, normed)
+    torch.testing.assert_close(model.norm(g), normed, rtol=1e-5, atol=1e-5)
+    before = cache.k.clone()
+    with pytest.raises(RuntimeError, match="an aux layer is not in 0.."):
+        call(torch.tensor([L + 1]), torch.empty(1))
+    assert torch.equal(cache.k, before)
+    with pytest.raises(RuntimeError, match="first layer reads H columns"):
+        x = torch.zeros(1, 2, 2 * model.config.hidden_size)
+        step.impl.forward_pair(x, x[..., : model.config.hidden_size], pos, e, idx, 14, cache.k, cache.v, cos, sin, g, e)
+
+
 def test_early_exit_layers_and_start_path_match(model):
     c1, c2 = _prefilled(model, 2), _prefilled(model, 2)
     toks = torch.tensor([[5], [7]])

@@ -290,6 +290,7 @@ def test_fp8_plan_covers_the_heads_projections_and_stays_lossless(ckpt_dir, e3_h
 def test_cpu_kernel_equals_the_pytorch_layer(ckpt_dir, tmp_path, norm_before_residual):
     """``Eagle3HeadKernel`` (the decode step's forward_pair) with fp32 weights: the same scores and layer outputs
     as the head's PyTorch forward, for a ragged batch in cache rows 2 and 0, then one more entry each."""
+    from engine.core.model import rope_cos_sin
     from engine.kernels.cpu_gemm import small_gemm_status
     from engine.kernels.cpu_head import Eagle3HeadKernel, head_gemm_weight
 
@@ -317,6 +318,9 @@ def test_cpu_kernel_equals_the_pytorch_layer(ckpt_dir, tmp_path, norm_before_res
         _, out2 = kernel(ref[:, None], e[:, :1], nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long))
         torch.testing.assert_close(out2, ref2, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(caches[1].k[:, [2, 0]], caches[0].k[:, [2, 0]], rtol=1e-4, atol=1e-5)
+        cos, sin = (t[0, 0].contiguous() for t in rope_cos_sin(head.inv_freq, torch.arange(32)[None], torch.float32))
+        with pytest.raises(RuntimeError, match="a wide first layer takes forward_pair"):  # its 2H q/k/v inputs
+            kernel.impl.forward_x(f, pos, rows, last, 8, 1, caches[1].k, caches[1].v, cos, sin, torch.empty(1))
 
 
 def test_the_default_draft_vocabulary_is_the_tokens_the_text_holds():

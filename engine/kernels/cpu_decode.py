@@ -188,6 +188,7 @@ class DecodeStep:
         self._empty = torch.empty(0, dtype=torch.long)
         self._empty_f = torch.empty(0)
         self._empty_b = torch.empty(0, dtype=torch.bool)
+        self._layers: dict[tuple[int, ...], Tensor] = {(): self._empty}
 
     def takes(self, call: ForwardCall) -> bool:
         """Whether this call goes through the kernel: a fp32 cache and no autograd (a draft tree's verify too:
@@ -203,24 +204,13 @@ class DecodeStep:
         """The forward of ``call`` (``Transformer.run``'s result): logits [B,T,V] ([B,V] / [B,J,V] at logits_idx
         [B] / [B,J]) and, with ``call.features``, the final-norm outputs of the scored rows (every row: ALL), or
         with ``feature_layers`` the hidden states entering those layers, concatenated [..., n * H]."""
-        aux = torch.tensor(feature_layers, dtype=torch.long) if feature_layers else self._empty
-        if call.features is Features.ALL:  # the kernel scores the rows whose features it returns: all of them
-            B, T = call.tokens.shape
-            every = torch.arange(T, device=call.tokens.device).expand(B, T)
-            lg, h = self._forward(call, every, True, aux)
-            idx = call.logits_idx
-            b = torch.arange(B)
-            return ForwardOut(lg if idx is None else lg[b, idx] if idx.dim() == 1 else lg[b[:, None], idx], h)
-        want = call.features is Features.SCORED
-        lg, h = self._forward(call, call.logits_idx, want, aux if want else self._empty)
-        return ForwardOut(lg, h if want else None)
-
-    def _forward(self, call: ForwardCall, idx: Tensor | None, hidden: bool, aux: Tensor) -> tuple[Tensor, Tensor]:
+        want = call.features is not Features.NONE
+        aux = self._aux(feature_layers) if want else self._empty
         cache = call.cache
         assert cache is not None and call.kv_len is not None
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)
-        h = torch.empty(1) if hidden else self._empty_f
-        tree = call.tree
+        h = torch.empty(1) if want else self._empty_f
+        tree, idx = call.tree, call.logits_idx
         logits = self.impl.forward(
             call.tokens,
             self._pos(call),
@@ -236,8 +226,16 @@ class DecodeStep:
             self._empty if tree is None else tree.slots,
             self._empty_b if tree is None else tree.mask[:, 0],
             aux,
+            call.features is Features.ALL,
         )
-        return logits, h
+        return ForwardOut(logits, h if want else None)
+
+    def _aux(self, layers: tuple[int, ...]) -> Tensor:
+        """The feature layers as the kernel takes them ([n] int64; empty: the final-norm outputs), made once."""
+        t = self._layers.get(layers)
+        if t is None:
+            t = self._layers[layers] = torch.tensor(layers, dtype=torch.long)
+        return t
 
     @staticmethod
     def _pos(call: ForwardCall) -> Tensor:

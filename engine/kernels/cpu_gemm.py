@@ -55,6 +55,7 @@ SOURCES = [
         "int8_gemm.cpp",
         "amx_gemm.cpp",
         "decode_layers.cpp",
+        "decode_model.cpp",
         "head_step.cpp",
         "bindings.cpp",
     )

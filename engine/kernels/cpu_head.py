@@ -145,19 +145,41 @@ def scorer_on_kernel(scorer: nn.Linear | StoredLinear) -> nn.Module:
     return scorer
 
 
+class Eagle3MidLayer(Protocol):
+    """EAGLE-3's decoder layer as its kernel reads it (engine/spec_decode/heads/eagle3.py ``Eagle3Layer``)."""
+
+    @property
+    def post_attention_layernorm(self) -> RMSNorm:
+        """The norm before its MLP."""
+        ...
+
+    def inputs(self, f: Tensor, e: Tensor) -> tuple[Tensor, Tensor]:
+        """(features f, embeddings e [..., H]) -> (its q/k/v input [..., 2H], the residual [..., H])."""
+        ...
+
+
 class Eagle3Layers(Protocol):
     """An EAGLE-3 head as its kernel reads it (engine/spec_decode/heads/eagle3.py)."""
 
-    mcfg: ModelConfig
-    """The shape of its decoder layer."""
-    midlayer: nn.Module
-    """Its decoder layer (``inputs``: (f, e) -> its q/k/v input and residual; ``post_attention_layernorm``)."""
-    norm: RMSNorm
-    """Its output norm."""
-    lm_head: nn.Linear
-    """Its scores over the draft vocabulary."""
-    inv_freq: Tensor
-    """Its rotary frequencies, fp32."""
+    @property
+    def mcfg(self) -> ModelConfig:
+        """The shape of its decoder layer."""
+        ...
+
+    @property
+    def midlayer(self) -> Eagle3MidLayer:
+        """Its decoder layer."""
+        ...
+
+    @property
+    def norm(self) -> RMSNorm:
+        """Its output norm."""
+        ...
+
+    @property
+    def inv_freq(self) -> Tensor:
+        """Its rotary frequencies, fp32."""
+        ...
 
     def kernel_weights(self, gemm: Callable[[nn.Module], Tensor | None]) -> list[Tensor | None]:
         """q, k, v, o, gate, up, down and the LM head's weights as ``gemm`` reads them (None: unreadable)."""
@@ -187,10 +209,10 @@ class AttnHeadLayers(Protocol):
 
 class AttnHeadKernel:
     """The EAGLE head with attention's decoder layers, output norm and scores in one C++ call: the decode step's
-    kernel (engine/kernels/csrc/decode_layers.cpp ``forward_x``) on the entries x [B, T, H] the drafter projects
-    (``EagleAttnHead.entries``), with the head's own static KV cache. The layers' GEMM weights are copies in
-    ``store`` (``layer_weights``: q/k/v and gate/up fused first, ``fuse_projections``); the LM head's rows stay
-    the target's fp32 weight."""
+    kernel (engine/kernels/csrc/decode_model.cpp ``forward_x``) on the entries (``EagleAttnHead.entries`` of the
+    drafter's features and embeddings, on PyTorch), with the head's own static KV cache. The layers' GEMM weights
+    are copies in ``store`` (``layer_weights``: q/k/v and gate/up fused first, ``fuse_projections``); the LM head's
+    rows stay the target's fp32 weight."""
 
     def __init__(self, head: AttnHeadLayers, lm_weight: Tensor, store: torch.dtype) -> None:
         sw = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)

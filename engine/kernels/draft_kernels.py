@@ -105,6 +105,7 @@ class DraftKernelChooser:
         return AttnHeadKernel(head, scorer.weight, store)
 
     def eagle3_step(self, head: Eagle3Layers) -> Eagle3HeadKernel | None:
+        """EAGLE-3's layer, norm and its own scores as one C++ call, or None (the log says why)."""
         weights = head.kernel_weights(head_gemm_weight)
         store = self._store("eagle3", weights, [])
         if store is None:

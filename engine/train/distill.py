@@ -382,7 +382,9 @@ def train_draft(
         loss, train_s, report["heldout"] = _train_model(opts, fit, target_dir, out)
     else:
         loss, train_s, report["heldout"] = _train_head(opts, fit, vocab_ids, out)
-    report.update(kind=opts.kind, steps=steps, train_s=round(train_s, 1), final_loss=round(loss, 4))
+    draft_vocab = None if vocab_ids is None else len(vocab_ids)
+    report.update(kind=opts.kind, steps=steps, draft_vocab=draft_vocab, train_s=round(train_s, 1))
+    report.update(final_loss=round(loss, 4))
     write_text_atomic(out / "train_report.json", json.dumps(report, indent=2) + "\n")
     for p in (data_path, state):
         p.unlink(missing_ok=True)

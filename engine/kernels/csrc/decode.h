@@ -26,11 +26,12 @@ class DecodeModel {
   // aux: empty, or [n] int64 feature layers (EAGLE-3): `hidden` then receives, for the scored rows, the hidden
   // states entering those layers (n_layers: the last layer's output), concatenated in aux's order (n * H in place
   // of V), not the final-norm outputs
+  // every: `hidden` receives every row's [B, T, H or n * H] (the logits still only the scored rows')
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
                         const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                         torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask,
-                        const torch::Tensor& aux) const;
+                        const torch::Tensor& aux, bool every) const;
   // the same from the first layer's inputs x [B, T, H] float32 instead of token ids (a draft head's entries)
   torch::Tensor forward_x(const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& rows,
                           const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
@@ -54,11 +55,12 @@ class DecodeModel {
                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                     torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                     torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask,
-                    const torch::Tensor& aux, const float* qkv_in = nullptr) const;
+                    const torch::Tensor& aux, bool every, const float* qkv_in = nullptr) const;
   std::vector<torch::Tensor> weights_, scales_, smooths_;
   std::vector<int64_t> groups_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;
   bool amx_;
-  int64_t n_layers_, hidden_, head_dim_, inter_, vocab_, in0_;  // in0_: the first layer's q/k/v input width  // derived from the weights (checked once, in the constructor)
+  // derived from the weights (checked once, in the constructor); in0_: the first layer's q/k/v input width
+  int64_t n_layers_, hidden_, head_dim_, inter_, vocab_, in0_;
 };

@@ -203,151 +203,73 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     if (aux[a] == L) std::copy_n(xp, d.M * d.H, cap + a * d.M * d.H);
 }
 
-// a GEMM weight: float32/float16/bfloat16, or int8 with its scales (per row: group 0, per group, W8A8: -1)
-void check_matrix(const torch::Tensor& w, const torch::Tensor& s, const torch::Tensor& smooth, int64_t group,
-                  int64_t rows, int64_t cols, const char* what) {
-  TORCH_CHECK(smooth.numel() == 0 || (group < 0 && smooth.numel() == cols && smooth.scalar_type() == at::kFloat &&
-                                      smooth.is_contiguous()), "DecodeModel: ", what, " smooth [", cols,
-              "] float32 with W8A8 only");
-  if (w.scalar_type() == at::kChar) return check_int8_weight(w, s, std::max<int64_t>(group, 0), rows, cols, what);
-  TORCH_CHECK(s.numel() == 0, "DecodeModel: ", what, " has scales but is not int8");
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.is_contiguous() && w.device().is_cpu() &&
-              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16),
-              "DecodeModel: ", what, " must be a contiguous float32/float16/bfloat16 (or int8) CPU matrix [", rows, ", ",
-              cols, "]");
+}  // namespace
+
+namespace {
+
+// the rows idx scores (empty: every row of [B, T]) and the logits' shape: [B, T, V], [B, V] or [B, J, V]
+std::vector<int64_t> scored_rows(const torch::Tensor& idx, int64_t B, int64_t T, int64_t V,
+                                 std::vector<int64_t>& shape) {
+  std::vector<int64_t> sel;
+  if (idx.numel() == 0) {
+    for (int64_t m = 0; m < B * T; ++m) sel.push_back(m);
+    shape = {B, T, V};
+    return sel;
+  }
+  TORCH_CHECK(idx.size(0) == B && idx.dim() <= 2 && idx.scalar_type() == at::kLong, "decode_forward: idx [B] or [B, J]");
+  const torch::Tensor ic = idx.contiguous();
+  const int64_t J = idx.dim() == 2 ? idx.size(1) : 1;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t t = ic.data_ptr<int64_t>()[b * J + j];
+      TORCH_CHECK(t >= 0 && t < T, "decode_forward: idx out of range");
+      sel.push_back(b * T + t);
+    }
+  shape = idx.dim() == 2 ? std::vector<int64_t>{B, J, V} : std::vector<int64_t>{B, V};
+  return sel;
 }
 
-void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.numel() == n, "DecodeModel: ", what, " must have ", n, " elements");
-  f32(t, what);
+// the feature layers asked for (aux: empty or [n] int64, each in 0..n_layers), checked
+std::vector<int64_t> feature_layers(const torch::Tensor& aux, int64_t n_layers, const torch::Tensor& hidden) {
+  std::vector<int64_t> feat;
+  if (!aux.defined() || aux.numel() == 0) return feat;
+  TORCH_CHECK(aux.dim() == 1 && aux.scalar_type() == at::kLong, "decode_forward: aux layers [n] int64");
+  const torch::Tensor ac = aux.contiguous();
+  feat.assign(ac.data_ptr<int64_t>(), ac.data_ptr<int64_t>() + ac.numel());
+  for (int64_t l : feat) TORCH_CHECK(l >= 0 && l <= n_layers, "decode_forward: an aux layer is not in 0..", n_layers);
+  TORCH_CHECK(hidden.numel() > 0, "decode_forward: aux layers need a hidden tensor to write to");
+  return feat;
+}
+
+// hidden [rows, W]: the rows' final-norm outputs (W = H) or the n captured states cap [n, M, H] (W = n H), of
+// every row ([B, T, W]) or of the scored rows sel (the logits' shape, W for V)
+void write_hidden(torch::Tensor& hidden, const float* x, const float* norm, float eps, const std::vector<float>& cap,
+                  int64_t n, int64_t B, int64_t T, int64_t H, const std::vector<int64_t>& sel,
+                  std::vector<int64_t> shape, bool every) {
+  const int64_t M = B * T;
+  std::vector<int64_t> out(sel);
+  if (every) {
+    out.resize(M);
+    for (int64_t m = 0; m < M; ++m) out[m] = m;
+    shape = {B, T, 0};
+  }
+  shape.back() = n ? n * H : H;
+  hidden.resize_(shape);
+  float* hp = hidden.data_ptr<float>();
+  for (size_t r = 0; r < out.size(); ++r) {
+    if (n == 0) rms_norm(x + out[r] * H, norm, hp + r * H, 1, H, eps);
+    for (int64_t a = 0; a < n; ++a) std::copy_n(cap.data() + (a * M + out[r]) * H, H, hp + (r * n + a) * H);
+  }
 }
 
 }  // namespace
-
-DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
-                         std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads,
-                         int64_t n_kv, int64_t window, double eps, bool amx)
-    : weights_(std::move(weights)), scales_(std::move(scales)), smooths_(std::move(smooths)),
-      groups_(std::move(groups)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps), amx_(amx) {
-  TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
-  TORCH_CHECK(scales_.size() == weights_.size() && smooths_.size() == weights_.size() &&
-              groups_.size() == weights_.size(),
-              "DecodeModel: a scale tensor and a group size per weight (empty and 0 where not int8)");
-  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0, "DecodeModel: heads a positive multiple of kv heads");
-  n_layers_ = static_cast<int64_t>(weights_.size() - 3) / 9;
-  const torch::Tensor &embed = weights_[9 * n_layers_], &head = weights_[9 * n_layers_ + 2];
-  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.device().is_cpu() &&
-              (embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kHalf ||
-               embed.scalar_type() == at::kBFloat16),
-              "DecodeModel: embed must be a contiguous float32/float16/bfloat16 CPU matrix [V, H]");
-  hidden_ = embed.size(1);
-  check_vector(weights_[9 * n_layers_ + 1], hidden_, "final norm");
-  TORCH_CHECK(head.dim() == 2, "DecodeModel: head [V, H]");
-  const size_t hi = static_cast<size_t>(9 * n_layers_ + 2);
-  check_matrix(head, scales_[hi], smooths_[hi], groups_[hi], head.size(0), hidden_, "head");
-  const torch::Tensor& qkv0 = weights_[1];
-  TORCH_CHECK(qkv0.dim() == 2 && qkv0.size(0) % (n_heads + 2 * n_kv) == 0, "DecodeModel: qkv weight rows");
-  head_dim_ = qkv0.size(0) / (n_heads + 2 * n_kv);
-  TORCH_CHECK(head_dim_ % 2 == 0, "DecodeModel: head_dim must be even");
-  inter_ = weights_[7].dim() == 2 ? weights_[7].size(1) : 0;
-  const int64_t width = (n_heads + 2 * n_kv) * head_dim_;
-  in0_ = qkv0.size(1);
-  TORCH_CHECK(in0_ == hidden_ || in0_ == 2 * hidden_, "DecodeModel: the first q/k/v weight reads H or 2H columns");
-  for (int64_t l = 0; l < n_layers_; ++l) {  // every weight checked once here, not on each call
-    const torch::Tensor* w = weights_.data() + 9 * l;
-    const torch::Tensor *s = scales_.data() + 9 * l, *sm = smooths_.data() + 9 * l;
-    const int64_t* g = groups_.data() + 9 * l;
-    check_vector(w[0], hidden_, "input norm");
-    check_matrix(w[1], s[1], sm[1], g[1], width, l == 0 ? in0_ : hidden_, "qkv weight");
-    if (w[2].numel()) check_vector(w[2], width, "qkv bias");
-    check_matrix(w[3], s[3], sm[3], g[3], hidden_, n_heads * head_dim_, "o_proj weight");
-    if (w[4].numel()) check_vector(w[4], hidden_, "o_proj bias");
-    check_vector(w[5], hidden_, "post norm");
-    check_matrix(w[6], s[6], sm[6], g[6], 2 * inter_, hidden_, "gate_up weight");
-    check_matrix(w[7], s[7], sm[7], g[7], hidden_, inter_, "down weight");
-    if (w[8].numel()) check_vector(w[8], hidden_, "down bias");
-  }
-  vocab_ = head.size(0);
-  if (amx_) {  // every 16-bit GEMM weight (bf16) replaced by its tiles (int8 ones stay on the int8 kernel)
-    TORCH_CHECK(amx_status().empty(), "DecodeModel: amx=True, but ", amx_status());
-    std::vector<size_t> mats;
-    for (int64_t l = 0; l < n_layers_; ++l)
-      for (int64_t j : {1, 3, 6, 7}) mats.push_back(static_cast<size_t>(9 * l + j));
-    mats.push_back(static_cast<size_t>(9 * n_layers_ + 2));
-    for (size_t i : mats) {
-      if (weights_[i].scalar_type() == at::kChar) continue;
-      TORCH_CHECK(weights_[i].scalar_type() == at::kBFloat16, "DecodeModel: amx=True needs bfloat16 GEMM weights");
-      weights_[i] = amx_pack(weights_[i]);
-    }
-  }
-}
-
-// tokens [B, T] at positions pos [B, T] in cache rows rows [B] (empty: 0..B-1) -> logits of the rows chosen
-// by idx: empty -> [B, T, V]; [B] -> [B, V]; [B, J] -> [B, J, V]; the first n_layers layers. A non-empty
-// float32 `hidden` is resized to that shape with H for V and receives the scored rows' final-norm outputs
-torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
-                                   const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
-                                   torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                                   const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
-                                   const torch::Tensor& mask, const torch::Tensor& aux) const {
-  TORCH_CHECK(in0_ == hidden_, "decode_forward: a wide first layer takes forward_pair");
-  TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && tokens.scalar_type() == at::kLong &&
-              pos.scalar_type() == at::kLong, "decode_forward: tokens and pos [B, T] int64");
-  const torch::Tensor& embed = weights_[9 * n_layers_];
-  const int64_t B = tokens.size(0), T = tokens.size(1), M = B * T, H = hidden_;
-  const torch::Tensor tok = tokens.contiguous();
-  const int64_t* tp = tok.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)
-    TORCH_CHECK(tp[m] >= 0 && tp[m] < embed.size(0), "decode_forward: a token id is out of range");
-  std::vector<float> x(M * H);
-  table_rows(embed, tp, M, x.data());  // a 16-bit table (a draft's, a CPU plan's): rows widened exactly
-  return run(x, B, T, pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden, slots, mask, aux);
-}
-
-// the same forward from the first layer's inputs x [B, T, H] float32 (no embedding lookup)
-torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Tensor& pos, const torch::Tensor& rows,
-                                     const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
-                                     torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, torch::Tensor hidden) const {
-  TORCH_CHECK(in0_ == hidden_, "decode_forward_x: a wide first layer takes forward_pair");
-  TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == hidden_ && x_in.scalar_type() == at::kFloat &&
-              x_in.device().is_cpu(), "decode_forward_x: x [B, T, ", hidden_, "] float32 on the CPU");
-  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == x_in.size(0) && pos.size(1) == x_in.size(1) &&
-              pos.scalar_type() == at::kLong, "decode_forward_x: pos [B, T] int64");
-  const torch::Tensor xc = x_in.contiguous();
-  std::vector<float> x(xc.data_ptr<float>(), xc.data_ptr<float>() + xc.numel());
-  const torch::Tensor none;
-  return run(x, x_in.size(0), x_in.size(1), pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden,
-             none, none, none);
-}
-
-// a wide first layer's forward: its q/k/v read qkv_in [B, T, 2H] (normed by the caller), residual [B, T, H] the
-// stream they add to
-torch::Tensor DecodeModel::forward_pair(const torch::Tensor& qkv_in, const torch::Tensor& residual,
-                                        const torch::Tensor& pos, const torch::Tensor& rows, const torch::Tensor& idx,
-                                        int64_t kv_len, torch::Tensor k_cache, torch::Tensor v_cache,
-                                        const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor hidden,
-                                        const torch::Tensor& aux) const {
-  TORCH_CHECK(in0_ == 2 * hidden_, "decode_forward_pair: the model's first layer reads H columns: use forward_x");
-  TORCH_CHECK(residual.dim() == 3 && residual.size(2) == hidden_ && residual.scalar_type() == at::kFloat &&
-                  residual.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == residual.size(0) &&
-                  qkv_in.size(1) == residual.size(1) && qkv_in.size(2) == in0_ &&
-                  qkv_in.scalar_type() == at::kFloat && qkv_in.device().is_cpu(),
-              "decode_forward_pair: residual [B, T, ", hidden_, "] and qkv_in [B, T, ", in0_, "] float32 on the CPU");
-  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == residual.size(0) && pos.size(1) == residual.size(1) &&
-              pos.scalar_type() == at::kLong, "decode_forward_pair: pos [B, T] int64");
-  const torch::Tensor rc = residual.contiguous(), qc = qkv_in.contiguous();
-  std::vector<float> x(rc.data_ptr<float>(), rc.data_ptr<float>() + rc.numel());
-  const torch::Tensor none;
-  return run(x, residual.size(0), residual.size(1), pos, rows, idx, kv_len, n_layers_, k_cache, v_cache, cos, sin,
-             hidden, none, none, aux, qc.data_ptr<float>());
-}
 
 torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, const torch::Tensor& pos,
                                const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
                                const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
-                               const torch::Tensor& mask, const torch::Tensor& aux, const float* qkv_in) const {
+                               const torch::Tensor& mask, const torch::Tensor& aux, bool every,
+                               const float* qkv_in) const {
   TORCH_CHECK(n_layers >= 1 && n_layers <= n_layers_, "decode_forward: n_layers in 1..", n_layers_);
   const torch::Tensor &embed = weights_[9 * n_layers_], &norm = weights_[9 * n_layers_ + 1];
   const torch::Tensor& head = weights_[9 * n_layers_ + 2];
@@ -359,6 +281,7 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && cos.size(0) == sin.size(0) && kv_len >= 0 &&
               kv_len <= d.S, "decode_forward: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
   TORCH_CHECK(rows.numel() == 0 || (rows.numel() == B && rows.scalar_type() == at::kLong), "decode_forward: rows [B]");
+  TORCH_CHECK(hidden.numel() == 0 || hidden.scalar_type() == at::kFloat, "decode_forward: hidden float32");
   const torch::Tensor posc = pos.contiguous();
   const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
   const int64_t* pp = posc.data_ptr<int64_t>();
@@ -376,37 +299,14 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
                     slp[m] >= 0 && slp[m] < d.S,
                 "decode_forward: a position, slot or cache row is out of range");
   }
-  std::vector<int64_t> feat;  // feature layers: the hidden states entering them go to `hidden`
-  if (aux.defined() && aux.numel() > 0) {
-    TORCH_CHECK(aux.dim() == 1 && aux.scalar_type() == at::kLong, "decode_forward: aux layers [n] int64");
-    const torch::Tensor ac = aux.contiguous();
-    feat.assign(ac.data_ptr<int64_t>(), ac.data_ptr<int64_t>() + ac.numel());
-    for (int64_t l : feat) TORCH_CHECK(l >= 0 && l <= n_layers, "decode_forward: an aux layer is not in 0..", n_layers);
-    TORCH_CHECK(hidden.numel() > 0, "decode_forward: aux layers need a hidden tensor to write to");
-  }
+  std::vector<int64_t> shape;
+  const std::vector<int64_t> sel = scored_rows(idx, B, T, V, shape), feat = feature_layers(aux, n_layers, hidden);
   std::vector<float> cap(feat.size() * M * H);
   layers(x.data(), pp, slp, tree ? mc.data_ptr<bool>() : nullptr, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
          n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
          static_cast<float>(eps_), feat, cap.data(), qkv_in, in0_);
-  // the rows to score, final norm and head
-  std::vector<int64_t> sel;
-  std::vector<int64_t> shape;
-  if (idx.numel() == 0) {
-    for (int64_t m = 0; m < M; ++m) sel.push_back(m);
-    shape = {B, T, V};
-  } else {
-    TORCH_CHECK(idx.size(0) == B && idx.dim() <= 2 && idx.scalar_type() == at::kLong, "decode_forward: idx [B] or [B, J]");
-    const torch::Tensor ic = idx.contiguous();
-    const int64_t J = idx.dim() == 2 ? idx.size(1) : 1;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t j = 0; j < J; ++j) {
-        const int64_t t = ic.data_ptr<int64_t>()[b * J + j];
-        TORCH_CHECK(t >= 0 && t < T, "decode_forward: idx out of range");
-        sel.push_back(b * T + t);
-      }
-    shape = idx.dim() == 2 ? std::vector<int64_t>{B, J, V} : std::vector<int64_t>{B, V};
-  }
+  // the scored rows: final norm and head
   const int64_t R = static_cast<int64_t>(sel.size());
   std::vector<float> normed(R * H);
   for (int64_t r = 0; r < R; ++r)
@@ -414,48 +314,8 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   torch::Tensor logits = torch::empty(shape, embed.options().dtype(at::kFloat));
   const size_t hi = static_cast<size_t>(9 * n_layers_ + 2);
   gemm(amx_, normed.data(), Mat{head, scales_[hi], smooths_[hi], groups_[hi]}, logits.data_ptr<float>(), R, H, V);
-  if (hidden.numel() > 0) {
-    TORCH_CHECK(hidden.scalar_type() == at::kFloat, "decode_forward: hidden float32");
-    std::vector<int64_t> hshape(shape);
-    const int64_t n = static_cast<int64_t>(feat.size());
-    hshape.back() = n ? n * H : H;
-    hidden.resize_(hshape);
-    float* hp = hidden.data_ptr<float>();
-    if (n == 0) std::copy_n(normed.data(), R * H, hp);
-    for (int64_t r = 0; r < R; ++r)  // [R, n * H]: the feature layers' inputs of each scored row, in aux order
-      for (int64_t a = 0; a < n; ++a) std::copy_n(cap.data() + (a * M + sel[r]) * H, H, hp + (r * n + a) * H);
-  }
+  if (hidden.numel() > 0)
+    write_hidden(hidden, x.data(), norm.data_ptr<float>(), static_cast<float>(eps_), cap,
+                 static_cast<int64_t>(feat.size()), B, T, H, sel, shape, every);
   return logits;
-}
-
-// greedy drafting: the forward above scored at `last` [B], then steps - 1 more one-token forwards on its own
-// argmax (the first maximum, NaN counted as the maximum, like torch.argmax) over the first vocab logits
-torch::Tensor DecodeModel::greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,
-                                  const torch::Tensor& last, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
-                                  torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
-                                  int64_t steps, int64_t vocab) const {
-  TORCH_CHECK(steps >= 1 && vocab >= 1 && vocab <= vocab_, "greedy: steps >= 1 and 1 <= vocab <= ", vocab_);
-  TORCH_CHECK(last.dim() == 1, "greedy: last [B]");
-  const torch::Tensor none = torch::empty({0}, tokens.options().dtype(at::kFloat));
-  torch::Tensor logits =
-      forward(tokens, pos, rows, last, kv_len, n_layers, k_cache, v_cache, cos, sin, none, none, none, none);
-  const int64_t B = tokens.size(0), T = tokens.size(1);
-  const torch::Tensor pc = pos.contiguous(), lc = last.contiguous();
-  auto opts = tokens.options().dtype(at::kLong);
-  torch::Tensor out = torch::empty({B, steps}, opts), tok = torch::empty({B, 1}, opts);
-  torch::Tensor next = torch::empty({B, 1}, opts), zero = torch::zeros({B}, opts);
-  int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < steps; ++i) {
-    const float* lp = logits.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t best = row_ops::argmax(lp + b * vocab_, vocab);
-      op[b * steps + i] = best;
-      tok.data_ptr<int64_t>()[b] = best;
-      next.data_ptr<int64_t>()[b] = pc.data_ptr<int64_t>()[b * T + lc.data_ptr<int64_t>()[b]] + 1 + i;
-    }
-    if (i + 1 < steps)
-      logits = forward(tok, next, rows, zero, kv_len + i + 1, n_layers, k_cache, v_cache, cos, sin, none, none, none,
-                       none);
-  }
-  return out;
 }

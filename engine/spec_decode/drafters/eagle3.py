@@ -20,7 +20,7 @@ from torch import Tensor
 
 from engine.core.errors import InvalidConfigError
 from engine.spec_decode.drafter import Committed, DrafterContext
-from engine.spec_decode.drafters.eagle_attn import EagleAttnDrafter
+from engine.spec_decode.drafters.eagle_attn import EagleAttnDrafter, tree_width
 from engine.spec_decode.heads.eagle3 import Eagle3Head
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Eagle3Drafter(EagleAttnDrafter):
         kernel = ctx.kernels.eagle3_step(ctx.head.module)
         lm_head = ctx.head.module.lm_head
         d = cls(ctx.head, ctx.target_module, lm_head if kernel is not None else ctx.kernels.scorer(lm_head), kernel)
-        d.branches = ctx.options.get("tree_branches", 1)
+        d.branches = tree_width(ctx, lm_head.weight.shape[0])
         return d
 
     def embed(self, tokens: Tensor) -> Tensor:

@@ -40,6 +40,16 @@ class _Entries:
     pending: list[Tensor] = field(default_factory=list)  # [m, H] chunks of positions hlen.. (not yet read)
 
 
+def tree_width(ctx: DrafterContext, vocab: int) -> int:
+    """``tree_branches`` for a head of ``vocab`` draft tokens: a greedy depth's siblings are distinct tokens."""
+    w: int = ctx.options.get("tree_branches", 1)
+    if w > vocab:
+        raise InvalidConfigError(
+            f"speculation.tree_branches={w} is invalid with this head: allowed at most its draft vocabulary, {vocab}"
+        )
+    return w
+
+
 def _pending(st: _Entries) -> int:
     """Entries waiting to be written into the head's cache."""
     return sum(len(p) for p in st.pending)
@@ -61,7 +71,7 @@ class EagleAttnDrafter(HeadDrafter):
         fuse_projections(head.module)  # q/k/v and gate/up as one GEMM each, as the target's (the kernel's layout)
         kernel = ctx.kernels.attn_head_step(head.module, plain)
         d = cls(head, ctx.target_module, plain if kernel is not None else ctx.kernels.scorer(plain), kernel)
-        d.branches = ctx.options.get("tree_branches", 1)
+        d.branches = tree_width(ctx, plain.weight.shape[0])
         return d
 
     def __init__(
@@ -127,7 +137,7 @@ class EagleAttnDrafter(HeadDrafter):
             return sampled_trees(batch, w, lambda b: self._chain(b)[0])
         if batch.processing.mode == "greedy" and batch.tree and w > 1:
             steps = greedy_spine_steps(batch, w)
-            chain, tops, have = self._chain(replace(batch, k=steps, ks=[steps] * len(batch.seqs)), w)
+            _, tops, have = self._chain(replace(batch, k=steps, ks=[steps] * len(batch.seqs)), w)
             assert tops is not None
             return greedy_spine_tree(tops, batch, w, have)
         return self._chain(batch)[0]
