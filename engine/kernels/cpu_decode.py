@@ -1,4 +1,4 @@
-"""A fp32 model's few-row forward as one C++ call (engine/kernels/csrc/decode_layers.cpp).
+"""A fp32 model's few-row forward as one C++ call (engine/kernels/csrc/decode_model.cpp, decode_layers.cpp).
 
 Why: a small model's step on a CPU is mostly PyTorch dispatch, not arithmetic (the demo draft's step
 is ~50 PyTorch ops around a few small GEMMs; docs/performance.md has the timings). ``DecodeStep``

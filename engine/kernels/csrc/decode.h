@@ -1,5 +1,6 @@
-// A model's weights for the few-row forward (decode_layers.cpp), held once: a call passes only the step's
-// tensors (tokens, positions, cache), not the ~40 weight tensors again.
+// A model's weights for the few-row forward (decode_model.cpp: construction and entry points; decode_layers.cpp:
+// the layers), held once: a call passes only the step's tensors (tokens, positions, cache), not the ~40 weight
+// tensors again.
 #pragma once
 #include <torch/extension.h>
 
