@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_eagle3_formats import llama_layer_config, write_layout
 from test_heads import _token_acceptance, spec
 from test_sampling_controls import ALPHA, _exact_joint3, pooled_pvalue
-from util import PROMPTS, TEXT, assert_greedy_grid
+from util import PROMPTS, TEXT, assert_greedy_grid, assert_head_kernel_matches, joint3_counts
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, Limits
@@ -205,12 +204,7 @@ def test_sampled_drafts_keep_the_targets_three_token_joint(pair8, tmp_path):
     head = native_head(target, tmp_path / "h", (0, 1, 1), 6, seed=2, scale=2.0)
     eng = Engine.from_pretrained(target, head, speculation=spec("eagle3", 2), limits=Limits(max_batch=1000))
     prompt, sp = [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=1.0, top_p=0.9)
-    exact = _exact_joint3(eng, prompt, sp)
-    V, counts = eng.vocab, np.zeros(eng.vocab**3)
-    for _ in range(3):
-        for o in eng.generate([prompt] * 4000, sp):
-            t = o.token_ids
-            counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    exact, counts = _exact_joint3(eng, prompt, sp), joint3_counts(eng, prompt, sp, 3)
     assert counts[exact == 0].sum() == 0
     assert 0.05 < eng.stats()["acceptance_rate"] < 0.95
     assert pooled_pvalue(counts, exact) > ALPHA
@@ -226,12 +220,7 @@ def test_sampled_spine_trees_keep_the_targets_three_token_joint(pair8, tmp_path)
     sc = SpeculationConfig(drafter="eagle3", tree_branches=3, k=6, k_policy="constant")
     eng = Engine.from_pretrained(target, head, speculation=sc, limits=Limits(max_batch=1000))
     prompt, sp = [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=1.2, top_k=6)
-    exact = _exact_joint3(eng, prompt, sp)
-    V, counts = eng.vocab, np.zeros(eng.vocab**3)
-    for _ in range(3):
-        for o in eng.generate([prompt] * 4000, sp):
-            t = o.token_ids
-            counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    exact, counts = _exact_joint3(eng, prompt, sp), joint3_counts(eng, prompt, sp, 3)
     assert counts[exact == 0].sum() == 0
     assert eng.stats()["tree_rounds"] > 0
     assert pooled_pvalue(counts, exact) > ALPHA
@@ -302,25 +291,24 @@ def test_cpu_kernel_equals_the_pytorch_layer(ckpt_dir, tmp_path, norm_before_res
     (path / "head_config.json").write_text(json.dumps({**cfg, "norm_before_residual": norm_before_residual}))
     head = load_head(path, eng.target, eng.tokenizer.vocab(), "eagle3")[0].float()
     kernel = Eagle3HeadKernel(head, head.kernel_weights(head_gemm_weight), torch.float32)
-    g = torch.Generator().manual_seed(0)
-    H = head.mcfg.hidden_size
-    f, e = torch.randn(2, 6, H, generator=g), torch.randn(2, 6, H, generator=g)
-    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 31, 31, 31]])  # row 1 padded to the scratch slot
-    rows, last = torch.tensor([2, 0]), torch.tensor([5, 2])
-    caches = [head.new_cache(3, 32, torch.device("cpu")) for _ in range(2)]
-    with torch.no_grad():
-        ref = head(f, e, pos, caches[0], 8, rows)[torch.arange(2), last]
-        logits, out = kernel(f, e, pos, rows, caches[1], 8, last)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(logits, head.logits(ref), rtol=1e-4, atol=1e-4)
-        nxt = torch.tensor([[6], [3]])
-        ref2 = head(ref[:, None], e[:, :1], nxt, caches[0], 8, rows)[:, 0]
-        _, out2 = kernel(ref[:, None], e[:, :1], nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long))
-        torch.testing.assert_close(out2, ref2, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(caches[1].k[:, [2, 0]], caches[0].k[:, [2, 0]], rtol=1e-4, atol=1e-5)
-        cos, sin = (t[0, 0].contiguous() for t in rope_cos_sin(head.inv_freq, torch.arange(32)[None], torch.float32))
-        with pytest.raises(RuntimeError, match="a wide first layer takes forward_pair"):  # its 2H q/k/v inputs
-            kernel.impl.forward_x(f, pos, rows, last, 8, 1, caches[1].k, caches[1].v, cos, sin, torch.empty(1))
+    assert_head_kernel_matches(head, kernel, head.logits)
+    H, e = head.mcfg.hidden_size, torch.empty(0, dtype=torch.long)
+    cache = head.new_cache(1, 32, torch.device("cpu"))
+    cos, sin = (t[0, 0].contiguous() for t in rope_cos_sin(head.inv_freq, torch.arange(32)[None], torch.float32))
+    with pytest.raises(RuntimeError, match="a wide first layer takes forward_pair"):  # its q/k/v read 2H inputs
+        kernel.impl.forward_x(
+            torch.zeros(1, 1, H),
+            torch.zeros(1, 1, dtype=torch.long),
+            e,
+            e,
+            1,
+            1,
+            cache.k,
+            cache.v,
+            cos,
+            sin,
+            torch.empty(1),
+        )
 
 
 def test_the_default_draft_vocabulary_is_the_tokens_the_text_holds():

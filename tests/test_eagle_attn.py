@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from test_heads import _token_acceptance, random_head, spec
-from util import PROMPTS, TEXT, assert_greedy_grid
+from util import PROMPTS, TEXT, assert_greedy_grid, assert_head_kernel_matches
 
 from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, PrecisionConfig
@@ -198,20 +198,7 @@ def test_cpu_kernel_equals_the_pytorch_layers(ckpt_dir, tmp_path):
     lm = draft_lm_head(eng.target, None).weight
     fuse_projections(head)  # as the engine does before building the kernel
     kernel = AttnHeadKernel(head, lm, torch.float32)
-    g = torch.Generator().manual_seed(0)
-    f, e = torch.randn(2, 6, 64, generator=g), torch.randn(2, 6, 64, generator=g)
-    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 31, 31, 31]])  # row 1 padded to the scratch slot
-    rows, last = torch.tensor([2, 0]), torch.tensor([5, 2])
-    caches = [head.new_cache(3, 32, torch.device("cpu")) for _ in range(2)]
-    with torch.no_grad():
-        ref = head(f, e, pos, caches[0], 8, rows)[torch.arange(2), last]
-        logits, feats = kernel(f, e, pos, rows, caches[1], 8, last)
-        torch.testing.assert_close(feats, ref, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(logits, ref @ lm.T, rtol=1e-4, atol=1e-4)
-        nxt = torch.tensor([[6], [3]])
-        ref2 = head(ref[:, None], e[:, :1], nxt, caches[0], 8, rows)[:, 0]
-        _, feats2 = kernel(ref[:, None], e[:, :1], nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long))
-        torch.testing.assert_close(feats2, ref2, rtol=1e-4, atol=1e-4)
+    assert_head_kernel_matches(head, kernel, lambda h: h @ lm.T)
 
 
 def test_attention_config_of_another_shape_refused(ckpt_dir, attn_head, tmp_path):

@@ -420,6 +420,30 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path):
     assert n == 10 and torch.equal(resumed, ref)
 
 
+def test_a_saved_state_of_other_options_is_refused(tmp_path):
+    """A state saved by a run of another shape (another draft vocabulary: another LM head) is refused, naming the
+    tensor and both shapes, before any training step."""
+    from engine.core.errors import InvalidConfigError
+    from engine.train.distill import train_loop
+
+    opts = TrainOptions(kind="medusa", steps=4, save_every=2, warmup=1)
+    state = tmp_path / "s.pt"
+    m, calls = torch.nn.Linear(4, 6, bias=False), []
+
+    def stops_at_step_3(g):
+        calls.append(1)
+        if len(calls) == 3:  # after the state of step 2 was saved
+            raise KeyboardInterrupt
+        return m(torch.randn(2, 4, generator=g)).pow(2).mean()
+
+    with pytest.raises(KeyboardInterrupt):
+        train_loop(m, stops_at_step_3, opts, 4, state, progress=False)
+    assert state.is_file()
+    other = torch.nn.Linear(4, 5, bias=False)
+    with pytest.raises(InvalidConfigError, match=r"weight: saved \(6, 4\), this run \(5, 4\)"):
+        train_loop(other, lambda g: other(torch.randn(2, 4, generator=g)).sum(), opts, 4, state, progress=False)
+
+
 def test_bench_modes_of_trained_heads(tiny_heads, tmp_path, capsys):
     """tools/bench.py --medusa/--eagle: a mode per head (with its measured draft cost) and, with --sweep-k,
     each head at fixed K; every mode's greedy output equals plain decoding."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from test_sampling_controls import ALPHA, _exact_joint3, pooled_pvalue
-from util import PROMPTS, assert_greedy_grid
+from util import PROMPTS, assert_greedy_grid, joint3_counts
 
 from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
@@ -173,16 +172,6 @@ class FixedTree:
         return None
 
 
-def _joint3_counts(eng, prompt: list[int], sp: SamplingParams, passes: int) -> np.ndarray:
-    """Counts of the first 3 output tokens over ``passes`` x 4000 requests of ``prompt``."""
-    V, counts = eng.vocab, np.zeros(eng.vocab**3)
-    for _ in range(passes):
-        for o in eng.generate([prompt] * 4000, sp):
-            t = o.token_ids
-            counts[(t[0] * V + t[1]) * V + t[2]] += 1
-    return counts
-
-
 CASES = {
     "t1.0": {"temperature": 1.0},
     "t1.5-k5-p0.9": {"temperature": 1.5, "top_k": 5, "top_p": 0.9},
@@ -202,7 +191,7 @@ def test_tree_sampling_keeps_the_target_joint(pair8, case, iid):
     eng = Engine.from_pretrained(pair8[0], speculation=spec, limits=Limits(max_batch=1000))
     prompt = [1, 2, 3]
     sp = SamplingParams(max_new_tokens=8, **CASES[case])  # the first round verifies the whole tree
-    exact, counts = _exact_joint3(eng, prompt, sp), _joint3_counts(eng, prompt, sp, 6)
+    exact, counts = _exact_joint3(eng, prompt, sp), joint3_counts(eng, prompt, sp, 6)
     assert counts[exact == 0].sum() == 0, "a sequence of zero probability was produced"
     acc = eng.scheduler.snapshot()["totals"].pos_accepted
     assert len(acc) >= 3 and acc[2] > 0  # paths of depth 3 were accepted
@@ -228,7 +217,7 @@ def test_sampled_spine_trees_keep_the_target_joint(pair8, tmp_path, drafter, cas
     eng = Engine.from_pretrained(target, draft, speculation=spec, limits=Limits(max_batch=1000))
     prompt = [1, 2, 3]
     sp = SamplingParams(max_new_tokens=8, **CASES[case])  # a round's tree reaches depth 2 within the 3 tokens
-    exact, counts = _exact_joint3(eng, prompt, sp), _joint3_counts(eng, prompt, sp, 5)
+    exact, counts = _exact_joint3(eng, prompt, sp), joint3_counts(eng, prompt, sp, 5)
     assert counts[exact == 0].sum() == 0, "a sequence of zero probability was produced"
     st = eng.stats()
     assert 0.05 < st["acceptance_rate"] < 0.95

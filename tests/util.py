@@ -208,3 +208,37 @@ class CountedForward:
 
     def greedy_draft(self, call: Any, last: torch.Tensor, steps: int, vocab: int) -> torch.Tensor | None:
         return self.inner.greedy_draft(call, last, steps, vocab)
+
+
+def assert_head_kernel_matches(head: Any, kernel: Any, scores: Any) -> None:
+    """A head's C++ step (``kernel(f, e, pos, rows, cache, kv_len, last)``) against its PyTorch forward
+    (``head(f, e, pos, cache, kv_len, rows)``): a ragged batch in cache rows 2 and 0, row 1 padded to the scratch
+    slot, then one more entry each; ``scores(features)``: the reference logits. Outputs and caches agree."""
+    g = torch.Generator().manual_seed(0)
+    H = head.mcfg.hidden_size
+    f, e = torch.randn(2, 6, H, generator=g), torch.randn(2, 6, H, generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 31, 31, 31]])
+    rows, last = torch.tensor([2, 0]), torch.tensor([5, 2])
+    caches = [head.new_cache(3, 32, torch.device("cpu")) for _ in range(2)]
+    with torch.no_grad():
+        ref = head(f, e, pos, caches[0], 8, rows)[torch.arange(2), last]
+        logits, out = kernel(f, e, pos, rows, caches[1], 8, last)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, scores(ref), rtol=1e-4, atol=1e-4)
+        nxt = torch.tensor([[6], [3]])
+        ref2 = head(ref[:, None], e[:, :1], nxt, caches[0], 8, rows)[:, 0]
+        _, out2 = kernel(ref[:, None], e[:, :1], nxt, rows, caches[1], 8, torch.zeros(2, dtype=torch.long))
+        torch.testing.assert_close(out2, ref2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].k[:, [2, 0]], caches[0].k[:, [2, 0]], rtol=1e-4, atol=1e-5)
+
+
+def joint3_counts(eng: Any, prompt: list[int], sp: Any, passes: int) -> Any:
+    """Counts [V**3] of the first 3 output tokens over ``passes`` x 4000 requests of ``prompt``."""
+    import numpy as np
+
+    V, counts = eng.vocab, np.zeros(eng.vocab**3)
+    for _ in range(passes):
+        for o in eng.generate([prompt] * 4000, sp):
+            t = o.token_ids
+            counts[(t[0] * V + t[1]) * V + t[2]] += 1
+    return counts

@@ -186,6 +186,7 @@ def train_loop(
     start, ema = 0, float("nan")
     if state_path.is_file():
         st = torch.load(state_path, weights_only=False)
+        _check_resumable(module, st["module"], state_path)
         module.load_state_dict(st["module"])
         opt.load_state_dict(st["opt"])
         g.set_state(st["rng"])
@@ -208,6 +209,20 @@ def train_loop(
             write_file_atomic(state_path, functools.partial(torch.save, {**state, "step": step + 1, "ema": ema}))
     module.eval()
     return ema
+
+
+def _check_resumable(module: nn.Module, saved: dict[str, Tensor], path: Path) -> None:
+    """Refuses a saved training state whose tensors differ from ``module``'s (a run with other options: a draft
+    vocabulary, width or depth), naming the first difference."""
+    own = module.state_dict()
+    for name in sorted(set(own) | set(saved)):
+        a, b = own.get(name), saved.get(name)
+        if a is None or b is None or a.shape != b.shape:
+            theirs, ours = (("absent" if t is None else tuple(t.shape)) for t in (b, a))
+            raise InvalidConfigError(
+                f"{path} holds the state of a run with other options ({name}: saved {theirs}, this run {ours}): "
+                "rerun with that run's options, or delete it to start afresh"
+            )
 
 
 @dataclass(frozen=True)
