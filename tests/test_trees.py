@@ -264,14 +264,14 @@ def test_a_greedy_spine_tree_is_the_chain_with_its_runners_up():
     """Depth i holds the chain's token and its runners-up, all children of the chain's token above; a row that
     takes a chain keeps the K-step chain; a row without features gets no nodes."""
     from engine.spec_decode.drafter import DraftBatch
-    from engine.spec_decode.drafters.spine_tree import greedy_spine_steps, greedy_spine_tree
+    from engine.spec_decode.drafters.spine_tree import greedy_spine_tree, spine_steps
 
     B, K, w = 2, 7, 3
 
     def batch(chains):
         return DraftBatch([None] * B, None, None, K, [K] * B, None, 50, 0, None, torch.device("cpu"), chains=chains)
 
-    assert greedy_spine_steps(batch(None), w) == 3 and greedy_spine_steps(batch([False, True]), w) == K
+    assert spine_steps(batch(None), w) == 3 and spine_steps(batch([False, True]), w) == K
     tops = torch.arange(B * K * w).view(B, K, w)  # [B, steps, w]: step s's top tokens, the chain's first
     tree = greedy_spine_tree(tops[:, :3], batch(None), w, [True, False])
     assert tree.parents.tolist() == [[-1, -1, -1, 0, 0, 0, 3]] * B

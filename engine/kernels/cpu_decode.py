@@ -205,7 +205,7 @@ class DecodeStep:
         [B] / [B,J]) and, with ``call.features``, the final-norm outputs of the scored rows (every row: ALL), or
         with ``feature_layers`` the hidden states entering those layers, concatenated [..., n * H]."""
         want = call.features is not Features.NONE
-        aux = self._aux(feature_layers) if want else self._empty
+        aux = self._aux(feature_layers)  # (the model passes none without features)
         cache = call.cache
         assert cache is not None and call.kv_len is not None
         cos, sin = self.model.rope_table(cache.max_seq_len, torch.float32)

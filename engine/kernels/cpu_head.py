@@ -226,6 +226,7 @@ class AttnHeadKernel:
         self.n_layers = mcfg.num_hidden_layers
         self._entries = head.entries
         self._rope = RopeTable(head.inv_freq)
+        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
 
     def __call__(
         self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
@@ -233,10 +234,9 @@ class AttnHeadKernel:
         """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
         (None: 0..B-1) -> (scores [B, V'], features [B, H]) of each row's entry ``last`` [B]."""
         hidden = torch.empty(1)
-        empty = torch.empty(0, dtype=torch.long)
         x = self._entries(f, e).float().contiguous()
         cos, sin = self._rope(cache.max_seq_len)
-        rws = empty if rows is None else rows
+        rws = self._all_rows if rows is None else rows
         logits = self.impl.forward_x(x, pos, rws, last, kv_len, self.n_layers, cache.k, cache.v, cos, sin, hidden)
         return logits, hidden
 
@@ -278,6 +278,7 @@ class Eagle3HeadKernel:
         self._inputs = head.midlayer.inputs
         self._rope = RopeTable(head.inv_freq)
         self._out = torch.tensor([1], dtype=torch.long)  # "entering layer 1": the layer's output, before the norm
+        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
 
     def __call__(
         self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
@@ -285,7 +286,7 @@ class Eagle3HeadKernel:
         """``AttnHeadKernel``'s call: (scores [B, V'], the layer's outputs g [B, H]) of each row's entry ``last``."""
         x, res = self._inputs(f, e)
         g = torch.empty(1)
-        rws = torch.empty(0, dtype=torch.long) if rows is None else rows
+        rws = self._all_rows if rows is None else rows
         cos, sin = self._rope(cache.max_seq_len)
         x, res = x.float().contiguous(), res.float().contiguous()
         logits = self.impl.forward_pair(x, res, pos, rws, last, kv_len, cache.k, cache.v, cos, sin, g, self._out)

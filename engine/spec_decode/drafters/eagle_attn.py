@@ -22,7 +22,7 @@ from engine.core.forward import KVCache
 from engine.core.model import fuse_projections
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, LoadedHead, SeqStates
 from engine.spec_decode.drafters.head_base import HeadDrafter
-from engine.spec_decode.drafters.spine_tree import greedy_spine_steps, greedy_spine_tree, sampled_trees, spine_trees
+from engine.spec_decode.drafters.spine_tree import greedy_spine_tree, sampled_trees, spine_steps, spine_trees
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.step_kernels import AttnStepKernel
@@ -136,7 +136,7 @@ class EagleAttnDrafter(HeadDrafter):
         if spine_trees(batch, w):
             return sampled_trees(batch, w, lambda b: self._chain(b)[0])
         if batch.processing.mode == "greedy" and batch.tree and w > 1:
-            steps = greedy_spine_steps(batch, w)
+            steps = spine_steps(batch, w)
             _, tops, have = self._chain(replace(batch, k=steps, ks=[steps] * len(batch.seqs)), w)
             assert tops is not None
             return greedy_spine_tree(tops, batch, w, have)

@@ -51,35 +51,44 @@ def _chain_rows(batch: DraftBatch) -> tuple[bool, Tensor]:
     return any(rows), torch.tensor(rows, dtype=torch.bool, device=batch.device)
 
 
-def greedy_spine_steps(batch: DraftBatch, branches: int) -> int:
-    """The greedy chain's steps for a greedy spine tree: D, or K where a row takes a chain."""
+def spine_steps(batch: DraftBatch, branches: int) -> int:
+    """The chain's steps for a spine tree of ``batch.k`` nodes: D, or K where a row takes a chain."""
     return batch.k if _chain_rows(batch)[0] else spine_depth(batch.k, branches)
+
+
+def _layout(batch: DraftBatch, branches: int, dev: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(node [K], its depth [K], parents [B, K]: the spine node above, or the previous node for a chain row;
+    the chain rows [B] bool, None where no row takes a chain)."""
+    w, k = branches, batch.k
+    node = torch.arange(k, device=dev)
+    depth = node // w
+    parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(len(batch.seqs), k)
+    some, chains = _chain_rows(batch)
+    if not some:
+        return node, depth, parents.contiguous(), None
+    return node, depth, torch.where(chains[:, None], node - 1, parents).contiguous(), chains
 
 
 def greedy_spine_tree(tops: Tensor, batch: DraftBatch, branches: int, have: list[bool]) -> Proposal:
     """A greedy batch's trees of K = batch.k nodes for a drafter that cannot expand several nodes (the heads with
     attention: their cache holds one branch): tops [B, S, w] the ``branches`` most probable tokens at each step of
-    its greedy chain (the chain: tops[:, :, 0], S from ``greedy_spine_steps``). Depth i holds the chain's token
+    its greedy chain (the chain: tops[:, :, 0], S from ``spine_steps``). Depth i holds the chain's token
     and its w - 1 runners-up, distinct siblings, all children of the chain's token above; chain rows keep the
     chain. Rows without ``have`` get no nodes."""
-    w, k, dev = branches, batch.k, tops.device
-    node = torch.arange(k, device=dev)
-    depth = node // w  # [K]
-    tokens = tops[:, depth, node % w]  # [B, K]
-    parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(tokens.shape[0], k)
-    some, chains = _chain_rows(batch)
-    if some:  # the chain ran K steps: those rows keep it
+    k = batch.k
+    node, depth, parents, chains = _layout(batch, branches, tops.device)
+    tokens = tops[:, depth, node % branches]  # [B, K]
+    if chains is not None:  # the chain ran K steps: those rows keep it
         tokens = torch.where(chains[:, None], tops[:, :k, 0], tokens)
-        parents = torch.where(chains[:, None], node - 1, parents)
-    return Proposal(tokens, None, [k if h else 0 for h in have], parents.contiguous())
+    return Proposal(tokens, None, [k if h else 0 for h in have], parents)
 
 
 def spine_batch(batch: DraftBatch, branches: int) -> DraftBatch:
     """The batch the drafter's chain is drawn for: D steps with each tree row's spine noise (vectors 0, w, 2w, ..),
     or K steps where a row takes a chain (its vectors 0 .. K-1)."""
     assert batch.noise is not None, "a sampled batch carries its noise"
-    k, (some, chains) = batch.k, _chain_rows(batch)
-    steps = k if some else spine_depth(k, branches)
+    k, chains = batch.k, _chain_rows(batch)[1]
+    steps = spine_steps(batch, branches)
     i = torch.arange(steps, device=batch.device)
     idx = torch.where(chains[:, None], i[None], (i * branches).clamp(max=k - 1)[None])  # [B, S] noise per step
     noise = batch.noise.gather(1, idx[..., None].expand(-1, -1, batch.noise.shape[-1]))
@@ -90,17 +99,13 @@ def spine_tree(spine: Proposal, batch: DraftBatch, branches: int) -> Proposal:
     """The rows' trees of K = batch.k nodes around their sampled chain ``spine`` (drawn for ``spine_batch``, with its
     distributions), chain rows' chains as drafted."""
     assert spine.probs is not None and batch.noise is not None, "a sampled chain carries its distributions"
-    w, k, dev = branches, batch.k, spine.tokens.device
-    node = torch.arange(k, device=dev)
-    depth = node // w  # [K]
+    k = batch.k
+    node, depth, parents, chains = _layout(batch, branches, spine.tokens.device)
     probs = spine.probs[:, depth]  # [B, K, V] each node's distribution: its depth's
     tokens = sample_from_probs(probs, batch.noise[:, :k])  # [B, K] one independent draw per node
-    tokens = torch.where(node % w == 0, spine.tokens[:, depth], tokens)  # the spine's own (the same draws)
-    parents = torch.where(depth > 0, (depth - 1) * w, -1).expand(tokens.shape[0], k)  # [B, K] the spine node above
-    some, chains = _chain_rows(batch)
-    if some:  # the spine ran K steps: those rows keep it as their chain
+    tokens = torch.where(node % branches == 0, spine.tokens[:, depth], tokens)  # the spine's own (the same draws)
+    if chains is not None:  # the spine ran K steps: those rows keep it as their chain
         tokens = torch.where(chains[:, None], spine.tokens[:, :k], tokens)
         probs = torch.where(chains[:, None, None], spine.probs[:, :k], probs)
-        parents = torch.where(chains[:, None], node - 1, parents)
     counts = None if spine.counts is None else [k if c else 0 for c in spine.counts]
-    return Proposal(tokens, probs.contiguous(), counts, parents.contiguous())
+    return Proposal(tokens, probs.contiguous(), counts, parents)
