@@ -14,7 +14,7 @@ pytest.importorskip("httpx")
 
 from test_openai_server import Live, _chat_checkpoint  # noqa: E402
 
-from engine.cli import bench_serve, serve_load, serve_stats  # noqa: E402
+from engine.cli import bench_serve, serve_load, serve_report, serve_stats  # noqa: E402
 from engine.cli.serve_stats import RequestResult  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -95,6 +95,22 @@ def test_speculation_from_two_scrapes():
 
 
 # ---------------------------------------------------------------- datasets and arrivals
+def test_the_tuner_against_the_best_fixed_k():
+    def row(config, x, tok_s, temp=0.0):
+        return {"config": config, "mode": "concurrency", "concurrency": x, "rate": None, "temperature": temp,
+                "output_throughput": tok_s, "p99_ttft_ms": 100.0}  # fmt: skip
+
+    rows = [row("on", 1, 90.0), row("off", 1, 50.0), row("fixed2", 1, 80.0), row("fixed5", 1, 100.0)]
+    rows += [row("on", 16, 95.0), row("off", 16, 100.0), row("fixed2", 16, 70.0), row("fixed5", 16, 60.0)]
+    rows += [row("on", 1, 70.0, 0.7), row("off", 1, 50.0, 0.7)]  # no sweep at this point: no comparison
+    sp = {(s["config"], s["x"], s["temperature"]): s for s in serve_report.speedups(rows)}
+    assert sp[("on", 1, 0.0)]["vs_best_fixed"] == pytest.approx(0.9) and sp[("on", 1, 0.0)]["best_fixed"] == "fixed5"
+    assert sp[("on", 16, 0.0)]["vs_best_fixed"] == pytest.approx(0.95) and sp[("on", 16, 0.0)]["best_fixed"] == "off"
+    assert sp[("on", 1, 0.7)]["vs_best_fixed"] is None and sp[("on", 1, 0.7)]["speedup"] == pytest.approx(1.4)
+    assert sp[("fixed2", 16, 0.0)]["vs_best_fixed"] is None and sp[("fixed2", 16, 0.0)]["speedup"] == pytest.approx(0.7)
+    assert "0.90x (fixed5)" in serve_report.table([], list(sp.values()))
+
+
 def test_poisson_arrivals_mean_rate():
     for rate in (0.5, 4.0, 50.0):
         t = serve_load.arrival_times(4000, rate, seed=3)

@@ -44,7 +44,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bench_serve")
 
-CONFIGS = {"on": [], "off": ["--no-spec"], "fixed5": ["--k", "5", "--k-policy", "constant"]}
+# "fixedK": K drafts every round (K = 1..8); with "off" (K = 0) a sweep of fixed K for the tuner ("on") to match
+CONFIGS = {
+    "on": [],
+    "off": ["--no-spec"],
+    **{f"fixed{k}": ["--k", str(k), "--k-policy", "constant"] for k in range(1, 9)},
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     ap.add_argument("--target", help="shorthand for -- --target DIR (and the random dataset's tokenizer)")
     ap.add_argument("--draft", help="shorthand for -- --draft DIR")
-    ap.add_argument("--configs", nargs="+", default=["on", "off"], choices=sorted(CONFIGS))
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["on", "off"],
+        choices=list(CONFIGS),
+        help="servers to compare: on (the default K tuner), off (--no-spec), fixedK (K constant, 1..8)",
+    )
     ap.add_argument("--concurrency", nargs="+", type=int, default=None, help="closed-loop clients (default 1 4 16)")
     ap.add_argument("--request-rate", "--rate", nargs="+", type=float, default=None, help="Poisson requests/s, inf")
     ap.add_argument(

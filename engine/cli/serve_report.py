@@ -38,14 +38,33 @@ def point_key(row: dict[str, Any]) -> tuple[str, float, float]:
     return row["mode"], row["concurrency"] if row["mode"] == "concurrency" else row["rate"], row["temperature"]
 
 
+def is_fixed(config: str) -> bool:
+    """A configuration of one K for every round: off (K = 0) or fixedK."""
+    return config == "off" or config.startswith("fixed")
+
+
+def best_fixed(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float, float], dict[str, Any]]:
+    """Per point where two or more fixed-K configurations ran (off included): the row of the one with the most output
+    tokens/s (the sweep's best K)."""
+    fixed: dict[tuple[str, float, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        if is_fixed(r["config"]) and r["output_throughput"] is not None:
+            fixed.setdefault(point_key(r), []).append(r)
+    return {k: max(rs, key=lambda r: r["output_throughput"]) for k, rs in fixed.items() if len(rs) >= 2}
+
+
 def speedups(rows: Sequence[dict[str, Any]], base: str = "off") -> list[dict[str, Any]]:
-    """Per point and config other than ``base``: output tokens/s and TTFT p99 against ``base``'s."""
+    """Per point and config other than ``base``: output tokens/s and TTFT p99 against ``base``'s; for a configuration
+    that is not fixed (the tuner), its tokens/s against the sweep's best fixed K at the point (``best_fixed``), and
+    that K's configuration (None without a sweep)."""
     bases = {point_key(r): r for r in rows if r["config"] == base}
+    fixed = best_fixed(rows)
     out = []
     for r in rows:
         b = bases.get(point_key(r))
         if r["config"] == base or b is None:
             continue
+        best = None if is_fixed(r["config"]) else fixed.get(point_key(r))
         out.append(
             {
                 "config": r["config"],
@@ -54,6 +73,8 @@ def speedups(rows: Sequence[dict[str, Any]], base: str = "off") -> list[dict[str
                 "temperature": r["temperature"],
                 "speedup": _ratio(r["output_throughput"], b["output_throughput"]),
                 "ttft_p99_ratio": _ratio(r["p99_ttft_ms"], b["p99_ttft_ms"]),
+                "vs_best_fixed": None if best is None else _ratio(r["output_throughput"], best["output_throughput"]),
+                "best_fixed": None if best is None else best["config"],
             }
         )
     return out
@@ -100,10 +121,12 @@ def table(rows: Sequence[dict[str, Any]], sp: Sequence[dict[str, Any]]) -> str:
             )
         )
     if sp:
-        lines += ["", "config | mode | x | temp | speedup (out tok/s vs off) | TTFT p99 vs off", "|".join(["---"] * 6)]
+        head = "config | mode | x | temp | speedup (out tok/s vs off) | TTFT p99 vs off | vs best fixed K (config)"
+        lines += ["", head, "|".join(["---"] * 7)]
         lines += [
             f"{s['config']} | {s['mode']} | {_f(s['x'])} | {_f(s['temperature'])} | {_f(s['speedup'], 2)}x"
-            f" | {_f(s['ttft_p99_ratio'], 2)}x"
+            f" | {_f(s['ttft_p99_ratio'], 2)}x | "
+            + ("-" if s["vs_best_fixed"] is None else f"{s['vs_best_fixed']:.2f}x ({s['best_fixed']})")
             for s in sp
         ]
     return "\n".join(lines)
