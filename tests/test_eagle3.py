@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_eagle3_formats import llama_layer_config, write_layout
 from test_heads import _token_acceptance, spec
 from test_sampling_controls import ALPHA, _exact_joint3, pooled_pvalue
@@ -148,9 +148,9 @@ def test_greedy_equals_plain_with_a_trained_head(ckpt_dir, e3_head, plain):
 
 
 @pytest.mark.parametrize("attention_head", [False, True], ids=["eagle3", "eagle-attention"])
-def test_greedy_spine_trees_keep_plain_tokens(ckpt_dir, e3_head, plain, tmp_path, attention_head):
-    """Heads with a cache of their own draft greedy trees around their chain: each depth the chain's token and
-    its runners-up (3 per depth, 7 nodes); the output is plain decoding's and branching trees were verified."""
+def test_greedy_dynamic_trees_keep_plain_tokens(ckpt_dir, e3_head, plain, tmp_path, attention_head):
+    """Heads with a cache of their own draft EAGLE-2's dynamic trees (3 branches, 7 nodes), their entries in slots
+    of their own under the tree's mask: the output is plain decoding's and branching trees were verified."""
     from test_heads import random_head
 
     from engine.api.options import SpeculationConfig
@@ -162,6 +162,70 @@ def test_greedy_spine_trees_keep_plain_tokens(ckpt_dir, e3_head, plain, tmp_path
     assert_greedy_grid(eng, plain, kind)
     s = eng.stats()
     assert s["tree_rounds"] > 0 and s["accepted"] > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monkeypatch, kind):
+    """EAGLE-2's tree of a head with a cache of its own (its entries in slots of their own under the tree's mask):
+    every expansion's scores equal the head's after the node's path run alone as a chain, by position, from the same
+    committed cache and root feature. Batch 2, a reduced draft vocabulary, trees 3 and more deep."""
+    import copy
+
+    from test_heads import random_head
+
+    from engine.api.options import SpeculationConfig
+    from engine.spec_decode.drafters import eagle_attn
+
+    if kind == "eagle3":
+        head, norm = native_head(ckpt_dir, tmp_path / "h", (2, 2, 1), 40, scale=0.3), "norm.weight"
+    else:
+        head, norm = random_head(ckpt_dir, tmp_path / "h", "eagle", 40, attention=True), "out_norm.weight"
+    sd = load_file(str(head / "model.safetensors"))
+    sd[norm] *= 4  # surer drafts: deeper trees
+    save_file(sd, str(head / "model.safetensors"))
+    w = 2
+    sc = SpeculationConfig(drafter=kind, tree_branches=w, k=8, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, head, speculation=sc)
+    d, rounds = eng.drafter, []
+    root, tree = d._root, eagle_attn.masked_tree
+
+    def spy_root(batch, k):
+        out = root(batch, k)
+        rounds.append({"root": out, "cache": copy.deepcopy(d.cache), "rows": batch.rows, "calls": []})
+        return out
+
+    def spy_tree(expand, logits, base, budget, branches):
+        def record(pick, tokens, pos, kv_len, mask):
+            out = expand(pick, tokens, pos, kv_len, mask)
+            rounds[-1]["calls"].append((pick, tokens, out))
+            return out
+
+        return tree(record, logits, base, budget, branches)
+
+    monkeypatch.setattr(d, "_root", spy_root)
+    monkeypatch.setattr(eagle_attn, "masked_tree", spy_tree)
+    eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))
+    assert len(rounds) > 3 and max(len(r["calls"]) for r in rounds) == 4  # budget 8 // 2 expansions
+    checked = 0
+    for rd in rounds[:6]:
+        _, g, hlens, have, _ = rd["root"]
+        calls = rd["calls"]
+        for b in [b for b in range(len(hlens)) if have[b]]:
+            row = torch.tensor([b if rd["rows"] is None else int(rd["rows"][b])])
+            for layer, (pick, tokens, got) in enumerate(calls):
+                for i in range(pick.shape[1]):
+                    path, li, j = [], layer, i  # the expanded node's tokens back to the root
+                    while li >= 0:
+                        path.append(int(tokens[b, j] if li == layer else calls[li][1][b, j]))
+                        j, li = int(calls[li][0][b, j]) // w, li - 1  # its parent: an expanded node of the layer above
+                    out = g[b].to(d.feature_dtype)
+                    for n, t in enumerate(reversed(path)):  # the path's entries, one by one, by position
+                        e = d.embed(d._target_ids(torch.tensor([[t]])))
+                        pos = torch.tensor([[hlens[b] + n]])
+                        out = d.head(out.view(1, 1, -1), e, pos, rd["cache"], hlens[b] + n + 1, row)[0, 0]
+                    torch.testing.assert_close(got[b, i], d.scores(out), atol=1e-4, rtol=1e-4)
+                    checked += 1
+    assert checked > 40
 
 
 @pytest.mark.parametrize("layout", ["authors", "authors-bin", "speculators"])

@@ -90,6 +90,45 @@ def test_draft_model_trees_are_token_identical_to_plain(ckpt_dir, draft_dir, pla
     assert st["accepted"] > 0 and st["mean_accepted_length"] > 2
 
 
+@pytest.mark.parametrize("cpu_pack", [True, False], ids=["cpu-step", "pytorch"])
+def test_a_tree_expansion_scores_each_node_as_its_path_alone(ckpt_dir, cpu_pack):
+    """EAGLE-2's tree in a model's own cache, ragged rows (3 and 6 committed tokens) and its deepest expansions
+    (the last expansion index): every expanded node's logits equal the model's over the row's tokens and the node's
+    path, run without a cache."""
+    from engine.api.options import KernelOptions
+    from engine.spec_decode.drafters.draft_tree import masked_tree
+
+    model = Engine.from_pretrained(ckpt_dir, kernels=KernelOptions(cpu_pack=cpu_pack)).target
+    ctx = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
+    cache = KVCache(model.config, 2, 64, model.dtype, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for t in (cache.k, cache.v):  # noise in every slot not written: a mask that lets one through shows
+        t.copy_(torch.randn(t.shape, generator=g) * 3)
+    root = []
+    for b, toks in enumerate(ctx):
+        call = ForwardCall(torch.tensor([toks]), torch.arange(len(toks))[None], cache, len(toks), torch.tensor([b]))
+        root.append(model.run(call).logits[0, -1])
+    calls = []
+
+    def expand(pick, tokens, pos, kv_len, tree):
+        logits = model.run(ForwardCall(tokens, pos, cache, kv_len, None, tree=tree)).logits
+        calls.append((pick, tokens, logits))
+        return logits
+
+    w = 2
+    masked_tree(expand, torch.stack(root), torch.tensor([3, 6]), 8, w)
+    assert len(calls) == 4
+    for b, toks in enumerate(ctx):
+        for layer, (pick, _, got) in enumerate(calls):
+            for i in range(pick.shape[1]):
+                path, li, j = [], layer, i  # the expanded node's tokens back to the root
+                while li >= 0:
+                    path.append(int(calls[li][1][b, j]))
+                    j, li = int(calls[li][0][b, j]) // w, li - 1
+                alone = model.run(ForwardCall(torch.tensor([toks + path[::-1]]))).logits[0, -1]
+                torch.testing.assert_close(got[b, i], alone, atol=1e-4, rtol=1e-4)
+
+
 def test_the_measured_policy_chooses_trees_or_chains_per_batch_and_keeps_the_tokens(ckpt_dir, draft_dir, plain):
     """The default K policy with a tree-capable drafter: the tuner runs tree and chain arms (each round's shape is
     its choice) and greedy outputs stay plain decoding's."""
@@ -258,27 +297,6 @@ def test_a_spine_tree_is_the_chain_with_independent_siblings():
     mixed = spine_tree(Proposal.chain(drawn, p), batch([False, True]), w)
     assert mixed.parents[1].tolist() == list(range(-1, K - 1)) and torch.equal(mixed.tokens[1], drawn[1])
     assert torch.equal(mixed.tokens[0], tree.tokens[0]) and torch.equal(mixed.parents[0], tree.parents[0])
-
-
-def test_a_greedy_spine_tree_is_the_chain_with_its_runners_up():
-    """Depth i holds the chain's token and its runners-up, all children of the chain's token above; a row that
-    takes a chain keeps the K-step chain; a row without features gets no nodes."""
-    from engine.spec_decode.drafter import DraftBatch
-    from engine.spec_decode.drafters.spine_tree import greedy_spine_tree, spine_steps
-
-    B, K, w = 2, 7, 3
-
-    def batch(chains):
-        return DraftBatch([None] * B, None, None, K, [K] * B, None, 50, 0, None, torch.device("cpu"), chains=chains)
-
-    assert spine_steps(batch(None), w) == 3 and spine_steps(batch([False, True]), w) == K
-    tops = torch.arange(B * K * w).view(B, K, w)  # [B, steps, w]: step s's top tokens, the chain's first
-    tree = greedy_spine_tree(tops[:, :3], batch(None), w, [True, False])
-    assert tree.parents.tolist() == [[-1, -1, -1, 0, 0, 0, 3]] * B
-    assert tree.tokens[0].tolist() == [0, 1, 2, 3, 4, 5, 6] and tree.counts == [K, 0]
-    mixed = greedy_spine_tree(tops, batch([False, True]), w, [True, True])
-    assert mixed.tokens[0].tolist() == tree.tokens[0].tolist()  # row 0: its tree from the first 3 steps
-    assert mixed.tokens[1].tolist() == tops[1, :, 0].tolist() and mixed.parents[1].tolist() == list(range(-1, K - 1))
 
 
 def test_ngram_tree_merges_the_continuations_of_several_matches():

@@ -52,9 +52,8 @@ class DrafterEntry:
     lookup_first: bool = True
     """Prompt lookup first may wrap it (``SpeculationConfig.prompt_lookup_min``)."""
     trees: bool = False
-    """It drafts trees where ``tree_branches`` > 1 (the model and the heads: EAGLE-2's for greedy batches, or spine
-    trees around the chain for a head whose cache holds one branch; spine trees for sampled ones); the measured K
-    policy then chooses per batch between its trees and chains."""
+    """It drafts trees where ``tree_branches`` > 1 (the model and the heads: EAGLE-2's for greedy batches, spine trees
+    for sampled ones); the measured K policy then chooses per batch between its trees and chains."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

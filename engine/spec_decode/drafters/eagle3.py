@@ -6,7 +6,7 @@ the same forward. ``commit`` fuses them (the head's fc, 3H -> H) before keeping 
 head with attention's round (drafters/eagle_attn.py): the committed entries catch the head's cache up, each later
 draft is one entry more on the head's own output. Drafts are scored by the head's own norm and reduced-vocabulary
 LM head and mapped to the target's ids (``d2t``); sampled rows return their processed distributions, which the
-core's exact acceptance reads. Chains, and with ``tree_branches`` > 1 spine trees (drafters/spine_tree.py); the layer
+core's exact acceptance reads. Chains, and with ``tree_branches`` > 1 trees as the attention head drafts them; the layer
 and scores on the CPU kernels' one-call step where they run (``DraftKernels.eagle3_step``), else on PyTorch's ops;
 CUDA graphs are refused.
 """

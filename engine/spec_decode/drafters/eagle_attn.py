@@ -3,26 +3,31 @@
 A round first runs the entries of the positions committed since the last (the target's features the round
 hands it: ``FeatureNeed.ALL``, with the tokens after them) into the cache; the last one's output scores the
 first draft. Each later draft is one entry more, on the head's own feature. Entries past the committed ones
-are overwritten by the next round's, so a rejection needs nothing undone. With ``tree_branches`` > 1 it drafts
-spine trees around its chain (drafters/spine_tree.py: the cache holds one branch). CUDA graphs of its step are not
-built: its step writes its own cache at per-row positions, so asking for graphs fails at load.
+are overwritten by the next round's, so a rejection needs nothing undone. With ``tree_branches`` > 1 greedy rounds
+draft EAGLE-2's dynamic tree (drafters/draft_tree.py): after the catch-up, each depth's most probable nodes run as
+entries in slots of their own after the committed ones, under the tree's mask (PyTorch's layers: the one-call step
+attends by position), each fed its parent's output; sampled rounds draft spine trees around their chain
+(drafters/spine_tree.py). CUDA graphs of its step are not built: its step writes its own cache at per-row positions,
+so asking for graphs fails at load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from engine.core.errors import InvalidConfigError
-from engine.core.forward import KVCache
+from engine.core.forward import KVCache, TreeMask
 from engine.core.model import fuse_projections
 from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, LoadedHead, SeqStates
+from engine.spec_decode.drafters.draft_tree import masked_tree
 from engine.spec_decode.drafters.head_base import HeadDrafter
-from engine.spec_decode.drafters.spine_tree import greedy_spine_tree, sampled_trees, spine_steps, spine_trees
+from engine.spec_decode.drafters.head_tree import tree_proposal
+from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.step_kernels import AttnStepKernel
@@ -82,7 +87,7 @@ class EagleAttnDrafter(HeadDrafter):
         self.cache: KVCache | None = None
         self._kernel = kernel
         self._entries = SeqStates(_Entries)
-        self.branches = 1  # > 1: spine trees (drafters/spine_tree.py): the head's cache holds one branch
+        self.branches = 1  # > 1: trees: EAGLE-2's for greedy batches (draft_tree.py), spine trees else (spine_tree.py)
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         c = self.cache
@@ -134,37 +139,34 @@ class EagleAttnDrafter(HeadDrafter):
     def propose(self, batch: DraftBatch) -> Proposal:
         w = self.branches
         if spine_trees(batch, w):
-            return sampled_trees(batch, w, lambda b: self._chain(b)[0])
+            return sampled_trees(batch, w, self._chain)
         if batch.processing.mode == "greedy" and batch.tree and w > 1:
-            steps = spine_steps(batch, w)
-            _, tops, have = self._chain(replace(batch, k=steps, ks=[steps] * len(batch.seqs)), w)
-            assert tops is not None
-            return greedy_spine_tree(tops, batch, w, have)
-        return self._chain(batch)[0]
+            return self._tree(batch, w)
+        return self._chain(batch)
 
-    def _chain(self, batch: DraftBatch, top: int = 1) -> tuple[Proposal, Tensor | None, list[bool]]:
-        """The rows' chains of ``batch.k`` drafts (greedy, or drawn from the head's processed distributions), and
-        with ``top`` > 1 (greedy) the ``top`` most probable tokens at each step [B, k, top], the chain's first."""
+    def _root(self, batch: DraftBatch, k: int) -> tuple[Tensor, Tensor, list[int], list[bool], int]:
+        """The catch-up: each row's committed entries into the cache -> (the scores of its first draft [B, V'], the
+        feature the next entry reads [B, H], its length after the catch-up, whether it has entries, the slots a
+        chain of ``k`` drafts attends over)."""
         assert self.cache is not None, "ensure_cache first"
         f, nxt, pos, last, have = self._catch_up(batch)
         hlens = [self._entries(s).hlen + _pending(self._entries(s)) for s in batch.seqs]  # after the catch-up
         # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
-        kv_len = min(max([h + batch.k for h, on in zip(hlens, have) if on], default=1), self.cache.max_seq_len)
+        kv_len = min(max([h + k for h, on in zip(hlens, have) if on], default=1), self.cache.max_seq_len)
         last_t = torch.tensor(last, device=batch.device)
         logits, g = self._step(f, self.embed(nxt), pos, kv_len, batch.rows, last_t)
+        return logits, g, hlens, have, kv_len
+
+    def _chain(self, batch: DraftBatch) -> Proposal:
+        """The rows' chains of ``batch.k`` drafts: greedy, or drawn from the head's processed distributions."""
+        logits, g, hlens, have, kv_len = self._root(batch, batch.k)
         scratch = batch.scratch_pos
         at = torch.tensor([h if on else scratch for h, on in zip(hlens, have)], device=batch.device)  # next entry's
         drafts: list[Tensor] = []
         probs: list[Tensor] = []
-        tops: list[Tensor] = []
-        zero = torch.zeros_like(last_t)
+        zero = torch.zeros(len(batch.seqs), dtype=torch.long, device=batch.device)
         for j in range(batch.k):
-            if top > 1:  # greedy: the chain's token is the most probable of the step's top
-                ids = logits.topk(top, dim=-1).indices
-                tops.append(ids if self.vocab_ids is None else self.vocab_ids[ids])
-                tok, p = tops[-1][:, 0], None
-            else:
-                tok, p = self._draw(logits, batch, drafts)
+            tok, p = self._draw(logits, batch, drafts)
             drafts.append(tok)
             if p is not None:
                 probs.append(p)
@@ -172,8 +174,31 @@ class EagleAttnDrafter(HeadDrafter):
                 e = self.embed(tok)[:, None]
                 logits, g = self._step(g[:, None], e, at[:, None], kv_len, batch.rows, zero)
                 at = torch.where(at == scratch, at, at + 1)
-        chain = self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
-        return chain, torch.stack(tops, 1) if tops else None, have
+        return self._result(torch.stack(drafts, 1), probs, have, batch.k, batch.k)
+
+    def _tree(self, batch: DraftBatch, w: int) -> Proposal:
+        """The rows' EAGLE-2 trees of ``batch.k`` nodes (``masked_tree``): the head's entries of each depth in the
+        slots after the row's committed ones, each fed its parent's output."""
+        logits, g, hlens, have, _ = self._root(batch, 1)
+        g = g.to(self.feature_dtype)  # (the one-call step's output) what PyTorch's layers read
+        B, H = g.shape
+        r = torch.arange(B, device=g.device)[:, None]
+        fed = [g[:, None].expand(B, w, H)]  # what each node of the newest layer is expanded with: its parent's output
+
+        def expand(pick: Tensor, tokens: Tensor, pos: Tensor, kv_len: int, tree: TreeMask) -> Tensor:
+            assert self.cache is not None
+            e = self.embed(self._target_ids(tokens))
+            out = self.head(fed[-1][r, pick], e, pos, self.cache, kv_len, batch.rows, tree)  # [B, wp, H]
+            fed.append(out[:, :, None].expand(*pick.shape, w, H).reshape(B, -1, H))
+            return self.scores(out)
+
+        base = torch.tensor(hlens, device=g.device)  # each row's first free slot and its depth-1 position
+        toks, parents = masked_tree(expand, logits, base, batch.k, w)
+        return tree_proposal(self._target_ids(toks), parents, have)
+
+    def _target_ids(self, t: Tensor) -> Tensor:
+        """Draft-vocabulary indices -> the target's ids."""
+        return t if self.vocab_ids is None else self.vocab_ids[t]
 
     def _step(
         self, f: Tensor, e: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None, last: Tensor

@@ -1,5 +1,4 @@
-"""Draft trees around a drafter's chain (the spine): i.i.d. siblings for sampled rows; for greedy rows of a drafter
-that cannot expand several nodes (a head whose cache holds one branch), the chain's runners-up (``greedy_spine_tree``).
+"""Draft trees around a drafter's sampled chain (the spine): i.i.d. siblings at each depth.
 
 The exact rule for sampled rows over trees (engine/spec_decode/tree_accept.py, SpecInfer's) needs each node's
 children drawn i.i.d. from the draft distribution at that node, their number fixed before they are drawn; EAGLE-2's
@@ -67,20 +66,6 @@ def _layout(batch: DraftBatch, branches: int, dev: torch.device) -> tuple[Tensor
     if not some:
         return node, depth, parents.contiguous(), None
     return node, depth, torch.where(chains[:, None], node - 1, parents).contiguous(), chains
-
-
-def greedy_spine_tree(tops: Tensor, batch: DraftBatch, branches: int, have: list[bool]) -> Proposal:
-    """A greedy batch's trees of K = batch.k nodes for a drafter that cannot expand several nodes (the heads with
-    attention: their cache holds one branch): tops [B, S, w] the ``branches`` most probable tokens at each step of
-    its greedy chain (the chain: tops[:, :, 0], S from ``spine_steps``). Depth i holds the chain's token
-    and its w - 1 runners-up, distinct siblings, all children of the chain's token above; chain rows keep the
-    chain. Rows without ``have`` get no nodes."""
-    k = batch.k
-    node, depth, parents, chains = _layout(batch, branches, tops.device)
-    tokens = tops[:, depth, node % branches]  # [B, K]
-    if chains is not None:  # the chain ran K steps: those rows keep it
-        tokens = torch.where(chains[:, None], tops[:, :k, 0], tokens)
-    return Proposal(tokens, None, [k if h else 0 for h in have], parents)
 
 
 def spine_batch(batch: DraftBatch, branches: int) -> DraftBatch:

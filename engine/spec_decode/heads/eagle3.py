@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.attention import AttentionContext, position_mask, sdpa_attention
+from engine.core.attention import sdpa_attention
 from engine.core.config import ModelConfig
-from engine.core.forward import KVCache
+from engine.core.forward import KVCache, TreeMask
 from engine.core.model import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
 from engine.spec_decode.heads.config import HeadConfig
-from engine.spec_decode.heads.eagle_attn import EagleAttnHead
+from engine.spec_decode.heads.eagle_attn import EagleAttnHead, entry_context
 
 
 def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
@@ -155,6 +155,7 @@ class Eagle3Head(nn.Module):
         cache: KVCache,
         kv_len: int,
         rows: Tensor | None = None,
+        tree: TreeMask | None = None,  # a draft tree's entries: their own slots and mask (None: by position)
     ) -> Tensor:
         """The layer's outputs [B, T, H] (the next entries' features, before ``norm``); keys and values into
         ``cache``."""
@@ -163,7 +164,7 @@ class Eagle3Head(nn.Module):
         prefix = rows is None
         if rows is None:
             rows = torch.arange(x.shape[0], device=x.device)
-        ctx = AttentionContext(pos, rows, prefix, kv_len, position_mask(pos, kv_len, None))
+        ctx = entry_context(pos, rows, prefix, kv_len, tree)
         a = self.midlayer.self_attn(x, cos, sin, sdpa_attention, (cache.k[0], cache.v[0]), ctx)
         return self.midlayer.finish(residual, a)
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from engine.core.attention import AttentionContext, position_mask, sdpa_attention
 from engine.core.config import ModelConfig
+from engine.core.forward import TreeMask
 from engine.core.model import Block, KVCache, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -42,6 +43,14 @@ def head_model_config(target_cfg: ModelConfig, head_cfg: Any) -> ModelConfig:
         head_dim=head_cfg.head_dim,
         sliding_window=None,
     )
+
+
+def entry_context(pos: Tensor, rows: Tensor, prefix: bool, kv_len: int, tree: TreeMask | None) -> AttentionContext:
+    """The attention context of a head's entries: by position (each sees the slots up to its own), or a draft tree's
+    (its entries in their own slots under its mask)."""
+    if tree is None:
+        return AttentionContext(pos, rows, prefix, kv_len, position_mask(pos, kv_len, None))
+    return AttentionContext(pos, rows, prefix, kv_len, tree.mask, slots=tree.slots)
 
 
 class EagleAttnHead(nn.Module):
@@ -104,6 +113,7 @@ class EagleAttnHead(nn.Module):
         cache: KVCache,
         kv_len: int,  # slots attended over (> every position of the batch)
         rows: Tensor | None = None,  # [B] cache rows (None: 0..B-1)
+        tree: TreeMask | None = None,  # a draft tree's entries: their own slots and mask (None: by position)
     ) -> Tensor:
         """The features predicted for positions pos + 1 [B, T, H]; the entries' keys and values go into ``cache``."""
         x = self.entries(f, e)
@@ -112,7 +122,7 @@ class EagleAttnHead(nn.Module):
         prefix = rows is None
         if rows is None:
             rows = torch.arange(B, device=x.device)
-        ctx = AttentionContext(pos, rows, prefix, kv_len, position_mask(pos, kv_len, None))
+        ctx = entry_context(pos, rows, prefix, kv_len, tree)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, sdpa_attention, (cache.k[i], cache.v[i]), ctx)
         return self.out_norm(x)
