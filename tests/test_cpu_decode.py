@@ -162,7 +162,8 @@ def test_the_last_layers_output_and_refused_feature_layers(model):
     assert torch.equal(cache.k, before)
     with pytest.raises(RuntimeError, match="first layer reads H columns"):
         x = torch.zeros(1, 2, 2 * model.config.hidden_size)
-        step.impl.forward_pair(x, x[..., : model.config.hidden_size], pos, e, idx, 14, cache.k, cache.v, cos, sin, g, e)
+        h = x[..., : model.config.hidden_size]
+        step.impl.forward_pair(x, h, pos, e, idx, 14, cache.k, cache.v, cos, sin, g, e, e, e)
 
 
 def test_early_exit_layers_and_start_path_match(model):

@@ -20,6 +20,7 @@ from engine import Engine, SamplingParams
 from engine.api.options import KernelOptions, Limits
 from engine.core.errors import InvalidConfigError
 from engine.core.forward import Features, ForwardCall
+from engine.kernels.cpu_gemm import small_gemm_status
 from engine.spec_decode.heads.checkpoint import load_head, save_head
 from engine.spec_decode.heads.config import HeadConfig, target_fingerprint
 from engine.spec_decode.heads.eagle3 import Eagle3Head
@@ -164,11 +165,12 @@ def test_greedy_dynamic_trees_keep_plain_tokens(ckpt_dir, e3_head, plain, tmp_pa
     assert s["tree_rounds"] > 0 and s["accepted"] > 0
 
 
+@pytest.mark.parametrize("cpu_pack", [True, False], ids=["cpu-kernel", "pytorch"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monkeypatch, kind):
+def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monkeypatch, kind, cpu_pack):
     """EAGLE-2's tree of a head with a cache of its own (its entries in slots of their own under the tree's mask):
-    every expansion's scores equal the head's after the node's path run alone as a chain, by position, from the same
-    committed cache and root feature. Batch 2, a reduced draft vocabulary, trees 3 and more deep."""
+    every expansion's scores equal the head's step after the node's path run alone as a chain, by position, from
+    the same committed cache and root feature. Batch 2, a reduced draft vocabulary, trees 3 and more deep."""
     import copy
 
     from test_heads import random_head
@@ -185,8 +187,9 @@ def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monk
     save_file(sd, str(head / "model.safetensors"))
     w = 2
     sc = SpeculationConfig(drafter=kind, tree_branches=w, k=8, k_policy="constant")
-    eng = Engine.from_pretrained(ckpt_dir, head, speculation=sc)
+    eng = Engine.from_pretrained(ckpt_dir, head, speculation=sc, kernels=KernelOptions(cpu_pack=cpu_pack))
     d, rounds = eng.drafter, []
+    assert (d._kernel is not None) == (cpu_pack and small_gemm_status() is None)
     root, tree = d._root, eagle_attn.masked_tree
 
     def spy_root(batch, k):
@@ -218,12 +221,13 @@ def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monk
                     while li >= 0:
                         path.append(int(tokens[b, j] if li == layer else calls[li][1][b, j]))
                         j, li = int(calls[li][0][b, j]) // w, li - 1  # its parent: an expanded node of the layer above
-                    out = g[b].to(d.feature_dtype)
-                    for n, t in enumerate(reversed(path)):  # the path's entries, one by one, by position
+                    out, zero = g[b].to(d.feature_dtype), torch.zeros(1, dtype=torch.long)
+                    d.cache = rd["cache"]  # the step on the round's committed cache, by position
+                    for n, t in enumerate(reversed(path)):  # the path's entries, one by one, as a chain
                         e = d.embed(d._target_ids(torch.tensor([[t]])))
                         pos = torch.tensor([[hlens[b] + n]])
-                        out = d.head(out.view(1, 1, -1), e, pos, rd["cache"], hlens[b] + n + 1, row)[0, 0]
-                    torch.testing.assert_close(got[b, i], d.scores(out), atol=1e-4, rtol=1e-4)
+                        want, out = d._step(out.view(1, 1, -1), e, pos, hlens[b] + n + 1, row, zero)
+                    torch.testing.assert_close(got[b, i], want[0], atol=1e-4, rtol=1e-4)
                     checked += 1
     assert checked > 40
 
@@ -372,6 +376,8 @@ def test_cpu_kernel_equals_the_pytorch_layer(ckpt_dir, tmp_path, norm_before_res
             cos,
             sin,
             torch.empty(1),
+            e,
+            e,
         )
 
 

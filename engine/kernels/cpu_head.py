@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.config import ModelConfig
+from engine.core.forward import TreeMask
 from engine.core.model import RMSNorm, StoredLinear, rope_cos_sin
 from engine.kernels.cpu_fp8 import fp8_reason, fp8_weight
 from engine.kernels.cpu_gemm import SmallGemmLinear, cpu_kernels, small_gemm_reads, small_gemm_status
@@ -229,16 +230,35 @@ class AttnHeadKernel:
         self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
 
     def __call__(
-        self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
+        self,
+        f: Tensor,
+        e: Tensor,
+        pos: Tensor,
+        rows: Tensor | None,
+        cache: Any,
+        kv_len: int,
+        last: Tensor,
+        tree: TreeMask | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
-        (None: 0..B-1) -> (scores [B, V'], features [B, H]) of each row's entry ``last`` [B]."""
+        (None: 0..B-1) -> (scores [B, V'], features [B, H]) of each row's entry ``last`` [B] ([B, J]: [B, J, ..]);
+        ``tree``: a draft tree's entries in its slots under its mask."""
         hidden = torch.empty(1)
         x = self._entries(f, e).float().contiguous()
         cos, sin = self._rope(cache.max_seq_len)
         rws = self._all_rows if rows is None else rows
-        logits = self.impl.forward_x(x, pos, rws, last, kv_len, self.n_layers, cache.k, cache.v, cos, sin, hidden)
+        slots, mask = tree_args(tree)
+        logits = self.impl.forward_x(
+            x, pos, rws, last, kv_len, self.n_layers, cache.k, cache.v, cos, sin, hidden, slots, mask
+        )
         return logits, hidden
+
+
+def tree_args(tree: TreeMask | None) -> tuple[Tensor, Tensor]:
+    """A tree's slots [B, T] and mask [B, T, kv_len] as the decode step takes them (empty: entries by position)."""
+    if tree is None:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
+    return tree.slots, tree.mask[:, 0]
 
 
 class RopeTable:
@@ -281,7 +301,15 @@ class Eagle3HeadKernel:
         self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
 
     def __call__(
-        self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: Any, kv_len: int, last: Tensor
+        self,
+        f: Tensor,
+        e: Tensor,
+        pos: Tensor,
+        rows: Tensor | None,
+        cache: Any,
+        kv_len: int,
+        last: Tensor,
+        tree: TreeMask | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``AttnHeadKernel``'s call: (scores [B, V'], the layer's outputs g [B, H]) of each row's entry ``last``."""
         x, res = self._inputs(f, e)
@@ -289,5 +317,8 @@ class Eagle3HeadKernel:
         rws = self._all_rows if rows is None else rows
         cos, sin = self._rope(cache.max_seq_len)
         x, res = x.float().contiguous(), res.float().contiguous()
-        logits = self.impl.forward_pair(x, res, pos, rws, last, kv_len, cache.k, cache.v, cos, sin, g, self._out)
+        slots, mask = tree_args(tree)
+        logits = self.impl.forward_pair(
+            x, res, pos, rws, last, kv_len, cache.k, cache.v, cos, sin, g, self._out, slots, mask
+        )
         return logits, g

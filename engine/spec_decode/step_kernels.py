@@ -8,7 +8,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from engine.core.forward import KVCache
+from engine.core.forward import KVCache, TreeMask
 
 
 class EagleStepKernel(Protocol):
@@ -40,8 +40,17 @@ class AttnStepKernel(Protocol):
     ``AttnHeadKernel``, ``Eagle3HeadKernel``)."""
 
     def __call__(
-        self, f: Tensor, e: Tensor, pos: Tensor, rows: Tensor | None, cache: KVCache, kv_len: int, last: Tensor
+        self,
+        f: Tensor,
+        e: Tensor,
+        pos: Tensor,
+        rows: Tensor | None,
+        cache: KVCache,
+        kv_len: int,
+        last: Tensor,
+        tree: TreeMask | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
-        -> (scores [B, V'], the next features [B, H]) of each row's entry ``last`` [B]."""
+        -> (scores [B, V'], the next features [B, H]) of each row's entry ``last`` [B] (or [B, J], [B, J, ..] of
+        J entries each); ``tree``: a draft tree's entries, in its slots under its mask (None: by position)."""
         ...

@@ -33,17 +33,19 @@ class DecodeModel {
                         torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
                         torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask,
                         const torch::Tensor& aux, bool every) const;
-  // the same from the first layer's inputs x [B, T, H] float32 instead of token ids (a draft head's entries)
+  // the same from the first layer's inputs x [B, T, H] float32 instead of token ids (a draft head's entries; slots
+  // and mask: a draft tree's, as forward's)
   torch::Tensor forward_x(const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& rows,
                           const torch::Tensor& idx, int64_t kv_len, int64_t n_layers, torch::Tensor k_cache,
                           torch::Tensor v_cache, const torch::Tensor& cos, const torch::Tensor& sin,
-                          torch::Tensor hidden) const;
+                          torch::Tensor hidden, const torch::Tensor& slots, const torch::Tensor& mask) const;
   // a model whose first layer's q/k/v read 2H columns (EAGLE-3's layer): qkv_in [B, T, 2H] those inputs, normed
   // already, residual [B, T, H] the stream the layer adds to; every layer; the rest as forward_x (aux as forward)
   torch::Tensor forward_pair(const torch::Tensor& qkv_in, const torch::Tensor& residual, const torch::Tensor& pos,
                              const torch::Tensor& rows, const torch::Tensor& idx, int64_t kv_len,
                              torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                             const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& aux) const;
+                             const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& aux,
+                             const torch::Tensor& slots, const torch::Tensor& mask) const;
   // greedy drafting in one call: forward scored at last [B], then steps - 1 one-token forwards on the argmax
   // over the first vocab logits -> the steps argmaxes [B, steps] int64 (the caches hold every fed token)
   torch::Tensor greedy(const torch::Tensor& tokens, const torch::Tensor& pos, const torch::Tensor& rows,

@@ -121,7 +121,8 @@ torch::Tensor DecodeModel::forward(const torch::Tensor& tokens, const torch::Ten
 torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Tensor& pos, const torch::Tensor& rows,
                                      const torch::Tensor& idx, int64_t kv_len, int64_t n_layers,
                                      torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, torch::Tensor hidden) const {
+                                     const torch::Tensor& sin, torch::Tensor hidden, const torch::Tensor& slots,
+                                     const torch::Tensor& mask) const {
   TORCH_CHECK(in0_ == hidden_, "decode_forward_x: a wide first layer takes forward_pair");
   TORCH_CHECK(x_in.dim() == 3 && x_in.size(2) == hidden_ && x_in.scalar_type() == at::kFloat &&
               x_in.device().is_cpu(), "decode_forward_x: x [B, T, ", hidden_, "] float32 on the CPU");
@@ -131,7 +132,7 @@ torch::Tensor DecodeModel::forward_x(const torch::Tensor& x_in, const torch::Ten
   std::vector<float> x(xc.data_ptr<float>(), xc.data_ptr<float>() + xc.numel());
   const torch::Tensor none;
   return run(x, x_in.size(0), x_in.size(1), pos, rows, idx, kv_len, n_layers, k_cache, v_cache, cos, sin, hidden,
-             none, none, none, false);
+             slots, mask, none, false);
 }
 
 // a wide first layer's forward: its q/k/v read qkv_in [B, T, 2H] (normed by the caller), residual [B, T, H] the
@@ -140,7 +141,8 @@ torch::Tensor DecodeModel::forward_pair(const torch::Tensor& qkv_in, const torch
                                         const torch::Tensor& pos, const torch::Tensor& rows, const torch::Tensor& idx,
                                         int64_t kv_len, torch::Tensor k_cache, torch::Tensor v_cache,
                                         const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor hidden,
-                                        const torch::Tensor& aux) const {
+                                        const torch::Tensor& aux, const torch::Tensor& slots,
+                                        const torch::Tensor& mask) const {
   TORCH_CHECK(in0_ == 2 * hidden_, "decode_forward_pair: the model's first layer reads H columns: use forward_x");
   TORCH_CHECK(residual.dim() == 3 && residual.size(2) == hidden_ && residual.scalar_type() == at::kFloat &&
                   residual.device().is_cpu() && qkv_in.dim() == 3 && qkv_in.size(0) == residual.size(0) &&
@@ -151,9 +153,8 @@ torch::Tensor DecodeModel::forward_pair(const torch::Tensor& qkv_in, const torch
               pos.scalar_type() == at::kLong, "decode_forward_pair: pos [B, T] int64");
   const torch::Tensor rc = residual.contiguous(), qc = qkv_in.contiguous();
   std::vector<float> x(rc.data_ptr<float>(), rc.data_ptr<float>() + rc.numel());
-  const torch::Tensor none;
   return run(x, residual.size(0), residual.size(1), pos, rows, idx, kv_len, n_layers_, k_cache, v_cache, cos, sin,
-             hidden, none, none, aux, false, qc.data_ptr<float>());
+             hidden, slots, mask, aux, false, qc.data_ptr<float>());
 }
 
 // greedy drafting: the forward above scored at `last` [B], then steps - 1 more one-token forwards on its own

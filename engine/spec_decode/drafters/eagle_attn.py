@@ -5,8 +5,8 @@ hands it: ``FeatureNeed.ALL``, with the tokens after them) into the cache; the l
 first draft. Each later draft is one entry more, on the head's own feature. Entries past the committed ones
 are overwritten by the next round's, so a rejection needs nothing undone. With ``tree_branches`` > 1 greedy rounds
 draft EAGLE-2's dynamic tree (drafters/draft_tree.py): after the catch-up, each depth's most probable nodes run as
-entries in slots of their own after the committed ones, under the tree's mask (PyTorch's layers: the one-call step
-attends by position), each fed its parent's output; sampled rounds draft spine trees around their chain
+entries in slots of their own after the committed ones, under the tree's mask (on the one-call step where it runs),
+each fed its parent's output; sampled rounds draft spine trees around their chain
 (drafters/spine_tree.py). CUDA graphs of its step are not built: its step writes its own cache at per-row positions,
 so asking for graphs fails at load.
 """
@@ -180,21 +180,32 @@ class EagleAttnDrafter(HeadDrafter):
         """The rows' EAGLE-2 trees of ``batch.k`` nodes (``masked_tree``): the head's entries of each depth in the
         slots after the row's committed ones, each fed its parent's output."""
         logits, g, hlens, have, _ = self._root(batch, 1)
-        g = g.to(self.feature_dtype)  # (the one-call step's output) what PyTorch's layers read
+        g = g.to(self.feature_dtype)  # (the one-call step's output) as the layers read it
         B, H = g.shape
         r = torch.arange(B, device=g.device)[:, None]
         fed = [g[:, None].expand(B, w, H)]  # what each node of the newest layer is expanded with: its parent's output
 
         def expand(pick: Tensor, tokens: Tensor, pos: Tensor, kv_len: int, tree: TreeMask) -> Tensor:
-            assert self.cache is not None
             e = self.embed(self._target_ids(tokens))
-            out = self.head(fed[-1][r, pick], e, pos, self.cache, kv_len, batch.rows, tree)  # [B, wp, H]
+            logits, out = self._entries_out(fed[-1][r, pick], e, pos, kv_len, batch.rows, tree)  # [B, wp, ..]
             fed.append(out[:, :, None].expand(*pick.shape, w, H).reshape(B, -1, H))
-            return self.scores(out)
+            return logits
 
         base = torch.tensor(hlens, device=g.device)  # each row's first free slot and its depth-1 position
         toks, parents = masked_tree(expand, logits, base, batch.k, w)
         return tree_proposal(self._target_ids(toks), parents, have)
+
+    def _entries_out(
+        self, f: Tensor, e: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None, tree: TreeMask
+    ) -> tuple[Tensor, Tensor]:
+        """A tree's entries (f, e [B, T, H]) in its slots -> (the scores [B, T, V'], the outputs [B, T, H]) of every
+        entry: on the C++ kernel (T entries scored per row) or PyTorch's layers."""
+        assert self.cache is not None
+        if self._kernel is not None:
+            every = torch.arange(f.shape[1], device=f.device).expand(f.shape[0], -1)
+            return self._kernel(f, e, pos, rows, self.cache, kv_len, every, tree)
+        out = self.head(f, e, pos, self.cache, kv_len, rows, tree)
+        return self.scores(out), out
 
     def _target_ids(self, t: Tensor) -> Tensor:
         """Draft-vocabulary indices -> the target's ids."""
