@@ -94,7 +94,6 @@ def test_speculation_from_two_scrapes():
     assert serve_stats.speculation(after, after)["mean_accepted_length"] is None
 
 
-# ---------------------------------------------------------------- datasets and arrivals
 def test_the_tuner_against_the_best_fixed_k():
     def row(config, x, tok_s, temp=0.0):
         return {"config": config, "mode": "concurrency", "concurrency": x, "rate": None, "temperature": temp,
@@ -103,14 +102,17 @@ def test_the_tuner_against_the_best_fixed_k():
     rows = [row("on", 1, 90.0), row("off", 1, 50.0), row("fixed2", 1, 80.0), row("fixed5", 1, 100.0)]
     rows += [row("on", 16, 95.0), row("off", 16, 100.0), row("fixed2", 16, 70.0), row("fixed5", 16, 60.0)]
     rows += [row("on", 1, 70.0, 0.7), row("off", 1, 50.0, 0.7)]  # no sweep at this point: no comparison
+    rows += [row("on", 2, 70.0), row("fixed2", 2, 80.0), row("fixed5", 2, 100.0)]  # a sweep without off
     sp = {(s["config"], s["x"], s["temperature"]): s for s in serve_report.speedups(rows)}
     assert sp[("on", 1, 0.0)]["vs_best_fixed"] == pytest.approx(0.9) and sp[("on", 1, 0.0)]["best_fixed"] == "fixed5"
     assert sp[("on", 16, 0.0)]["vs_best_fixed"] == pytest.approx(0.95) and sp[("on", 16, 0.0)]["best_fixed"] == "off"
     assert sp[("on", 1, 0.7)]["vs_best_fixed"] is None and sp[("on", 1, 0.7)]["speedup"] == pytest.approx(1.4)
     assert sp[("fixed2", 16, 0.0)]["vs_best_fixed"] is None and sp[("fixed2", 16, 0.0)]["speedup"] == pytest.approx(0.7)
+    assert sp[("on", 2, 0.0)]["vs_best_fixed"] == pytest.approx(0.7) and sp[("on", 2, 0.0)]["speedup"] is None
     assert "0.90x (fixed5)" in serve_report.table([], list(sp.values()))
 
 
+# ---------------------------------------------------------------- datasets and arrivals
 def test_poisson_arrivals_mean_rate():
     for rate in (0.5, 4.0, 50.0):
         t = serve_load.arrival_times(4000, rate, seed=3)

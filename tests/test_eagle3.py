@@ -221,7 +221,7 @@ def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monk
                     while li >= 0:
                         path.append(int(tokens[b, j] if li == layer else calls[li][1][b, j]))
                         j, li = int(calls[li][0][b, j]) // w, li - 1  # its parent: an expanded node of the layer above
-                    out, zero = g[b].to(d.feature_dtype), torch.zeros(1, dtype=torch.long)
+                    out, zero = g[b], torch.zeros(1, dtype=torch.long)
                     d.cache = rd["cache"]  # the step on the round's committed cache, by position
                     for n, t in enumerate(reversed(path)):  # the path's entries, one by one, as a chain
                         e = d.embed(d._target_ids(torch.tensor([[t]])))
@@ -230,6 +230,29 @@ def test_a_heads_tree_scores_each_node_as_its_own_chain(ckpt_dir, tmp_path, monk
                     torch.testing.assert_close(got[b, i], want[0], atol=1e-4, rtol=1e-4)
                     checked += 1
     assert checked > 40
+
+
+def test_a_row_that_reads_its_drafts_in_order_gets_a_chain(ckpt_dir, tmp_path, monkeypatch):
+    """A greedy batch with a repetition penalty in one row: the head drafts chains of K for the batch (the row reads
+    its drafts in order; a tree's first branch would be shorter), trees without it; outputs are plain decoding's."""
+    from test_heads import random_head
+
+    from engine.api.options import SpeculationConfig
+
+    head = random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)
+    sc = SpeculationConfig(drafter="eagle", tree_branches=2, k=6, k_policy="constant")
+    eng = Engine.from_pretrained(ckpt_dir, head, speculation=sc)
+    d, shapes = eng.drafter, []
+    chain, tree = d._chain, d._tree
+    monkeypatch.setattr(d, "_chain", lambda b: shapes.append("chain") or chain(b))
+    monkeypatch.setattr(d, "_tree", lambda b, w: shapes.append("tree") or tree(b, w))
+    params = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10, repetition_penalty=1.3)]
+    want = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(PROMPTS[:2], params)]
+    assert [o.token_ids for o in eng.generate(PROMPTS[:2], params)] == want
+    assert shapes[0] == "chain"
+    shapes.clear()
+    eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10))
+    assert shapes and set(shapes) == {"tree"}
 
 
 @pytest.mark.parametrize("layout", ["authors", "authors-bin", "speculators"])

@@ -54,25 +54,25 @@ def best_fixed(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, float, float],
 
 
 def speedups(rows: Sequence[dict[str, Any]], base: str = "off") -> list[dict[str, Any]]:
-    """Per point and config other than ``base``: output tokens/s and TTFT p99 against ``base``'s; for a configuration
-    that is not fixed (the tuner), its tokens/s against the sweep's best fixed K at the point (``best_fixed``), and
-    that K's configuration (None without a sweep)."""
+    """Per point and config other than ``base``: output tokens/s and TTFT p99 against ``base``'s (None where it did not
+    run); for a configuration that is not fixed (the tuner), its tokens/s against the sweep's best fixed K at the
+    point (``best_fixed``), and that K's configuration (None without a sweep)."""
     bases = {point_key(r): r for r in rows if r["config"] == base}
     fixed = best_fixed(rows)
     out = []
     for r in rows:
-        b = bases.get(point_key(r))
-        if r["config"] == base or b is None:
-            continue
+        b = bases.get(point_key(r), {})
         best = None if is_fixed(r["config"]) else fixed.get(point_key(r))
+        if r["config"] == base or (not b and best is None):
+            continue
         out.append(
             {
                 "config": r["config"],
                 "mode": r["mode"],
                 "x": point_key(r)[1],
                 "temperature": r["temperature"],
-                "speedup": _ratio(r["output_throughput"], b["output_throughput"]),
-                "ttft_p99_ratio": _ratio(r["p99_ttft_ms"], b["p99_ttft_ms"]),
+                "speedup": _ratio(r["output_throughput"], b.get("output_throughput")),
+                "ttft_p99_ratio": _ratio(r["p99_ttft_ms"], b.get("p99_ttft_ms")),
                 "vs_best_fixed": None if best is None else _ratio(r["output_throughput"], best["output_throughput"]),
                 "best_fixed": None if best is None else best["config"],
             }
@@ -82,6 +82,10 @@ def speedups(rows: Sequence[dict[str, Any]], base: str = "off") -> list[dict[str
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def _f(v: Any, nd: int = 1) -> str:
@@ -124,8 +128,8 @@ def table(rows: Sequence[dict[str, Any]], sp: Sequence[dict[str, Any]]) -> str:
         head = "config | mode | x | temp | speedup (out tok/s vs off) | TTFT p99 vs off | vs best fixed K (config)"
         lines += ["", head, "|".join(["---"] * 7)]
         lines += [
-            f"{s['config']} | {s['mode']} | {_f(s['x'])} | {_f(s['temperature'])} | {_f(s['speedup'], 2)}x"
-            f" | {_f(s['ttft_p99_ratio'], 2)}x | "
+            f"{s['config']} | {s['mode']} | {_f(s['x'])} | {_f(s['temperature'])} | {_x(s['speedup'])}"
+            f" | {_x(s['ttft_p99_ratio'])} | "
             + ("-" if s["vs_best_fixed"] is None else f"{s['vs_best_fixed']:.2f}x ({s['best_fixed']})")
             for s in sp
         ]

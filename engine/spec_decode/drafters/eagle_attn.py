@@ -140,9 +140,9 @@ class EagleAttnDrafter(HeadDrafter):
         w = self.branches
         if spine_trees(batch, w):
             return sampled_trees(batch, w, self._chain)
-        if batch.processing.mode == "greedy" and batch.tree and w > 1:
+        if batch.processing.mode == "greedy" and batch.tree and w > 1 and not any(batch.chains or ()):
             return self._tree(batch, w)
-        return self._chain(batch)
+        return self._chain(batch)  # (a row that reads its drafts in order takes a chain: the batch drafts chains)
 
     def _root(self, batch: DraftBatch, k: int) -> tuple[Tensor, Tensor, list[int], list[bool], int]:
         """The catch-up: each row's committed entries into the cache -> (the scores of its first draft [B, V'], the
@@ -180,7 +180,6 @@ class EagleAttnDrafter(HeadDrafter):
         """The rows' EAGLE-2 trees of ``batch.k`` nodes (``masked_tree``): the head's entries of each depth in the
         slots after the row's committed ones, each fed its parent's output."""
         logits, g, hlens, have, _ = self._root(batch, 1)
-        g = g.to(self.feature_dtype)  # (the one-call step's output) as the layers read it
         B, H = g.shape
         r = torch.arange(B, device=g.device)[:, None]
         fed = [g[:, None].expand(B, w, H)]  # what each node of the newest layer is expanded with: its parent's output
@@ -192,6 +191,7 @@ class EagleAttnDrafter(HeadDrafter):
             return logits
 
         base = torch.tensor(hlens, device=g.device)  # each row's first free slot and its depth-1 position
+        assert self.cache is not None and max(hlens) + batch.k < self.cache.max_seq_len, "the loop's K headroom"
         toks, parents = masked_tree(expand, logits, base, batch.k, w)
         return tree_proposal(self._target_ids(toks), parents, have)
 
