@@ -311,7 +311,8 @@ class Eagle3HeadKernel:
         last: Tensor,
         tree: TreeMask | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """``AttnHeadKernel``'s call: (scores [B, V'], the layer's outputs g [B, H]) of each row's entry ``last``."""
+        """``AttnHeadKernel``'s call: (scores [B, V'], the layer's outputs g [B, H]) of each row's entry ``last`` [B]
+        ([B, J]: [B, J, ..]); ``tree``: a draft tree's entries in its slots under its mask."""
         x, res = self._inputs(f, e)
         g = torch.empty(1)
         rws = self._all_rows if rows is None else rows
