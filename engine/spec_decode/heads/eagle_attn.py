@@ -9,9 +9,9 @@ whose last committed entry is r is the entry r + j on the head's output at r + j
 committed entries <= r and the round's own entries r + 1 .. r + j.
 
 ``forward`` runs entries through a static, position-indexed KV cache (a rejection only moves the head's
-length back, like the target's), or a draft tree's entries in slots of their own under the tree's mask; ``unrolled`` runs a whole sequence at every draft depth at once under
-the mask that reproduces those rounds from every root (the "training-time test" of EAGLE-3), for
-training and the held-out evaluation.
+length back, like the target's), or a draft tree's entries in slots of their own under the tree's mask;
+``unrolled`` runs a whole sequence at every draft depth at once under the mask that reproduces those rounds
+from every root (the "training-time test" of EAGLE-3), for training and the held-out evaluation.
 """
 
 from __future__ import annotations
