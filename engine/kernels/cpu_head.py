@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -208,52 +208,6 @@ class AttnHeadLayers(Protocol):
         ...
 
 
-class AttnHeadKernel:
-    """The EAGLE head with attention's decoder layers, output norm and scores in one C++ call: the decode step's
-    kernel (engine/kernels/csrc/decode_model.cpp ``forward_x``) on the entries (``EagleAttnHead.entries`` of the
-    drafter's features and embeddings, on PyTorch), with the head's own static KV cache. The layers' GEMM weights
-    are copies in ``store`` (``layer_weights``: q/k/v and gate/up fused first, ``fuse_projections``); the LM head's
-    rows stay the target's fp32 weight."""
-
-    def __init__(self, head: AttnHeadLayers, lm_weight: Tensor, store: torch.dtype) -> None:
-        sw = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)
-        mcfg = head.mcfg
-        H = mcfg.hidden_size
-        sw.add(torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous())  # (no embedding read)
-        self.impl = cpu_kernels().DecodeModel(
-            *sw.args(), mcfg.num_attention_heads, mcfg.num_key_value_heads, 0,
-            mcfg.rms_norm_eps, False,
-        )  # fmt: skip
-        self.n_layers = mcfg.num_hidden_layers
-        self._entries = head.entries
-        self._rope = RopeTable(head.inv_freq)
-        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
-
-    def __call__(
-        self,
-        f: Tensor,
-        e: Tensor,
-        pos: Tensor,
-        rows: Tensor | None,
-        cache: Any,
-        kv_len: int,
-        last: Tensor,
-        tree: TreeMask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
-        (None: 0..B-1) -> (scores [B, V'], features [B, H]) of each row's entry ``last`` [B] ([B, J]: [B, J, ..]);
-        ``tree``: a draft tree's entries in its slots under its mask."""
-        hidden = torch.empty(1)
-        x = self._entries(f, e).float().contiguous()
-        cos, sin = self._rope(cache.max_seq_len)
-        rws = self._all_rows if rows is None else rows
-        slots, mask = tree_args(tree)
-        logits = self.impl.forward_x(
-            x, pos, rws, last, kv_len, self.n_layers, cache.k, cache.v, cos, sin, hidden, slots, mask
-        )
-        return logits, hidden
-
-
 def tree_args(tree: TreeMask | None) -> tuple[Tensor, Tensor]:
     """A tree's slots [B, T] and mask [B, T, kv_len] as the decode step takes them (empty: entries by position)."""
     if tree is None:
@@ -275,7 +229,78 @@ class RopeTable:
         return self._table
 
 
-class Eagle3HeadKernel:
+class _EntryArgs(NamedTuple):
+    """A head step's call as the decode step takes it."""
+
+    pos: Tensor
+    rows: Tensor
+    last: Tensor
+    kv_len: int
+    cache_rope: tuple[Tensor, Tensor, Tensor, Tensor]  # the cache's k, v and the rotary cos, sin
+    slots: Tensor
+    mask: Tensor
+
+
+class _EntriesKernel:
+    """A head's layers over its own KV cache on the decode step (``AttnStepKernel``): the call's rows, rotary tables
+    and tree in the step's form; ``_forward`` runs it."""
+
+    def __init__(self, inv_freq: Tensor) -> None:
+        self._rope = RopeTable(inv_freq)
+        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
+
+    def __call__(
+        self,
+        f: Tensor,
+        e: Tensor,
+        pos: Tensor,
+        rows: Tensor | None,
+        cache: Any,
+        kv_len: int,
+        last: Tensor,
+        tree: TreeMask | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
+        (None: 0..B-1) -> (scores [B, V'], the next features [B, H]) of each row's entry ``last`` [B] ([B, J]:
+        [B, J, ..]); ``tree``: a draft tree's entries in its slots under its mask."""
+        slots, mask = tree_args(tree)
+        rws = self._all_rows if rows is None else rows
+        args = _EntryArgs(pos, rws, last, kv_len, (cache.k, cache.v, *self._rope(cache.max_seq_len)), slots, mask)
+        return self._forward(f, e, args)
+
+    def _forward(self, f: Tensor, e: Tensor, args: _EntryArgs) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+
+class AttnHeadKernel(_EntriesKernel):
+    """The EAGLE head with attention's decoder layers, output norm and scores in one C++ call: the decode step's
+    kernel (engine/kernels/csrc/decode_model.cpp ``forward_x``) on the entries (``EagleAttnHead.entries`` of the
+    drafter's features and embeddings, on PyTorch), with the head's own static KV cache. The layers' GEMM weights
+    are copies in ``store`` (``layer_weights``: q/k/v and gate/up fused first, ``fuse_projections``); the LM head's
+    rows stay the target's fp32 weight."""
+
+    def __init__(self, head: AttnHeadLayers, lm_weight: Tensor, store: torch.dtype) -> None:
+        sw = layer_weights(head.layers, store)  # (q/k/v and gate/up fused by the caller: fuse_projections)
+        mcfg = head.mcfg
+        H = mcfg.hidden_size
+        sw.add(torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous())  # (no embedding read)
+        self.impl = cpu_kernels().DecodeModel(
+            *sw.args(), mcfg.num_attention_heads, mcfg.num_key_value_heads, 0,
+            mcfg.rms_norm_eps, False,
+        )  # fmt: skip
+        self.n_layers = mcfg.num_hidden_layers
+        self._entries = head.entries
+        super().__init__(head.inv_freq)
+
+    def _forward(self, f: Tensor, e: Tensor, args: _EntryArgs) -> tuple[Tensor, Tensor]:
+        hidden = torch.empty(1)
+        x = self._entries(f, e).float().contiguous()
+        logits = self.impl.forward_x(x, args.pos, args.rows, args.last, args.kv_len, self.n_layers, *args.cache_rope,
+                                     hidden, args.slots, args.mask)  # fmt: skip
+        return logits, hidden
+
+
+class Eagle3HeadKernel(_EntriesKernel):
     """EAGLE-3's layer, norm and scores in one C++ call (the decode step's ``forward_pair``): the layer's q/k/v read
     [input_layernorm(e); hidden_norm(f)] (2H, computed here on PyTorch), f the residual; returns each row's
     scores and the layer's output g before the norm (the next entry's feature). GEMM weights, the LM head's
@@ -296,30 +321,13 @@ class Eagle3HeadKernel:
             mcfg.rms_norm_eps, False,
         )  # fmt: skip
         self._inputs = head.midlayer.inputs
-        self._rope = RopeTable(head.inv_freq)
         self._out = torch.tensor([1], dtype=torch.long)  # "entering layer 1": the layer's output, before the norm
-        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
+        super().__init__(head.inv_freq)
 
-    def __call__(
-        self,
-        f: Tensor,
-        e: Tensor,
-        pos: Tensor,
-        rows: Tensor | None,
-        cache: Any,
-        kv_len: int,
-        last: Tensor,
-        tree: TreeMask | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``AttnHeadKernel``'s call: (scores [B, V'], the layer's outputs g [B, H]) of each row's entry ``last`` [B]
-        ([B, J]: [B, J, ..]); ``tree``: a draft tree's entries in its slots under its mask."""
+    def _forward(self, f: Tensor, e: Tensor, args: _EntryArgs) -> tuple[Tensor, Tensor]:
         x, res = self._inputs(f, e)
         g = torch.empty(1)
-        rws = self._all_rows if rows is None else rows
-        cos, sin = self._rope(cache.max_seq_len)
         x, res = x.float().contiguous(), res.float().contiguous()
-        slots, mask = tree_args(tree)
-        logits = self.impl.forward_pair(
-            x, res, pos, rws, last, kv_len, cache.k, cache.v, cos, sin, g, self._out, slots, mask
-        )
+        logits = self.impl.forward_pair(x, res, args.pos, args.rows, args.last, args.kv_len, *args.cache_rope, g,
+                                        self._out, args.slots, args.mask)  # fmt: skip
         return logits, g
