@@ -208,13 +208,6 @@ class AttnHeadLayers(Protocol):
         ...
 
 
-def tree_args(tree: TreeMask | None) -> tuple[Tensor, Tensor]:
-    """A tree's slots [B, T] and mask [B, T, kv_len] as the decode step takes them (empty: entries by position)."""
-    if tree is None:
-        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
-    return tree.slots, tree.mask[:, 0]
-
-
 class RopeTable:
     """cos, sin [N, D] fp32 of a head's rotary frequencies for positions 0..N-1, grown on demand."""
 
@@ -247,7 +240,8 @@ class _EntriesKernel:
 
     def __init__(self, inv_freq: Tensor) -> None:
         self._rope = RopeTable(inv_freq)
-        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1
+        self._all_rows = torch.empty(0, dtype=torch.long)  # rows 0..B-1; no tree's slots
+        self._no_mask = torch.empty(0, dtype=torch.bool)
 
     def __call__(
         self,
@@ -263,7 +257,8 @@ class _EntriesKernel:
         """Entries (features f, next tokens' embeddings e [B, T, H]) at positions pos [B, T] in cache rows ``rows``
         (None: 0..B-1) -> (scores [B, V'], the next features [B, H]) of each row's entry ``last`` [B] ([B, J]:
         [B, J, ..]); ``tree``: a draft tree's entries in its slots under its mask."""
-        slots, mask = tree_args(tree)
+        # a tree's slots [B, T] and mask [B, T, kv_len] as the step takes them (empty: entries by position)
+        slots, mask = (self._all_rows, self._no_mask) if tree is None else (tree.slots, tree.mask[:, 0])
         rws = self._all_rows if rows is None else rows
         args = _EntryArgs(pos, rws, last, kv_len, (cache.k, cache.v, *self._rope(cache.max_seq_len)), slots, mask)
         return self._forward(f, e, args)

@@ -55,6 +55,7 @@ def masked_tree(expand: Expand, root: Tensor, base: Tensor, budget: int, branche
     E = layers * w
     anc = [torch.zeros(B, w, max(E, 1), dtype=torch.bool, device=dev)]  # nodes' expanded ancestors (by expansion)
     r = torch.arange(B, device=dev)[:, None]
+    top = int(base.max())  # (one host read for the round)
     n_prev = 0
     for layer in range(layers):
         sc, tk, an = scores[-1], toks[-1], anc[-1]
@@ -63,7 +64,7 @@ def masked_tree(expand: Expand, root: Tensor, base: Tensor, budget: int, branche
         e = layer * w + torch.arange(wp, device=dev)  # [wp] their expansion indices
         own = an[r, pick].clone()  # [B, wp, E]
         own[:, torch.arange(wp, device=dev), e] = True
-        kv_len = int(base.max()) + layer * w + wp
+        kv_len = top + layer * w + wp
         j = torch.arange(kv_len, device=dev)
         rel = j[None] - base[:, None]  # [B, kv] expansion index a slot holds (< 0: committed; >= E: another row's)
         ours = (rel >= 0) & (rel < E)
