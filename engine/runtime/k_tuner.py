@@ -1,34 +1,40 @@
 """K from measured rounds: per batch bucket, the K (and draft shape) whose rounds commit the most tokens per second.
 
-A cost table measured apart from the serving rounds (one sequence, bare forward passes) misprices them: a real
-round also pays per-round costs that plain rounds pay too, and at a batch of B sequences a verify pass of
-B (K+1) tokens can cost far more than B times one token (a CPU, or a GPU at a large batch). The tuner measures
-the rounds themselves. An arm is a K (0: plain decoding) and, where the drafter is configured for trees
-(``tree_branches`` > 1), whether the round drafts trees of K nodes or chains of K drafts. Per batch bucket (the
-running batch rounded up to a power of two) and per arm it keeps a decayed mean of the round's wall time.
+A cost table measured apart from the serving rounds (one sequence, bare forward passes) misprices them: a real round
+also pays per-round costs that plain rounds pay too, and at a batch of B sequences a verify pass of B (K+1) tokens
+can cost far more than B times one token (a CPU, or a GPU at a large batch). The tuner measures the rounds
+themselves. An arm is a K (0: plain decoding) and, where the drafter is configured for trees (``tree_branches`` >
+1), whether the round drafts trees of K nodes or chains of K drafts. Per batch bucket (the running batch rounded up
+to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
-Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA)
-predicts (1 - a^(K+1)) / (1 - a) committed tokens; for a tree of K nodes no such closed form holds (it depends
-on how the drafter spends its nodes), so the tuner keeps a decayed mean of the tokens a tuned row committed in
-that arm's rounds (rows that drafted the arm's full K and did not end), starting from the chain's prediction at
-its K and leaving it as the tree is measured. The round takes the arm with the most expected tokens per second;
-a tree is taken only where its measured rate beats every chain's, so a drafter whose trees do not pay runs
-chains.
+Expected tokens per round: each tuned row's running acceptance a (the K controller's EMA) predicts (1 - a^(K+1)) /
+(1 - a) committed tokens for a chain of K. The prediction is calibrated per arm by what the rounds committed: the
+tuner keeps decayed sums of the tokens the arm's tuned rows committed (rows that drafted the arm's full K and did
+not end) and of what their acceptances predicted, and scales today's prediction by their ratio. The ratio starts at
+the nearest measured arm's (1 where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per
+measurement) and leaves it as the arm is measured: it absorbs what the geometric model misses (acceptance falling
+with the draft position, rows whose drafter finds nothing, a tree's extra candidates, for which no closed form
+holds). The round takes the arm with the most expected tokens per second; a tree is taken only where its measured
+rate beats every chain's, so a drafter whose trees do not pay runs chains.
 
-Exploration is bounded: an arm is measured ``warmup`` times before its estimate counts; the start K and K = 0
-are measured first (and the start K's tree where trees are on), then the neighbours of the best (K +- 1 in the
-same shape, the other shape at the same K). A neighbour is measured again so that a change of load or
-acceptance is seen: at most every ``explore`` rounds at its bucket, and the worse it measured the more seldom
-(``explore_cost``: each neighbour costs about 1% of the throughput). A measurement after a gap weighs more
-(the past decays per ``explore`` rounds), so a rarely measured arm follows the load. Other estimates not
-refreshed for ``stale`` rounds are dropped, and an arm far from today's best is measured afresh when the
-search reaches it again. Speculation turns off for a bucket where plain rounds commit more per second, and
-back on when speculating wins again.
+A new row's acceptance starts from the tuner's: a decayed estimate over the tuned rows of recent chain rounds
+(``acceptance``), not from a fixed prior, so that rows admitted while plain rounds run (they learn nothing) do not
+predict the drafts an optimistic prior would.
 
-The choice depends only on rounds already run (their times, the rows' past acceptance and commits), never on
-this round's draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a
-seeded sampled row keeps its own controller's K, which depends on its own history only, so its tokens do not
-depend on the batch.
+Exploration is bounded: an arm is measured ``warmup`` times before its estimate counts; a new bucket measures the
+best arm of the nearest bucket tuned so far (the start K at the first) and K = 0 first (and the other shape at that
+K where trees are on), then the neighbours of the best (K +- 1 in the same shape, the other shape at the same K). A
+neighbour is measured again so that a change of load or acceptance is seen: at most every ``explore`` rounds at its
+bucket, and the worse it measured the more seldom (``explore_cost``: each neighbour costs about 1% of the
+throughput). A measurement after a gap weighs more (the past decays per ``explore`` rounds), so a rarely measured
+arm follows the load. Other estimates not refreshed for ``stale`` rounds are dropped, and an arm far from today's
+best is measured afresh when the search reaches it again. Speculation turns off for a bucket where plain rounds
+commit more per second, and back on when speculating wins again.
+
+The choice depends only on rounds already run (their times, the rows' past acceptance and commits), never on this
+round's draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a seeded
+sampled row keeps its own controller's K, which depends on its own history only, so its tokens do not depend on the
+batch.
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ class Arm(NamedTuple):
 PLAIN = Arm(0)
 
 
+class RowYield(NamedTuple):
+    """A tuned row's share of a round: its running acceptance before the round and the tokens it committed."""
+
+    acceptance: float
+    committed: float
+
+
 @dataclass
 class KTuner:
     """The round's K and draft shape per batch bucket from measured round times (see the module doc)."""
@@ -67,10 +80,13 @@ class KTuner:
     """The smallest K tried besides 0 (plain rounds)."""
     trees: bool = False
     """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
-    tree_prior: float = 8.0
-    """A tree's tokens per row start from a chain's prediction at its K (the rows' acceptance), worth this many
-    measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to
-    K + 1) do not make a tree the best."""
+    yield_prior: float = 8.0
+    """An arm's calibration (committed / predicted tokens) starts at its nearest measured arm's, worth this many
+    measured rounds and fading
+    by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to K + 1) do not make an arm
+    the best."""
+    population_decay: float = 0.95
+    """Weight of the past in the tuner's acceptance estimate (``acceptance``), per recorded chain round."""
     warmup: int = 2
     """Rounds measured at an arm before its estimate counts."""
     explore: int = 12
@@ -85,7 +101,8 @@ class KTuner:
     """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
-    _tokens: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [tokens, rows] decayed
+    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # [committed, predicted] decayed
+    _accept: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [successes, trials] decayed, all buckets
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
     _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
@@ -105,11 +122,27 @@ class KTuner:
             return None
         rows = max(1, len(acceptance))
         chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row, from acceptance
-        got = self._tokens.get((bucket(batch), arm))
-        if not arm.tree or got is None:
+        if arm == PLAIN:
             return rows * chain / t
-        w = self.tree_prior * rows * self.decay ** self._times[(bucket(batch), arm)][2]  # fades as measured
-        return rows * (got[0] + w * chain) / (got[1] + w) / t
+        b = bucket(batch)
+        prior = self._ratio(b, arm)
+        got = self._yield.get((b, arm), [0.0, 0.0])
+        w = self.yield_prior * rows * chain * self.decay ** self._times[(b, arm)][2]  # fades as it is measured
+        return rows * chain * (got[0] + w * prior) / (got[1] + w) / t
+
+    def _ratio(self, b: int, arm: Arm) -> float:
+        """An arm's calibration before its own measurements: that of the nearest arm with measured yields at the
+        bucket (the same shape first), else 1."""
+        near = [(a.tree != arm.tree, abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm]
+        if not near:
+            return 1.0
+        y = min(near, key=lambda x: x[:2])[2]
+        return y[0] / y[1] if y[1] > 0 else 1.0
+
+    def acceptance(self) -> float | None:
+        """The per-token acceptance of the tuned rows of recent chain rounds (None: none recorded yet)."""
+        s, n = self._accept
+        return s / n if n >= 1.0 else None
 
     def arms(self) -> list[Arm]:
         """Every arm tried: plain, chains of k_min..k_max and, with trees, trees of 2..k_max nodes."""
@@ -132,11 +165,12 @@ class KTuner:
         keep = set() if last is None else {last, *self._neighbours(last)}
         for key in [key for key, at in self._at.items() if key[0] == b and n - at > self.stale and key[1] not in keep]:
             del self._times[key], self._at[key]  # the load may have changed since: measure it again when needed
-            self._tokens.pop(key, None)
+            self._yield.pop(key, None)
         rates = {a: r for a in self.arms() if (r := self.rate(batch, acceptance, a)) is not None}
         if last is None or not rates:  # a new bucket (or one whose estimates all went stale)
-            first = [Arm(self.k_start), PLAIN] + ([Arm(self.k_start, True)] if self.trees and self.k_start > 1 else [])
-            for arm in first:
+            start = self._start(b)
+            other = [Arm(start.k, not start.tree)] if self.trees and start.k > 1 else []
+            for arm in [start, PLAIN, *other]:
                 if arm not in rates:
                     return arm
         best = max(rates, key=lambda a: (rates[a], not a.tree, -a.k))  # ties: chains, then the smaller K
@@ -149,6 +183,11 @@ class KTuner:
         overdue = [(self._lateness(b, n, a, rates, best), a) for a in neighbours if a in rates]
         late, arm = max(overdue, default=(-1.0, best))
         return arm if late >= 0 else best
+
+    def _start(self, b: int) -> Arm:
+        """The arm a new bucket measures first: the best of the nearest bucket tuned so far, else the start K."""
+        near = sorted(self._best, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
+        return self._best[near[0]] if near else Arm(self.k_start)
 
     def _lateness(self, b: int, n: int, arm: Arm, rates: dict[Arm, float], best: Arm) -> float:
         """Rounds past a measured neighbour's next measurement (< 0: not due); one of the other shape waits for its
@@ -177,20 +216,26 @@ class KTuner:
         """Rounds between measurements of a neighbour with this rate (see ``explore_cost``)."""
         return max(self.explore, (1.0 - min(1.0, rate / best)) / self.explore_cost) if best > 0 else self.explore
 
-    def record(self, batch: int, arm: Arm, seconds: float, committed: Sequence[float] = ()) -> None:
-        """One round's wall time at ``arm`` and the tokens each tuned row committed (a round that prefilled is not
-        recorded: its prefill dominates). A tree where the drafter drafts none, or of one node or none, is filed
-        under the chain arm of its K: that is what ran."""
+    def record(self, batch: int, arm: Arm, seconds: float, rows: Sequence[RowYield] = ()) -> None:
+        """One round's wall time at ``arm`` and, per tuned row that drafted the arm's full K and did not end, its
+        acceptance before the round and the tokens it committed (a round that prefilled is not recorded: its
+        prefill dominates). A tree where the drafter drafts none, or of one node or none, is filed under the chain
+        arm of its K: that is what ran."""
         arm = Arm(arm.k, arm.tree and self.trees and arm.k > 1)
         b, now = bucket(batch), self._rounds.get(bucket(batch), 0)
         w = self.decay ** max(1.0, (now - self._at.get((b, arm), now)) / self.explore)  # the past's weight
         s = self._times.setdefault((b, arm), [0.0, 0.0, 0])
         s[0], s[1], s[2] = w * s[0] + seconds, w * s[1] + 1.0, s[2] + 1
-        if arm.tree and committed:
-            t = self._tokens.setdefault((b, arm), [0.0, 0.0])
-            t[0] = w * t[0] + sum(committed)
-            t[1] = w * t[1] + len(committed)
         self._at[(b, arm)] = now
+        if arm == PLAIN or not rows:
+            return
+        y = self._yield.setdefault((b, arm), [0.0, 0.0])
+        y[0] = w * y[0] + sum(r.committed for r in rows)
+        y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
+        if not arm.tree:  # a chain's row accepted committed - 1 of K drafts: a censored geometric observation
+            acc, d = self._accept, self.population_decay
+            acc[0] = d * acc[0] + sum(r.committed - 1 for r in rows)
+            acc[1] = d * acc[1] + sum(r.committed - 1 + (r.committed - 1 < arm.k) for r in rows)
 
     def best(self) -> dict[str, Arm]:
         """The best arm so far per batch bucket (a copy)."""

@@ -36,17 +36,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
-from engine.runtime.k_tuner import Arm, KTuner
+from engine.runtime.k_tuner import Arm, KTuner, RowYield
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
-from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable
+from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable, tunable_params
 from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
@@ -275,6 +275,9 @@ class Scheduler:
         sp, pol = r.params, self.policy
         gen = torch.Generator(device=self.device)
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+        if pol is not None and self.tuner is not None and tunable_params(sp):  # its K is the tuner's: so its prior
+            prior = self.tuner.acceptance()
+            pol = pol if prior is None else replace(pol, prior_a=prior)
         # costs are measured (once) only for the cost-model policy
         k_ctl = None if pol is None else KController(pol, self._costs() if pol.name == "cost-model" else None)
         return Seq(prompt=r.prompt, params=sp, generator=gen, row=row, k_ctl=k_ctl, prefill_from=sibling)
@@ -313,7 +316,8 @@ class Scheduler:
             self._round_started = None
         dt = time.perf_counter() - t0
         if arm is not None and clean and not prefill and self.tuner is not None:
-            self.tuner.record(len(seqs), arm, dt, [len(new) for s, new in events if id(s) in full and not s.finished])
+            yields = [RowYield(full[id(s)], len(new)) for s, new in events if id(s) in full and not s.finished]
+            self.tuner.record(len(seqs), arm, dt, yields)
         with self._lock:
             if clean:
                 self._failed_streak = 0
@@ -323,12 +327,17 @@ class Scheduler:
         self._hand_out(events)
 
     @staticmethod
-    def _full_rows(seqs: list[Seq], arm: Arm | None) -> set[int]:
-        """The tuned rows that draft the arm's full K this round (not cut short by what remains to generate): the
-        tokens they commit are what the tuner learns an arm's yield from (with those that do not end this round)."""
+    def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, float]:
+        """The tuned rows that draft the arm's full K this round (not cut short by what remains to generate), by id,
+        with their acceptance before the round: the tokens they commit are what the tuner calibrates the arm's
+        yield by (with those that do not end this round)."""
         if arm is None:
-            return set()
-        return {id(s) for s in seqs if tunable(s) and s.params.max_new_tokens - len(s.generated) > arm.k}
+            return {}
+        return {
+            id(s): s.k_ctl.acceptance
+            for s in seqs
+            if s.k_ctl is not None and tunable(s) and s.params.max_new_tokens - len(s.generated) > arm.k
+        }
 
     def _tuned(self, seqs: list[Seq]) -> Arm | None:
         """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled

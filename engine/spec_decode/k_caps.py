@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
 NO_CAP = 1 << 30  # a K cap that caps nothing
@@ -28,4 +29,9 @@ class KCaps:
 def tunable(s: Seq) -> bool:
     """Whether the serving layer may set this row's K: any but a seeded sampled row, whose K decides its draws
     (its tokens must not depend on the batch or the load)."""
-    return s.params.greedy or s.params.seed is None
+    return tunable_params(s.params)
+
+
+def tunable_params(p: SamplingParams) -> bool:
+    """``tunable`` of a row with these sampling parameters."""
+    return p.greedy or p.seed is None
