@@ -75,31 +75,6 @@ def test_the_choice_depends_only_on_the_past():
         b.record(4, kb, round_time(4, kb.k))
 
 
-def run_rows(tuner: KTuner, batch: int, claimed: float, true: float, rounds: int, **kw: float) -> Counter[int]:
-    """As ``run``, but the rows claim acceptance ``claimed`` while they commit as ``true`` says."""
-    seen: Counter[int] = Counter()
-    for i in range(rounds):
-        arm = tuner.choose(batch, [claimed] * batch)
-        rows = [RowYield(claimed, expected_tokens(true, arm.k))] * batch
-        tuner.record(batch, arm, round_time(batch, arm.k, **kw), rows)
-        if i >= rounds // 2:
-            seen[arm.k] += 1
-    return seen
-
-
-@pytest.mark.parametrize("batch, claimed, true", [(4, 0.7, 0.15), (1, 0.3, 0.85), (8, 0.45, 0.7), (2, 0.6, 0.3)])
-def test_what_rows_commit_corrects_what_their_acceptance_predicts(batch, claimed, true):
-    """Rows whose running acceptance misstates what they commit (a prior not yet left, a drafter that finds
-    nothing for some rows): the tuner converges to the best K for what they commit, not for what they claim."""
-    kw = dict(fixed=1.0, per_token=0.1, knee=4)  # a verified token past the 4th costs a tenth of a round
-    rates = {k: batch * expected_tokens(true, k) / round_time(batch, k, **kw) for k in range(9)}
-    best, wrong = max(rates.values()), true_best(batch, claimed, 8, **kw)
-    assert rates[wrong] < 0.95 * best  # what the claims alone would choose is far from the best
-    seen = run_rows(KTuner(k_max=8, k_start=5), batch, claimed, true, 300, **kw)
-    assert rates[seen.most_common(1)[0][0]] >= 0.99 * best  # the best, or one as good within 1%
-    assert sum(rates[k] * n for k, n in seen.items()) >= 0.95 * best * sum(seen.values())
-
-
 def test_its_acceptance_is_what_the_rows_of_chain_rounds_accepted():
     """Per row of a chain round of K = 2: one accepts 1 draft (1 success, 1 failure), one accepts none (1
     failure), one accepts both (2 successes): 3 successes in 5 trials. Plain and tree rounds tell it nothing."""

@@ -7,15 +7,14 @@ themselves. An arm is a K (0: plain decoding) and, where the drafter is configur
 1), whether the round drafts trees of K nodes or chains of K drafts. Per batch bucket (the running batch rounded up
 to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
-Expected tokens per round: each tuned row's running acceptance a (the K controller's EMA) predicts (1 - a^(K+1)) /
-(1 - a) committed tokens for a chain of K. The prediction is calibrated per arm by what the rounds committed: the
-tuner keeps decayed sums of the tokens the arm's tuned rows committed (rows that drafted the arm's full K and did
-not end) and of what their acceptances predicted, and scales today's prediction by their ratio. The ratio starts at
-the nearest measured arm's (1 where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per
-measurement) and leaves it as the arm is measured: it absorbs what the geometric model misses (acceptance falling
-with the draft position, rows whose drafter finds nothing, a tree's extra candidates, for which no closed form
-holds). The round takes the arm with the most expected tokens per second; a tree is taken only where its measured
-rate beats every chain's, so a drafter whose trees do not pay runs chains.
+Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA)
+predicts (1 - a^(K+1)) / (1 - a) committed tokens. For a tree of K nodes no such closed form holds (it depends on
+how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's rounds
+committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that drafted the arm's full K
+and did not end) and of what their acceptances predicted. The ratio starts at the nearest measured tree's (1, the
+chain's prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per measurement).
+The round takes the arm with the most expected tokens per second; a tree is taken only where its measured rate
+beats every chain's, so a drafter whose trees do not pay runs chains.
 
 A new row's acceptance starts from the tuner's: a decayed estimate over the tuned rows of recent chain rounds
 (``acceptance``), not from a fixed prior, so that rows admitted while plain rounds run (they learn nothing) do not
@@ -81,10 +80,9 @@ class KTuner:
     trees: bool = False
     """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
     yield_prior: float = 8.0
-    """An arm's calibration (committed / predicted tokens) starts at its nearest measured arm's, worth this many
-    measured rounds and fading
-    by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to K + 1) do not make an arm
-    the best."""
+    """A tree's calibration (committed / predicted tokens) starts at its nearest measured tree's, worth this many
+    measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to
+    K + 1) do not make a tree the best."""
     population_decay: float = 0.95
     """Weight of the past in the tuner's acceptance estimate (``acceptance``), per recorded chain round."""
     warmup: int = 2
@@ -122,7 +120,7 @@ class KTuner:
             return None
         rows = max(1, len(acceptance))
         chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row, from acceptance
-        if arm == PLAIN:
+        if not arm.tree:
             return rows * chain / t
         b = bucket(batch)
         prior = self._ratio(b, arm)
@@ -131,12 +129,12 @@ class KTuner:
         return rows * chain * (got[0] + w * prior) / (got[1] + w) / t
 
     def _ratio(self, b: int, arm: Arm) -> float:
-        """An arm's calibration before its own measurements: that of the nearest arm with measured yields at the
-        bucket (the same shape first), else 1."""
-        near = [(a.tree != arm.tree, abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm]
+        """A tree's calibration before its own measurements: that of the nearest tree measured at the bucket, else
+        1 (the chain's prediction)."""
+        near = [(abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm]
         if not near:
             return 1.0
-        y = min(near, key=lambda x: x[:2])[2]
+        y = min(near, key=lambda x: x[0])[1]
         return y[0] / y[1] if y[1] > 0 else 1.0
 
     def acceptance(self) -> float | None:
@@ -229,13 +227,15 @@ class KTuner:
         self._at[(b, arm)] = now
         if arm == PLAIN or not rows:
             return
-        y = self._yield.setdefault((b, arm), [0.0, 0.0])
-        y[0] = w * y[0] + sum(r.committed for r in rows)
-        y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
-        if not arm.tree:  # a chain's row accepted committed - 1 of K drafts: a censored geometric observation
+        if arm.tree:
+            y = self._yield.setdefault((b, arm), [0.0, 0.0])
+            y[0] = w * y[0] + sum(r.committed for r in rows)
+            y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
+        else:  # a chain's row accepted committed - 1 of K drafts: a censored geometric observation
+            ok = [min(max(r.committed - 1, 0), arm.k) for r in rows]
             acc, d = self._accept, self.population_decay
-            acc[0] = d * acc[0] + sum(r.committed - 1 for r in rows)
-            acc[1] = d * acc[1] + sum(r.committed - 1 + (r.committed - 1 < arm.k) for r in rows)
+            acc[0] = d * acc[0] + sum(ok)
+            acc[1] = d * acc[1] + sum(n + (n < arm.k) for n in ok)
 
     def best(self) -> dict[str, Arm]:
         """The best arm so far per batch bucket (a copy)."""
