@@ -242,9 +242,9 @@ def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str,
 
     from engine.cli.serve_load import Sampling, scrape, warm_up
 
-    items0 = dataset(args, 1)[0]
+    items0, first = dataset(args, 1)[0], Sampling(max_tokens=args.output_len, temperature=args.temperature[0])
     for s in servers:
-        asyncio.run(warm_up(s.url, s.model, items0, args.temperature[0]))
+        asyncio.run(warm_up(s.url, s.model, items0, first))
     rows = []
     todo = [(t, p) for t in args.temperature for p in points(args)]
     for temp, (mode, x) in tqdm(todo, desc="points", disable=None):

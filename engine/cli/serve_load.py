@@ -210,10 +210,11 @@ async def run_open_loop(
         return results, time.perf_counter() - t0
 
 
-async def warm_up(url: str, model: str, item: Item, temperature: float) -> None:
-    """One short request, so that the first measured one pays no lazy start-up."""
+async def warm_up(url: str, model: str, item: Item, sampling: Sampling) -> None:
+    """One request of the run's length (as ``vllm bench serve`` runs its first prompt), so that the first measured
+    one pays no one-time start-up: lazy initialisation, the KV cache grown to the run's sequence length."""
     async with _client(1) as client:
-        r = await send(client, url, model, item, Sampling(max_tokens=4, temperature=temperature))
+        r = await send(client, url, model, item, sampling)
     if not r.ok:
         raise RuntimeError(f"warm-up request to {url} failed: {r.error}")
 
