@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -242,14 +243,13 @@ def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str,
 
     from engine.cli.serve_load import Sampling, scrape, warm_up
 
-    items0, first = dataset(args, 1)[0], Sampling(max_tokens=args.output_len, temperature=args.temperature[0])
-    for s in servers:
-        asyncio.run(warm_up(s.url, s.model, items0, first))
-    rows = []
     todo = [(t, p) for t in args.temperature for p in points(args)]
+    longest = max(dataset(args, max(point_size(args, mode, x) for _, (mode, x) in todo)), key=item_size)
+    for s in servers:  # the run's longest request first: no server grows its KV cache inside a measured request
+        asyncio.run(warm_up(s.url, s.model, longest, Sampling(args.output_len, args.temperature[0])))
+    rows = []
     for temp, (mode, x) in tqdm(todo, desc="points", disable=None):
-        n = args.num_prompts or (max(8, 4 * int(x)) if mode == "concurrency" else 32)
-        items = dataset(args, n)
+        items = dataset(args, point_size(args, mode, x))
         sampling = Sampling(max_tokens=args.output_len, temperature=temp)
         before = {s.config: scrape(s.url) for s in servers}
         runs: dict[str, list[dict[str, Any]]] = {s.config: [] for s in servers}
@@ -260,6 +260,17 @@ def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str,
             rows.append(point_row(s, mode, x, temp, runs[s.config], before[s.config], scrape(s.url)))
             log.info("%s %s=%s temperature %s: %.1f tok/s", s.config, mode, x, temp, rows[-1]["output_throughput"])
     return rows
+
+
+def point_size(args: argparse.Namespace, mode: str, x: float) -> int:
+    """Requests per point: --num-prompts, else 4 x the concurrency (at least 8), or 32 per request rate."""
+    return args.num_prompts or (max(8, 4 * int(x)) if mode == "concurrency" else 32)
+
+
+def item_size(item: Item) -> int:
+    """A request's length for choosing the warm-up: its prompt's characters or token ids, or its messages' text."""
+    text = item.prompt if item.prompt is not None else json.dumps(item.messages)
+    return len(text) + (item.output_len or 0)
 
 
 def run_point(
