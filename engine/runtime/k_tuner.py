@@ -99,7 +99,7 @@ class KTuner:
     """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
-    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # [committed, predicted] decayed
+    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [committed, predicted] decayed
     _accept: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [successes, trials] decayed, all buckets
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket

@@ -329,8 +329,8 @@ class Scheduler:
     @staticmethod
     def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, float]:
         """The tuned rows that draft the arm's full K this round (not cut short by what remains to generate), by id,
-        with their acceptance before the round: the tokens they commit are what the tuner calibrates the arm's
-        yield by (with those that do not end this round)."""
+        with their acceptance before the round: the tokens they commit (those that do not end this round) are what
+        the tuner learns its acceptance, and a tree's yield, from."""
         if arm is None:
             return {}
         return {
