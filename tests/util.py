@@ -207,6 +207,7 @@ class CountedForward:
         return self.inner.run(call)
 
     def greedy_draft(self, call: Any, last: torch.Tensor, steps: int, vocab: int) -> torch.Tensor | None:
+        self.widths.append(tuple(call.tokens.shape))
         return self.inner.greedy_draft(call, last, steps, vocab)
 
 

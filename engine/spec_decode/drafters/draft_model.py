@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 
 
 def catch_up_batch(
-    seqs: list[Seq], starts: list[int], scratch_pos: int, device: torch.device
+    seqs: list[Seq], starts: list[int], scratch_pos: int, device: torch.device, ends: list[int] | None = None
 ) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Right-padded tokens [B,T] of seq.tokens[start:], their positions [B,T] (padding -> scratch),
-    the last real index per row [B], and kv_len (1 + the largest real position)."""
-    chunks = [s.tokens[st:] for s, st in zip(seqs, starts)]
+    """Right-padded tokens [B,T] of seq.tokens[start:end] (``ends`` None: to the end), their positions [B,T]
+    (padding -> scratch), the last real index per row [B], and kv_len (1 + the largest real position)."""
+    stops = ends if ends is not None else [len(s.tokens) for s in seqs]
+    chunks = [s.tokens[st:e] for s, st, e in zip(seqs, starts, stops)]
     T = max(len(c) for c in chunks)
     toks = torch.zeros(len(seqs), T, dtype=torch.long)
     pos = torch.full((len(seqs), T), scratch_pos, dtype=torch.long)
@@ -89,9 +90,9 @@ class ModelDrafter:
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
         seqs, V = batch.seqs, batch.vocab
-        starts = [self._start(s) for s in seqs]
-        toks, pos, last, kv_len = catch_up_batch(seqs, starts, batch.scratch_pos, batch.device)
         cache = self._cache(batch)
+        starts = self._prefeed(batch, [self._start(s) for s in seqs], cache)
+        toks, pos, last, kv_len = catch_up_batch(seqs, starts, batch.scratch_pos, batch.device)
         n_tok = [len(s.tokens) for s in seqs]
         greedy = batch.processing.mode == "greedy"  # p is one-hot at the argmax: no distribution to keep
         aligned = batch.rows is None and len(set(starts)) == 1 and len(set(n_tok)) == 1  # no padding anywhere
@@ -119,6 +120,27 @@ class ModelDrafter:
                 self._fed(s).tree = True
             return sampled_trees(batch, self.branches, chain)
         return chain(batch)
+
+    def _prefeed(self, batch: DraftBatch, starts: list[int], cache: KVCache) -> list[int]:
+        """Rows with a prompt to catch up (more than a round's tokens) beside rows a round behind: the far rows'
+        tokens but their last go into the cache in a pass of their own, so that the catch-up pass does not pad
+        every row to a prompt's width. Returns the rows' starts after it (unchanged where it does not pay)."""
+        seqs, B = batch.seqs, len(batch.seqs)
+        behind = [len(s.tokens) - st for s, st in zip(seqs, starts)]
+        far = [b for b in range(B) if behind[b] > batch.k + 1]
+        near_w = max((n for n in behind if n <= batch.k + 1), default=0)
+        if not far or len(far) == B or (B - len(far)) * (max(behind) - max(near_w, 1)) <= B:
+            return starts  # none or all far, or less padding than a pass's worth
+        sub = [seqs[b] for b in far]
+        ends = [len(s.tokens) - 1 for s in sub]
+        toks, pos, _, kv_len = catch_up_batch(sub, [starts[b] for b in far], batch.scratch_pos, batch.device, ends)
+        rows = torch.tensor([s.row for s in sub], device=batch.device)
+        first = torch.zeros(len(sub), dtype=torch.long, device=batch.device)  # one column scored: the logits unused
+        self.model.run(ForwardCall(toks, pos, cache, kv_len, rows, first, self.n_layers))
+        out = list(starts)
+        for b, e in zip(far, ends):
+            out[b] = e
+        return out
 
     def _steps(
         self, batch: DraftBatch, logits: Tensor, cache: KVCache, kv_len: int, n_tok: list[int], aligned: bool
