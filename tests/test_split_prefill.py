@@ -9,6 +9,7 @@ from util import CountedForward
 
 from engine import Engine, SamplingParams
 from engine.api.options import SpeculationConfig
+from engine.spec_decode.width_groups import width_groups
 
 SHORT = [[5, 6, 7], [9, 10, 11, 12]]
 LONG = list(range(20, 60))  # a 40-token prompt that arrives while the short ones decode
@@ -48,7 +49,7 @@ def test_a_prefill_beside_decoding_rows_splits_and_keeps_outputs(ckpt_dir, draft
 
 def test_a_row_starting_from_a_shared_prefill_beside_a_new_prompt(ckpt_dir):
     """Round 2: one sample of a shared prefill starts (nothing to compute: its scores were kept) while a new
-    prompt prefills; no drafter, so it has no token to run and the round stays one pass."""
+    prompt prefills; no drafter, so it has no token to run: the round is the prompt's pass alone."""
     eng = Engine.from_pretrained(ckpt_dir)
     params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=6)]
     solo = [eng.generate([SHORT[1]], p)[0].token_ids for p in params] + [
@@ -69,4 +70,35 @@ def test_a_row_starting_from_a_shared_prefill_beside_a_new_prompt(ckpt_dir):
     first = [r.result().token_ids for r in reqs[:2]]
     assert first == solo[:2] and reqs[2].result().token_ids == solo[2]
     assert eng.stats()["prefill_shared"] == len(SHORT[1])
-    assert all(w[1] > 0 for w in widths)  # one padded pass (the starting sample has nothing to run), none empty
+    assert all(w[1] > 0 for w in widths)  # the starting sample has nothing to run: no empty pass
+
+
+@pytest.mark.parametrize("drafter", ["model", None])
+def test_prompts_of_different_lengths_prefill_in_passes_of_their_own(ckpt_dir, draft_dir, drafter):
+    """Admitted together, an 8-token and a 40-token prompt prefill in a pass each (one padded pass would compute
+    the short one at 40 positions); the draft model catches them up the same way; outputs equal the solo runs."""
+    spec = SpeculationConfig(drafter=drafter, k=3, k_policy="heuristic")
+    eng = Engine.from_pretrained(ckpt_dir, draft_dir if drafter == "model" else None, speculation=spec)
+    params = SamplingParams(max_new_tokens=12)
+    prompts = [LONG[:8], LONG]
+    solo = [eng.generate([p], params)[0].token_ids for p in prompts]
+    counted = CountedForward(eng.loop.target)
+    eng.loop.target = counted
+    drafts = CountedForward(eng.loop.drafter.model) if drafter == "model" else None
+    if drafts is not None:
+        eng.loop.drafter.model = drafts
+    reqs = eng.submit_many(prompts, [params, params])
+    assert [r.result().token_ids for r in reqs] == solo
+    first = counted.widths[:2]  # the first round: the long prompt's pass, then the short one's
+    assert sorted(w[1] for w in first) == [8 + 3 * (drafter is not None), len(LONG) + 3 * (drafter is not None)]
+    assert all(w[0] == 1 for w in first) and not any(w[0] == 2 and w[1] >= len(LONG) for w in counted.widths)
+    if drafts is not None:  # each prompt but its last token alone, then both rows at one token
+        assert sorted(drafts.widths[:2]) == [(1, 7), (1, len(LONG) - 1)] and drafts.widths[2] == (2, 1)
+
+
+def test_width_groups_bound_each_rows_padding():
+    widths = [4, 4, 40, 5, 100, 95, 1]
+    groups = width_groups(widths)
+    assert sorted(b for g in groups for b in g) == list(range(len(widths)))  # every row once
+    assert [[widths[b] for b in g] for g in groups] == [[100, 95], [40], [5, 4, 4, 1]]
+    assert width_groups([]) == [] and width_groups([7]) == [[0]]

@@ -1,8 +1,8 @@
 """The verify pass of a round: ONE target forward over each row's uncached tokens plus its drafts.
 
-Rows are padded to the widest; when some rows prefill (more than one uncached token) beside rows that decode,
-the two groups run as two passes, each at its own width, so a 40-token prompt does not make every decoding row
-compute 40 positions. The pass scores K+1 positions per row, from the last committed token on, and returns the
+Rows are padded to the widest of their pass; rows of different widths (a prompt that prefills beside rows that
+decode, prompts of different lengths) run as passes of their own (engine/spec_decode/width_groups.py), so a
+40-token prompt does not make every decoding row compute 40 positions. The pass scores K+1 positions per row, from the last committed token on, and returns the
 target's features when the drafter reads them (a prefill round for a drafter of every position's features
 returns every column's).
 """
@@ -18,6 +18,7 @@ from engine.core.forward import CachedForward, Features, ForwardCall, KVCache, T
 from engine.spec_decode.drafter import FeatureNeed
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.tree import tree_mask
+from engine.spec_decode.width_groups import width_groups
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,12 @@ def verify_batch(
 
 def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
     """The target's scores [B, K+1, V] (and features [B, K+1, H] for a drafter that reads them; for one of every
-    position's and a row that prefills, also every column's [B, T, H]): one pass, or two when prefilling rows
-    beside decoding rows would pad the decoding rows to a prompt's width."""
-    B, T, kmax = len(vb.catch), vb.width, vb.idx.shape[1] - 1
-    wide = [b for b in range(B) if vb.catch[b] > 1]
-    narrow = [b for b in range(B) if vb.catch[b] <= 1]
-    t_narrow = max((vb.catch[b] for b in narrow), default=0) + kmax
-    if wide and narrow and t_narrow > 0 and len(narrow) * (T - t_narrow) > B and vb.tree is None:
-        return _two_passes(target, cache, vb, wide, narrow)
+    position's and a row that prefills, also every column's [B, T, H]): one pass, or one per group of rows of
+    similar width (a tree's rows: one pass)."""
+    kmax = vb.idx.shape[1] - 1
+    groups = width_groups([max(1, c + kmax) for c in vb.catch]) if vb.tree is None else []  # (catch 0: re-scored)
+    if len(groups) > 1:
+        return _passes(target, cache, vb, groups)
     kv_len = max(n + c + k for n, c, k in zip(vb.tlens, vb.catch, vb.ks))
     every = vb.features is FeatureNeed.ALL and max(vb.catch) > 1  # a row prefills: the prompt's features too
     want = Features.ALL if every else Features.SCORED if vb.features is not FeatureNeed.NONE else Features.NONE
@@ -102,31 +101,32 @@ def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
     return Scores(out.logits, out.features, None, vb.catch)
 
 
-def _two_passes(target: CachedForward, cache: KVCache, vb: VerifyBatch, wide: list[int], narrow: list[int]) -> Scores:
-    """The prefilling rows (``wide``) and the decoding rows (``narrow``), each pass at its own width."""
+def _passes(target: CachedForward, cache: KVCache, vb: VerifyBatch, groups: list[list[int]]) -> Scores:
+    """One pass per group of rows, each at its own width."""
     B, T, kmax, dev = len(vb.catch), vb.width, vb.idx.shape[1] - 1, vb.tokens.device
-    every = vb.features is FeatureNeed.ALL  # (the wide group prefills)
     logits: Tensor | None = None
     feats: Tensor | None = None
     prefix: Tensor | None = None
-    for g in (wide, narrow):
-        sel = torch.tensor(g, device=dev)
+    for g in groups:
         t_g = max(vb.catch[b] for b in g) + kmax
+        if t_g == 0:  # rows starting from a shared prefill, no drafts: their scores are the prefill's (the loop's)
+            continue
+        sel = torch.tensor(g, device=dev)
         kv_len = max(vb.tlens[b] + vb.catch[b] + vb.ks[b] for b in g)
         g_rows = torch.tensor([vb.row_ids[b] for b in g], device=dev)
         want = Features.NONE if vb.features is FeatureNeed.NONE else Features.SCORED
-        want = Features.ALL if every and g is wide else want
+        want = Features.ALL if vb.features is FeatureNeed.ALL and t_g - kmax > 1 else want  # a prompt's features
         call = ForwardCall(vb.tokens[sel, :t_g], vb.pos[sel, :t_g], cache, kv_len, g_rows, vb.idx[sel], features=want)
         out = target.run(call)
         lg, ft = out.logits, out.features
         if want is Features.ALL:
             assert ft is not None
-            prefix = ft.new_zeros(B, T, ft.shape[-1])
+            prefix = ft.new_zeros(B, T, ft.shape[-1]) if prefix is None else prefix
             prefix[sel, :t_g] = ft
             ft = _at(ft, vb.idx[sel])
         if logits is None:
-            logits = lg.new_empty(B, *lg.shape[1:])
-            feats = None if ft is None else ft.new_empty(B, *ft.shape[1:])
+            logits = lg.new_zeros(B, *lg.shape[1:])
+            feats = None if ft is None else ft.new_zeros(B, *ft.shape[1:])
         logits[sel] = lg
         if feats is not None:
             feats[sel] = ft

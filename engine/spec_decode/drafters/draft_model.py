@@ -15,6 +15,7 @@ from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, Fe
 from engine.spec_decode.drafters.draft_tree import model_tree
 from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.proposal import Proposal
+from engine.spec_decode.width_groups import width_groups
 from engine.spec_decode.sampling import sample_from_probs
 
 if TYPE_CHECKING:
@@ -122,24 +123,27 @@ class ModelDrafter:
         return chain(batch)
 
     def _prefeed(self, batch: DraftBatch, starts: list[int], cache: KVCache) -> list[int]:
-        """Rows with a prompt to catch up (more than a round's tokens) beside rows a round behind: the far rows'
-        tokens but their last go into the cache in a pass of their own, so that the catch-up pass does not pad
-        every row to a prompt's width. Returns the rows' starts after it (unchanged where it does not pay)."""
+        """Rows with a prompt to catch up (more than a round's tokens) beside rows a round behind, or prompts of
+        different lengths: the far rows' tokens but their last go into the cache first, a pass per group of similar
+        width (engine/spec_decode/width_groups.py), so that the catch-up pass does not pad every row to a prompt's
+        width. Returns the rows' starts after it (unchanged where it does not pay)."""
         seqs, B = batch.seqs, len(batch.seqs)
         behind = [len(s.tokens) - st for s, st in zip(seqs, starts)]
         far = [b for b in range(B) if behind[b] > batch.k + 1]
+        groups = [[far[i] for i in g] for g in width_groups([behind[b] for b in far])]
         near_w = max((n for n in behind if n <= batch.k + 1), default=0)
-        if not far or len(far) == B or (B - len(far)) * (max(behind) - max(near_w, 1)) <= B:
-            return starts  # none or all far, or less padding than a pass's worth
-        sub = [seqs[b] for b in far]
-        ends = [len(s.tokens) - 1 for s in sub]
-        toks, pos, _, kv_len = catch_up_batch(sub, [starts[b] for b in far], batch.scratch_pos, batch.device, ends)
-        rows = torch.tensor([s.row for s in sub], device=batch.device)
-        first = torch.zeros(len(sub), dtype=torch.long, device=batch.device)  # one column scored: the logits unused
-        self.model.run(ForwardCall(toks, pos, cache, kv_len, rows, first, self.n_layers))
+        if not far or (len(groups) == 1 and (len(far) == B or (B - len(far)) * (max(behind) - max(near_w, 1)) <= B)):
+            return starts  # one group and little padding: the catch-up pass does it
         out = list(starts)
-        for b, e in zip(far, ends):
-            out[b] = e
+        for g in groups:
+            sub = [seqs[b] for b in g]
+            ends = [len(s.tokens) - 1 for s in sub]
+            toks, pos, _, kv_len = catch_up_batch(sub, [starts[b] for b in g], batch.scratch_pos, batch.device, ends)
+            rows = torch.tensor([s.row for s in sub], device=batch.device)
+            first = torch.zeros(len(sub), dtype=torch.long, device=batch.device)  # one column scored (unused)
+            self.model.run(ForwardCall(toks, pos, cache, kv_len, rows, first, self.n_layers))
+            for b, e in zip(g, ends):
+                out[b] = e
         return out
 
     def _steps(
