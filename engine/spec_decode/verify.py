@@ -1,10 +1,10 @@
-"""The verify pass of a round: ONE target forward over each row's uncached tokens plus its drafts.
+"""The verify pass of a round: the target's forward over each row's uncached tokens plus its drafts.
 
-Rows are padded to the widest of their pass; rows of different widths (a prompt that prefills beside rows that
+One pass, its rows padded to the widest; rows of different widths (a prompt that prefills beside rows that
 decode, prompts of different lengths) run as passes of their own (engine/spec_decode/width_groups.py), so a
-40-token prompt does not make every decoding row compute 40 positions. The pass scores K+1 positions per row, from the last committed token on, and returns the
-target's features when the drafter reads them (a prefill round for a drafter of every position's features
-returns every column's).
+40-token prompt does not make every decoding row compute 40 positions. The pass scores K+1 positions per row,
+from the last committed token on, and returns the target's features when the drafter reads them (a prefill
+round for a drafter of every position's features returns every column's).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, Fe
 from engine.spec_decode.drafters.draft_tree import model_tree
 from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.proposal import Proposal
-from engine.spec_decode.width_groups import width_groups
 from engine.spec_decode.sampling import sample_from_probs
+from engine.spec_decode.width_groups import width_groups
 
 if TYPE_CHECKING:
     from engine.core.model import Transformer
