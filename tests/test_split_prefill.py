@@ -1,6 +1,7 @@
-"""A round where a new sequence prefills beside sequences that decode runs them as two target passes
-(one padded pass would compute every decoding row at the prompt's width), and a draft model catches the new
-prompt up in a pass of its own too: outputs equal the solo runs, for every drafter, and the split happens."""
+"""A round where a new sequence prefills beside sequences that decode runs its prefill apart (the scheduler steps
+the new sequences first, then the others), and a step over rows of different widths runs a pass per group of
+similar width (one padded pass would compute short rows at the longest one's width), in the target and in a draft
+model: outputs equal the solo runs, for every drafter, and the split happens."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def test_a_prefill_beside_decoding_rows_splits_and_keeps_outputs(ckpt_dir, draft
     # one pass of the prefilling row at its width and one of the decoding rows at theirs, never 3 rows at 40+
     assert any(w[0] == 1 and w[1] >= len(LONG) for w in widths)
     assert not any(w[0] == 3 and w[1] >= len(LONG) for w in widths)
-    if drafts is not None:  # the draft model: the prompt but its last token alone, then every row at its width
-        assert any(w == (1, len(LONG) - 1) for w in drafts.widths)
-        assert not any(w[0] == 3 and w[1] >= len(LONG) - 1 for w in drafts.widths)
+    if drafts is not None:  # the draft model catches the prompt up alone too
+        assert any(w[0] == 1 and w[1] >= len(LONG) - 1 for w in drafts.widths)
+        assert not any(w[0] > 1 and w[1] >= len(LONG) - 1 for w in drafts.widths)
 
 
 def test_a_row_starting_from_a_shared_prefill_beside_a_new_prompt(ckpt_dir):

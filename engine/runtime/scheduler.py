@@ -8,8 +8,9 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
    run at once); requests of the same prompt admitted together (the ``n``
    samples of one prompt, submitted together) share one prefill: the first
    prefills, the others wait for it and start from a copy (engine/spec_decode/loop.py);
-3. runs ONE ``DecodeLoop.step`` over every running sequence (a request that
-   joined this round has its prefill in the same round as the others' decode);
+3. runs ``DecodeLoop.step`` over every running sequence: the requests that
+   joined this round first (their prefill, and their first tokens handed out),
+   then the others' decode;
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
 Cache policy: the cache has ``max_batch`` rows; its length is what the admitted
@@ -111,7 +112,7 @@ class Scheduler:
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
         self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
-        self.on_round: Callable[[], None] | None = None  # test hook, called by the worker before each round
+        self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)
         self._round_started: float | None = None  # monotonic start of the round in progress
         self._failed_streak = 0  # rounds that raised since the last one that did not
 
@@ -289,6 +290,9 @@ class Scheduler:
             self._lock.notify_all()
 
     def _round(self) -> None:
+        """One round: the sequences that prefill first (their first tokens out without waiting for the others'
+        decode), then those that decode, each part one ``DecodeLoop.step`` at the arm the tuner chose for the
+        decoding part (whose rounds it measures)."""
         for x in [x for x in self._running if x.request.cancelled]:
             x.seq.finish("cancelled")
             self._retire(x)
@@ -298,8 +302,16 @@ class Scheduler:
             self.k_cap, self.batch_cap = self.governor.poll()
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
-        arm = self._tuned(seqs)
+        new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
+        parts = [new, [s for s in seqs if s.tlen >= len(s.prompt)]] if 0 < len(new) < len(seqs) else [seqs]
+        arm = self._tuned(parts[-1])
         caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
+        for i, part in enumerate(parts):
+            self._run_part(part, caps, arm if i == len(parts) - 1 else None)
+
+    def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
+        """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the
+        tuner's) is given and no row prefills, its tokens handed out."""
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         full = self._full_rows(seqs, arm)
         t0 = time.perf_counter()
