@@ -130,9 +130,11 @@ class ModelDrafter:
         seqs, B = batch.seqs, len(batch.seqs)
         behind = [len(s.tokens) - st for s, st in zip(seqs, starts)]
         far = [b for b in range(B) if behind[b] > batch.k + 1]
+        if not far:  # every row a round behind at most (a decoding step)
+            return starts
         groups = [[far[i] for i in g] for g in width_groups([behind[b] for b in far])]
-        near_w = max((n for n in behind if n <= batch.k + 1), default=0)
-        if not far or (len(groups) == 1 and (len(far) == B or (B - len(far)) * (max(behind) - max(near_w, 1)) <= B)):
+        near_w = max((n for n in behind if n <= batch.k + 1), default=1)
+        if len(groups) == 1 and (len(far) == B or (B - len(far)) * (max(behind) - near_w) <= B):
             return starts  # one group and little padding: the catch-up pass does it
         out = list(starts)
         for g in groups:
