@@ -90,11 +90,11 @@ def test_prompts_of_different_lengths_prefill_in_passes_of_their_own(ckpt_dir, d
         eng.loop.drafter.model = drafts
     reqs = eng.submit_many(prompts, [params, params])
     assert [r.result().token_ids for r in reqs] == solo
-    first = counted.widths[:2]  # the first round: the long prompt's pass, then the short one's
-    assert sorted(w[1] for w in first) == [8 + 3 * (drafter is not None), len(LONG) + 3 * (drafter is not None)]
-    assert all(w[0] == 1 for w in first) and not any(w[0] == 2 and w[1] >= len(LONG) for w in counted.widths)
-    if drafts is not None:  # each prompt but its last token alone, then both rows at one token
-        assert sorted(drafts.widths[:2]) == [(1, 7), (1, len(LONG) - 1)] and drafts.widths[2] == (2, 1)
+    first = counted.widths[:2]  # the first round (no drafts): the long prompt's pass, then the short one's
+    assert sorted(first) == [(1, 8), (1, len(LONG))]
+    assert not any(w[0] == 2 and w[1] >= len(LONG) for w in counted.widths)
+    if drafts is not None:  # the second round: each prompt (its first token but) alone, then both rows at one token
+        assert sorted(drafts.widths[:2]) == [(1, 8), (1, len(LONG))] and drafts.widths[2] == (2, 1)
 
 
 def test_width_groups_bound_each_rows_padding():

@@ -229,7 +229,7 @@ def test_tree_sampling_keeps_the_target_joint(pair8, case, iid):
     spec = SpeculationConfig(drafter="fixed-tree", k=7, k_policy="constant", registry=reg)
     eng = Engine.from_pretrained(pair8[0], speculation=spec, limits=Limits(max_batch=1000))
     prompt = [1, 2, 3]
-    sp = SamplingParams(max_new_tokens=8, **CASES[case])  # the first round verifies the whole tree
+    sp = SamplingParams(max_new_tokens=9, **CASES[case])  # the second round (the first drafts none): the whole tree
     exact, counts = _exact_joint3(eng, prompt, sp), joint3_counts(eng, prompt, sp, 6)
     assert counts[exact == 0].sum() == 0, "a sequence of zero probability was produced"
     acc = eng.scheduler.snapshot()["totals"].pos_accepted

@@ -143,9 +143,10 @@ class DecodeLoop:
 
     def k_for(self, s: Seq, caps: KCaps) -> int:
         """Row K: the round's tuned K (else its controller's) within what remains and the load cap; a seeded sampled
-        row always takes its own controller's K, uncapped (``tunable``). A row's prefill round drafts nothing: its
-        first token comes out after the target's prefill alone (the drafter catches up in its next round)."""
-        if self.drafter is None or s.k_ctl is None or s.tlen < len(s.prompt):
+        row always takes its own controller's K, uncapped (``tunable``). A row's first round (its prefill, or its
+        start from a shared one) drafts nothing: its first token comes after the target's prefill alone (the
+        drafter catches up in its next round)."""
+        if self.drafter is None or s.k_ctl is None or not s.generated:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)
         if not tunable(s):
