@@ -48,6 +48,9 @@ class RepeatLast:
     def share_prefill(self, src, dst, length: int) -> None:
         pass
 
+    def catch_up(self, seqs, scratch_pos: int) -> None:
+        pass
+
     def cost_step(self, batch: int):
         return None
 
@@ -74,7 +77,7 @@ def test_a_drafter_defined_here_keeps_the_targets_greedy_output(ckpt_dir, plain)
 def test_a_drafter_defined_here_samples_the_targets_joint(tiny_pair):
     target, _ = tiny_pair
     eng = toy_engine(Path(target), 2)
-    sp = SamplingParams(max_new_tokens=2, temperature=1.0)
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0)  # 3: the first round drafts none, the second one token
     counts, exact, pvalue = sampled_joint(eng, [1, 2, 2, 2], sp, 12_000, 2_000)
     assert counts[exact == 0].sum() == 0
     assert pvalue > 1e-3

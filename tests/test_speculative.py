@@ -99,8 +99,8 @@ def sampled_joint(
 @pytest.mark.parametrize(
     "sp",
     [
-        SamplingParams(max_new_tokens=2, temperature=1.0),
-        SamplingParams(max_new_tokens=2, temperature=1.5, top_k=10, top_p=0.85),
+        SamplingParams(max_new_tokens=3, temperature=1.0),
+        SamplingParams(max_new_tokens=3, temperature=1.5, top_k=10, top_p=0.85),
     ],
     ids=["t1.0", "t1.5-k10-p0.85"],
 )

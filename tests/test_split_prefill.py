@@ -103,3 +103,33 @@ def test_width_groups_bound_each_rows_padding():
     assert sorted(b for g in groups for b in g) == list(range(len(widths)))  # every row once
     assert [[widths[b] for b in g] for g in groups] == [[100, 95], [40], [5, 4, 4, 1]]
     assert width_groups([]) == [] and width_groups([7]) == [[0]]
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle-attn"])
+def test_the_drafter_catches_up_before_the_timed_round_with_the_same_drafts(ckpt_dir, draft_dir, tmp_path, drafter):
+    """A row's first round drafts nothing; the drafter feeds its prompt before the row's next round, outside the
+    step the K tuner times (``Drafter.catch_up``): the draft model's cache holds every row's prompt when it is next
+    asked to draft, and the drafts equal those of a drafter left to catch up inside that round."""
+    from test_heads import random_head
+
+    draft = draft_dir if drafter == "model" else random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)
+    spec = SpeculationConfig(drafter="model" if drafter == "model" else "eagle", k=3, k_policy="constant")
+    prompts, params = [SHORT[0], LONG[:8], LONG], SamplingParams(max_new_tokens=12)
+    drafts: dict[bool, list[list[int]]] = {}
+    for early in (True, False):
+        eng = Engine.from_pretrained(ckpt_dir, draft, speculation=spec)
+        d, log = eng.loop.drafter, drafts.setdefault(early, [])
+        propose = d.propose
+
+        def recorded(batch, d=d, propose=propose, log=log, early=early):
+            if early and drafter == "model":
+                assert all(d.cached_length(s) > 0 for s in batch.seqs), "a row's prompt was not fed before"
+            prop = propose(batch)
+            log.extend(t[:n] for t, n in zip(prop.tokens.tolist(), prop.row_counts()))
+            return prop
+
+        d.propose = recorded
+        if not early:
+            d.catch_up = lambda seqs, scratch_pos: None
+        eng.generate(prompts, params)
+    assert drafts[True] == drafts[False] and len(drafts[True]) > len(prompts)

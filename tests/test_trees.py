@@ -207,6 +207,9 @@ class FixedTree:
     def share_prefill(self, src, dst, length):
         pass
 
+    def catch_up(self, seqs, scratch_pos: int) -> None:
+        pass
+
     def cost_step(self, batch):
         return None
 

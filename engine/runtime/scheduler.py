@@ -314,26 +314,28 @@ class Scheduler:
         tuner's) is given and no row prefills, its tokens handed out."""
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         full = self._full_rows(seqs, arm)
-        t0 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         self._round_started = time.monotonic()
         rounds, clean = 1, True
         try:
             if self.on_round is not None:
                 self.on_round()
+            self.loop.catch_up(seqs)  # the drafter's prompt feeding, outside the time the tuner reads
+            t1 = time.perf_counter()
             events = self.loop.step(seqs, caps)
         except Exception as e:  # noqa: BLE001 - the one place: isolate the rows that fail, keep serving
             events, rounds = self._isolate(seqs, caps, e)
             clean = False  # rounds of parts of the batch: not a measurement of the batch
         finally:
             self._round_started = None
-        dt = time.perf_counter() - t0
+        t2 = time.perf_counter()
         if arm is not None and clean and not prefill and self.tuner is not None:
             yields = [RowYield(full[id(s)], len(new)) for s, new in events if id(s) in full and not s.finished]
-            self.tuner.record(len(seqs), arm, dt, yields)
+            self.tuner.record(len(seqs), arm, t2 - t1, yields)
         with self._lock:
             if clean:
                 self._failed_streak = 0
-            self.totals.seconds += dt
+            self.totals.seconds += t2 - t0
             self.totals.target_forwards += rounds
             self.totals.plain_rounds += arm is not None and arm.k == 0
         self._hand_out(events)

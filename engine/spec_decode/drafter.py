@@ -123,6 +123,13 @@ class Drafter(Protocol):
         give them its state of those positions, or leave them as they are (fresh) to prefill themselves."""
         ...
 
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
+        """Rows past their first round (the target's prefill; nothing drafted yet): feed what the drafter keeps of
+        their prompts (a draft model's cache) ahead of their first draft round, outside the round the K tuner times;
+        ``scratch_pos``: the cache position padding writes to. Drafters that keep nothing, or catch up on the
+        target's features when they draft, do nothing."""
+        ...
+
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         """One draft step at ``batch`` sequences (for timing c); None: drafting costs nothing measurable."""
         ...

@@ -155,6 +155,15 @@ class DecodeLoop:
         return max(0, min(k, remaining - 1, caps.all))
 
     @torch.no_grad()
+    def catch_up(self, seqs: list[Seq]) -> None:
+        """The drafter feeds rows past their first round (``Drafter.catch_up``); the scheduler runs it before the
+        round it times."""
+        if self.drafter is not None and self.cache is not None:
+            rows = [s for s in seqs if s.generated and not s.finished]
+            if rows:
+                self.drafter.catch_up(rows, self.cache.max_seq_len - 1)
+
+    @torch.no_grad()
     def step(self, seqs: list[Seq], caps: KCaps = KCaps()) -> list[tuple[Seq, list[int]]]:
         """One round over the unfinished sequences; returns each one's newly committed tokens."""
         waiting = waiting_for_prefill(seqs)

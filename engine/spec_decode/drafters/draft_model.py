@@ -138,15 +138,30 @@ class ModelDrafter:
             return starts  # one group and little padding: the catch-up pass does it
         out = list(starts)
         for g in groups:
-            sub = [seqs[b] for b in g]
-            ends = [len(s.tokens) - 1 for s in sub]
-            toks, pos, _, kv_len = catch_up_batch(sub, [starts[b] for b in g], batch.scratch_pos, batch.device, ends)
-            rows = torch.tensor([s.row for s in sub], device=batch.device)
-            first = torch.zeros(len(sub), dtype=torch.long, device=batch.device)  # one column scored (unused)
-            self.model.run(ForwardCall(toks, pos, cache, kv_len, rows, first, self.n_layers))
+            ends = self._feed([seqs[b] for b in g], [starts[b] for b in g], batch.scratch_pos, cache)
             for b, e in zip(g, ends):
                 out[b] = e
         return out
+
+    def _feed(self, seqs: list[Seq], starts: list[int], scratch_pos: int, cache: KVCache) -> list[int]:
+        """One pass feeding each row's tokens from its start but the last into ``cache``; returns the ends."""
+        dev = self.module.device
+        ends = [len(s.tokens) - 1 for s in seqs]
+        toks, pos, _, kv_len = catch_up_batch(seqs, starts, scratch_pos, dev, ends)
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        first = torch.zeros(len(seqs), dtype=torch.long, device=dev)  # one column scored (unused)
+        self.model.run(ForwardCall(toks, pos, cache, kv_len, rows, first, self.n_layers))
+        return ends
+
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
+        """Rows with nothing in the draft cache (they joined last round, their prompts in the target's cache): their
+        tokens but the last go in now, a pass per group of similar width, ahead of their first draft round."""
+        assert self.cache is not None, "ensure_cache first"
+        new = [s for s in seqs if self._fed(s).dlen == 0 and len(s.tokens) > 2]
+        for g in width_groups([len(s.tokens) for s in new]):
+            sub = [new[i] for i in g]
+            for s, end in zip(sub, self._feed(sub, [0] * len(sub), scratch_pos, self.cache)):
+                self._fed(s).dlen = end
 
     def _steps(
         self, batch: DraftBatch, logits: Tensor, cache: KVCache, kv_len: int, n_tok: list[int], aligned: bool

@@ -31,6 +31,7 @@ from engine.spec_decode.drafters.spine_tree import sampled_trees, spine_trees
 from engine.spec_decode.heads.eagle_attn import EagleAttnHead
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.step_kernels import AttnStepKernel
+from engine.spec_decode.width_groups import width_groups
 
 if TYPE_CHECKING:
     from engine.core.model import Transformer
@@ -113,16 +114,18 @@ class EagleAttnDrafter(HeadDrafter):
         """The embeddings the head reads (the target's)."""
         return self.target.embed_tokens(tokens)
 
-    def _catch_up(self, batch: DraftBatch) -> tuple[Tensor, Tensor, Tensor, list[int], list[bool]]:
-        """Each row's entries committed since its last round -> (features f [B, W, H], the next tokens [B, W],
-        positions [B, W] (padding: the scratch slot), each row's last entry, which rows have any)."""
-        seqs, H, scratch = batch.seqs, self.cfg.hidden_size, batch.scratch_pos
+    def _catch_up(
+        self, seqs: list[Seq], scratch: int, dev: torch.device, hold: int = 0
+    ) -> tuple[Tensor, Tensor, Tensor, list[int], list[bool]]:
+        """Each row's entries committed since its last round but the last ``hold`` -> (features f [B, W, H], the next
+        tokens [B, W], positions [B, W] (padding: the scratch slot), each row's last entry, which rows have any)."""
+        H = self.cfg.hidden_size
         states = [self._entries(s) for s in seqs]
-        new = [torch.cat(st.pending) if st.pending else None for st in states]
+        new = [torch.cat(st.pending)[: _pending(st) - hold] if st.pending else None for st in states]
         new = [n if n is not None and len(n) else None for n in new]  # [m, H] per row, None: nothing to run
         width = max([len(n) for n in new if n is not None], default=1)
         B = len(seqs)
-        f = torch.zeros(B, width, H, dtype=self.feature_dtype, device=batch.device)
+        f = torch.zeros(B, width, H, dtype=self.feature_dtype, device=dev)
         nxt = torch.zeros(B, width, dtype=torch.long)
         pos = torch.full((B, width), scratch, dtype=torch.long)
         last = [0] * B
@@ -133,7 +136,23 @@ class EagleAttnDrafter(HeadDrafter):
                 nxt[b, :m] = torch.tensor(s.tokens[st.hlen + 1 : st.hlen + m + 1])
                 pos[b, :m] = torch.arange(st.hlen, st.hlen + m)
                 last[b] = m - 1
-        return f, nxt.to(batch.device), pos.to(batch.device), last, [n is not None for n in new]
+        return f, nxt.to(dev), pos.to(dev), last, [n is not None for n in new]
+
+    @torch.no_grad()
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
+        """Rows with nothing in the head's cache: their prompts' entries but the last go in now, a pass per group of
+        similar width (the last one scores the first draft, in the row's first draft round)."""
+        assert self.cache is not None, "ensure_cache first"
+        fresh = [s for s in seqs if self._entries(s).hlen == 0 and _pending(self._entries(s)) > 1]
+        dev = self.head_weight.device
+        for g in width_groups([_pending(self._entries(s)) for s in fresh]):
+            sub = [fresh[i] for i in g]
+            f, nxt, pos, last, _ = self._catch_up(sub, scratch_pos, dev, hold=1)
+            rows = torch.tensor([s.row for s in sub], device=dev)
+            self._step(f, self.embed(nxt), pos, max(last) + 1, rows, torch.tensor(last, device=dev))
+            for s, m in zip(sub, last):
+                st = self._entries(s)
+                st.hlen, st.pending = m + 1, [torch.cat(st.pending)[m + 1 :]]
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:
@@ -149,7 +168,7 @@ class EagleAttnDrafter(HeadDrafter):
         feature the next entry reads [B, H], its length after the catch-up, whether it has entries, the slots a
         chain of ``k`` drafts attends over)."""
         assert self.cache is not None, "ensure_cache first"
-        f, nxt, pos, last, have = self._catch_up(batch)
+        f, nxt, pos, last, have = self._catch_up(batch.seqs, batch.scratch_pos, batch.device)
         hlens = [self._entries(s).hlen + _pending(self._entries(s)) for s in batch.seqs]  # after the catch-up
         # slots up to the last draft entry's (hlen + k - 2), padding's scratch slot aside
         kv_len = min(max([h + k for h, on in zip(hlens, have) if on], default=1), self.cache.max_seq_len)
