@@ -290,9 +290,9 @@ class Scheduler:
             self._lock.notify_all()
 
     def _round(self) -> None:
-        """One round: the sequences that prefill first (their first tokens out without waiting for the others'
-        decode), then those that decode, each part one ``DecodeLoop.step`` at the arm the tuner chose for the
-        decoding part (whose rounds it measures)."""
+        """One round: the sequences that join prefill first (their first tokens out without waiting for the others'
+        decode), then every running sequence decodes, the joined ones included, each step one ``DecodeLoop.step``;
+        the decoding step runs at the arm the tuner chose (and is what it measures)."""
         for x in [x for x in self._running if x.request.cancelled]:
             x.seq.finish("cancelled")
             self._retire(x)
@@ -303,11 +303,13 @@ class Scheduler:
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
         new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
-        parts = [new, [s for s in seqs if s.tlen >= len(s.prompt)]] if 0 < len(new) < len(seqs) else [seqs]
-        arm = self._tuned(parts[-1])
+        arm = self._tuned(seqs)
         caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
-        for i, part in enumerate(parts):
-            self._run_part(part, caps, arm if i == len(parts) - 1 else None)
+        if new:
+            self._run_part(new, caps, None)
+        running = [s for s in seqs if not s.finished]
+        if running:
+            self._run_part(running, caps, arm)
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
         """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the
