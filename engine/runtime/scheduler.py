@@ -307,13 +307,14 @@ class Scheduler:
         caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
         if new:
             self._run_part(new, caps, None)
-        running = [s for s in seqs if not s.finished]
+        running = [x.seq for x in self._running]  # (those that ended or failed in the prefill step have left)
         if running:
             self._run_part(running, caps, arm)
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
         """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the
-        tuner's) is given and no row prefills, its tokens handed out."""
+        tuner's) is given and no row prefills, its tokens handed out. The drafter's catch-up on joined prompts
+        runs first, outside the time told."""
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         full = self._full_rows(seqs, arm)
         t0 = t1 = time.perf_counter()

@@ -145,7 +145,7 @@ class DecodeLoop:
         """Row K: the round's tuned K (else its controller's) within what remains and the load cap; a seeded sampled
         row always takes its own controller's K, uncapped (``tunable``). A row's first round (its prefill, or its
         start from a shared one) drafts nothing: its first token comes after the target's prefill alone (the
-        drafter catches up in its next round)."""
+        drafter catches up before its next round: ``catch_up``)."""
         if self.drafter is None or s.k_ctl is None or not s.generated:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)

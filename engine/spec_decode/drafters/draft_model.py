@@ -154,7 +154,7 @@ class ModelDrafter:
         return ends
 
     def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        """Rows with nothing in the draft cache (they joined last round, their prompts in the target's cache): their
+        """Rows with nothing in the draft cache (the target has prefilled their prompts, nothing drafted yet): their
         tokens but the last go in now, a pass per group of similar width, ahead of their first draft round."""
         assert self.cache is not None, "ensure_cache first"
         new = [s for s in seqs if self._fed(s).dlen == 0 and len(s.tokens) > 2]
