@@ -48,8 +48,8 @@ class RepeatLast:
     def share_prefill(self, src, dst, length: int) -> None:
         pass
 
-    def catch_up(self, seqs, scratch_pos: int) -> None:
-        pass
+    def catch_up(self, seqs, scratch_pos: int) -> int:
+        return 0
 
     def cost_step(self, batch: int):
         return None

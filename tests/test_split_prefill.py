@@ -109,12 +109,13 @@ def test_width_groups_bound_each_rows_padding():
 def test_the_drafter_catches_up_before_the_timed_round_with_the_same_drafts(ckpt_dir, draft_dir, tmp_path, drafter):
     """A row's first round drafts nothing; the drafter feeds its prompt before the row's next round, outside the
     step the K tuner times (``Drafter.catch_up``): the draft model's cache holds every row's prompt when it is next
-    asked to draft, and the drafts equal those of a drafter left to catch up inside that round."""
+    asked to draft (a row that starts from a shared prefill too), and the drafts equal those of a drafter left to
+    catch up inside that round."""
     from test_heads import random_head
 
     draft = draft_dir if drafter == "model" else random_head(ckpt_dir, tmp_path / "h", "eagle", attention=True)
     spec = SpeculationConfig(drafter="model" if drafter == "model" else "eagle", k=3, k_policy="constant")
-    prompts, params = [SHORT[0], LONG[:8], LONG], SamplingParams(max_new_tokens=12)
+    prompts, params = [SHORT[0], LONG[:8], LONG, LONG], SamplingParams(max_new_tokens=12)  # LONG's prefill shared
     drafts: dict[bool, list[list[int]]] = {}
     for early in (True, False):
         eng = Engine.from_pretrained(ckpt_dir, draft, speculation=spec)
@@ -132,4 +133,5 @@ def test_the_drafter_catches_up_before_the_timed_round_with_the_same_drafts(ckpt
         if not early:
             d.catch_up = lambda seqs, scratch_pos: None
         eng.generate(prompts, params)
+        assert eng.stats()["prefill_shared"] == len(LONG)
     assert drafts[True] == drafts[False] and len(drafts[True]) > len(prompts)

@@ -207,8 +207,8 @@ class FixedTree:
     def share_prefill(self, src, dst, length):
         pass
 
-    def catch_up(self, seqs, scratch_pos: int) -> None:
-        pass
+    def catch_up(self, seqs, scratch_pos: int) -> int:
+        return 0
 
     def cost_step(self, batch):
         return None

@@ -303,12 +303,12 @@ class Scheduler:
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
         new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
-        arm = self._tuned(seqs)
-        caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
-        if new:
-            self._run_part(new, caps, None)
+        if new:  # their first step drafts nothing (DecodeLoop.k_for)
+            self._run_part(new, KCaps(all=self.k_cap), None)
         running = [x.seq for x in self._running]  # (those that ended or failed in the prefill step have left)
         if running:
+            arm = self._tuned(running)
+            caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
             self._run_part(running, caps, arm)
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
@@ -353,7 +353,7 @@ class Scheduler:
         return {
             id(s): s.k_ctl.acceptance
             for s in seqs
-            if s.k_ctl is not None and tunable(s) and s.params.max_new_tokens - len(s.generated) > arm.k
+            if s.k_ctl is not None and tunable(s) and s.generated and s.params.max_new_tokens - len(s.generated) > arm.k
         }
 
     def _tuned(self, seqs: list[Seq]) -> Arm | None:

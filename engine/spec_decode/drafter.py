@@ -123,11 +123,11 @@ class Drafter(Protocol):
         give them its state of those positions, or leave them as they are (fresh) to prefill themselves."""
         ...
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        """Rows past their first round (the target's prefill; nothing drafted yet): feed what the drafter keeps of
-        their prompts (a draft model's cache) ahead of their first draft round, outside the round the K tuner times;
-        ``scratch_pos``: the cache position padding writes to. Drafters that keep nothing, or catch up on the
-        target's features when they draft, do nothing."""
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
+        """Rows whose prompts are in the target's cache (prefilled, or copied from a shared prefill) and that may
+        draft: feed what the drafter keeps of their prompts (a draft model's cache) where it has nothing yet, ahead of
+        their first draft round and outside the round the K tuner times; ``scratch_pos``: the cache position padding
+        writes to. Returns the rows it fed (0: drafters that keep nothing, or catch up on the target's features)."""
         ...
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:

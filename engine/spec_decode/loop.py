@@ -156,12 +156,18 @@ class DecodeLoop:
 
     @torch.no_grad()
     def catch_up(self, seqs: list[Seq]) -> None:
-        """The drafter feeds rows past their first round (``Drafter.catch_up``); the scheduler runs it before the
-        round it times."""
-        if self.drafter is not None and self.cache is not None:
-            rows = [s for s in seqs if s.generated and not s.finished]
-            if rows:
-                self.drafter.catch_up(rows, self.cache.max_seq_len - 1)
+        """The drafter feeds the prompts of rows that may draft (``Drafter.catch_up``), finished on the device before
+        this returns: the scheduler runs it before the round it times."""
+        if self.drafter is None or self.cache is None:
+            return
+        rows = [
+            s
+            for s in seqs
+            if not s.finished and s.prefill_from is None and s.tlen >= len(s.prompt) and s.k_ctl is not None
+            and s.params.max_new_tokens - len(s.generated) > 1
+        ]  # fmt: skip
+        if rows and self.drafter.catch_up(rows, self.cache.max_seq_len - 1) and self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
 
     @torch.no_grad()
     def step(self, seqs: list[Seq], caps: KCaps = KCaps()) -> list[tuple[Seq, list[int]]]:

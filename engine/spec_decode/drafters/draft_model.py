@@ -153,7 +153,7 @@ class ModelDrafter:
         self.model.run(ForwardCall(toks, pos, cache, kv_len, rows, first, self.n_layers))
         return ends
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
         """Rows with nothing in the draft cache (the target has prefilled their prompts, nothing drafted yet): their
         tokens but the last go in now, a pass per group of similar width, ahead of their first draft round."""
         assert self.cache is not None, "ensure_cache first"
@@ -162,6 +162,7 @@ class ModelDrafter:
             sub = [new[i] for i in g]
             for s, end in zip(sub, self._feed(sub, [0] * len(sub), scratch_pos, self.cache)):
                 self._fed(s).dlen = end
+        return len(new)
 
     def _steps(
         self, batch: DraftBatch, logits: Tensor, cache: KVCache, kv_len: int, n_tok: list[int], aligned: bool
@@ -205,13 +206,7 @@ class ModelDrafter:
         fed.dlen = outcome.n_before + (0 if fed.tree else min(outcome.accepted, outcome.k - 1))
 
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
-        """Copy the draft cache's prompt positions but the last (fed again: its logits draft d1)."""
-        n = min(self._fed(src).dlen, length - 1)
-        if self.cache is None or n <= 0:
-            return
-        self.cache.copy_rows(src.row, [s.row for s in dst], n)
-        for s in dst:
-            self._fed(s).dlen = n
+        pass  # the source's first step drafts nothing, so its draft cache is empty: each row catches up (catch_up)
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         return cached_forward(self.module, 1, batch=batch)

@@ -139,7 +139,7 @@ class EagleAttnDrafter(HeadDrafter):
         return f, nxt.to(dev), pos.to(dev), last, [n is not None for n in new]
 
     @torch.no_grad()
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
         """Rows with nothing in the head's cache: their prompts' entries but the last go in now, a pass per group of
         similar width (the last one scores the first draft, in the row's first draft round)."""
         assert self.cache is not None, "ensure_cache first"
@@ -153,6 +153,7 @@ class EagleAttnDrafter(HeadDrafter):
             for s, m in zip(sub, last):
                 st = self._entries(s)
                 st.hlen, st.pending = m + 1, [torch.cat(st.pending)[m + 1 :]]
+        return len(fresh)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> Proposal:

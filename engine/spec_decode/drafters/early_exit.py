@@ -51,8 +51,8 @@ class EarlyExitDrafter(ModelDrafter):
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         pass  # its cache is the target's, which the loop copies
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        pass  # the target's prefill wrote its layers' keys and values
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
+        return 0  # the target's prefill wrote its layers' keys and values
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         return cached_forward(self.module, 1, batch=batch, n_layers=self.n_layers)

@@ -68,8 +68,8 @@ class HeadDrafter:
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         pass  # the round hands each sequence the feature of the shared prefill after its first round
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        pass  # it reads the target's features, handed to it after each round
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
+        return 0  # it reads the target's features, handed to it after each round
 
     def scores(self, f: Tensor) -> Tensor:
         """Features [..., H] -> logits over the draft vocabulary [..., V']."""

@@ -147,8 +147,8 @@ class LookupFirst:
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         self.inner.share_prefill(src, dst, length)
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        self.inner.catch_up(seqs, scratch_pos)
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
+        return self.inner.catch_up(seqs, scratch_pos)
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         return self.inner.cost_step(batch)  # the cost model keeps the drafter's c

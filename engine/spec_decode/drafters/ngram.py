@@ -97,8 +97,8 @@ class NGramDrafter:
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         pass
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        pass  # it reads the tokens when it drafts
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
+        return 0  # it reads the tokens when it drafts
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         return None  # a lookup in Python lists: nothing a device timer sees

@@ -133,8 +133,8 @@ class SuffixDrafter:
     def share_prefill(self, src: Seq, dst: list[Seq], length: int) -> None:
         pass  # each request's tree is built from its own tokens when it drafts
 
-    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> None:
-        pass  # likewise
+    def catch_up(self, seqs: list[Seq], scratch_pos: int) -> int:
+        return 0  # likewise
 
     def cost_step(self, batch: int) -> Callable[[], object] | None:
         return None  # C++ lookups on the host: nothing a device timer sees
