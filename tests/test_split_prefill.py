@@ -131,7 +131,7 @@ def test_the_drafter_catches_up_before_the_timed_round_with_the_same_drafts(ckpt
 
         d.propose = recorded
         if not early:
-            d.catch_up = lambda seqs, scratch_pos: None
+            d.catch_up = lambda seqs, scratch_pos: 0
         eng.generate(prompts, params)
         assert eng.stats()["prefill_shared"] == len(LONG)
     assert drafts[True] == drafts[False] and len(drafts[True]) > len(prompts)

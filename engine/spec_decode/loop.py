@@ -156,15 +156,16 @@ class DecodeLoop:
 
     @torch.no_grad()
     def catch_up(self, seqs: list[Seq]) -> None:
-        """The drafter feeds the prompts of rows that may draft (``Drafter.catch_up``), finished on the device before
-        this returns: the scheduler runs it before the round it times."""
+        """The drafter feeds the prompts of rows at their first decoding step that may draft (``Drafter.catch_up``),
+        finished on the device before this returns: the scheduler runs it before the round it times. A later step
+        has no such row and asks the drafter nothing (a row it did not feed then catches up when it drafts)."""
         if self.drafter is None or self.cache is None:
             return
         rows = [
             s
             for s in seqs
-            if not s.finished and s.prefill_from is None and s.tlen >= len(s.prompt) and s.k_ctl is not None
-            and s.params.max_new_tokens - len(s.generated) > 1
+            if len(s.generated) <= 1 and not s.finished and s.prefill_from is None and s.tlen >= len(s.prompt)
+            and s.k_ctl is not None and s.params.max_new_tokens - len(s.generated) > 1
         ]  # fmt: skip
         if rows and self.drafter.catch_up(rows, self.cache.max_seq_len - 1) and self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
