@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.api.assemble import Parts, assemble, resolve_device
+from engine.api.build_thread import build_off_thread
 from engine.api.options import KernelOptions, Limits, PrecisionConfig, SpeculationConfig
 from engine.api.profile import Profile
 from engine.api.requests import Prompts, RequestChecks, is_id_list
@@ -135,7 +136,8 @@ class Engine:
             raise InvalidConfigError(f"hub={hub!r:.60} is invalid: allowed a HubOptions")
         target = resolve_ref(target, hub)
         draft = None if draft is None else resolve_ref(draft, hub, draft=True)
-        parts = assemble(target, draft, speculation, precision, kernels, resolve_device(device), dtype)
+        dev = resolve_device(device)
+        parts = build_off_thread(lambda: assemble(target, draft, speculation, precision, kernels, dev, dtype), dev)
         return cls(parts, limits, speculation.costs, None)
 
     @classmethod
@@ -178,7 +180,9 @@ class Engine:
         o = engine_options(prof, device, limits or Limits())
         spec: SpeculationConfig = SpeculationConfig() if plain else o["speculation"]
         draft = None if plain else o["draft"]
-        parts = assemble(o["target"], draft, spec, o["precision"], o["kernels"], o["device"], None)
+        parts = build_off_thread(
+            lambda: assemble(o["target"], draft, spec, o["precision"], o["kernels"], o["device"], None), o["device"]
+        )
         return cls(parts, o["limits"], spec.costs, prof)
 
     # ------------------------------------------------------------------ costs
