@@ -197,13 +197,19 @@ def test_closed_and_open_loop_against_a_live_server(live):
         assert wall >= serve_load.arrival_times(6, 20.0, seed=1)[-1]
 
 
+FINISHED = "specmix:request_success_total"
+
+
 def test_the_command_against_a_url(live, tmp_path, caplog):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "The quick brown"}) + "\n" + json.dumps({"messages": MESSAGES}) + "\n")
     out = tmp_path / "o.json"
     argv = ["--url", live.url, "--concurrency", "1", "2", "--request-rate", "inf", "--num-prompts", "4"]
     argv += ["--dataset", str(data), "--output-len", "6", "--goodput", "ttft:600000", "--json", str(out)]
+    finished = lambda: sum(v for (name, _), v in serve_load.scrape(live.url).items() if name == FINISHED)  # noqa: E731
+    before = finished()
     assert bench_serve.main([*argv, "--temperature", "0", "0.7"]) == 0
+    assert finished() - before == 6 * 4 + 2  # the measured requests, and a warm-up at each temperature
     got = json.loads(out.read_text())
     assert [(r["mode"], r["concurrency"], r["rate"], r["temperature"]) for r in got["rows"]] == [
         ("concurrency", 1, None, 0.0),

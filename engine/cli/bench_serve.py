@@ -245,8 +245,9 @@ def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str,
 
     todo = [(t, p) for t in args.temperature for p in points(args)]
     longest = max(dataset(args, max(point_size(args, mode, x) for _, (mode, x) in todo)), key=item_size)
-    for s in servers:  # the run's longest request first: no server grows its KV cache inside a measured request
-        asyncio.run(warm_up(s.url, s.model, longest, Sampling(args.output_len, args.temperature[0])))
+    for s in servers:  # the run's longest request first: no server grows its KV cache inside a measured request;
+        for temp in args.temperature:  # and one per temperature: a sampled round's first use is not measured either
+            asyncio.run(warm_up(s.url, s.model, longest, Sampling(args.output_len, temp)))
     rows = []
     for temp, (mode, x) in tqdm(todo, desc="points", disable=None):
         items = dataset(args, point_size(args, mode, x))
