@@ -16,13 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # In a fresh process (this one's threads and its one-thread OpenMP setting would blur the count): the process's
 # threads before and after Engine.from_pretrained, then after a generate in this thread (which runs parallel
-# regions here, so a team appears: the count can move).
+# regions here, so a team appears: the count can move). The build's thread and its team finish exiting after
+# join() returns (libgomp frees the team in the thread's exit handlers), so the count is read once they are gone,
+# or after 30 s; a team kept by the caller's thread never goes.
 COUNT = """
-import os, sys
+import os, sys, time
 from engine import Engine, SamplingParams
 n = lambda: len(os.listdir("/proc/self/task"))
 before = n()
 eng = Engine.from_pretrained(sys.argv[1])
+deadline = time.monotonic() + 30
+while n() > before and time.monotonic() < deadline:
+    time.sleep(0.02)
 after = n()
 eng.generate(["The cat"], SamplingParams(max_new_tokens=4))
 print(before, after, n())
