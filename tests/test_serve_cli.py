@@ -70,3 +70,24 @@ def test_serving_a_profile_logs_its_file_and_plan(ckpt_dir, tmp_path, monkeypatc
         assert serve.main(["--profile", str(path)]) == 0
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model p:"))
     assert f"profile {path}, plan {json.dumps(prof.plan.to_dict())[:200]}" in line
+
+
+def test_trees_from_the_command_line(ckpt_dir):
+    from engine.core.errors import InvalidConfigError
+
+    eng, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram", "--tree-branches", "3")
+    assert eng.drafter.branches == 3 and eng.policy.trees
+    plain, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram")
+    assert plain.drafter.branches == 1 and not plain.policy.trees
+    with pytest.raises(InvalidConfigError, match="suffix_global_tokens"):  # read by the suffix drafter only
+        _load("--target", str(ckpt_dir), "--drafter", "ngram", "--suffix-global-tokens", "0")
+    with pytest.raises(InvalidConfigError, match="tree_branches=9 is invalid"):
+        _load("--target", str(ckpt_dir), "--drafter", "ngram", "--tree-branches", "9")
+
+
+def test_the_suffix_drafters_global_tree_from_the_command_line(ckpt_dir):
+    pytest.importorskip("arctic_inference", reason="the suffix extra")
+    eng, _ = _load("--target", str(ckpt_dir), "--drafter", "suffix", "--suffix-global-tokens", "0")
+    assert eng.drafter.index is None  # each request drafts from its own tokens only
+    shared, _ = _load("--target", str(ckpt_dir), "--drafter", "suffix")
+    assert shared.drafter.index is not None

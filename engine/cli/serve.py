@@ -82,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft by prompt lookup where the last N or more tokens recur in the context, the drafter elsewhere",
     )
     ap.add_argument(
+        "--tree-branches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft trees with up to N children per node, for the drafters that draft trees (default: chains)",
+    )
+    ap.add_argument(
+        "--suffix-global-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the suffix drafter's tree over recent requests' outputs, in tokens (0: none; default 2**20)",
+    )
+    ap.add_argument(
         "--full-check",
         action="store_true",
         help="re-hash every weight file of the profile (default: only files whose size/mtime changed)",
@@ -148,7 +162,16 @@ def http_options(args: argparse.Namespace) -> tuple[AccessOptions, RequestLimits
     return access, limits
 
 
-SPEC_ARGS = ("draft", "drafter", "no_spec", "k", "k_policy", "prompt_lookup")  # with --target only
+SPEC_ARGS = (
+    "draft",
+    "drafter",
+    "no_spec",
+    "k",
+    "k_policy",
+    "prompt_lookup",
+    "tree_branches",
+    "suffix_global_tokens",
+)  # with --target only
 
 
 def _draft_kind(draft: Path | None) -> str | None:
@@ -192,6 +215,8 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
         k=5 if args.k is None else args.k,
         k_policy=args.k_policy or "measured",
         prompt_lookup_min=args.prompt_lookup,
+        tree_branches=args.tree_branches,
+        suffix_global_tokens=args.suffix_global_tokens,
     )
     eng = Engine.from_pretrained(
         target,
