@@ -91,3 +91,5 @@ def test_the_suffix_drafters_global_tree_from_the_command_line(ckpt_dir):
     assert eng.drafter.index is None  # each request drafts from its own tokens only
     shared, _ = _load("--target", str(ckpt_dir), "--drafter", "suffix")
     assert shared.drafter.index is not None
+    off, _ = _load("--target", str(ckpt_dir), "--drafter", "suffix", "--suffix-global-tokens", "0", "--no-spec")
+    assert off.drafter is None  # --no-spec leaves the drafter's flags unread: one command line serves on and off

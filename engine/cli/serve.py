@@ -210,13 +210,17 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     target = resolve_model(args.target, **hub)
     draft = resolve_model(args.draft, draft=True, **hub) if args.draft and not args.no_spec else None
     drafter = None if args.no_spec else (args.drafter or _draft_kind(draft))
-    spec = SpeculationConfig(
-        drafter=drafter,
-        k=5 if args.k is None else args.k,
-        k_policy=args.k_policy or "measured",
-        prompt_lookup_min=args.prompt_lookup,
-        tree_branches=args.tree_branches,
-        suffix_global_tokens=args.suffix_global_tokens,
+    spec = (
+        SpeculationConfig()  # --no-spec: the drafter's flags are not read
+        if args.no_spec
+        else SpeculationConfig(
+            drafter=drafter,
+            k=5 if args.k is None else args.k,
+            k_policy=args.k_policy or "measured",
+            prompt_lookup_min=args.prompt_lookup,
+            tree_branches=args.tree_branches,
+            suffix_global_tokens=args.suffix_global_tokens,
+        )
     )
     eng = Engine.from_pretrained(
         target,
