@@ -5,6 +5,14 @@ decode, prompts of different lengths) run as passes of their own (engine/spec_de
 40-token prompt does not make every decoding row compute 40 positions. The pass scores K+1 positions per row,
 from the last committed token on, and returns the target's features when the drafter reads them (a prefill
 round for a drafter of every position's features returns every column's).
+
+On the CPU a decoding round whose rows drafted different numbers of tokens (a copy drafter's rows without a
+match draft none; the K tuner gives rows their own K) runs packed: only each row's real tokens, one entry per
+token with its own cache row and position (``packed``), so a row without drafts costs one token, not K+1. The
+forward writes every entry's keys before any entry attends, so an entry sees its row's earlier tokens of the same
+call, and each token is computed as in the padded pass. The scores come back in the padded [B, K+1] layout, zeros
+at the columns past a row's drafts (which no acceptance reads). On CUDA the padded pass stays: its cost barely
+grows with a few more tokens, and its graphs and flash-attention calls take fixed shapes and distinct rows.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class VerifyBatch:
     aligned: bool  # rows 0..B-1 at one length, no padding: slice writes
     features: FeatureNeed  # what the drafter reads
     tree: TreeMask | None = None  # a draft tree's slots and mask (pos: positions by depth); None: chains
+    packed: bool = False  # run only the real tokens, one entry each (decoding rows on the CPU, ragged drafts)
 
     @property
     def width(self) -> int:
@@ -79,13 +88,16 @@ def verify_batch(
         tree = tree_mask(pos, catch, tlens, proposal.parents, ks, kv_len)  # (pos rewritten: depths)
         return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, False, need, tree)
     aligned = prefix_rows and len(set(tlens)) == 1 and all(c + k == T for c, k in zip(catch, ks))
-    return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, aligned, need)
+    packed = dev.type == "cpu" and all(c == 1 for c in catch) and sum(ks) < B * kmax
+    return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, aligned, need, packed=packed)
 
 
 def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
     """The target's scores [B, K+1, V] (and features [B, K+1, H] for a drafter that reads them; for one of every
     position's and a row that prefills, also every column's [B, T, H]): one pass, or one per group of rows of
     similar width (a tree's rows: one pass)."""
+    if vb.packed:
+        return _packed_pass(target, cache, vb)
     kmax = vb.idx.shape[1] - 1
     groups = width_groups([max(1, c + kmax) for c in vb.catch]) if vb.tree is None else []  # (catch 0: re-scored)
     if len(groups) > 1:
@@ -132,6 +144,31 @@ def _passes(target: CachedForward, cache: KVCache, vb: VerifyBatch, groups: list
             feats[sel] = ft
     assert logits is not None
     return Scores(logits, feats, prefix, vb.catch)
+
+
+def _packed_pass(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
+    """Decoding rows (one uncached token each, so column j is the row's j-th token and its j-th score) as one pass
+    over their N real tokens: entries [N, 1], each with its row's cache row, scored once each."""
+    K1, dev = vb.idx.shape[1], vb.tokens.device
+    real = torch.arange(K1, device=dev) <= torch.tensor(vb.ks, device=dev)[:, None]  # [B, K+1]
+    b_of, j_of = real.nonzero(as_tuple=True)  # [N] each entry's row and column
+    rows = torch.tensor(vb.row_ids, device=dev)[b_of]  # [N] cache rows, repeated per row's tokens
+    kv_len = max(n + c + k for n, c, k in zip(vb.tlens, vb.catch, vb.ks))
+    want = Features.NONE if vb.features is FeatureNeed.NONE else Features.SCORED
+    first = torch.zeros(len(b_of), 1, dtype=torch.long, device=dev)  # [N, 1] each entry scored
+    toks, pos = vb.tokens[b_of, j_of][:, None], vb.pos[b_of, j_of][:, None]  # [N, 1]
+    out = target.run(ForwardCall(toks, pos, cache, kv_len, rows, first, features=want))
+    return Scores(_unpack(out.logits, real, b_of, j_of), _unpack(out.features, real, b_of, j_of), None, vb.catch)
+
+
+def _unpack(x: Tensor | None, real: Tensor, b_of: Tensor, j_of: Tensor) -> Tensor | None:
+    """x [N, 1, D] of the packed entries -> [B, K+1, D], zeros where a row has no token."""
+    if x is None:
+        return None
+    out = x.new_empty(*real.shape, x.shape[-1])
+    out[~real] = 0
+    out[b_of, j_of] = x[:, 0]
+    return out
 
 
 def _at(x: Tensor, idx: Tensor) -> Tensor:
