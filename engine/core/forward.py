@@ -90,7 +90,9 @@ class ForwardCall:
     kv_len: int | None = None
     """Cache slots attended over (> every position of the batch); required with a cache."""
     rows: Tensor | None = None
-    """[B] int64 cache rows of the batch; None: rows 0..B-1."""
+    """[B] int64 cache rows of the batch, or [B, T] a cache row per token (a packed pass: tokens of several
+    sequences in one row of the batch, each written at its own row and position and seeing that row's keys up to
+    its position, those of this call included); None: rows 0..B-1."""
     logits_idx: Tensor | None = None
     """Positions to score: [B] -> logits [B, V], [B, J] -> [B, J, V]; None: every position [B, T, V]."""
     n_layers: int | None = None
@@ -155,4 +157,8 @@ class CachedForward(Protocol):
 
     def greedy_draft(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor | None:
         """``steps`` greedy drafts in one call where a step kernel runs ``call``, else None."""
+        ...
+
+    def packs(self, cache: KVCache) -> bool:
+        """Whether a call over ``cache`` with a cache row per token (``ForwardCall.rows`` [B, T]) runs here."""
         ...

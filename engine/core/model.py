@@ -301,6 +301,8 @@ class Transformer(nn.Module):
         if call.cache is not None and step is not None and step.takes(call):
             assert call.kv_len is not None, "kv_len is required with a cache"
             return step.run(call, aux)
+        if call.rows is not None and call.rows.dim() == 2:
+            raise ValueError("a cache row per token runs on the step kernel only (see packs())")
         x = self.embed_tokens(call.tokens)
         cos, sin, ctx = self._context(call, x.dtype)
         layers = self.layers if call.n_layers is None else self.layers[: call.n_layers]
@@ -319,6 +321,12 @@ class Transformer(nn.Module):
             return ForwardOut(self.lm_head(_scored(h, call.logits_idx)), h)
         h = self.norm(_scored(x, call.logits_idx))
         return ForwardOut(self.lm_head(h), h if call.features is Features.SCORED else None)
+
+    def packs(self, cache: KVCache) -> bool:
+        """Whether a call over ``cache`` with a cache row per token (``ForwardCall.rows`` [B, T]) runs here: on the
+        step kernel (PyTorch's layers gather a sequence's cache per row of the batch)."""
+        step = self.layer_step
+        return step is not None and step.takes(ForwardCall(torch.zeros(1, 1, dtype=torch.long), cache=cache))
 
     def greedy_draft(self, call: ForwardCall, last: Tensor, steps: int, vocab: int) -> Tensor | None:
         """``steps`` greedy drafts in one call (``StepKernel.greedy``) where the step kernel takes ``call``;

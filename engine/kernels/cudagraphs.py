@@ -210,6 +210,10 @@ class GraphedForward:
         """The model's one-call greedy drafting where its step kernel runs (never on CUDA): graphs replay steps."""
         return self._model.greedy_draft(call, last, steps, vocab)
 
+    def packs(self, cache: KVCache) -> bool:
+        """Never: a graph's batch holds one cache row per sequence (the verify pass stays padded)."""
+        return False
+
     # ------------------------------------------------------------ internals
     def _check_cache(self, cache: KVCache) -> None:
         ident = (cache.k.data_ptr(), cache.v.data_ptr(), *cache.k.shape)

@@ -6,13 +6,16 @@ decode, prompts of different lengths) run as passes of their own (engine/spec_de
 from the last committed token on, and returns the target's features when the drafter reads them (a prefill
 round for a drafter of every position's features returns every column's).
 
-On the CPU a decoding round whose rows drafted different numbers of tokens (a copy drafter's rows without a
-match draft none; the K tuner gives rows their own K) runs packed: only each row's real tokens, one entry per
-token with its own cache row and position (``packed``), so a row without drafts costs one token, not K+1. The
-forward writes every entry's keys before any entry attends, so an entry sees its row's earlier tokens of the same
-call, and each token is computed as in the padded pass. The scores come back in the padded [B, K+1] layout, zeros
-at the columns past a row's drafts (which no acceptance reads). On CUDA the padded pass stays: its cost barely
-grows with a few more tokens, and its graphs and flash-attention calls take fixed shapes and distinct rows.
+On the CPU's step kernel a round with padding runs packed instead: only each row's real tokens (its uncached
+committed tokens and its drafts), all rows' in one row of the batch, each token with its own cache row and position
+(``packed``; ``CachedForward.packs``). A row that drafted nothing (a copy drafter without a match; the K tuner gives
+rows their own K) costs one token, not K+1, and a prompt that joins runs in the same pass as the decoding rows, the
+weights read once. The forward writes every token's keys before any token attends, so each token sees its
+sequence's earlier tokens of the same call and is computed as in the padded pass; only the scored tokens reach the
+LM head. The scores come back in the padded [B, K+1] layout, zeros at the columns past a row's drafts (which no
+acceptance reads). PyTorch's layers and CUDA keep the padded passes (their attention gathers the cache per row of
+the batch; graphs and flash-attention take fixed shapes). A round whose drafter reads every prompt position's
+features (a row prefills) is not packed.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class VerifyBatch:
     aligned: bool  # rows 0..B-1 at one length, no padding: slice writes
     features: FeatureNeed  # what the drafter reads
     tree: TreeMask | None = None  # a draft tree's slots and mask (pos: positions by depth); None: chains
-    packed: bool = False  # run only the real tokens, one entry each (decoding rows on the CPU, ragged drafts)
+    packed: bool = False  # run only the real tokens, in one row with a cache row per token (CPU, padding to drop)
 
     @property
     def width(self) -> int:
@@ -88,7 +91,8 @@ def verify_batch(
         tree = tree_mask(pos, catch, tlens, proposal.parents, ks, kv_len)  # (pos rewritten: depths)
         return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, False, need, tree)
     aligned = prefix_rows and len(set(tlens)) == 1 and all(c + k == T for c, k in zip(catch, ks))
-    packed = dev.type == "cpu" and all(c == 1 for c in catch) and sum(ks) < B * kmax
+    every = need is FeatureNeed.ALL and max(catch) > 1  # every prompt position's features: the padded passes
+    packed = dev.type == "cpu" and min(catch) >= 1 and not every and sum(catch) + sum(ks) < B * T
     return VerifyBatch(toks, pos, idx, catch, ks, tlens, row_t, rows, aligned, need, packed=packed)
 
 
@@ -96,7 +100,7 @@ def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
     """The target's scores [B, K+1, V] (and features [B, K+1, H] for a drafter that reads them; for one of every
     position's and a row that prefills, also every column's [B, T, H]): one pass, or one per group of rows of
     similar width (a tree's rows: one pass)."""
-    if vb.packed:
+    if vb.packed and target.packs(cache):
         return _packed_pass(target, cache, vb)
     kmax = vb.idx.shape[1] - 1
     groups = width_groups([max(1, c + kmax) for c in vb.catch]) if vb.tree is None else []  # (catch 0: re-scored)
@@ -147,27 +151,30 @@ def _passes(target: CachedForward, cache: KVCache, vb: VerifyBatch, groups: list
 
 
 def _packed_pass(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
-    """Decoding rows (one uncached token each, so column j is the row's j-th token and its j-th score) as one pass
-    over their N real tokens: entries [N, 1], each with its row's cache row, scored once each."""
-    K1, dev = vb.idx.shape[1], vb.tokens.device
-    real = torch.arange(K1, device=dev) <= torch.tensor(vb.ks, device=dev)[:, None]  # [B, K+1]
-    b_of, j_of = real.nonzero(as_tuple=True)  # [N] each entry's row and column
-    rows = torch.tensor(vb.row_ids, device=dev)[b_of]  # [N] cache rows, repeated per row's tokens
+    """Every row's real tokens (its catch then its drafts) as one row of N tokens [1, N], each with its own cache row
+    and position; the scored ones (a row's last committed token and its drafts) through the LM head."""
+    dev, K1 = vb.tokens.device, vb.idx.shape[1]
+    catch, ks = torch.tensor(vb.catch, device=dev), torch.tensor(vb.ks, device=dev)
+    lens = catch + ks  # [B] real tokens per row
+    real_tok = torch.arange(vb.width, device=dev) < lens[:, None]  # [B, T]
+    rows = torch.tensor(vb.row_ids, device=dev)[:, None].expand_as(real_tok)[real_tok]  # [N]
+    real = torch.arange(K1, device=dev) <= ks[:, None]  # [B, K+1] scored columns with a token
+    b_of, j_of = real.nonzero(as_tuple=True)  # [J] each scored token's row and column
+    at = (lens.cumsum(0) - lens)[b_of] + catch[b_of] - 1 + j_of  # [J] its index among the N
     kv_len = max(n + c + k for n, c, k in zip(vb.tlens, vb.catch, vb.ks))
     want = Features.NONE if vb.features is FeatureNeed.NONE else Features.SCORED
-    first = torch.zeros(len(b_of), 1, dtype=torch.long, device=dev)  # [N, 1] each entry scored
-    toks, pos = vb.tokens[b_of, j_of][:, None], vb.pos[b_of, j_of][:, None]  # [N, 1]
-    out = target.run(ForwardCall(toks, pos, cache, kv_len, rows, first, features=want))
+    toks, pos = vb.tokens[real_tok][None], vb.pos[real_tok][None]  # [1, N]
+    out = target.run(ForwardCall(toks, pos, cache, kv_len, rows[None], at[None], features=want))
     return Scores(_unpack(out.logits, real, b_of, j_of), _unpack(out.features, real, b_of, j_of), None, vb.catch)
 
 
 def _unpack(x: Tensor | None, real: Tensor, b_of: Tensor, j_of: Tensor) -> Tensor | None:
-    """x [N, 1, D] of the packed entries -> [B, K+1, D], zeros where a row has no token."""
+    """x [1, J, D] of the scored tokens -> [B, K+1, D], zeros where a row has no token."""
     if x is None:
         return None
     out = x.new_empty(*real.shape, x.shape[-1])
     out[~real] = 0
-    out[b_of, j_of] = x[:, 0]
+    out[b_of, j_of] = x[0]
     return out
 
 

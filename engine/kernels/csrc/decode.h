@@ -19,7 +19,7 @@ class DecodeModel {
   DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
               std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads, int64_t n_kv,
               int64_t window, double eps, bool amx);
-  // tokens, pos [B, T] int64; rows [B] (empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers;
+  // tokens, pos [B, T] int64; rows [B] or [B, T] (a cache row per token; empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers;
   // hidden: empty, or a float32 tensor the scored rows' final-norm outputs are written to (its shape becomes
   // the logits' with H in place of V)
   // slots: empty, or [B, T] int64 the cache slots keys are written to (a draft tree: not the positions);

@@ -280,7 +280,8 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   const Dims d{M, H, n_heads_, n_kv_, head_dim_, k_cache.size(3), k_cache.size(1), window_};
   TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && cos.size(0) == sin.size(0) && kv_len >= 0 &&
               kv_len <= d.S, "decode_forward: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
-  TORCH_CHECK(rows.numel() == 0 || (rows.numel() == B && rows.scalar_type() == at::kLong), "decode_forward: rows [B]");
+  TORCH_CHECK(rows.numel() == 0 || ((rows.numel() == B || rows.numel() == M) && rows.scalar_type() == at::kLong),
+              "decode_forward: rows [B] or [B, T]");
   TORCH_CHECK(hidden.numel() == 0 || hidden.scalar_type() == at::kFloat, "decode_forward: hidden float32");
   const torch::Tensor posc = pos.contiguous();
   const torch::Tensor rws = rows.numel() ? rows.contiguous() : rows;
@@ -294,7 +295,7 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   const int64_t* slp = slc.data_ptr<int64_t>();
   std::vector<int64_t> row(M);
   for (int64_t m = 0; m < M; ++m) {
-    row[m] = rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
+    row[m] = rows.numel() == M ? rws.data_ptr<int64_t>()[m] : rows.numel() ? rws.data_ptr<int64_t>()[m / T] : m / T;
     TORCH_CHECK(pp[m] >= 0 && pp[m] < d.S && pp[m] < cos.size(0) && row[m] >= 0 && row[m] < d.max_batch &&
                     slp[m] >= 0 && slp[m] < d.S,
                 "decode_forward: a position, slot or cache row is out of range");
