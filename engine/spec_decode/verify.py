@@ -98,8 +98,8 @@ def verify_batch(
 
 def verify(target: CachedForward, cache: KVCache, vb: VerifyBatch) -> Scores:
     """The target's scores [B, K+1, V] (and features [B, K+1, H] for a drafter that reads them; for one of every
-    position's and a row that prefills, also every column's [B, T, H]): one pass, or one per group of rows of
-    similar width (a tree's rows: one pass)."""
+    position's and a row that prefills, also every column's [B, T, H]): one pass (the real tokens only where
+    ``packed`` and the target packs), or one per group of rows of similar width (a tree's rows: one pass)."""
     if vb.packed and target.packs(cache):
         return _packed_pass(target, cache, vb)
     kmax = vb.idx.shape[1] - 1
