@@ -32,6 +32,7 @@ pytest.importorskip("fastapi")
 
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.api.options import Limits  # noqa: E402
+from engine.cli.ray_drain import Timeouts  # noqa: E402
 from engine.cli.ray_serve import REPLICA_HEADER, RayServeOptions, build_app, timeouts  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -64,6 +65,10 @@ def _args(profile: Path, **kw) -> dict:
 LIMITS = timeouts(RayServeOptions.from_args(_args(Path("pair.json"))))
 REQUEST_TIMEOUT = LIMITS.proxy_s  # the proxy's request_timeout_s: (16 + 2) * 256 * 0.1 s
 TIMEOUT = REQUEST_TIMEOUT + 30  # a client waits for the proxy's answer
+# the fault case's own bound, sent as Serve's per-request timeout header: its N requests of at most 16 + MAX_TOKENS
+# tokens, all queued at once (the proxy's bound is for requests of max_seq_len tokens behind a full queue)
+FAULT_TIMEOUT = Timeouts.of(max_seq_len=16 + MAX_TOKENS, round_s=ROUND_S, max_batch=4, max_queued=N, proxies=1).proxy_s
+TIMEOUT_HEADER = "x-request-timeout-seconds"
 
 
 def _wait(cond, what: str, limit: float = 180.0, period: float = 0.5):
@@ -174,14 +179,20 @@ def two(cluster, profile):
     serve.delete(APP)
 
 
-def _complete(client, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
-    r = client.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0)
+def _complete(client, prompt: str, max_tokens: int = MAX_TOKENS, timeout_s: float | None = None) -> tuple[str, str]:
+    """The replica that answered and the completion; ``timeout_s``: Serve's per-request timeout, not the proxy's."""
+    headers = {} if timeout_s is None else {TIMEOUT_HEADER: f"{timeout_s:g}"}
+    r = client.completions.with_raw_response.create(
+        model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, extra_headers=headers
+    )
     return r.headers[REPLICA_HEADER], r.parse().choices[0].text
 
 
-def _try(client, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str] | openai.APIError:
+def _try(
+    client, prompt: str, max_tokens: int = MAX_TOKENS, timeout_s: float | None = None
+) -> tuple[str, str] | openai.APIError:
     try:
-        return _complete(client, prompt, max_tokens)
+        return _complete(client, prompt, max_tokens, timeout_s)
     except openai.APIError as e:
         return e
 
@@ -226,8 +237,10 @@ def test_two_replicas_spread_equal_solo_and_metrics(cluster, two, solo):
 
 
 def test_killed_replica_restarts_and_no_request_is_lost(cluster, two, solo):
+    """A replica killed mid-load: each request completes or gets a retryable error (the held ones a 408 after the
+    per-request timeout the client sent, bounded for these requests), never hangs; Serve restarts the replica."""
     with ThreadPoolExecutor(N) as ex:
-        futs = [ex.submit(_try, two, p) for p in PROMPTS]
+        futs = [ex.submit(_try, two, p, MAX_TOKENS, FAULT_TIMEOUT) for p in PROMPTS]
         first = _wait(lambda: next((f.result() for f in futs if f.done()), None), "a first answer", TIMEOUT, 0.02)
         assert not isinstance(first, openai.APIError), first
         victim = first[0]
@@ -277,37 +290,44 @@ def cpu_burners(n: int, limit_s: float) -> Iterator[list[subprocess.Popen]]:
             p.wait()
 
 
-@pytest.mark.parametrize("burners", [0, 2], ids=["idle", "beside-2-cpu-burners"])
-def test_scale_down_drains_running_requests(cluster, two, solo, profile, burners):
+@pytest.mark.parametrize(("burners", "long"), [(0, 200), (2, 100)], ids=["idle", "beside-2-cpu-burners"])
+def test_scale_down_drains_running_requests(cluster, two, solo, profile, burners, long):
     """2 -> 1 replicas while both decode: the stopped replica finishes what it runs (graceful shutdown).
     64 requests on 2 replicas of max_batch 4 run in eight waves (the running metric lags the replicas by a
     scrape, in which fast replicas finish waves); the scale-down comes with at least two waves still to run. Beside two
     processes spinning on the 2 CPUs every round is slower, and no request is lost either: the timeouts
-    follow the longest request (max_seq_len rounds of round_s), not the machine's speed."""
-    long = 200  # the tiny pair's context is 256
+    follow the longest request (max_seq_len rounds of round_s), not the machine's speed. The burners run until
+    the stopped replicas have drained (the start of the new config's replica beside them is not under test). Idle,
+    the requests are long (200 tokens of the tiny pair's context of 256) so that the scrape's lag leaves two waves;
+    beside the burners a wave of 100 tokens takes many scrapes."""
     prompts = PROMPTS * 2
     for p in prompts:
         solo(p, long)
     if _replicas(APP) != {"RUNNING": 2}:  # (a serve.run restarts every replica: only when needed)
         serve.run(build_app(_args(profile, min_replicas=2, max_replicas=2)), name=APP, route_prefix="/")
         _wait(lambda: _replicas(APP) == {"RUNNING": 2}, "two replicas")
-    with cpu_burners(burners, TIMEOUT) as load, ThreadPoolExecutor(len(prompts)) as ex:
-        futs = [ex.submit(_try, two, p, long) for p in prompts]
-        live = _live(APP)
-        _wait(
-            lambda: (
-                all(_metric(cluster, "specmix_num_requests_running").get(r, 0) > 0 for r in live)
-                or sum(f.done() for f in futs) >= len(futs) // 2
-            ),
-            "both replicas decode",
-            60,
-            0.2,
-        )
-        left = len(futs) - sum(f.done() for f in futs)
-        assert left >= 2 * 2 * 4, f"only {left} requests were left at the scale-down: not two waves of 2 x 4"
-        serve.run(build_app(_args(profile, min_replicas=1, max_replicas=1)), name=APP, route_prefix="/")
+    with ThreadPoolExecutor(len(prompts) + 1) as ex:
+        with cpu_burners(burners, TIMEOUT) as load:
+            futs = [ex.submit(_try, two, p, long) for p in prompts]
+            live = _live(APP)
+            _wait(
+                lambda: (
+                    all(_metric(cluster, "specmix_num_requests_running").get(r, 0) > 0 for r in live)
+                    or sum(f.done() for f in futs) >= len(futs) // 2
+                ),
+                "both replicas decode",
+                60,
+                0.2,
+            )
+            left = len(futs) - sum(f.done() for f in futs)
+            assert left >= 2 * 2 * 4, f"only {left} requests were left at the scale-down: not two waves of 2 x 4"
+            new_config = build_app(_args(profile, min_replicas=1, max_replicas=1))
+            scaled = ex.submit(serve.run, new_config, name=APP, route_prefix="/")
+            # the new config replaces both replicas: each drains what it runs, then its actor exits
+            _wait(lambda: not live & _live(APP), "the stopped replicas drain", TIMEOUT)
+            assert all(p.poll() is None for p in load), "a CPU burner ended before the stopped replicas drained"
+        scaled.result()  # the replica Serve starts for the new config (after the burners: not under test)
         results = [f.result() for f in futs]
-        assert all(p.poll() is None for p in load), "a CPU burner ended before the requests did"
     errors = [r for r in results if isinstance(r, openai.APIError)]
     assert not errors, errors
     # both replicas that were decoding answered: the stopped one drained what it ran (the queued rest may go to
