@@ -64,6 +64,37 @@ def test_speculation_turns_off_under_load_and_back_on_when_it_drops():
     assert run(tuner, 8, 0.6, 300, **quiet).most_common(1)[0][0] == true_best(8, 0.6, 8, **quiet)
 
 
+def copy_round(tuner: KTuner, batch: int, a: float, matched: float, **kw: float) -> Arm:
+    """A round of a copy drafter: a share ``matched`` of the rows finds a match (and drafts K with per-token
+    acceptance a, committing its expectation), the rest draft nothing and commit one token; the rows'
+    acceptance (what their controllers learn: rounds they drafted) is a. The round runs padded: its time
+    follows the arm's K for every row."""
+    arm = tuner.choose(batch, [a] * batch)
+    drafting = round(batch * matched)
+    rows = [RowYield(a, expected_tokens(a, arm.k))] * drafting + [RowYield(a, 1.0)] * (batch - drafting)
+    tuner.record(batch, arm, round_time(batch, arm.k, **kw), rows)
+    return arm
+
+
+def test_an_arm_is_priced_by_what_its_rounds_committed():
+    """Rows whose acceptance is high when they draft but that find a match in one round of four: K from their
+    acceptance would win over plain rounds, what the rounds commit loses; the tuner, calibrating each arm by its
+    rows' commits, runs plain rounds. Where every row finds its match, the same acceptance makes speculation win."""
+    kw = dict(fixed=1.0, per_token=0.05, knee=8)
+
+    def rate(k: int, matched: float) -> float:
+        return (8 * matched * expected_tokens(0.8, k) + 8 * (1 - matched)) / round_time(8, k, **kw)
+
+    assert max(range(9), key=lambda k: rate(k, 0.25)) == 0 < max(range(9), key=lambda k: rate(k, 1.0))
+    assert true_best(8, 0.8, 8, **kw) > 0  # what the acceptance alone predicts
+    for matched, spec in ((0.25, False), (1.0, True)):
+        tuner = KTuner(k_max=8, k_start=4)
+        arms = Counter(copy_round(tuner, 8, 0.8, matched, **kw).k for _ in range(200))
+        assert (max(arms, key=arms.__getitem__) > 0) == spec, arms
+        if not spec:
+            assert arms[0] >= 0.8 * 200, arms  # exploration stays bounded
+
+
 def test_the_choice_depends_only_on_the_past():
     """Two tuners fed the same history choose the same K (no randomness, nothing of the round itself)."""
     a, b = KTuner(k_max=6, k_start=3), KTuner(k_max=6, k_start=3)

@@ -8,13 +8,15 @@ themselves. An arm is a K (0: plain decoding) and, where the drafter is configur
 to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
 Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA)
-predicts (1 - a^(K+1)) / (1 - a) committed tokens. For a tree of K nodes no such closed form holds (it depends on
-how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's rounds
-committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that drafted the arm's full K
-and did not end) and of what their acceptances predicted. The ratio starts at the nearest measured tree's (1, the
-chain's prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per measurement).
-The round takes the arm with the most expected tokens per second; a tree is taken only where its measured rate
-beats every chain's, so a drafter whose trees do not pay runs chains.
+predicts (1 - a^(K+1)) / (1 - a) committed tokens. The prediction is calibrated per arm by what its rounds
+committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that could draft the arm's full
+K and did not end) and of what their acceptances predicted: a row's acceptance counts only the rounds it drafted,
+so a copy drafter's rows without a match (they draft nothing and commit one token) and acceptance that falls along
+the draft show here. For a tree of K nodes no closed form holds (it depends on how the drafter spends its nodes):
+the chain's prediction at its K, calibrated the same way. The ratio starts at the nearest measured arm's of the
+same shape (1, the prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per
+measurement). The round takes the arm with the most expected tokens per second; a tree is taken only where its
+measured rate beats every chain's, so a drafter whose trees do not pay runs chains.
 
 A new row's acceptance starts from the tuner's: a decayed estimate over the tuned rows of recent chain rounds
 (``acceptance``), not from a fixed prior, so that rows admitted while plain rounds run (they learn nothing) do not
@@ -80,9 +82,9 @@ class KTuner:
     trees: bool = False
     """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
     yield_prior: float = 8.0
-    """A tree's calibration (committed / predicted tokens) starts at its nearest measured tree's, worth this many
-    measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to
-    K + 1) do not make a tree the best."""
+    """An arm's calibration (committed / predicted tokens) starts at its nearest measured arm's of the same shape,
+    worth this many measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths
+    vary from 1 to K + 1) do not make an arm the best."""
     population_decay: float = 0.95
     """Weight of the past in the tuner's acceptance estimate (``acceptance``), per recorded chain round."""
     warmup: int = 2
@@ -99,7 +101,7 @@ class KTuner:
     """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
-    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [committed, predicted] decayed
+    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # [committed, predicted] decayed
     _accept: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [successes, trials] decayed, all buckets
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
@@ -120,7 +122,7 @@ class KTuner:
             return None
         rows = max(1, len(acceptance))
         chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row, from acceptance
-        if not arm.tree:
+        if arm == PLAIN:
             return rows * chain / t
         b = bucket(batch)
         prior = self._ratio(b, arm)
@@ -129,9 +131,11 @@ class KTuner:
         return rows * chain * (got[0] + w * prior) / (got[1] + w) / t
 
     def _ratio(self, b: int, arm: Arm) -> float:
-        """A tree's calibration before its own measurements: that of the nearest tree measured at the bucket, else
-        1 (the chain's prediction)."""
-        near = [(abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm]
+        """An arm's calibration before its own measurements: that of the nearest arm of its shape measured at the
+        bucket, else 1 (the prediction)."""
+        near = [
+            (abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm and a.tree == arm.tree
+        ]
         if not near:
             return 1.0
         y = min(near, key=lambda x: x[0])[1]
@@ -227,11 +231,10 @@ class KTuner:
         self._at[(b, arm)] = now
         if arm == PLAIN or not rows:
             return
-        if arm.tree:
-            y = self._yield.setdefault((b, arm), [0.0, 0.0])
-            y[0] = w * y[0] + sum(r.committed for r in rows)
-            y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
-        else:  # a chain's row accepted committed - 1 of K drafts: a censored geometric observation
+        y = self._yield.setdefault((b, arm), [0.0, 0.0])
+        y[0] = w * y[0] + sum(r.committed for r in rows)
+        y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
+        if not arm.tree:  # a chain's row accepted committed - 1 of K drafts: a censored geometric observation
             ok = [min(max(r.committed - 1, 0), arm.k) for r in rows]
             acc, d = self._accept, self.population_decay
             acc[0] = d * acc[0] + sum(ok)
