@@ -71,15 +71,16 @@ def copy_round(tuner: KTuner, batch: int, a: float, matched: float, **kw: float)
     follows the arm's K for every row."""
     arm = tuner.choose(batch, [a] * batch)
     drafting = round(batch * matched)
-    rows = [RowYield(a, expected_tokens(a, arm.k))] * drafting + [RowYield(a, 1.0)] * (batch - drafting)
+    rows = [RowYield(a, expected_tokens(a, arm.k))] * drafting + [RowYield(a, 1.0, False)] * (batch - drafting)
     tuner.record(batch, arm, round_time(batch, arm.k, **kw), rows)
     return arm
 
 
-def test_an_arm_is_priced_by_what_its_rounds_committed():
+def test_rows_without_a_draft_count_one_token():
     """Rows whose acceptance is high when they draft but that find a match in one round of four: K from their
-    acceptance would win over plain rounds, what the rounds commit loses; the tuner, calibrating each arm by its
-    rows' commits, runs plain rounds. Where every row finds its match, the same acceptance makes speculation win."""
+    acceptance alone would win over plain rounds, what the rounds commit loses; the tuner, counting the share of
+    rows that draft, runs plain rounds. Where every row finds its match, the same acceptance makes speculation
+    win. The acceptance it starts new rows at counts only the rows that drafted."""
     kw = dict(fixed=1.0, per_token=0.05, knee=8)
 
     def rate(k: int, matched: float) -> float:
@@ -93,6 +94,10 @@ def test_an_arm_is_priced_by_what_its_rounds_committed():
         assert (max(arms, key=arms.__getitem__) > 0) == spec, arms
         if not spec:
             assert arms[0] >= 0.8 * 200, arms  # exploration stays bounded
+        assert tuner.drafting() == pytest.approx(matched, abs=0.01)
+    tuner = KTuner(k_max=4, k_start=2)  # two rows accept both drafts, six draft nothing: acceptance 1, a quarter draft
+    tuner.record(8, Arm(2), 1.0, [RowYield(0.8, 3)] * 2 + [RowYield(0.8, 1, False)] * 6)
+    assert tuner.acceptance() == 1.0 and tuner.drafting() == 0.25
 
 
 def test_the_choice_depends_only_on_the_past():

@@ -7,16 +7,17 @@ themselves. An arm is a K (0: plain decoding) and, where the drafter is configur
 1), whether the round drafts trees of K nodes or chains of K drafts. Per batch bucket (the running batch rounded up
 to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
-Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA)
-predicts (1 - a^(K+1)) / (1 - a) committed tokens. The prediction is calibrated per arm by what its rounds
-committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that could draft the arm's full
-K and did not end) and of what their acceptances predicted: a row's acceptance counts only the rounds it drafted,
-so a copy drafter's rows without a match (they draft nothing and commit one token) and acceptance that falls along
-the draft show here. For a tree of K nodes no closed form holds (it depends on how the drafter spends its nodes):
-the chain's prediction at its K, calibrated the same way. The ratio starts at the nearest measured arm's of the
-same shape (1, the prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per
-measurement). The round takes the arm with the most expected tokens per second; a tree is taken only where its
-measured rate beats every chain's, so a drafter whose trees do not pay runs chains.
+Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA, over
+the rounds it drafted) predicts (1 - a^(K+1)) / (1 - a) committed tokens where it drafts, and one where it does
+not: a copy drafter's row without a match drafts nothing. The share of tuned rows that draft (``drafting``) is a
+decayed estimate over the rows of recent chain rounds, pooled across K and buckets (a drafter's matches depend on
+the text, not on the batch; 1 for a drafter that always drafts). For a tree of K nodes no such closed form holds
+(it depends on how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's
+rounds committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that drafted the arm's full K
+and did not end) and of what their acceptances predicted. The ratio starts at the nearest measured tree's (1, the
+chain's prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per measurement).
+The round takes the arm with the most expected tokens per second; a tree is taken only where its measured rate
+beats every chain's, so a drafter whose trees do not pay runs chains.
 
 A new row's acceptance starts from the tuner's: a decayed estimate over the tuned rows of recent chain rounds
 (``acceptance``), not from a fixed prior, so that rows admitted while plain rounds run (they learn nothing) do not
@@ -63,10 +64,12 @@ PLAIN = Arm(0)
 
 
 class RowYield(NamedTuple):
-    """A tuned row's share of a round: its running acceptance before the round and the tokens it committed."""
+    """A tuned row's share of a round: its running acceptance before the round, the tokens it committed and whether
+    it drafted (a copy drafter's row without a match drafts nothing)."""
 
     acceptance: float
     committed: float
+    drafted: bool = True
 
 
 @dataclass
@@ -82,11 +85,12 @@ class KTuner:
     trees: bool = False
     """Whether the drafter can draft trees (``tree_branches`` > 1): tree arms are tried beside chains."""
     yield_prior: float = 8.0
-    """An arm's calibration (committed / predicted tokens) starts at its nearest measured arm's of the same shape,
-    worth this many measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths
-    vary from 1 to K + 1) do not make an arm the best."""
+    """A tree's calibration (committed / predicted tokens) starts at its nearest measured tree's, worth this many
+    measured rounds and fading by ``decay`` per measurement: a few lucky rounds (accepted lengths vary from 1 to
+    K + 1) do not make a tree the best."""
     population_decay: float = 0.95
-    """Weight of the past in the tuner's acceptance estimate (``acceptance``), per recorded chain round."""
+    """Weight of the past in the tuner's acceptance estimate (``acceptance``) and in its share of rows that draft
+    (``drafting``), per recorded chain round."""
     warmup: int = 2
     """Rounds measured at an arm before its estimate counts."""
     explore: int = 12
@@ -101,8 +105,9 @@ class KTuner:
     """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
-    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # [committed, predicted] decayed
+    _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [committed, predicted] decayed
     _accept: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [successes, trials] decayed, all buckets
+    _drafting: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [rows that drafted, rows] decayed, all
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
     _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
@@ -120,9 +125,10 @@ class KTuner:
         t = self.round_time(batch, arm)
         if t is None or t <= 0:
             return None
-        rows = max(1, len(acceptance))
-        chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row, from acceptance
-        if arm == PLAIN:
+        rows, m = max(1, len(acceptance)), self.drafting()
+        chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row that drafts
+        chain = m * chain + (1.0 - m)  # per row: those without a draft commit one token
+        if not arm.tree:
             return rows * chain / t
         b = bucket(batch)
         prior = self._ratio(b, arm)
@@ -131,20 +137,24 @@ class KTuner:
         return rows * chain * (got[0] + w * prior) / (got[1] + w) / t
 
     def _ratio(self, b: int, arm: Arm) -> float:
-        """An arm's calibration before its own measurements: that of the nearest arm of its shape measured at the
-        bucket, else 1 (the prediction)."""
-        near = [
-            (abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm and a.tree == arm.tree
-        ]
+        """A tree's calibration before its own measurements: that of the nearest tree measured at the bucket, else
+        1 (the chain's prediction)."""
+        near = [(abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm]
         if not near:
             return 1.0
         y = min(near, key=lambda x: x[0])[1]
         return y[0] / y[1] if y[1] > 0 else 1.0
 
     def acceptance(self) -> float | None:
-        """The per-token acceptance of the tuned rows of recent chain rounds (None: none recorded yet)."""
+        """The per-token acceptance of the tuned rows of recent chain rounds that drafted (None: none recorded
+        yet)."""
         s, n = self._accept
         return s / n if n >= 1.0 else None
+
+    def drafting(self) -> float:
+        """The share of tuned rows of recent chain rounds that drafted (1 before any is recorded)."""
+        d, n = self._drafting
+        return d / n if n >= 1.0 else 1.0
 
     def arms(self) -> list[Arm]:
         """Every arm tried: plain, chains of k_min..k_max and, with trees, trees of 2..k_max nodes."""
@@ -219,10 +229,10 @@ class KTuner:
         return max(self.explore, (1.0 - min(1.0, rate / best)) / self.explore_cost) if best > 0 else self.explore
 
     def record(self, batch: int, arm: Arm, seconds: float, rows: Sequence[RowYield] = ()) -> None:
-        """One round's wall time at ``arm`` and, per tuned row that drafted the arm's full K and did not end, its
-        acceptance before the round and the tokens it committed (a round that prefilled is not recorded: its
-        prefill dominates). A tree where the drafter drafts none, or of one node or none, is filed under the chain
-        arm of its K: that is what ran."""
+        """One round's wall time at ``arm`` and, per tuned row that could draft the arm's full K and did not end, its
+        acceptance before the round, the tokens it committed and whether it drafted (a round that prefilled is
+        not recorded: its prefill dominates). A tree where the drafter drafts none, or of one node or none, is filed
+        under the chain arm of its K: that is what ran."""
         arm = Arm(arm.k, arm.tree and self.trees and arm.k > 1)
         b, now = bucket(batch), self._rounds.get(bucket(batch), 0)
         w = self.decay ** max(1.0, (now - self._at.get((b, arm), now)) / self.explore)  # the past's weight
@@ -231,12 +241,16 @@ class KTuner:
         self._at[(b, arm)] = now
         if arm == PLAIN or not rows:
             return
-        y = self._yield.setdefault((b, arm), [0.0, 0.0])
-        y[0] = w * y[0] + sum(r.committed for r in rows)
-        y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
-        if not arm.tree:  # a chain's row accepted committed - 1 of K drafts: a censored geometric observation
-            ok = [min(max(r.committed - 1, 0), arm.k) for r in rows]
-            acc, d = self._accept, self.population_decay
+        if arm.tree:
+            y = self._yield.setdefault((b, arm), [0.0, 0.0])
+            y[0] = w * y[0] + sum(r.committed for r in rows)
+            y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
+        else:  # a chain's row that drafted accepted committed - 1 of K: a censored geometric observation
+            d = self.population_decay
+            self._drafting[0] = d * self._drafting[0] + sum(r.drafted for r in rows)
+            self._drafting[1] = d * self._drafting[1] + len(rows)
+            ok = [min(max(r.committed - 1, 0), arm.k) for r in rows if r.drafted]
+            acc = self._accept
             acc[0] = d * acc[0] + sum(ok)
             acc[1] = d * acc[1] + sum(n + (n < arm.k) for n in ok)
 

@@ -333,7 +333,11 @@ class Scheduler:
             self._round_started = None
         t2 = time.perf_counter()
         if arm is not None and clean and not prefill and self.tuner is not None:
-            yields = [RowYield(full[id(s)], len(new)) for s, new in events if id(s) in full and not s.finished]
+            yields = [
+                RowYield(full[id(s)][0], len(new), s.stats.drafted > full[id(s)][1])
+                for s, new in events
+                if id(s) in full and not s.finished
+            ]
             self.tuner.record(len(seqs), arm, t2 - t1, yields)
         with self._lock:
             if clean:
@@ -344,14 +348,15 @@ class Scheduler:
         self._hand_out(events)
 
     @staticmethod
-    def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, float]:
-        """The tuned rows that draft the arm's full K this round (not cut short by what remains to generate), by id,
-        with their acceptance before the round: the tokens they commit (those that do not end this round) are what
-        the tuner learns its acceptance, and a tree's yield, from."""
+    def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, tuple[float, int]]:
+        """The tuned rows that may draft the arm's full K this round (not cut short by what remains to generate), by
+        id, with their acceptance and drafts so far before the round: the tokens they commit (those that do not end
+        this round) and whether they drafted are what the tuner learns its acceptance, its share of rows that
+        draft, and a tree's yield, from."""
         if arm is None:
             return {}
         return {
-            id(s): s.k_ctl.acceptance
+            id(s): (s.k_ctl.acceptance, s.stats.drafted)
             for s in seqs
             if s.k_ctl is not None and tunable(s) and s.generated and s.params.max_new_tokens - len(s.generated) > arm.k
         }
