@@ -100,6 +100,22 @@ def test_rows_without_a_draft_count_one_token():
     assert tuner.acceptance() == 1.0 and tuner.drafting() == 0.25
 
 
+@pytest.mark.parametrize("gain, spec", [(1.02, False), (1.2, True)])
+def test_a_drafting_arm_within_the_margin_of_plain_runs_plain_rounds(gain, spec):
+    """K = 1 commits ``gain`` times plain's tokens per second (every other K far less): within the 5% margin plain
+    rounds run (K = 1 measured again every ``explore`` rounds), beyond it K = 1 runs."""
+    a = 0.5
+    times = {0: 1.0, 1: expected_tokens(a, 1) / gain}
+    tuner = KTuner(k_max=4, k_start=1)
+    seen: Counter[int] = Counter()
+    for i in range(300):
+        arm = tuner.choose(4, [a] * 4)
+        tuner.record(4, arm, times.get(arm.k, 10.0))
+        seen[arm.k] += i >= 150
+    assert (seen[1] > seen[0]) == spec, seen
+    assert seen[0 if not spec else 1] >= 0.8 * 150, seen
+
+
 def test_the_choice_depends_only_on_the_past():
     """Two tuners fed the same history choose the same K (no randomness, nothing of the round itself)."""
     a, b = KTuner(k_max=6, k_start=3), KTuner(k_max=6, k_start=3)

@@ -31,7 +31,7 @@ bucket, and the worse it measured the more seldom (``explore_cost``: each neighb
 throughput). A measurement after a gap weighs more (the past decays per ``explore`` rounds), so a rarely measured
 arm follows the load. Other estimates not refreshed for ``stale`` rounds are dropped, and an arm far from today's
 best is measured afresh when the search reaches it again. Speculation turns off for a bucket where plain rounds
-commit more per second, and back on when speculating wins again.
+commit more per second, or less than ``margin`` less, and back on when speculating wins again.
 
 The choice depends only on rounds already run (their times, the rows' past acceptance and commits), never on this
 round's draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a seeded
@@ -101,6 +101,10 @@ class KTuner:
     decay: float = 0.85
     """Weight of the past in the decayed means (round times, a tree's tokens per row), per ``explore`` rounds
     since the arm's last measurement (at least once per measurement)."""
+    margin: float = 0.05
+    """A best arm that drafts runs only where its rate beats plain rounds' by this share; within it plain rounds run
+    in its place (and it is measured again every ``explore`` rounds): the two estimates are decayed means of noisy
+    rounds, and near a tie the drafting rounds that noise picks cost more than they commit."""
     stale: int = 96
     """An estimate of an arm other than the best and its neighbours not refreshed in this many rounds at its
     bucket is dropped (measured afresh when the search reaches it again)."""
@@ -194,7 +198,15 @@ class KTuner:
                 return arm
         overdue = [(self._lateness(b, n, a, rates, best), a) for a in neighbours if a in rates]
         late, arm = max(overdue, default=(-1.0, best))
-        return arm if late >= 0 else best
+        return arm if late >= 0 else self._settle(b, n, best, rates)
+
+    def _settle(self, b: int, n: int, best: Arm, rates: dict[Arm, float]) -> Arm:
+        """The best arm, or plain rounds in place of a drafting best within ``margin`` of plain's rate (the best
+        measured again every ``explore`` rounds)."""
+        plain = rates.get(PLAIN)
+        if best == PLAIN or plain is None or rates[best] >= (1.0 + self.margin) * plain:
+            return best
+        return best if n - self._at[(b, best)] >= self.explore else PLAIN
 
     def _start(self, b: int) -> Arm:
         """The arm a new bucket measures first: the best of the nearest bucket tuned so far, else the start K."""
