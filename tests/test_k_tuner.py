@@ -95,9 +95,13 @@ def test_rows_without_a_draft_count_one_token():
         if not spec:
             assert arms[0] >= 0.8 * 200, arms  # exploration stays bounded
         assert tuner.drafting() == pytest.approx(matched, abs=0.01)
-    tuner = KTuner(k_max=4, k_start=2)  # two rows accept both drafts, six draft nothing: acceptance 1, a quarter draft
+    tuner = KTuner(k_max=4, k_start=2, trees=True)  # two rows accept both drafts, six draft nothing
     tuner.record(8, Arm(2), 1.0, [RowYield(0.8, 3)] * 2 + [RowYield(0.8, 1, False)] * 6)
     assert tuner.acceptance() == 1.0 and tuner.drafting() == 0.25
+    for _ in range(tuner.warmup):  # a tree committing what its rows' acceptance predicts: calibration 1
+        tuner.record(8, Arm(3, True), 2.0, [RowYield(0.8, expected_tokens(0.8, 3))] * 8)
+    # the share of rows that draft prices chains; a tree's calibration counts its rows without a draft itself
+    assert tuner.rate(8, [0.8] * 8, Arm(3, True)) == pytest.approx(8 * expected_tokens(0.8, 3) / 2.0)
 
 
 @pytest.mark.parametrize("gain, spec", [(1.02, False), (1.2, True)])

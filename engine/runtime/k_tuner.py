@@ -111,7 +111,7 @@ class KTuner:
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
     _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [committed, predicted] decayed
     _accept: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [successes, trials] decayed, all buckets
-    _drafting: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [rows that drafted, rows] decayed, all
+    _drafting: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [drafted, rows] decayed, all buckets
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
     _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
@@ -129,11 +129,11 @@ class KTuner:
         t = self.round_time(batch, arm)
         if t is None or t <= 0:
             return None
-        rows, m = max(1, len(acceptance)), self.drafting()
+        rows = max(1, len(acceptance))
         chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row that drafts
-        chain = m * chain + (1.0 - m)  # per row: those without a draft commit one token
-        if not arm.tree:
-            return rows * chain / t
+        if not arm.tree:  # rows without a draft commit one token (a tree's calibration counts them already)
+            m = self.drafting()
+            return rows * (m * chain + 1.0 - m) / t
         b = bucket(batch)
         prior = self._ratio(b, arm)
         got = self._yield.get((b, arm), [0.0, 0.0])
