@@ -7,10 +7,12 @@ import torch
 
 from engine.core.errors import InvalidConfigError
 from engine.spec_decode.adaptive import (
+    Acceptance,
     Costs,
     KController,
     KPolicy,
     best_k,
+    chain_tokens,
     expected_speedup,
     expected_tokens,
 )
@@ -23,6 +25,31 @@ def test_expected_tokens_closed_form():
         for k in (1, 3, 8):
             assert expected_tokens(a, k) == pytest.approx(sum(a**i for i in range(k + 1)))
     assert expected_tokens(1.0, 5) == 6
+
+
+def test_chain_tokens_by_enumeration():
+    """1 + a1 + a1 a2 + ... + a1 a2^(K-1); the flat split is expected_tokens."""
+    for first, rest in ((0.0, 0.9), (0.4, 0.9), (0.6, 0.3), (0.5, 1.0)):
+        for k in (0, 1, 4):
+            want = 1 + sum(first * rest**i for i in range(k))
+            assert chain_tokens(Acceptance(first, rest), k) == pytest.approx(want)
+    assert chain_tokens(Acceptance.flat(0.7), 5) == pytest.approx(expected_tokens(0.7, 5))
+
+
+def test_the_split_acceptance_learns_a_copy_drafters_first_and_later_drafts():
+    """Rounds of K = 4 whose first draft is right 40% of the time and each later one 90% after a right one (a copy
+    drafter's): the controller's split converges to (0.4, 0.9) and predicts what a round of K = 1 commits (1.4);
+    the pooled per-token acceptance (about 0.66) would predict 1.66."""
+    ctl = KController(KPolicy("measured", k=4, decay=0.995))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4000):
+        u = torch.rand(4, generator=gen)
+        ok = torch.cat([u[:1] < 0.4, u[1:] < 0.9]).int().cumprod(0)
+        ctl.update(4, int(ok.sum()))
+    first, rest = ctl.split
+    assert first == pytest.approx(0.4, abs=0.05) and rest == pytest.approx(0.9, abs=0.03)
+    assert chain_tokens(ctl.split, 1) == pytest.approx(1.4, abs=0.05)
+    assert expected_tokens(ctl.acceptance, 1) > 1.6
 
 
 def test_speedup_formula_and_best_k_by_brute_force():
@@ -88,6 +115,8 @@ def test_policy_validation():
         KPolicy("heuristic", k=2, k_min=3, k_max=8)
     with pytest.raises(InvalidConfigError, match="needs measured costs"):
         KController(KPolicy("cost-model"))
+    with pytest.raises(InvalidConfigError, match="prior_first=1.5"):
+        KPolicy(prior_first=1.5)
 
 
 def test_token_acceptance_counts_tested_positions_only():

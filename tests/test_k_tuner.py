@@ -8,7 +8,9 @@ from collections import Counter
 import pytest
 
 from engine.runtime.k_tuner import PLAIN, Arm, KTuner, RowYield, bucket
-from engine.spec_decode.adaptive import expected_tokens
+from engine.spec_decode.adaptive import Acceptance, chain_tokens, expected_tokens
+
+flat = Acceptance.flat
 
 
 def round_time(batch: int, k: int, fixed: float = 1.0, per_token: float = 0.02, knee: int = 16) -> float:
@@ -26,7 +28,7 @@ def run(tuner: KTuner, batch: int, a: float, rounds: int, **kw: float) -> Counte
     """The K chosen in the last half of ``rounds`` rounds at this batch (chains only)."""
     seen: Counter[int] = Counter()
     for i in range(rounds):
-        arm = tuner.choose(batch, [a] * batch)
+        arm = tuner.choose(batch, [flat(a)] * batch)
         assert not arm.tree
         tuner.record(batch, arm, round_time(batch, arm.k, **kw))
         if i >= rounds // 2:
@@ -48,8 +50,8 @@ def test_buckets_are_tuned_apart():
     for _ in range(3):  # interleaved, as a server's batch changes
         run(tuner, 1, 0.8, 60)
         run(tuner, 64, 0.5, 60)
-    assert tuner.choose(1, [0.8]).k == true_best(1, 0.8, 8) > 0
-    assert tuner.choose(64, [0.5] * 64) == PLAIN and true_best(64, 0.5, 8) == 0
+    assert tuner.choose(1, [flat(0.8)]).k == true_best(1, 0.8, 8) > 0
+    assert tuner.choose(64, [flat(0.5)] * 64) == PLAIN and true_best(64, 0.5, 8) == 0
     snap = tuner.snapshot()
     assert snap[str(bucket(64))]["k"] == 0 and snap["1"]["k"] == true_best(1, 0.8, 8)
 
@@ -69,9 +71,9 @@ def copy_round(tuner: KTuner, batch: int, a: float, matched: float, **kw: float)
     acceptance a, committing its expectation), the rest draft nothing and commit one token; the rows'
     acceptance (what their controllers learn: rounds they drafted) is a. The round runs padded: its time
     follows the arm's K for every row."""
-    arm = tuner.choose(batch, [a] * batch)
+    arm = tuner.choose(batch, [flat(a)] * batch)
     drafting = round(batch * matched)
-    rows = [RowYield(a, expected_tokens(a, arm.k))] * drafting + [RowYield(a, 1.0, False)] * (batch - drafting)
+    rows = [RowYield(flat(a), expected_tokens(a, arm.k))] * drafting + [RowYield(flat(a), 1.0, False)] * (batch - drafting)
     tuner.record(batch, arm, round_time(batch, arm.k, **kw), rows)
     return arm
 
@@ -96,12 +98,12 @@ def test_rows_without_a_draft_count_one_token():
             assert arms[0] >= 0.8 * 200, arms  # exploration stays bounded
         assert tuner.drafting() == pytest.approx(matched, abs=0.01)
     tuner = KTuner(k_max=4, k_start=2, trees=True)  # two rows accept both drafts, six draft nothing
-    tuner.record(8, Arm(2), 1.0, [RowYield(0.8, 3)] * 2 + [RowYield(0.8, 1, False)] * 6)
-    assert tuner.acceptance() == 1.0 and tuner.drafting() == 0.25
+    tuner.record(8, Arm(2), 1.0, [RowYield(flat(0.8), 3)] * 2 + [RowYield(flat(0.8), 1, False)] * 6)
+    assert tuner.acceptance() == (1.0, 1.0) and tuner.drafting() == 0.25
     for _ in range(tuner.warmup):  # a tree committing what its rows' acceptance predicts: calibration 1
-        tuner.record(8, Arm(3, True), 2.0, [RowYield(0.8, expected_tokens(0.8, 3))] * 8)
+        tuner.record(8, Arm(3, True), 2.0, [RowYield(flat(0.8), expected_tokens(0.8, 3))] * 8)
     # the share of rows that draft prices chains; a tree's calibration counts its rows without a draft itself
-    assert tuner.rate(8, [0.8] * 8, Arm(3, True)) == pytest.approx(8 * expected_tokens(0.8, 3) / 2.0)
+    assert tuner.rate(8, [flat(0.8)] * 8, Arm(3, True)) == pytest.approx(8 * expected_tokens(0.8, 3) / 2.0)
 
 
 @pytest.mark.parametrize("gain, spec", [(1.02, False), (1.2, True)])
@@ -113,18 +115,35 @@ def test_a_drafting_arm_within_the_margin_of_plain_runs_plain_rounds(gain, spec)
     tuner = KTuner(k_max=4, k_start=1)
     seen: Counter[int] = Counter()
     for i in range(300):
-        arm = tuner.choose(4, [a] * 4)
+        arm = tuner.choose(4, [flat(a)] * 4)
         tuner.record(4, arm, times.get(arm.k, 10.0))
         seen[arm.k] += i >= 150
     assert (seen[1] > seen[0]) == spec, seen
     assert seen[0 if not spec else 1] >= 0.8 * 150, seen
 
 
+def test_rows_are_priced_by_their_first_and_later_drafts():
+    """A copy drafter's rows: the first draft right 40% of the time, each later one 90% after a right one. A round
+    costs 1 + 0.45 K: every K loses to plain rounds (K = 1: 1.4 tokens for 1.45). Given the rows' split acceptance
+    the tuner runs plain rounds; given the pooled per-token acceptance of the same drafts (0.66: what one EMA learns
+    from rounds of K = 4) it would take K = 1, predicting 1.66 tokens."""
+    split = Acceptance(0.4, 0.9)
+    assert max(range(5), key=lambda k: chain_tokens(split, k) / (1 + 0.45 * k)) == 0
+    for acc, plain in ((split, True), (flat(0.66), False)):
+        tuner = KTuner(k_max=4, k_start=4)
+        seen: Counter[int] = Counter()
+        for i in range(300):
+            arm = tuner.choose(4, [acc] * 4)
+            tuner.record(4, arm, 1 + 0.45 * arm.k, [RowYield(acc, chain_tokens(split, arm.k))] * 4)
+            seen[arm.k] += i >= 150
+        assert (seen.most_common(1)[0][0] == 0) == plain, seen
+
+
 def test_the_choice_depends_only_on_the_past():
     """Two tuners fed the same history choose the same K (no randomness, nothing of the round itself)."""
     a, b = KTuner(k_max=6, k_start=3), KTuner(k_max=6, k_start=3)
     for i in range(50):
-        acc = [0.5 + 0.01 * (i % 7)] * 4
+        acc = [flat(0.5 + 0.01 * (i % 7))] * 4
         ka, kb = a.choose(4, acc), b.choose(4, acc)
         assert ka == kb
         a.record(4, ka, round_time(4, ka.k))
@@ -132,16 +151,17 @@ def test_the_choice_depends_only_on_the_past():
 
 
 def test_its_acceptance_is_what_the_rows_of_chain_rounds_accepted():
-    """Per row of a chain round of K = 2: one accepts 1 draft (1 success, 1 failure), one accepts none (1
-    failure), one accepts both (2 successes): 3 successes in 5 trials. Plain and tree rounds tell it nothing."""
+    """Per row of a chain round of K = 2: one accepts 1 draft, one none, one both: the first draft accepted by 2
+    of 3 rows; after an accepted first, the second accepted by 1 of 2 (a success and a failure). Plain and tree
+    rounds tell it nothing."""
     tuner = KTuner(k_max=4, k_start=2, trees=True)
     assert tuner.acceptance() is None
-    tuner.record(3, PLAIN, 1.0, [RowYield(0.9, 1)] * 3)
-    tuner.record(3, Arm(3, True), 1.0, [RowYield(0.9, 4)] * 3)
+    tuner.record(3, PLAIN, 1.0, [RowYield(flat(0.9), 1)] * 3)
+    tuner.record(3, Arm(3, True), 1.0, [RowYield(flat(0.9), 4)] * 3)
     assert tuner.acceptance() is None
     for _ in range(20):
-        tuner.record(3, Arm(2), 1.0, [RowYield(0.9, 2), RowYield(0.9, 1), RowYield(0.9, 3)])
-    assert tuner.acceptance() == pytest.approx(0.6)
+        tuner.record(3, Arm(2), 1.0, [RowYield(flat(0.9), 2), RowYield(flat(0.9), 1), RowYield(flat(0.9), 3)])
+    assert tuner.acceptance() == pytest.approx((2 / 3, 1 / 2))
 
 
 # ---------------------------------------------------------------- trees beside chains
@@ -171,11 +191,11 @@ def run_arms(tuner: KTuner, batch: int, a: float, rounds: int, mask: float, **kw
     """The arms chosen in the last half of ``rounds`` rounds; a tree round reports its rows' committed tokens."""
     seen: Counter[Arm] = Counter()
     for i in range(rounds):
-        arm = tuner.choose(batch, [a] * batch)
+        arm = tuner.choose(batch, [flat(a)] * batch)
         if arm.tree:
-            tuner.record(batch, arm, tree_time(batch, arm.k, mask, **kw), [RowYield(a, tree_tokens(a, arm.k))] * batch)
+            tuner.record(batch, arm, tree_time(batch, arm.k, mask, **kw), [RowYield(flat(a), tree_tokens(a, arm.k))] * batch)
         else:
-            tuner.record(batch, arm, round_time(batch, arm.k, **kw), [RowYield(a, expected_tokens(a, arm.k))] * batch)
+            tuner.record(batch, arm, round_time(batch, arm.k, **kw), [RowYield(flat(a), expected_tokens(a, arm.k))] * batch)
         if i >= rounds // 2:
             seen[arm] += 1
     return seen

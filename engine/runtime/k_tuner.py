@@ -7,8 +7,10 @@ themselves. An arm is a K (0: plain decoding) and, where the drafter is configur
 1), whether the round drafts trees of K nodes or chains of K drafts. Per batch bucket (the running batch rounded up
 to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
-Expected tokens per round: for a chain of K, each tuned row's running acceptance a (the K controller's EMA, over
-the rounds it drafted) predicts (1 - a^(K+1)) / (1 - a) committed tokens where it drafts, and one where it does
+Expected tokens per round: for a chain of K, each tuned row's running acceptance (the K controller's EMAs over the
+rounds it drafted, split at the first draft: ``Acceptance``, first a1 and later a2) predicts
+1 + a1 (1 - a2^K) / (1 - a2) committed tokens where it drafts (``chain_tokens``; a copy drafter's first draft is
+right far less often than the ones after a right one, and one pooled a would overprice K = 1), and one where it does
 not: a copy drafter's row without a match drafts nothing. The share of tuned rows that draft (``drafting``) is a
 decayed estimate over the rows of recent chain rounds, pooled across K and buckets (a drafter's matches depend on
 the text, not on the batch; 1 for a drafter that always drafts). For a tree of K nodes no such closed form holds
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.spec_decode.adaptive import expected_tokens
+from engine.spec_decode.adaptive import Acceptance, chain_tokens
 
 
 def bucket(batch: int) -> int:
@@ -67,7 +69,7 @@ class RowYield(NamedTuple):
     """A tuned row's share of a round: its running acceptance before the round, the tokens it committed and whether
     it drafted (a copy drafter's row without a match drafts nothing)."""
 
-    acceptance: float
+    acceptance: Acceptance
     committed: float
     drafted: bool = True
 
@@ -110,7 +112,8 @@ class KTuner:
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
     _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [committed, predicted] decayed
-    _accept: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [successes, trials] decayed, all buckets
+    _first: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [accepted, rows] decayed, all buckets
+    _rest: list[float] = field(default_factory=lambda: [0.0, 0.0])  # later drafts: [successes, trials] decayed
     _drafting: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [drafted, rows] decayed, all buckets
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
@@ -123,14 +126,14 @@ class KTuner:
         s = self._times.get((bucket(batch), arm))
         return None if s is None or s[2] < self.warmup else s[0] / s[1]
 
-    def rate(self, batch: int, acceptance: Sequence[float], arm: Arm) -> float | None:
+    def rate(self, batch: int, acceptance: Sequence[Acceptance], arm: Arm) -> float | None:
         """Expected committed tokens per second of a round of ``batch`` rows at ``arm`` for the rows it tunes
         (their running acceptances)."""
         t = self.round_time(batch, arm)
         if t is None or t <= 0:
             return None
         rows = max(1, len(acceptance))
-        chain = sum(expected_tokens(min(a, 0.999), arm.k) for a in acceptance) / rows  # per row that drafts
+        chain = sum(chain_tokens(a, arm.k) for a in acceptance) / rows  # per row that drafts
         if not arm.tree:  # rows without a draft commit one token (a tree's calibration counts them already)
             m = self.drafting()
             return rows * (m * chain + 1.0 - m) / t
@@ -149,11 +152,13 @@ class KTuner:
         y = min(near, key=lambda x: x[0])[1]
         return y[0] / y[1] if y[1] > 0 else 1.0
 
-    def acceptance(self) -> float | None:
-        """The per-token acceptance of the tuned rows of recent chain rounds that drafted (None: none recorded
-        yet)."""
-        s, n = self._accept
-        return s / n if n >= 1.0 else None
+    def acceptance(self) -> Acceptance | None:
+        """The acceptance of the tuned rows of recent chain rounds that drafted, split at the first draft (None: none
+        recorded yet; a later draft's: the first's until one is recorded)."""
+        (f, n1), (r, n2) = self._first, self._rest
+        if n1 < 1.0:
+            return None
+        return Acceptance(f / n1, r / n2 if n2 >= 1.0 else f / n1)
 
     def drafting(self) -> float:
         """The share of tuned rows of recent chain rounds that drafted (1 before any is recorded)."""
@@ -173,7 +178,7 @@ class KTuner:
             near = [Arm(self.k_min)]
         return [a if a.k > 0 else PLAIN for a in near if a in known or a.k == 0]
 
-    def choose(self, batch: int, acceptance: Sequence[float]) -> Arm:
+    def choose(self, batch: int, acceptance: Sequence[Acceptance]) -> Arm:
         """This round's arm: ``batch`` rows run, those it tunes have these running acceptances."""
         b = bucket(batch)
         n = self._rounds[b] = self._rounds.get(b, 0) + 1
@@ -256,15 +261,16 @@ class KTuner:
         if arm.tree:
             y = self._yield.setdefault((b, arm), [0.0, 0.0])
             y[0] = w * y[0] + sum(r.committed for r in rows)
-            y[1] = w * y[1] + sum(expected_tokens(min(r.acceptance, 0.999), arm.k) for r in rows)
+            y[1] = w * y[1] + sum(chain_tokens(r.acceptance, arm.k) for r in rows)
         else:  # a chain's row that drafted accepted committed - 1 of K: a censored geometric observation
             d = self.population_decay
             self._drafting[0] = d * self._drafting[0] + sum(r.drafted for r in rows)
             self._drafting[1] = d * self._drafting[1] + len(rows)
-            ok = [min(max(r.committed - 1, 0), arm.k) for r in rows if r.drafted]
-            acc = self._accept
-            acc[0] = d * acc[0] + sum(ok)
-            acc[1] = d * acc[1] + sum(n + (n < arm.k) for n in ok)
+            ok = [min(max(r.committed - 1.0, 0.0), arm.k) for r in rows if r.drafted]
+            first, rest = self._first, self._rest  # the first draft's trial, then those after an accepted first
+            first[0], first[1] = d * first[0] + sum(min(n, 1.0) for n in ok), d * first[1] + len(ok)
+            rest[0] = d * rest[0] + sum(n - 1.0 for n in ok if n >= 1.0)
+            rest[1] = d * rest[1] + sum(n - 1.0 + (n < arm.k) for n in ok if n >= 1.0)
 
     def best(self) -> dict[str, Arm]:
         """The best arm so far per batch bucket (a copy)."""

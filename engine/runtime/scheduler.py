@@ -46,7 +46,7 @@ from engine.core.errors import EngineError, OverloadedError
 from engine.runtime.k_tuner import Arm, KTuner, RowYield
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
-from engine.spec_decode.adaptive import Costs, KController, KPolicy
+from engine.spec_decode.adaptive import Acceptance, Costs, KController, KPolicy
 from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable, tunable_params
 from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
@@ -278,7 +278,7 @@ class Scheduler:
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         if pol is not None and self.tuner is not None and tunable_params(sp):  # its K is the tuner's: so its prior
             prior = self.tuner.acceptance()
-            pol = pol if prior is None else replace(pol, prior_a=prior)
+            pol = pol if prior is None else replace(pol, prior_a=prior.rest, prior_first=prior.first)
         # costs are measured (once) only for the cost-model policy
         k_ctl = None if pol is None else KController(pol, self._costs() if pol.name == "cost-model" else None)
         return Seq(prompt=r.prompt, params=sp, generator=gen, row=row, k_ctl=k_ctl, prefill_from=sibling)
@@ -348,7 +348,7 @@ class Scheduler:
         self._hand_out(events)
 
     @staticmethod
-    def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, tuple[float, int]]:
+    def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, tuple[Acceptance, int]]:
         """The tuned rows that may draft the arm's full K this round (not cut short by what remains to generate), by
         id, with their acceptance and drafts so far before the round: the tokens they commit (those that do not end
         this round) and whether they drafted are what the tuner learns its acceptance, its share of rows that
@@ -356,7 +356,7 @@ class Scheduler:
         if arm is None:
             return {}
         return {
-            id(s): (s.k_ctl.acceptance, s.stats.drafted)
+            id(s): (s.k_ctl.split, s.stats.drafted)
             for s in seqs
             if s.k_ctl is not None and tunable(s) and s.generated and s.params.max_new_tokens - len(s.generated) > arm.k
         }
@@ -368,7 +368,7 @@ class Scheduler:
         rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
         if self.tuner is None or not rows:
             return None
-        arm = self.tuner.choose(len(seqs), [s.k_ctl.acceptance for s in rows])
+        arm = self.tuner.choose(len(seqs), [s.k_ctl.split for s in rows])
         return Arm(arm.k, True) if len(rows) < len(seqs) else arm
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:

@@ -17,11 +17,18 @@ The acceptance rate is estimated per sequence from censored geometric
 observations: a round that drafted K_b and accepted n saw n successes and, if
 n < K_b, one failure. Successes and trials are exponentially decayed, so a is
 an EMA of the per-token acceptance probability.
+
+The same observations split at the first draft give ``Acceptance``: the first draft's acceptance and a later
+draft's given the drafts before it were accepted. A copy drafter's drafts are not i.i.d.: its first token is
+right about half the time, but once one is right the copy usually goes on (SmolLM2 with n-gram lookup: 0.55-0.65
+at the first position, 0.75-0.95 at the next ones), so one pooled a overprices short chains and underprices long
+ones; ``chain_tokens`` predicts a chain's committed tokens from both. The serving layer's K tuner uses it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.core.errors import InvalidConfigError
 
@@ -70,6 +77,30 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+class Acceptance(NamedTuple):
+    """A row's draft acceptance split at the first draft (a chain's drafts are not i.i.d.)."""
+
+    first: float
+    """P(the first draft is accepted)."""
+    rest: float
+    """P(a later draft is accepted | the drafts before it were)."""
+
+    @classmethod
+    def flat(cls, a: float) -> Acceptance:
+        """i.i.d. drafts accepted with probability a each."""
+        return cls(a, a)
+
+
+def chain_tokens(acc: Acceptance, k: int) -> float:
+    """Expected tokens per target pass of a chain of ``k`` drafts: 1 + first (1 - rest^k) / (1 - rest)
+    (``expected_tokens`` where first == rest)."""
+    if k <= 0:
+        return 1.0
+    rest = min(max(acc.rest, 0.0), 1.0)
+    tail = float(k) if rest >= 1.0 else (1.0 - rest**k) / (1.0 - rest)
+    return 1.0 + min(max(acc.first, 0.0), 1.0) * tail
+
+
 def expected_speedup(a: float, k: int, costs: Costs) -> float:
     """Expected speedup over plain decoding with acceptance a, K drafts and the given costs."""
     if k == 0:
@@ -91,6 +122,7 @@ class KPolicy:
     decay: float = 0.8  # weight of the past in the acceptance EMA
     prior_a: float = 0.7  # acceptance assumed before any observation
     prior_weight: float = 2.0  # pseudo-trials behind the prior
+    prior_first: float | None = None  # the first draft's acceptance assumed before any observation (None: prior_a)
     trees: bool = False  # the drafter drafts trees (tree_branches > 1): ``measured`` chooses trees or chains per batch
 
     def __post_init__(self) -> None:
@@ -102,6 +134,10 @@ class KPolicy:
             raise InvalidConfigError(
                 f"k bounds are invalid: need 1 <= k_min ({self.k_min}) <= k ({self.k}) <= k_max ({self.k_max})"
             )
+        for name in ("prior_a", "prior_first"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise InvalidConfigError(f"{name}={v!r} is invalid: allowed 0.0 .. 1.0")
         if not 0.0 <= self.decay < 1.0:
             raise InvalidConfigError(f"decay={self.decay!r} is invalid: allowed 0 <= decay < 1")
 
@@ -115,6 +151,9 @@ class KController:
         self.policy, self.costs = policy, costs
         self.successes = policy.prior_a * policy.prior_weight
         self.trials = policy.prior_weight
+        first = policy.prior_a if policy.prior_first is None else policy.prior_first
+        self._first = [first * policy.prior_weight, policy.prior_weight]  # [accepted, rounds] decayed
+        self._rest = [policy.prior_a * policy.prior_weight, policy.prior_weight]  # [successes, trials] decayed
         self.k = policy.k
         if policy.name == "cost-model":
             self.k = best_k(self.acceptance, costs, policy.k_min, policy.k_max)  # type: ignore[arg-type]
@@ -122,6 +161,12 @@ class KController:
     @property
     def acceptance(self) -> float:
         return self.successes / self.trials if self.trials > 0 else self.policy.prior_a
+
+    @property
+    def split(self) -> Acceptance:
+        """The running acceptance split at the first draft (``Acceptance``)."""
+        (f, n1), (r, n2) = self._first, self._rest
+        return Acceptance(f / n1 if n1 > 0 else self.policy.prior_a, r / n2 if n2 > 0 else self.policy.prior_a)
 
     def update(self, drafted: int, accepted: int) -> int:
         """Record a round (drafted K_b, accepted n <= K_b) and return the next K."""
@@ -131,6 +176,9 @@ class KController:
         rejected = 1 if accepted < drafted else 0
         self.successes = p.decay * self.successes + accepted
         self.trials = p.decay * self.trials + accepted + rejected
+        self._first = [p.decay * self._first[0] + (accepted > 0), p.decay * self._first[1] + 1]
+        if accepted - 1 + rejected > 0:  # drafts after the first: accepted - 1 successes, a failure if one was rejected
+            self._rest = [p.decay * self._rest[0] + accepted - 1, p.decay * self._rest[1] + accepted - 1 + rejected]
         if p.name in ("heuristic", "measured"):
             self.k = min(self.k + 2, p.k_max) if accepted == drafted else max(self.k - 1, p.k_min)
         elif p.name == "cost-model":
