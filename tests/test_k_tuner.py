@@ -73,7 +73,9 @@ def copy_round(tuner: KTuner, batch: int, a: float, matched: float, **kw: float)
     follows the arm's K for every row."""
     arm = tuner.choose(batch, [flat(a)] * batch)
     drafting = round(batch * matched)
-    rows = [RowYield(flat(a), expected_tokens(a, arm.k))] * drafting + [RowYield(flat(a), 1.0, False)] * (batch - drafting)
+    rows = [RowYield(flat(a), expected_tokens(a, arm.k))] * drafting + [RowYield(flat(a), 1.0, False)] * (
+        batch - drafting
+    )
     tuner.record(batch, arm, round_time(batch, arm.k, **kw), rows)
     return arm
 
@@ -193,9 +195,13 @@ def run_arms(tuner: KTuner, batch: int, a: float, rounds: int, mask: float, **kw
     for i in range(rounds):
         arm = tuner.choose(batch, [flat(a)] * batch)
         if arm.tree:
-            tuner.record(batch, arm, tree_time(batch, arm.k, mask, **kw), [RowYield(flat(a), tree_tokens(a, arm.k))] * batch)
+            tuner.record(
+                batch, arm, tree_time(batch, arm.k, mask, **kw), [RowYield(flat(a), tree_tokens(a, arm.k))] * batch
+            )
         else:
-            tuner.record(batch, arm, round_time(batch, arm.k, **kw), [RowYield(flat(a), expected_tokens(a, arm.k))] * batch)
+            tuner.record(
+                batch, arm, round_time(batch, arm.k, **kw), [RowYield(flat(a), expected_tokens(a, arm.k))] * batch
+            )
         if i >= rounds // 2:
             seen[arm] += 1
     return seen
