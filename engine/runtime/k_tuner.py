@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.spec_decode.adaptive import Acceptance, chain_tokens
+from engine.spec_decode.adaptive import Acceptance, chain_tokens, split_observation
 
 
 def bucket(batch: int) -> int:
@@ -266,11 +266,10 @@ class KTuner:
             d = self.population_decay
             self._drafting[0] = d * self._drafting[0] + sum(r.drafted for r in rows)
             self._drafting[1] = d * self._drafting[1] + len(rows)
-            ok = [min(max(r.committed - 1.0, 0.0), arm.k) for r in rows if r.drafted]
-            first, rest = self._first, self._rest  # the first draft's trial, then those after an accepted first
-            first[0], first[1] = d * first[0] + sum(min(n, 1.0) for n in ok), d * first[1] + len(ok)
-            rest[0] = d * rest[0] + sum(n - 1.0 for n in ok if n >= 1.0)
-            rest[1] = d * rest[1] + sum(n - 1.0 + (n < arm.k) for n in ok if n >= 1.0)
+            obs = [split_observation(arm.k, min(max(r.committed - 1.0, 0.0), arm.k)) for r in rows if r.drafted]
+            first, rest = self._first, self._rest
+            first[0], first[1] = d * first[0] + sum(o[0] for o in obs), d * first[1] + len(obs)
+            rest[0], rest[1] = d * rest[0] + sum(o[1] for o in obs), d * rest[1] + sum(o[2] for o in obs)
 
     def best(self) -> dict[str, Arm]:
         """The best arm so far per batch bucket (a copy)."""

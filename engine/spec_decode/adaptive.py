@@ -71,10 +71,8 @@ class Costs:
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """Expected tokens per target pass: (1 - a^(K+1)) / (1 - a)."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+    """Expected tokens per target pass: (1 - a^(K+1)) / (1 - a) (``chain_tokens`` of i.i.d. drafts)."""
+    return chain_tokens(Acceptance.flat(a), k)
 
 
 class Acceptance(NamedTuple):
@@ -99,6 +97,14 @@ def chain_tokens(acc: Acceptance, k: int) -> float:
     rest = min(max(acc.rest, 0.0), 1.0)
     tail = float(k) if rest >= 1.0 else (1.0 - rest**k) / (1.0 - rest)
     return 1.0 + min(max(acc.first, 0.0), 1.0) * tail
+
+
+def split_observation(k: int, accepted: float) -> tuple[float, float, float]:
+    """A chain round of ``k`` drafts that accepted ``accepted``, split at the first draft: (the first draft's success,
+    the later drafts' successes, their trials: those after an accepted first, a failure where one was rejected)."""
+    if accepted < 1.0:
+        return max(accepted, 0.0), 0.0, 0.0
+    return 1.0, accepted - 1.0, accepted - 1.0 + (accepted < k)
 
 
 def expected_speedup(a: float, k: int, costs: Costs) -> float:
@@ -176,9 +182,10 @@ class KController:
         rejected = 1 if accepted < drafted else 0
         self.successes = p.decay * self.successes + accepted
         self.trials = p.decay * self.trials + accepted + rejected
-        self._first = [p.decay * self._first[0] + (accepted > 0), p.decay * self._first[1] + 1]
-        if accepted - 1 + rejected > 0:  # drafts after the first: accepted - 1 successes, a failure if one was rejected
-            self._rest = [p.decay * self._rest[0] + accepted - 1, p.decay * self._rest[1] + accepted - 1 + rejected]
+        first, later, tried = split_observation(drafted, accepted)
+        self._first = [p.decay * self._first[0] + first, p.decay * self._first[1] + 1]
+        if tried > 0:
+            self._rest = [p.decay * self._rest[0] + later, p.decay * self._rest[1] + tried]
         if p.name in ("heuristic", "measured"):
             self.k = min(self.k + 2, p.k_max) if accepted == drafted else max(self.k - 1, p.k_min)
         elif p.name == "cost-model":
