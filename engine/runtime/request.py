@@ -66,6 +66,45 @@ class Totals:
     forced_accepted: int = 0
     mask_seconds: float = 0.0  # time computing their grammars' masks
 
+    def copy(self) -> Totals:
+        """A copy whose lists and dicts are its own."""
+        return Totals(
+            **{
+                k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                for k, v in vars(self).items()
+            }
+        )
+
+    def count(self, s: Seq) -> None:
+        """Add a finished sequence's figures (the caller holds the scheduler's lock)."""
+        t, st = self, s.stats
+        reason = s.finish_reason or "length"
+        t.requests += 1
+        t.prefill_tokens += st.prefill_tokens
+        t.prefill_shared += st.prefill_shared
+        t.finished[reason] = t.finished.get(reason, 0) + 1
+        if reason == "error":
+            t.nonfinite += 1
+        t.generated += len(s.generated)
+        t.drafted += st.drafted
+        t.accepted += st.accepted
+        t.iterations += st.target_passes
+        t.tree_rounds += st.tree_rounds
+        if len(t.pos_tried) < len(st.pos_tried):
+            t.pos_tried += [0] * (len(st.pos_tried) - len(t.pos_tried))
+            t.pos_accepted += [0] * (len(st.pos_tried) - len(t.pos_accepted))
+        for i, (a, n) in enumerate(zip(st.pos_accepted, st.pos_tried)):
+            t.pos_tried[i] += n
+            t.pos_accepted[i] += a
+        t.accepted_hist += [0] * (len(st.accepted_hist) - len(t.accepted_hist))
+        for i, n in enumerate(st.accepted_hist):
+            t.accepted_hist[i] += n
+        if s.params.structured is not None:
+            t.constrained += 1
+            t.forced, t.forced_accepted, t.mask_seconds = (
+                t.forced + st.forced, t.forced_accepted + st.forced_accepted, t.mask_seconds + st.mask_seconds
+            )  # fmt: skip
+
     def summary(self) -> dict[str, Any]:
         """The rates and counts of Engine.stats()."""
         tried = sum(self.pos_tried)

@@ -43,11 +43,12 @@ from typing import Any
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
-from engine.runtime.k_tuner import Arm, KTuner, RowYield
+from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
-from engine.spec_decode.adaptive import Acceptance, Costs, KController, KPolicy
-from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable, tunable_params
+from engine.runtime.tuned_rounds import TunedRows, round_arm
+from engine.spec_decode.adaptive import Costs, KController, KPolicy
+from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable_params
 from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
@@ -307,7 +308,7 @@ class Scheduler:
             self._run_part(new, KCaps(all=self.k_cap), None)
         running = [x.seq for x in self._running]  # (those that ended or failed in the prefill step have left)
         if running:
-            arm = self._tuned(running)
+            arm = round_arm(self.tuner, running)
             caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
             self._run_part(running, caps, arm)
 
@@ -316,7 +317,7 @@ class Scheduler:
         tuner's) is given and no row prefills, its tokens handed out. The drafter's catch-up on joined prompts
         runs first, outside the time told."""
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
-        full = self._full_rows(seqs, arm)
+        tuned = None if arm is None or self.tuner is None else TunedRows.of(seqs, arm)
         t0 = t1 = time.perf_counter()
         self._round_started = time.monotonic()
         rounds, clean = 1, True
@@ -332,13 +333,8 @@ class Scheduler:
         finally:
             self._round_started = None
         t2 = time.perf_counter()
-        if arm is not None and clean and not prefill and self.tuner is not None:
-            yields = [
-                RowYield(full[id(s)][0], len(new), s.stats.drafted > full[id(s)][1])
-                for s, new in events
-                if id(s) in full and not s.finished
-            ]
-            self.tuner.record(len(seqs), arm, t2 - t1, yields)
+        if tuned is not None and clean and not prefill and self.tuner is not None:
+            self.tuner.record(len(seqs), tuned.arm, t2 - t1, tuned.yields(events))
         with self._lock:
             if clean:
                 self._failed_streak = 0
@@ -346,30 +342,6 @@ class Scheduler:
             self.totals.target_forwards += rounds
             self.totals.plain_rounds += arm is not None and arm.k == 0
         self._hand_out(events)
-
-    @staticmethod
-    def _full_rows(seqs: list[Seq], arm: Arm | None) -> dict[int, tuple[Acceptance, int]]:
-        """The tuned rows that may draft the arm's full K this round (not cut short by what remains to generate), by
-        id, with their acceptance and drafts so far before the round: the tokens they commit (those that do not end
-        this round) and whether they drafted are what the tuner learns its acceptance, its share of rows that
-        draft, and a tree's yield, from."""
-        if arm is None:
-            return {}
-        return {
-            id(s): (s.k_ctl.split, s.stats.drafted)
-            for s in seqs
-            if s.k_ctl is not None and tunable(s) and s.generated and s.params.max_new_tokens - len(s.generated) > arm.k
-        }
-
-    def _tuned(self, seqs: list[Seq]) -> Arm | None:
-        """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled
-        row drafts as configured (its draws depend on its draft's shape): with one in the batch, a tree-capable
-        drafter drafts trees for every row this round (``KTuner.record`` files it under the arm that ran)."""
-        rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
-        if self.tuner is None or not rows:
-            return None
-        arm = self.tuner.choose(len(seqs), [s.k_ctl.split for s in rows])
-        return Arm(arm.k, True) if len(rows) < len(seqs) else arm
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a
@@ -425,7 +397,7 @@ class Scheduler:
             heapq.heappush(self._free_rows, s.row)
             self._reserved -= 1
             if error is None:
-                self._account(s)
+                self.totals.count(s)
             else:
                 self.totals.failed += 1
             self._lock.notify_all()
@@ -449,35 +421,6 @@ class Scheduler:
             [], completion=Completion(text="", token_ids=[], finish_reason="cancelled", prompt_token_ids=r.prompt)
         )
 
-    def _account(self, s: Seq) -> None:
-        t, st = self.totals, s.stats
-        reason = s.finish_reason or "length"
-        t.requests += 1
-        t.prefill_tokens += st.prefill_tokens
-        t.prefill_shared += st.prefill_shared
-        t.finished[reason] = t.finished.get(reason, 0) + 1
-        if reason == "error":
-            t.nonfinite += 1
-        t.generated += len(s.generated)
-        t.drafted += st.drafted
-        t.accepted += st.accepted
-        t.iterations += st.target_passes
-        t.tree_rounds += st.tree_rounds
-        if len(t.pos_tried) < len(st.pos_tried):
-            t.pos_tried += [0] * (len(st.pos_tried) - len(t.pos_tried))
-            t.pos_accepted += [0] * (len(st.pos_tried) - len(t.pos_accepted))
-        for i, (a, n) in enumerate(zip(st.pos_accepted, st.pos_tried)):
-            t.pos_tried[i] += n
-            t.pos_accepted[i] += a
-        t.accepted_hist += [0] * (len(st.accepted_hist) - len(t.accepted_hist))
-        for i, n in enumerate(st.accepted_hist):
-            t.accepted_hist[i] += n
-        if s.params.structured is not None:
-            t.constrained += 1
-            t.forced, t.forced_accepted, t.mask_seconds = (
-                t.forced + st.forced, t.forced_accepted + st.forced_accepted, t.mask_seconds + st.mask_seconds
-            )  # fmt: skip
-
     def health(self, stall_s: float, max_failed_rounds: int) -> str | None:
         """What keeps the engine from making progress, or None: a round running longer than ``stall_s``,
         ``max_failed_rounds`` rounds in a row that raised, or pending requests without a thread to run them."""
@@ -498,14 +441,8 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of the counters plus the queue gauges."""
         with self._lock:
-            t = self.totals
             return {
-                "totals": Totals(
-                    **{
-                        k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-                        for k, v in vars(t).items()
-                    }
-                ),
+                "totals": self.totals.copy(),
                 "waiting": len(self._waiting),
                 "running": self._reserved,
             }

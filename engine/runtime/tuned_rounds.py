@@ -1,0 +1,61 @@
+"""The K tuner's side of a scheduler round: the arm a round runs, and what the tuner learns from the round.
+
+The tuner (engine/runtime/k_tuner.py) knows arms, round times and acceptances, not sequences; this module reads
+those from the round's sequences. A row is tuned when its K is the tuner's (``k_caps.tunable``): greedy rows and
+sampled rows without a seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.runtime.k_tuner import Arm, KTuner, RowYield
+from engine.spec_decode.adaptive import Acceptance
+from engine.spec_decode.k_caps import tunable
+from engine.spec_decode.seq import Seq
+
+
+def round_arm(tuner: KTuner | None, seqs: Sequence[Seq]) -> Arm | None:
+    """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled
+    row drafts as configured (its draws depend on its draft's shape): with one in the batch, a tree-capable
+    drafter drafts trees for every row this round (``KTuner.record`` files it under the arm that ran)."""
+    rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
+    if tuner is None or not rows:
+        return None
+    arm = tuner.choose(len(seqs), [s.k_ctl.split for s in rows])
+    return Arm(arm.k, True) if len(rows) < len(seqs) else arm
+
+
+@dataclass(frozen=True)
+class TunedRows:
+    """The tuned rows of a round at ``arm`` that may draft its full K (not cut short by what remains to generate),
+    by id, with their acceptance and drafts so far before the round: the tokens they commit (those that do not end
+    this round) and whether they drafted are what the tuner learns its acceptance, its share of rows that draft,
+    and a tree's yield, from."""
+
+    arm: Arm
+    before: dict[int, tuple[Acceptance, int]]
+
+    @classmethod
+    def of(cls, seqs: Sequence[Seq], arm: Arm) -> TunedRows:
+        """Read before the round runs."""
+        return cls(
+            arm,
+            {
+                id(s): (s.k_ctl.split, s.stats.drafted)
+                for s in seqs
+                if s.k_ctl is not None
+                and tunable(s)
+                and s.generated
+                and s.params.max_new_tokens - len(s.generated) > arm.k
+            },
+        )
+
+    def yields(self, events: Sequence[tuple[Seq, list[int]]]) -> list[RowYield]:
+        """After the round: each such row that did not end, its tokens committed and whether it drafted."""
+        return [
+            RowYield(self.before[id(s)][0], len(new), s.stats.drafted > self.before[id(s)][1])
+            for s, new in events
+            if id(s) in self.before and not s.finished
+        ]
