@@ -1,6 +1,6 @@
 """The planner's search: the fastest per-layer FFN plan that keeps the model's output on calibration text.
 
-    calib = collect_calibration(model, windows)            # calibration text, never the eval text
+    calib = collect_calibration(model, windows)            # quant/calibration.py: never the eval text
     result = search_ffn(model, calib, gpu, kld_budget=1e-3)
     plan.target.modules.update(result.modules)             # per-layer choices, each with its reason
 
@@ -25,137 +25,27 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from engine.core.errors import InvalidConfigError
 
+from .calibration import (
+    ALPHA_GRID,
+    Calibration,
+    calib_kld,
+    ffn_linears,
+    module_errors,
+    quantize_choice,
+)
 from .candidates import CHOICES, DEFAULT_ROWS, DENSE, Choice, CostFn, choice_costs, ordered_choices
-from .linear import Int8Linear
 from .plan import w8a16_family
-from .plan_schema import FAMILY_MODULES, FamilyPlan
+from .plan_schema import FamilyPlan
 
 log = logging.getLogger(__name__)
-
-ALPHA_GRID = (0.25, 0.4, 0.55, 0.7, 0.85)
-# ---------------------------------------------------------------------------- calibration data
-
-
-@dataclass
-class Calibration:
-    """What the search needs from the unquantized model on the calibration windows."""
-
-    windows: list[Tensor]  # LongTensors [1, T]
-    ref_logprobs: list[Tensor]  # fp32 [T, V] per window
-    inputs: dict[str, Tensor]  # per FFN Linear: its input on the first ``sample`` tokens [S, K]
-    absmax: dict[str, Tensor]  # per FFN Linear: per-input-channel absmax over every calibration token
-
-
-def _ffn_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    out = {}
-    for i, layer in enumerate(model.layers):
-        for leaf in FAMILY_MODULES["ffn"]:
-            m = getattr(layer.mlp, leaf)
-            if isinstance(m, nn.Linear):
-                out[f"layers.{i}.mlp.{leaf}"] = m
-    return out
-
-
-def collect_calibration(
-    model: nn.Module, windows: Iterable[Tensor], sample: int = 512, kld_windows: int | None = None
-) -> Calibration:
-    """Reference log-probs (of the first ``kld_windows`` windows; None: all), sampled FFN inputs and their
-    absmax (over every window, as quant.apply.collect_activation_stats on the same windows), in one pass."""
-    wins = [w if w.dim() == 2 else w[None] for w in windows]
-    if not wins or sum(w.numel() for w in wins) == 0:
-        raise InvalidConfigError("calibration windows are empty: the search needs calibration text")
-    linears = _ffn_linears(model)
-    if not linears:
-        raise InvalidConfigError("the model has no unquantized FFN Linear to plan")
-    inputs: dict[str, list[Tensor]] = {n: [] for n in linears}
-    absmax: dict[str, Tensor] = {}
-    taken = {"n": 0}
-
-    def hook(name: str) -> Callable[..., None]:
-        def fn(_m: nn.Module, args: tuple[Tensor, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            a = x.abs().amax(dim=0)
-            absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
-            room = sample - taken["n"]
-            if room > 0:
-                inputs[name].append(x[:room].clone())
-
-        return fn
-
-    device = model.norm.weight.device
-    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
-    refs = []
-    try:
-        with torch.inference_mode():
-            for i, w in enumerate(wins):
-                out = model(w.to(device))
-                if kld_windows is None or i < kld_windows:
-                    refs.append(F.log_softmax(out[0].float(), dim=-1).cpu())
-                taken["n"] += w.shape[1]
-    finally:
-        for h in hooks:
-            h.remove()
-    return Calibration(wins[: len(refs)], refs, {n: torch.cat(v) for n, v in inputs.items()}, absmax)
-
-
-# ---------------------------------------------------------------------------- per-module damage
-
-
-def _quantize(lin: nn.Linear, choice: Choice, absmax: Tensor | None, alpha: float | None) -> Int8Linear:
-    if choice.kernel == "w8a8":
-        return Int8Linear.from_float(lin, "w8a8", act_absmax=absmax, alpha=alpha if alpha is not None else 0.5)
-    return Int8Linear.from_float(lin, "w8a16", group_size=choice.group_size)
-
-
-def _rel_err(y: Tensor, ref: Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def module_errors(
-    model: nn.Module, calib: Calibration, choices: list[Choice], alphas: tuple[float, ...] = ALPHA_GRID
-) -> dict[str, dict[str, tuple[float, float | None]]]:
-    """Per FFN Linear and candidate: (relative output error on its calibration inputs, SmoothQuant alpha)."""
-    out: dict[str, dict[str, tuple[float, float | None]]] = {}
-    with torch.inference_mode():
-        for name, lin in _ffn_linears(model).items():
-            x = calib.inputs[name].to(lin.weight.device, lin.weight.dtype)
-            ref = lin(x).float()
-            errs: dict[str, tuple[float, float | None]] = {}
-            for c in choices:
-                if c.kernel == "dense":
-                    errs[c.label] = (0.0, None)
-                elif c.kernel == "w8a8":
-                    errs[c.label] = min((_rel_err(_quantize(lin, c, calib.absmax[name], a)(x), ref), a) for a in alphas)
-                else:
-                    errs[c.label] = (_rel_err(_quantize(lin, c, None, None)(x), ref), None)
-            out[name] = errs
-    return out
-
-
-# ---------------------------------------------------------------------------- the model's KLD
-
-
-def calib_kld(model: nn.Module, calib: Calibration) -> tuple[float, float]:
-    """(mean KL(ref || model), top-1 agreement) over every calibration token."""
-    device = model.norm.weight.device
-    kl_sum, agree, n = 0.0, 0.0, 0
-    with torch.inference_mode():
-        for w, lr in zip(calib.windows, calib.ref_logprobs):
-            lt = F.log_softmax(model(w.to(device))[0].float(), dim=-1).cpu()
-            kl_sum += float((lr.exp() * (lr - lt)).sum(-1).double().sum())
-            agree += float((lr.argmax(-1) == lt.argmax(-1)).double().sum())
-            n += lr.shape[0]
-    return kl_sum / n, agree / n
 
 
 @dataclass
@@ -230,7 +120,7 @@ def _with_plan(
     errs: dict[str, dict[str, tuple[float, float | None]]],
 ) -> tuple[float, float]:
     """The model's calibration KLD with ``assign`` swapped in (the originals restored after)."""
-    originals = _ffn_linears(model)
+    originals = ffn_linears(model)
     try:
         with torch.no_grad():
             for name, c in assign.items():
@@ -239,7 +129,7 @@ def _with_plan(
                     setattr(
                         parent,
                         name.rsplit(".", 1)[1],
-                        _quantize(originals[name], c, calib.absmax[name], errs[name][c.label][1]),
+                        quantize_choice(originals[name], c, calib.absmax[name], errs[name][c.label][1]),
                     )
         return calib_kld(model, calib)
     finally:
@@ -252,7 +142,7 @@ def _candidates(
 ) -> tuple[dict[str, list[Choice]], dict[str, dict[str, tuple[float, float | None]]]]:
     """Per FFN Linear: its candidates fastest first (``cost``, None: on paper on ``gpu``), and each candidate's
     calibration error."""
-    lins = _ffn_linears(model)
+    lins = ffn_linears(model)
     order = {n: ordered_choices(gpu, lin.out_features, lin.in_features, rows, cost) for n, lin in lins.items()}
     return order, module_errors(model, calib, list({c.label: c for cs in order.values() for c in cs}.values()))
 
@@ -261,7 +151,7 @@ def _costs(
     model: nn.Module, order: dict[str, list[Choice]], gpu: dict[str, Any], rows: int, cost: CostFn | None
 ) -> dict[str, dict[str, float]]:
     """Per FFN Linear: seconds per call of each candidate and of the dense Linear (as ``ordered_choices``)."""
-    lins = _ffn_linears(model)
+    lins = ffn_linears(model)
     return {
         n: choice_costs(gpu, lins[n].out_features, lins[n].in_features, [*cs, DENSE], rows, cost)
         for n, cs in order.items()

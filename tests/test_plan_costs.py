@@ -11,9 +11,10 @@ from engine.build.planner import measured_costs
 from engine.kernels.cost_meter import ModuleCostMeter
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_int8 import CpuCostMeter
+from quant.calibration import collect_calibration
 from quant.candidates import CHOICES, DENSE, kernel_bytes, ordered_choices, paper_cost, read_rate
 from quant.catalog import lookup_gpu
-from quant.search import collect_calibration, search_ffn
+from quant.search import search_ffn
 
 
 def test_paper_bytes_are_the_running_kernels():

@@ -13,6 +13,7 @@ from engine.core.config import ModelConfig
 from engine.core.errors import InvalidConfigError, ProfileError
 from engine.core.model import Transformer
 from quant.apply import apply_plan, model_weight_bytes, store_narrow
+from quant.calibration import ALPHA_GRID, calib_kld, collect_calibration, module_errors
 from quant.candidates import CHOICES, ordered_choices, paper_cost, read_rate
 from quant.catalog import lookup_gpu
 from quant.linear import Int8Linear
@@ -20,14 +21,7 @@ from quant.memory import weight_bytes
 from quant.plan import make_plan, w8a16_family
 from quant.plan_io import load_plan, plan_from_dict
 from quant.plan_schema import FamilyPlan
-from quant.search import (
-    ALPHA_GRID,
-    calib_kld,
-    collect_calibration,
-    module_errors,
-    search_ffn,
-    search_plan_at,
-)
+from quant.search import search_ffn, search_plan_at
 
 
 def tiny(seed: int, outliers: bool = False, layers: int = 3) -> tuple[ModelConfig, Transformer]:
@@ -185,7 +179,7 @@ def test_search_steps_back_only_the_damaging_layers():
         torch.testing.assert_close(m(w), r)
     plan.target.families["ffn"] = res.family
     plan.target.modules.update(res.modules)
-    from quant.search import Calibration
+    from quant.calibration import Calibration
 
     apply_plan(m, plan.target, calib.absmax)
     kld, top1 = calib_kld(m, Calibration(calib.windows, calib.ref_logprobs, {}, {}))

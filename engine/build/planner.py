@@ -60,8 +60,9 @@ def search_plan(
 ) -> tuple[Any, dict[str, Any]]:
     """(the plan with the searched target FFN, the search record for the profile)."""
     from quant.apply import store_narrow
+    from quant.calibration import collect_calibration
     from quant.plan import with_target_choices
-    from quant.search import collect_calibration, search_ffn
+    from quant.search import search_ffn
 
     dtype = torch.float32 if device == "cpu" else torch.float16
     model = load_model(target_dir, dtype, device)
