@@ -24,8 +24,9 @@ using simd::F16;
 using simd::LANES;
 
 // weight rows per block and input rows per pass over it: NB * MB accumulators, MB inputs and a weight in
-// registers (32 of them on AVX-512, 16 on AVX2)
-constexpr int NB = LANES == 16 ? 8 : 4;
+// registers (32 of them on AVX-512, 16 on AVX2). 8 x 4 on AVX-512 needed 37 and spilled: 6 x 4 runs passes of
+// 9 to 300 rows (verify passes, prompts) 1.2-1.5x faster and one-row steps as fast (docs/performance.md)
+constexpr int NB = LANES == 16 ? 6 : 4;
 constexpr int MB = LANES == 16 ? 4 : 3;
 
 // The weight rows stream from memory one block ahead: the P passes over a block (MB input rows each) prefetch
