@@ -24,9 +24,13 @@ using simd::F16;
 using simd::LANES;
 
 // weight rows per block and input rows per pass over it: NB * MB accumulators, MB inputs and a weight in
-// registers (32 of them on AVX-512, 16 on AVX2). 8 x 4 on AVX-512 needed 37 and spilled: 6 x 4 runs passes of
-// 9 to 300 rows (verify passes, prompts) 1.2-1.5x faster and one-row steps as fast (docs/performance.md)
-constexpr int NB = LANES == 16 ? 6 : 4;
+// registers (32 of them on AVX-512, 16 on AVX2). A call of at most MB rows (a decode step) streams the weights
+// in blocks of NB_FEW rows; a larger one (a verify pass, a prompt) runs NB_MANY x MB tiles: on AVX-512 8 x 4
+// needs 37 registers and spills, 6 x 4 fits (29) and runs passes of 8 to 300 rows 1.1-1.5x faster, while
+// the decode steps stream 8-row blocks a little faster (docs/performance.md). The tile decides which outputs are
+// computed together, never how one is summed: the results are the same bits either way.
+constexpr int NB_FEW = LANES == 16 ? 8 : 4;
+constexpr int NB_MANY = LANES == 16 ? 6 : 4;
 constexpr int MB = LANES == 16 ? 4 : 3;
 
 // The weight rows stream from memory one block ahead: the P passes over a block (MB input rows each) prefetch
@@ -43,13 +47,19 @@ inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int
   }
 }
 
-template <typename W>
-void gemm(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+template <int NB, typename W>
+void gemm_blocks(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = N / NB;
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB);
   });
   for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n);  // the N tail
+}
+
+template <typename W>
+void gemm(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (M <= MB) return gemm_blocks<NB_FEW>(x, w, y, M, K, N);
+  gemm_blocks<NB_MANY>(x, w, y, M, K, N);
 }
 
 }  // namespace
