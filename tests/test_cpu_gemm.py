@@ -228,3 +228,25 @@ def test_a_stored_fp16_linear_on_the_kernel_is_the_stored_linear():
     assert mod.weight.dtype == torch.float16
     plain = SmallGemmLinear(nn.Linear(8, 4)).to(torch.float64)
     assert plain.weight.dtype == torch.float64
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_kept(tmp_path, monkeypatch, caplog):
+    """torch waits forever on the lock a killed build leaves: one older than STALE_LOCK_S is removed, with a warning;
+    a younger one (a build in progress elsewhere) stays."""
+    import os
+    import time
+
+    from engine.kernels.cpu_gemm import STALE_LOCK_S, build_directory, clear_stale_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    d = build_directory("specmix_test_ext")
+    assert d.is_dir() and tmp_path in d.parents and d.name == "specmix_test_ext"
+    assert not clear_stale_lock(d)  # no lock
+    lock = d / "lock"
+    lock.touch()
+    assert not clear_stale_lock(d) and lock.exists()  # a build in progress
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_gemm"):
+        assert clear_stale_lock(d)
+    assert not lock.exists() and "stale build lock" in caplog.text

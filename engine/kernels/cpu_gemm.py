@@ -17,9 +17,10 @@ whose weights are bf16 values (a bf16 checkpoint) runs on Intel AMX tiles where 
 (engine/kernels/csrc/amx_gemm.cpp).
 
 The kernel is compiled on first use with torch's extension builder (a C++ compiler
-and ninja; once, then cached by torch under ~/.cache/torch_extensions).
-A build killed half way leaves torch's lock file in that directory and the next
-build waits on it: delete ``~/.cache/torch_extensions/*/specmix_small_gemm*``.
+and ninja; once, then cached in ``build_directory``: under $TORCH_EXTENSIONS_DIR or torch's cache
+root, one directory per Python, torch and source version). A build killed half way leaves torch's
+lock file there and torch would wait on it forever: a lock older than ``STALE_LOCK_S`` is removed,
+with a warning, before the build (``clear_stale_lock``).
 ``small_gemm_status()`` says whether this machine can run it and, if not, why;
 ``SmallGemmLinear`` has the same API and parameters as the ``nn.Linear`` it replaces,
 and ``F.linear`` is its fallback with the same API (tests compare the two).
@@ -33,6 +34,8 @@ import logging
 import os
 import platform
 import shutil
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -100,13 +103,49 @@ def source_tag() -> str:
     return h.hexdigest()[:12]
 
 
+STALE_LOCK_S = 900.0  # a build takes 1-3 minutes on 2 cores: a lock older than this is a killed build's
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` builds: $TORCH_EXTENSIONS_DIR (else torch's cache root), then this Python's and
+    torch's versions (the binary is theirs), then the name (created if missing)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    versions = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__.replace('+', '_')}"
+    d = Path(root) / versions / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def clear_stale_lock(directory: Path, stale_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in ``directory`` when it is older than ``stale_s`` seconds (left by a build killed
+    half way, on which every later build would wait forever): True when one was removed. A younger lock is another
+    process's build in progress, which torch waits for (logged)."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < stale_s:
+        log.info("waiting for another process's build of the CPU kernels (lock %s, %.0f s old)", lock, age)
+        return False
+    log.warning("removing a stale build lock of the CPU kernels, %s (%.0f s old: a killed build's)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _load(name: str, cflags: list[str]) -> tuple[Any, str | None]:
     """torch's extension build of SOURCES: (the module, None) or (None, the compiler's first error line)."""
     from torch.utils.cpp_extension import load
 
+    full = f"{name}_{source_tag()}"
     try:
+        directory = build_directory(full)
+        clear_stale_lock(directory)
         return load(
-            name=f"{name}_{source_tag()}",
+            name=full,
+            build_directory=str(directory),
             sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-fopenmp", *cflags],
             extra_ldflags=["-fopenmp"],
