@@ -112,7 +112,8 @@ def build_directory(name: str) -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    versions = f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__.replace('+', '_')}"
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}{sys.abiflags}"
+    versions = f"{py}_torch{torch.__version__.replace('+', '_')}"
     d = Path(root) / versions / name
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -124,11 +125,18 @@ def clear_stale_lock(directory: Path, stale_s: float = STALE_LOCK_S) -> bool:
     process's build in progress, which torch waits for (logged)."""
     lock = directory / "lock"
     try:
-        age = time.time() - lock.stat().st_mtime
+        seen = lock.stat()
     except FileNotFoundError:
         return False
+    age = time.time() - seen.st_mtime
     if age < stale_s:
         log.info("waiting for another process's build of the CPU kernels (lock %s, %.0f s old)", lock, age)
+        return False
+    try:  # still the same file: another process that cleared it may have taken a fresh lock meanwhile
+        now = lock.stat()
+    except FileNotFoundError:
+        return False
+    if (now.st_ino, now.st_mtime) != (seen.st_ino, seen.st_mtime):
         return False
     log.warning("removing a stale build lock of the CPU kernels, %s (%.0f s old: a killed build's)", lock, age)
     lock.unlink(missing_ok=True)
