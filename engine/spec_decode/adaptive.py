@@ -140,8 +140,7 @@ class KPolicy:
             raise InvalidConfigError(
                 f"k bounds are invalid: need 1 <= k_min ({self.k_min}) <= k ({self.k}) <= k_max ({self.k_max})"
             )
-        for name in ("prior_a", "prior_first"):
-            v = getattr(self, name)
+        for name, v in (("prior_a", self.prior_a), ("prior_first", self.prior_first)):
             if v is not None and not 0.0 <= v <= 1.0:
                 raise InvalidConfigError(f"{name}={v!r} is invalid: allowed 0.0 .. 1.0")
         if not 0.0 <= self.decay < 1.0:
@@ -183,9 +182,10 @@ class KController:
         self.successes = p.decay * self.successes + accepted
         self.trials = p.decay * self.trials + accepted + rejected
         first, later, tried = split_observation(drafted, accepted)
-        self._first = [p.decay * self._first[0] + first, p.decay * self._first[1] + 1]
+        f, r = self._first, self._rest
+        f[0], f[1] = p.decay * f[0] + first, p.decay * f[1] + 1
         if tried > 0:
-            self._rest = [p.decay * self._rest[0] + later, p.decay * self._rest[1] + tried]
+            r[0], r[1] = p.decay * r[0] + later, p.decay * r[1] + tried
         if p.name in ("heuristic", "measured"):
             self.k = min(self.k + 2, p.k_max) if accepted == drafted else max(self.k - 1, p.k_min)
         elif p.name == "cost-model":
