@@ -26,11 +26,21 @@ namespace {
 
 using row_ops::rms_norm;
 
-// one head vector rotated in place: x * cos + roll(x, D/2) * sin_folded (engine/core/model.py apply_rope)
+// one head vector rotated in place: x * cos + roll(x, D/2) * sin_folded (engine/core/model.py apply_rope), the
+// roll's index (d + D/2) mod D in two loops the compiler vectorizes
 void rope(float* x, const float* cos, const float* sin, int64_t D, float* tmp) {
   const int64_t h = D / 2;
-  for (int64_t d = 0; d < D; ++d) tmp[d] = x[d] * cos[d] + x[(d + h) % D] * sin[d];
-  for (int64_t d = 0; d < D; ++d) x[d] = tmp[d];
+  for (int64_t d = 0; d < D - h; ++d) tmp[d] = x[d] * cos[d] + x[d + h] * sin[d];
+  for (int64_t d = D - h; d < D; ++d) tmp[d] = x[d] * cos[d] + x[d + h - D] * sin[d];
+  std::copy_n(tmp, D, x);
+}
+
+// f(m0, m1) over the rows [0, M) of a call, split across the threads when there are many (a prompt): every row is
+// computed alone, so the split changes no result
+constexpr int64_t ROW_GRAIN = 16;
+template <typename F>
+void by_rows(int64_t M, const F& f) {
+  at::parallel_for(0, M, ROW_GRAIN, f);
 }
 
 // q . k over D floats: FMA chains of simd::LANES lanes when D is a multiple of LANES, a scalar loop otherwise
@@ -45,23 +55,63 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return acc;
 }
 
+// s[j] = q . k_j * scale for the keys j in [lo, hi) (k_j at k + j * D): four keys at a time, their horizontal sums
+// in one reduce4, each sum dot's bits
+inline void scores(const float* q, const float* k, int64_t D, int64_t lo, int64_t hi, float scale, float* s) {
+  int64_t j = lo;
+  if (D % simd::LANES == 0) {
+    for (; j + 4 <= hi; j += 4) {
+      simd::Vec acc[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
+      for (int64_t e = 0; e < D; e += simd::LANES) {
+        const simd::Vec qv = simd::load(q + e);
+        for (int c = 0; c < 4; ++c) acc[c] = simd::fmadd(qv, simd::load(k + (j + c) * D + e), acc[c]);
+      }
+      float t[4];
+      simd::reduce4(acc[0], acc[1], acc[2], acc[3], t);
+      for (int c = 0; c < 4; ++c) s[j + c] = t[c] * scale;
+    }
+  }
+  for (; j < hi; ++j) s[j] = dot(q, k + j * D, D) * scale;
+}
+
 struct Dims {
   int64_t M, H, nh, nkv, D, S, max_batch, window;  // window <= 0: none
 };
 
-// out[0, 64) = inv * sum_{lo <= j < hi} w[j] v[j * stride ...]: 64 floats of a head in registers (each output
-// its own FMA chain over j, so a head split in such chunks gives the same bits as a whole one)
+// out[0, 64) = inv * sum_{lo <= j < hi} w[j] v[j * stride ...]: 64 floats of a head in registers, the even and the
+// odd j in two sets of FMA chains added at the end (one set waits on the FMA's latency), so a head split in such
+// chunks gives the same bits as a whole one
 constexpr int CHUNK = 64;
 inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t lo, int64_t hi, float inv,
                          float* out) {
   constexpr int C = CHUNK / simd::LANES;
-  simd::Vec acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = simd::zero();
-  for (int64_t j = lo; j < hi; ++j) {
-    const simd::Vec wj = simd::set1(w[j]);
-    for (int c = 0; c < C; ++c) acc[c] = simd::fmadd(wj, simd::load(v + j * stride + simd::LANES * c), acc[c]);
+  simd::Vec even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = simd::zero();
+  int64_t j = lo;
+  for (; j + 2 <= hi; j += 2) {
+    const simd::Vec w0 = simd::set1(w[j]), w1 = simd::set1(w[j + 1]);
+    for (int c = 0; c < C; ++c) {
+      even[c] = simd::fmadd(w0, simd::load(v + j * stride + simd::LANES * c), even[c]);
+      odd[c] = simd::fmadd(w1, simd::load(v + (j + 1) * stride + simd::LANES * c), odd[c]);
+    }
   }
-  for (int c = 0; c < C; ++c) simd::store(out + simd::LANES * c, simd::mul(acc[c], simd::set1(inv)));
+  if (j < hi) {
+    const simd::Vec w0 = simd::set1(w[j]);
+    for (int c = 0; c < C; ++c) even[c] = simd::fmadd(w0, simd::load(v + j * stride + simd::LANES * c), even[c]);
+  }
+  for (int c = 0; c < C; ++c) simd::store(out + simd::LANES * c, simd::mul(simd::add(even[c], odd[c]), simd::set1(inv)));
+}
+
+// the largest of s[lo, hi) (NaN skipped; -inf for none): exact in any order, so LANES at a time
+inline float max_of(const float* s, int64_t lo, int64_t hi) {
+  simd::Vec mv = simd::set1(-INFINITY);
+  for (int64_t j = lo; j < hi; j += simd::LANES) {  // max(x, m) is m where x is NaN
+    const int64_t n = std::min<int64_t>(simd::LANES, hi - j);
+    mv = simd::max(simd::select_first(simd::load_first(s + j, n), n, -INFINITY), mv);
+  }
+  alignas(64) float t[simd::LANES];
+  simd::store(t, mv);
+  return *std::max_element(t, t + simd::LANES);
 }
 
 // o[m, head, :] = softmax(q . k_j / sqrt(D)) v over the visible cache slots j of row m's sequence
@@ -87,9 +137,12 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
       if (hi <= lo) continue;
       float mx = -INFINITY;
       const bool* seen = mask ? mask + m * kv_len : nullptr;
-      for (int64_t j = lo; j < hi; ++j) {
-        s[j] = dot(q, kc + base + j * d.D, d.D) * scale;
-        if (!seen || seen[j]) mx = std::max(mx, s[j]);
+      scores(q, kc + base, d.D, lo, hi, scale, s.data());
+      if (seen) {
+        for (int64_t j = lo; j < hi; ++j)
+          if (seen[j]) mx = std::max(mx, s[j]);
+      } else {
+        mx = max_of(s.data(), lo, hi);
       }
       if (seen)  // a draft tree: the slots this row does not see weigh e^-1e4 = 0
         for (int64_t j = lo; j < hi; ++j)
@@ -159,7 +212,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
             const float* sp, float eps, const std::vector<int64_t>& aux, float* cap, const float* qkv_in,
             int64_t in0) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
-  std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H), tmp(d.D);
+  std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H);
   std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights + 9 * l;
@@ -174,27 +227,36 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     if (l == 0 && qkv_in) {  // a wide first layer (EAGLE-3's): its q/k/v read the given [M, in0], normed already
       gemm(amx, qkv_in, mat(1), q, d.M, in0, width);
     } else {
-      rms_norm(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
+      by_rows(d.M, [&](int64_t m0, int64_t m1) {
+        rms_norm(xp + m0 * d.H, w[0].data_ptr<float>(), h.data() + m0 * d.H, m1 - m0, d.H, eps);
+      });
       gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
     }
     add_bias(q, w[2], d.M, width);
-    for (int64_t m = 0; m < d.M; ++m) {  // rotate q and k heads, then store k and v at the row's slot
-      const int64_t p = pp[m], slot = slp[m];
-      float* r = q + m * width;
-      for (int64_t hh = 0; hh < d.nh + d.nkv; ++hh) rope(r + hh * d.D, cp + p * d.D, sp + p * d.D, d.D, tmp.data());
-      for (int64_t kvh = 0; kvh < d.nkv; ++kvh) {
-        const int64_t at = ((rp[m] * d.nkv + kvh) * d.S + slot) * d.D;
-        std::copy_n(r + (d.nh + kvh) * d.D, d.D, kc + at);
-        std::copy_n(r + (d.nh + d.nkv + kvh) * d.D, d.D, vc + at);
+    by_rows(d.M, [&](int64_t m0, int64_t m1) {  // rotate q and k heads, then store k and v at the row's slot
+      std::vector<float> tmp(d.D);
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t p = pp[m], slot = slp[m];
+        float* r = q + m * width;
+        for (int64_t hh = 0; hh < d.nh + d.nkv; ++hh) rope(r + hh * d.D, cp + p * d.D, sp + p * d.D, d.D, tmp.data());
+        for (int64_t kvh = 0; kvh < d.nkv; ++kvh) {
+          const int64_t at = ((rp[m] * d.nkv + kvh) * d.S + slot) * d.D;
+          std::copy_n(r + (d.nh + kvh) * d.D, d.D, kc + at);
+          std::copy_n(r + (d.nh + d.nkv + kvh) * d.D, d.D, vc + at);
+        }
       }
-    }
+    });
     attend(q, kc, vc, slp, mp, rp, kv_len, d, attn.data());
     gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
-    rms_norm(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
+    by_rows(d.M, [&](int64_t m0, int64_t m1) {
+      rms_norm(xp + m0 * d.H, w[5].data_ptr<float>(), h.data() + m0 * d.H, m1 - m0, d.H, eps);
+    });
     gemm(amx, h.data(), mat(6), gu.data(), d.M, d.H, 2 * inter);
-    row_ops::swiglu(gu.data(), act.data(), d.M, inter);
+    by_rows(d.M, [&](int64_t m0, int64_t m1) {
+      row_ops::swiglu(gu.data() + m0 * 2 * inter, act.data() + m0 * inter, m1 - m0, inter);
+    });
     gemm(amx, act.data(), mat(7), y.data(), d.M, inter, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];

@@ -1,10 +1,12 @@
 // The FMA core of the few-row GEMMs (small_gemm.cpp over float weights, int8_gemm.cpp over the fp32 scratch a
 // block of int8 weight rows is dequantized into): R weight rows against M input rows, R * M accumulators in
-// registers. Every output is one FMA chain of simd::LANES lanes over k and then simd::reduce_add, whatever M
-// and R are, so a row's result never depends on the other rows of the call.
+// registers. Every output is one FMA chain of simd::LANES lanes over k and then reduce_add's horizontal sum
+// (simd::reduce4 sums four at once in the same order), whatever M and R are, so a row's result never depends on
+// the other rows of the call.
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -25,8 +27,9 @@ inline void prefetch_l2(const char* base, int64_t offset) {
 }
 
 // y[m * N + i] = x[m, :] . w[i, :] for m < M, i < R: w the block's first weight row (row stride K), y its column.
-// Not inlined: inlined into its callers' loops, GCC kept the accumulators on the stack (a store and a load per FMA)
-template <int M, int R, typename W>
+// PF: prefetch `ahead` along the loop (else the caller has). Not inlined: inlined into its callers' loops, GCC
+// kept the accumulators on the stack (a store and a load per FMA)
+template <int M, int R, bool PF, typename W>
 __attribute__((noinline)) void block(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t K, int64_t N,
                   Prefetch ahead) {
   using simd::LANES;
@@ -41,7 +44,7 @@ __attribute__((noinline)) void block(const float* __restrict x, const W* __restr
     Vec xv[M];
     for (int m = 0; m < M; ++m) xv[m] = simd::load(x + m * K + k);
     for (int i = 0; i < R; ++i) {
-      prefetch_l2(ahead.base, i * ahead.row_bytes + (at >> 16));
+      if constexpr (PF) prefetch_l2(ahead.base, i * ahead.row_bytes + (at >> 16));
       const Vec wv = simd::load(w + i * K + k);
       for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
     }
@@ -55,17 +58,49 @@ __attribute__((noinline)) void block(const float* __restrict x, const W* __restr
       for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int m = 0; m < M; ++m) y[m * N + i] = simd::reduce_add(acc[i][m]);
+  const Vec* flat = &acc[0][0];  // output f: row f % M, column f / M
+  constexpr int F = R * M;
+  for (int f = 0; f + 4 <= F; f += 4) {
+    float s[4];
+    simd::reduce4(flat[f], flat[f + 1], flat[f + 2], flat[f + 3], s);
+    for (int j = 0; j < 4; ++j) y[(f + j) % M * N + (f + j) / M] = s[j];
+  }
+  for (int f = F / 4 * 4; f < F; ++f) y[f % M * N + f / M] = simd::reduce_add(flat[f]);
 }
 
-// block<m, R> for a run-time m <= Mc
-template <int Mc, int R, typename W>
+// block<m, R, PF> for a run-time m <= Mc
+template <int Mc, int R, bool PF, typename W>
 inline void pass(int64_t m, const float* x, const W* w, float* y, int64_t K, int64_t N, Prefetch ahead) {
   if constexpr (Mc > 1) {
-    if (m < Mc) return pass<Mc - 1, R>(m, x, w, y, K, N, ahead);
+    if (m < Mc) return pass<Mc - 1, R, PF>(m, x, w, y, K, N, ahead);
   }
-  block<Mc, R>(x, w, y, K, N, ahead);
+  block<Mc, R, PF>(x, w, y, K, N, ahead);
+}
+
+// Calls of more passes than this over each block (more than 32 input rows on AVX-512's fp32 kernel) issue each
+// pass's share of the next block's lines before the pass instead of along its loop, which then keeps to its loads
+// and FMAs (with many passes most of the loop's prefetches ask again for a line already asked for): 1.1-1.2x
+// faster from 64 rows up. Fewer rows are bound by streaming the weights, and prefetches spread along the loop keep
+// the memory busier (up front: 0.87-0.92x at 24-32 rows; docs/performance.md)
+constexpr int64_t SPREAD_PASSES = 8;
+
+// The passes over one block of R weight rows w[R, K]: the M input rows x in groups of `per` <= Mc, while the
+// next block's R rows (`next`, row_bytes apart) stream into L2
+template <int Mc, int R, typename W>
+inline void passes(int64_t M, int64_t per, const float* x, const W* w, float* y, int64_t K, int64_t N,
+                   const char* next, int64_t row_bytes) {
+  const int64_t P = (M + per - 1) / per, lines = (row_bytes + 63) / 64;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t m = std::min(per, M - p * per);
+    if (P <= SPREAD_PASSES) {  // pass p prefetches the p-th P-th of each row along its loop
+      const Prefetch ahead{next, row_bytes, p * row_bytes / P, 65536 * row_bytes / (K * P)};
+      pass<Mc, R, true>(m, x + p * per * K, w, y + p * per * N, K, N, ahead);
+    } else {
+      for (int i = 0; i < R; ++i)
+        for (int64_t l = p * lines / P; l < (p + 1) * lines / P; ++l) prefetch_l2(next, i * row_bytes + l * 64);
+      pass<Mc, R, false>(m, x + p * per * K, w, y + p * per * N, K, N, Prefetch{next, row_bytes, 0, 0});
+    }
+  }
 }
 
 }  // namespace gemm_block

@@ -121,9 +121,7 @@ inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t 
   if (M <= DIRECT_ROWS) return pass<DIRECT_ROWS, R>(M, x, w, y, K, N, n0, next);
   dequant_rows<R>(w, K, n0, scratch);
   const int64_t P = (M + SCRATCH_ROWS - 1) / SCRATCH_ROWS, per = (M + P - 1) / P;  // passes of equal rows
-  for (int64_t p = 0; p < P; ++p)
-    gemm_block::pass<SCRATCH_ROWS, R>(std::min<int64_t>(per, M - p * per), x + p * per * K, scratch,
-                                      y + p * per * N + n0, K, N, gemm_block::Prefetch{next, K, p * K / P, 65536 / P});
+  gemm_block::passes<SCRATCH_ROWS, R>(M, per, x, scratch, y + n0, K, N, next, K);
 }
 
 // this thread's dequantization scratch of at least n floats: grown, never shrunk or freed, so a verify pass

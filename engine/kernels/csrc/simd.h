@@ -38,9 +38,25 @@ inline Vec keep_first(Vec v, int64_t n) { return _mm512_maskz_mov_ps(first(n), v
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline Vec select_first(Vec v, int64_t n, float fill) { return _mm512_mask_blend_ps(first(n), set1(fill), v); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, fused
-inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }  // GCC's order, which reduce4 follows
+// out[j] = reduce_add(the j-th of a, b, c, d), bit for bit, the four sums interleaved in one vector (half the
+// shuffles and a quarter of the adds of four reduce_adds): lane j + lane j+8, then + the one 4 on, then 2 on,
+// then 1 on
+inline void reduce4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  const Vec ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));  // [a8 b8]
+  const Vec cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));  // [c8 d8]
+  const Vec z = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  // [a4 b4 c4 d4]
+  const Vec two = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E));  // per 4 lanes: j + (j ^ 2)
+  const Vec one = _mm512_add_ps(two, _mm512_permute_ps(two, 0xB1));  // per 4 lanes: j + (j ^ 1)
+  alignas(64) float t[16];
+  _mm512_store_ps(t, one);
+  for (int j = 0; j < 4; ++j) out[j] = t[4 * j];
+}
 inline Vec round(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -70,6 +86,11 @@ inline Vec keep_first(Vec v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi2
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+inline Vec select_first(Vec v, int64_t n, float fill) {  // lanes from n on: fill
+  return _mm256_blendv_ps(set1(fill), v, _mm256_castsi256_ps(first(n)));
+}
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b, fused
 inline Vec round(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -78,6 +99,12 @@ inline float reduce_add(Vec v) {  // (lanes 0-3 + lanes 4-7), then pairs, then t
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
+}
+inline void reduce4(Vec a, Vec b, Vec c, Vec d, float* out) {  // out[j] = reduce_add(the j-th of a, b, c, d)
+  out[0] = reduce_add(a);
+  out[1] = reduce_add(b);
+  out[2] = reduce_add(c);
+  out[3] = reduce_add(d);
 }
 
 #else

@@ -33,18 +33,11 @@ constexpr int NB_FEW = LANES == 16 ? 8 : 4;
 constexpr int NB_MANY = LANES == 16 ? 6 : 4;
 constexpr int MB = LANES == 16 ? 4 : 3;
 
-// The weight rows stream from memory one block ahead: the P passes over a block (MB input rows each) prefetch
-// the next block's rows, pass p its p-th P-th, so the memory streams while the FMAs run (prefetching a fixed
-// distance ahead on the rows being read left the memory idle during the passes after the first).
+// The weight rows stream from memory one block ahead, while the passes over this block (MB input rows each) run
 template <int R, typename W>
 inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  const int64_t P = (M + MB - 1) / MB, row_bytes = K * static_cast<int64_t>(sizeof(W));
-  const char* next = reinterpret_cast<const char*>(w + (n0 + R) * K);
-  for (int64_t p = 0; p < P; ++p) {
-    const gemm_block::Prefetch ahead{next, row_bytes, p * row_bytes / P, 65536 * static_cast<int64_t>(sizeof(W)) / P};
-    gemm_block::pass<MB, R>(std::min<int64_t>(MB, M - p * MB), x + p * MB * K, w + n0 * K, y + p * MB * N + n0, K,
-                            N, ahead);
-  }
+  gemm_block::passes<MB, R>(M, MB, x, w + n0 * K, y + n0, K, N, reinterpret_cast<const char*>(w + (n0 + R) * K),
+                            K * static_cast<int64_t>(sizeof(W)));
 }
 
 template <int NB, typename W>
