@@ -27,7 +27,7 @@ def test_table_has_every_storage_and_row_count(capsys):
     "argv, field",
     [
         (["--rows", "0"], "--rows"),
-        (["--rows", "65"], "--rows"),
+        (["--rows", "513"], "--rows"),
         (["--rows", "a"], "--rows"),
         (["--shapes", "12"], "--shapes"),
         (["--shapes", "0x5"], "--shapes"),

@@ -331,3 +331,28 @@ def test_draft_step_weights_is_validated(ckpt_dir, draft_dir):
     for name in ("float32", "bfloat16"):
         eng = Engine.from_pretrained(ckpt_dir, draft_dir, kernels=KernelOptions(draft_step_weights=name))
         assert eng.info["draft_step_weights"] == name
+
+
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("mistral", {"sliding_window": 16})])
+def test_heads_of_64_attend_as_query_tiles_with_the_bits_of_one_token_steps(arch, extra, tmp_path):
+    """With head_dim 64 the rows of one sequence and head attend as tiles of up to 4 queries that share each key and
+    value read (csrc/attention.cpp; rows with another first key under a sliding window are not tiled together): a
+    block of 7 tokens for two sequences equals the one-token steps bit for bit, and PyTorch's forward within
+    tolerance."""
+    path = make_checkpoint(tmp_path, arch, num_hidden_layers=2, hidden_size=256, **extra)  # 4 heads of 64
+    m = load_model(path, torch.float32)
+    fuse_projections(m)
+    small_gemm_linears(m)
+    assert install_decode_step(m) is None and m.config.head_dim == 64
+    T = 7  # tiles of 4 and 3 (the window: a tile of the 4 rows whose first key is 0, then single rows)
+    toks = torch.randint(0, m.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(12, 12 + T).expand(2, T)
+    block_cache, step_cache, ref_cache = _prefilled(m, 2), _prefilled(m, 2), _prefilled(m, 2)
+    with torch.no_grad():
+        block = m(toks, pos, block_cache, 12 + T)
+        steps = torch.cat([m(toks[:, i : i + 1], pos[:, i : i + 1], step_cache, 13 + i) for i in range(T)], 1)
+        step, m.layer_step = m.layer_step, None
+        ref = m(toks, pos, ref_cache, 12 + T)
+        m.layer_step = step
+    assert torch.equal(block, steps)
+    torch.testing.assert_close(block, ref, rtol=1e-4, atol=1e-4)

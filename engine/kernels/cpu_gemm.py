@@ -57,6 +57,7 @@ SOURCES = [
         "small_gemm.cpp",
         "int8_gemm.cpp",
         "amx_gemm.cpp",
+        "attention.cpp",
         "decode_layers.cpp",
         "decode_model.cpp",
         "head_step.cpp",

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "amx_gemm.h"
+#include "attention.h"
 #include "decode.h"
 #include "int8_gemm.h"
 #include "row_ops.h"
-#include "simd.h"
 #include "small_gemm.h"
 
 namespace {
@@ -41,133 +41,6 @@ constexpr int64_t ROW_GRAIN = 16;
 template <typename F>
 void by_rows(int64_t M, const F& f) {
   at::parallel_for(0, M, ROW_GRAIN, f);
-}
-
-// q . k over D floats: FMA chains of simd::LANES lanes when D is a multiple of LANES, a scalar loop otherwise
-inline float dot(const float* q, const float* k, int64_t D) {
-  if (D % simd::LANES == 0) {
-    simd::Vec acc = simd::zero();
-    for (int64_t e = 0; e < D; e += simd::LANES) acc = simd::fmadd(simd::load(q + e), simd::load(k + e), acc);
-    return simd::reduce_add(acc);
-  }
-  float acc = 0.f;
-  for (int64_t e = 0; e < D; ++e) acc += q[e] * k[e];
-  return acc;
-}
-
-// s[j] = q . k_j * scale for the keys j in [lo, hi) (k_j at k + j * D): four keys at a time, their horizontal sums
-// in one reduce4, each sum dot's bits
-inline void scores(const float* q, const float* k, int64_t D, int64_t lo, int64_t hi, float scale, float* s) {
-  int64_t j = lo;
-  if (D % simd::LANES == 0) {
-    for (; j + 4 <= hi; j += 4) {
-      simd::Vec acc[4] = {simd::zero(), simd::zero(), simd::zero(), simd::zero()};
-      for (int64_t e = 0; e < D; e += simd::LANES) {
-        const simd::Vec qv = simd::load(q + e);
-        for (int c = 0; c < 4; ++c) acc[c] = simd::fmadd(qv, simd::load(k + (j + c) * D + e), acc[c]);
-      }
-      float t[4];
-      simd::reduce4(acc[0], acc[1], acc[2], acc[3], t);
-      for (int c = 0; c < 4; ++c) s[j + c] = t[c] * scale;
-    }
-  }
-  for (; j < hi; ++j) s[j] = dot(q, k + j * D, D) * scale;
-}
-
-struct Dims {
-  int64_t M, H, nh, nkv, D, S, max_batch, window;  // window <= 0: none
-};
-
-// out[0, 64) = inv * sum_{lo <= j < hi} w[j] v[j * stride ...]: 64 floats of a head in registers, the even and the
-// odd j in two sets of FMA chains added at the end (one set waits on the FMA's latency), so a head split in such
-// chunks gives the same bits as a whole one
-constexpr int CHUNK = 64;
-inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t lo, int64_t hi, float inv,
-                         float* out) {
-  constexpr int C = CHUNK / simd::LANES;
-  simd::Vec even[C], odd[C];
-  for (int c = 0; c < C; ++c) even[c] = odd[c] = simd::zero();
-  int64_t j = lo;
-  for (; j + 2 <= hi; j += 2) {
-    const simd::Vec w0 = simd::set1(w[j]), w1 = simd::set1(w[j + 1]);
-    for (int c = 0; c < C; ++c) {
-      even[c] = simd::fmadd(w0, simd::load(v + j * stride + simd::LANES * c), even[c]);
-      odd[c] = simd::fmadd(w1, simd::load(v + (j + 1) * stride + simd::LANES * c), odd[c]);
-    }
-  }
-  if (j < hi) {
-    const simd::Vec w0 = simd::set1(w[j]);
-    for (int c = 0; c < C; ++c) even[c] = simd::fmadd(w0, simd::load(v + j * stride + simd::LANES * c), even[c]);
-  }
-  for (int c = 0; c < C; ++c) simd::store(out + simd::LANES * c, simd::mul(simd::add(even[c], odd[c]), simd::set1(inv)));
-}
-
-// the largest of s[lo, hi) (NaN skipped; -inf for none): exact in any order, so LANES at a time
-inline float max_of(const float* s, int64_t lo, int64_t hi) {
-  simd::Vec mv = simd::set1(-INFINITY);
-  for (int64_t j = lo; j < hi; j += simd::LANES) {  // max(x, m) is m where x is NaN
-    const int64_t n = std::min<int64_t>(simd::LANES, hi - j);
-    mv = simd::max(simd::select_first(simd::load_first(s + j, n), n, -INFINITY), mv);
-  }
-  alignas(64) float t[simd::LANES];
-  simd::store(t, mv);
-  return *std::max_element(t, t + simd::LANES);
-}
-
-// o[m, head, :] = softmax(q . k_j / sqrt(D)) v over the visible cache slots j of row m's sequence
-// (slot: each row's own cache slot, the last it sees; mask: empty, or [M, kv_len] the slots each row sees)
-void attend(const float* qkv, const float* kc, const float* vc, const int64_t* pos, const bool* mask,
-            const int64_t* row, int64_t kv_len, const Dims& d, float* o) {
-  const int64_t width = (d.nh + 2 * d.nkv) * d.D, group = d.nh / d.nkv;
-  const float scale = 1.f / std::sqrt(static_cast<float>(d.D));
-  const int64_t items = d.M * d.nh;
-  const int64_t work = items * kv_len * d.D;
-  at::parallel_for(0, items, work < (1 << 18) ? items : 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s(static_cast<size_t>(kv_len) + simd::LANES);
-    for (int64_t it = i0; it < i1; ++it) {
-      // head-major: the rows of a call that share a head run one after another, on one thread, while
-      // that head's keys and values are still in L2 (row-major order re-read them from L3 per row)
-      const int64_t h = it / d.M, m = it % d.M, kvh = h / group, p = pos[m];
-      const int64_t hi = std::min(p + 1, kv_len);
-      const int64_t lo = d.window > 0 ? std::max<int64_t>(0, p - d.window + 1) : 0;
-      const float* q = qkv + m * width + h * d.D;
-      const int64_t base = ((row[m] * d.nkv + kvh) * d.S) * d.D;
-      float* out = o + m * d.nh * d.D + h * d.D;
-      std::fill_n(out, d.D, 0.f);
-      if (hi <= lo) continue;
-      float mx = -INFINITY;
-      const bool* seen = mask ? mask + m * kv_len : nullptr;
-      scores(q, kc + base, d.D, lo, hi, scale, s.data());
-      if (seen) {
-        for (int64_t j = lo; j < hi; ++j)
-          if (seen[j]) mx = std::max(mx, s[j]);
-      } else {
-        mx = max_of(s.data(), lo, hi);
-      }
-      if (seen)  // a draft tree: the slots this row does not see weigh e^-1e4 = 0
-        for (int64_t j = lo; j < hi; ++j)
-          if (!seen[j]) s[j] = mx - 1e4f;
-      // weights e^(s - max), LANES at a time (the tail masked), summed lane-wise then across lanes
-      simd::Vec acc = simd::zero();
-      for (int64_t j = lo; j < hi; j += simd::LANES) {
-        const int64_t n = std::min<int64_t>(simd::LANES, hi - j);
-        const simd::Vec w = simd::exp(simd::sub(simd::load_first(s.data() + j, n), simd::set1(mx)));
-        simd::store_first(s.data() + j, w, n);
-        acc = simd::add(acc, simd::keep_first(w, n));
-      }
-      const float inv = 1.f / simd::reduce_add(acc);
-      // out = sum_j w_j v_j: with the head in registers, 64 floats at a time, for the usual head sizes
-      if (d.D % CHUNK == 0) {
-        for (int64_t e = 0; e < d.D; e += CHUNK) weighted_sum(s.data(), vc + base + e, d.D, lo, hi, inv, out + e);
-      } else {
-        for (int64_t j = lo; j < hi; ++j) {
-          const float* v = vc + base + j * d.D;
-          for (int64_t e = 0; e < d.D; ++e) out[e] = std::fma(s[j], v[e], out[e]);
-        }
-        for (int64_t e = 0; e < d.D; ++e) out[e] *= inv;
-      }
-    }
-  });
 }
 
 void add_bias(float* y, const torch::Tensor& b, int64_t M, int64_t N) {

@@ -1,0 +1,15 @@
+// Causal attention over the static KV cache for the C++ step's rows (attention.cpp), shared by the decoder layers
+// (decode_layers.cpp).
+#pragma once
+#include <cstdint>
+
+struct Dims {
+  int64_t M, H, nh, nkv, D, S, max_batch, window;  // window <= 0: none
+};
+
+// o[m, head, :] = softmax(q . k_j / sqrt(D)) v over the visible cache slots j of row m's sequence: qkv [M, (nh +
+// 2 nkv) D] the rows' rotated q (k and v already in the caches [max_batch, nkv, S, D]); slot [M]: each row's own
+// cache slot, the last it sees; mask: null, or [M, kv_len] the slots each row sees (a draft tree); row [M]: each
+// row's cache row. Every row's output is computed alone: the same bits whatever else is in the call.
+void attend(const float* qkv, const float* kc, const float* vc, const int64_t* slot, const bool* mask,
+            const int64_t* row, int64_t kv_len, const Dims& d, float* o);
