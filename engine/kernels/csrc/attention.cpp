@@ -1,8 +1,7 @@
 // Causal attention for the C++ step (attention.h): per (row, head), the scores q . k_j over the visible keys, their
 // softmax and the weighted sum of values, each in a fixed order, so a row's output never depends on the other rows
 // of the call. Rows of one sequence that share a head run as a tile of up to QT queries: each key and value vector
-// loaded once serves all of them (one query at a time streamed its head's keys and values from L2 per query),
-// while every query's sums stay the chains it has alone.
+// loaded once serves all of them, while every query's sums stay the chains it has alone.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
@@ -47,11 +46,10 @@ inline void scores(const float* q, const float* k, int64_t D, int64_t lo, int64_
   for (; j < hi; ++j) s[j] = dot(q, k + j * D, D) * scale;
 }
 
-
-// out[0, 64) = inv * sum_{lo <= j < hi} w[j] v[j * stride ...]: 64 floats of a head in registers, the even and the
-// odd j in two sets of FMA chains added at the end (one set waits on the FMA's latency), so a head split in such
-// chunks gives the same bits as a whole one
-constexpr int CHUNK = 64;
+// out[0, CHUNK) = inv * sum_{lo <= j < hi} w[j] v[j * stride ...]: CHUNK floats of a head in registers, the even
+// and the odd j in two sets of FMA chains added at the end (one set waits on the FMA's latency); each output its own
+// chains, so a head split in such chunks gives the same bits as a whole one
+constexpr int CHUNK = 4 * simd::LANES;
 inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t lo, int64_t hi, float inv,
                          float* out) {
   constexpr int C = CHUNK / simd::LANES;
@@ -69,7 +67,8 @@ inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t
     const simd::Vec w0 = simd::set1(w[j]);
     for (int c = 0; c < C; ++c) even[c] = simd::fmadd(w0, simd::load(v + j * stride + simd::LANES * c), even[c]);
   }
-  for (int c = 0; c < C; ++c) simd::store(out + simd::LANES * c, simd::mul(simd::add(even[c], odd[c]), simd::set1(inv)));
+  for (int c = 0; c < C; ++c)
+    simd::store(out + simd::LANES * c, simd::mul(simd::add(even[c], odd[c]), simd::set1(inv)));
 }
 
 // the largest of s[lo, hi) (NaN skipped; -inf for none): exact in any order, so LANES at a time
@@ -83,7 +82,6 @@ inline float max_of(const float* s, int64_t lo, int64_t hi) {
   simd::store(t, mv);
   return *std::max_element(t, t + simd::LANES);
 }
-
 
 // the weights e^(s - mx) over s[lo, hi), in place, LANES at a time (the tail masked), and 1 / their sum (lane-wise,
 // then across lanes)
@@ -114,7 +112,7 @@ void attend_one(const float* q, const float* k, const float* v, int64_t D, int64
     mx = max_of(s, lo, hi);
   }
   const float inv = softmax_weights(s, lo, hi, mx);
-  // out = sum_j w_j v_j: with the head in registers, 64 floats at a time, for the usual head sizes
+  // out = sum_j w_j v_j: with the head in registers, CHUNK floats at a time, for the usual head sizes
   if (D % CHUNK == 0) {
     for (int64_t e = 0; e < D; e += CHUNK) weighted_sum(s, v + e, D, lo, hi, inv, out + e);
   } else {
@@ -220,12 +218,14 @@ struct Tile {
 
 }  // namespace
 
-void attend(const float* qkv, const float* kc, const float* vc, const int64_t* pos, const bool* mask,
+namespace attention {
+
+void attend(const float* qkv, const float* kc, const float* vc, const int64_t* slot, const bool* mask,
             const int64_t* row, int64_t kv_len, const Dims& d, float* o) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, group = d.nh / d.nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(d.D));
-  auto lo_of = [&](int64_t m) { return d.window > 0 ? std::max<int64_t>(0, pos[m] - d.window + 1) : 0; };
-  auto hi_of = [&](int64_t m) { return std::min(pos[m] + 1, kv_len); };
+  auto lo_of = [&](int64_t m) { return d.window > 0 ? std::max<int64_t>(0, slot[m] - d.window + 1) : 0; };
+  auto hi_of = [&](int64_t m) { return std::min(slot[m] + 1, kv_len); };
   // tiles, head-major (the rows of a head run one after another on one thread, while its keys and values are in
   // L2): consecutive rows of one cache row with the same first key and some key to see, unless a mask is given
   const bool tiled = !mask && d.D % CHUNK == 0;
@@ -267,3 +267,5 @@ void attend(const float* qkv, const float* kc, const float* vc, const int64_t* p
     }
   });
 }
+
+}  // namespace attention

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+namespace attention {
+
 struct Dims {
   int64_t M, H, nh, nkv, D, S, max_batch, window;  // window <= 0: none
 };
@@ -13,3 +15,5 @@ struct Dims {
 // row's cache row. Every row's output is computed alone: the same bits whatever else is in the call.
 void attend(const float* qkv, const float* kc, const float* vc, const int64_t* slot, const bool* mask,
             const int64_t* row, int64_t kv_len, const Dims& d, float* o);
+
+}  // namespace attention

@@ -24,6 +24,8 @@
 
 namespace {
 
+using attention::attend;
+using attention::Dims;
 using row_ops::rms_norm;
 
 // one head vector rotated in place: x * cos + roll(x, D/2) * sin_folded (engine/core/model.py apply_rope), the
@@ -41,6 +43,27 @@ constexpr int64_t ROW_GRAIN = 16;
 template <typename F>
 void by_rows(int64_t M, const F& f) {
   at::parallel_for(0, M, ROW_GRAIN, f);
+}
+
+// Each row's q and k heads rotated in place (qkv [M, (nh + 2 nkv) D]), then its k and v stored at its cache slot
+// (slot [M]) of its cache row (row [M]); cos, sin: the rotary tables by position (pos [M]). Rows that share a slot
+// (padding rows all write the scratch slot, which no row reads) leave one of their values there, unspecified which.
+void rotate_and_store(float* qkv, const int64_t* pos, const int64_t* slot, const int64_t* row, const float* cos,
+                      const float* sin, const Dims& d, float* kc, float* vc) {
+  const int64_t width = (d.nh + 2 * d.nkv) * d.D;
+  by_rows(d.M, [&](int64_t m0, int64_t m1) {
+    std::vector<float> tmp(d.D);
+    for (int64_t m = m0; m < m1; ++m) {
+      float* r = qkv + m * width;
+      for (int64_t hh = 0; hh < d.nh + d.nkv; ++hh)
+        rope(r + hh * d.D, cos + pos[m] * d.D, sin + pos[m] * d.D, d.D, tmp.data());
+      for (int64_t kvh = 0; kvh < d.nkv; ++kvh) {
+        const int64_t at = ((row[m] * d.nkv + kvh) * d.S + slot[m]) * d.D;
+        std::copy_n(r + (d.nh + kvh) * d.D, d.D, kc + at);
+        std::copy_n(r + (d.nh + d.nkv + kvh) * d.D, d.D, vc + at);
+      }
+    }
+  });
 }
 
 void add_bias(float* y, const torch::Tensor& b, int64_t M, int64_t N) {
@@ -106,19 +129,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
       gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
     }
     add_bias(q, w[2], d.M, width);
-    by_rows(d.M, [&](int64_t m0, int64_t m1) {  // rotate q and k heads, then store k and v at the row's slot
-      std::vector<float> tmp(d.D);
-      for (int64_t m = m0; m < m1; ++m) {
-        const int64_t p = pp[m], slot = slp[m];
-        float* r = q + m * width;
-        for (int64_t hh = 0; hh < d.nh + d.nkv; ++hh) rope(r + hh * d.D, cp + p * d.D, sp + p * d.D, d.D, tmp.data());
-        for (int64_t kvh = 0; kvh < d.nkv; ++kvh) {
-          const int64_t at = ((rp[m] * d.nkv + kvh) * d.S + slot) * d.D;
-          std::copy_n(r + (d.nh + kvh) * d.D, d.D, kc + at);
-          std::copy_n(r + (d.nh + d.nkv + kvh) * d.D, d.D, vc + at);
-        }
-      }
-    });
+    rotate_and_store(q, pp, slp, rp, cp, sp, d, kc, vc);
     attend(q, kc, vc, slp, mp, rp, kv_len, d, attn.data());
     gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
@@ -212,7 +223,7 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && n_layers <= k_cache.size(0) &&
               k_cache.size(2) == n_kv_ && k_cache.size(4) == head_dim_,
               "decode_forward: caches [L, max_batch, n_kv, S, head_dim] matching the model");
-  const Dims d{M, H, n_heads_, n_kv_, head_dim_, k_cache.size(3), k_cache.size(1), window_};
+  const attention::Dims d{M, H, n_heads_, n_kv_, head_dim_, k_cache.size(3), k_cache.size(1), window_};
   TORCH_CHECK(cos.size(-1) == d.D && sin.size(-1) == d.D && cos.size(0) == sin.size(0) && kv_len >= 0 &&
               kv_len <= d.S, "decode_forward: rotary tables [N, head_dim], 0 <= kv_len <= cache length");
   TORCH_CHECK(rows.numel() == 0 || ((rows.numel() == B || rows.numel() == M) && rows.scalar_type() == at::kLong),

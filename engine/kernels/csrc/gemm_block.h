@@ -58,14 +58,14 @@ __attribute__((noinline)) void block(const float* __restrict x, const W* __restr
       for (int m = 0; m < M; ++m) acc[i][m] = simd::fmadd(wv, xv[m], acc[i][m]);
     }
   }
-  const Vec* flat = &acc[0][0];  // output f: row f % M, column f / M
-  constexpr int F = R * M;
+  constexpr int F = R * M;  // the outputs in acc's order: f is acc[f / M][f % M], y's row f % M, column f / M
   for (int f = 0; f + 4 <= F; f += 4) {
     float s[4];
-    simd::reduce4(flat[f], flat[f + 1], flat[f + 2], flat[f + 3], s);
+    simd::reduce4(acc[f / M][f % M], acc[(f + 1) / M][(f + 1) % M], acc[(f + 2) / M][(f + 2) % M],
+                  acc[(f + 3) / M][(f + 3) % M], s);
     for (int j = 0; j < 4; ++j) y[(f + j) % M * N + (f + j) / M] = s[j];
   }
-  for (int f = F / 4 * 4; f < F; ++f) y[f % M * N + f / M] = simd::reduce_add(flat[f]);
+  for (int f = F / 4 * 4; f < F; ++f) y[f % M * N + f / M] = simd::reduce_add(acc[f / M][f % M]);
 }
 
 // block<m, R, PF> for a run-time m <= Mc
@@ -77,23 +77,24 @@ inline void pass(int64_t m, const float* x, const W* w, float* y, int64_t K, int
   block<Mc, R, PF>(x, w, y, K, N, ahead);
 }
 
-// Calls of more passes than this over each block (more than 32 input rows on AVX-512's fp32 kernel) issue each
-// pass's share of the next block's lines before the pass instead of along its loop, which then keeps to its loads
-// and FMAs (with many passes most of the loop's prefetches ask again for a line already asked for): 1.1-1.2x
-// faster from 64 rows up. Fewer rows are bound by streaming the weights, and prefetches spread along the loop keep
-// the memory busier (up front: 0.87-0.92x at 24-32 rows; docs/performance.md)
+// Calls of more passes than this over each block (above 32 input rows on AVX-512's fp32 kernel, 24 on AVX2's; the
+// int8 kernel's scratch passes likewise) issue each pass's share of the next block's lines before the pass instead
+// of along its loop, which then keeps to its loads and FMAs (with many passes most of the loop's prefetches ask
+// again for a line already asked for): 1.1-1.2x faster from 64 rows up. Fewer passes are bound by streaming the
+// weights, and prefetches spread along the loop keep the memory busier (up front: 0.87-0.92x at 24-32 rows;
+// docs/performance.md)
 constexpr int64_t SPREAD_PASSES = 8;
 
 // The passes over one block of R weight rows w[R, K]: the M input rows x in groups of `per` <= Mc, while the
-// next block's R rows (`next`, row_bytes apart) stream into L2
+// next block's R rows (`next`, K * k_bytes bytes each) stream into L2
 template <int Mc, int R, typename W>
 inline void passes(int64_t M, int64_t per, const float* x, const W* w, float* y, int64_t K, int64_t N,
-                   const char* next, int64_t row_bytes) {
-  const int64_t P = (M + per - 1) / per, lines = (row_bytes + 63) / 64;
+                   const char* next, int64_t k_bytes) {
+  const int64_t P = (M + per - 1) / per, row_bytes = K * k_bytes, lines = (row_bytes + 63) / 64;
   for (int64_t p = 0; p < P; ++p) {
     const int64_t m = std::min(per, M - p * per);
     if (P <= SPREAD_PASSES) {  // pass p prefetches the p-th P-th of each row along its loop
-      const Prefetch ahead{next, row_bytes, p * row_bytes / P, 65536 * row_bytes / (K * P)};
+      const Prefetch ahead{next, row_bytes, p * row_bytes / P, 65536 * k_bytes / P};
       pass<Mc, R, true>(m, x + p * per * K, w, y + p * per * N, K, N, ahead);
     } else {
       for (int i = 0; i < R; ++i)

@@ -121,7 +121,7 @@ inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t 
   if (M <= DIRECT_ROWS) return pass<DIRECT_ROWS, R>(M, x, w, y, K, N, n0, next);
   dequant_rows<R>(w, K, n0, scratch);
   const int64_t P = (M + SCRATCH_ROWS - 1) / SCRATCH_ROWS, per = (M + P - 1) / P;  // passes of equal rows
-  gemm_block::passes<SCRATCH_ROWS, R>(M, per, x, scratch, y + n0, K, N, next, K);
+  gemm_block::passes<SCRATCH_ROWS, R>(M, per, x, scratch, y + n0, K, N, next, 1);
 }
 
 // this thread's dequantization scratch of at least n floats: grown, never shrunk or freed, so a verify pass

@@ -1,7 +1,7 @@
-// The fp32 vector of the CPU kernels (small_gemm.cpp, decode_layers.cpp): 16 lanes on AVX-512, 8 on AVX2
-// with FMA and F16C. The compiler flags pick one (engine/kernels/cpu_gemm.py builds one binary per ISA);
-// the kernels are written once against these functions. Within a binary every function is deterministic
-// and lane-order fixed (reduce_add sums in one order), so the kernels' row independence holds on both.
+// The fp32 vector of the CPU kernels (the GEMMs, the step's layers, attention, the per-row ops): 16 lanes on
+// AVX-512, 8 on AVX2 with FMA and F16C. The compiler flags pick one (engine/kernels/cpu_gemm.py builds one
+// binary per ISA); the kernels are written once against these functions. Within a binary every function is
+// deterministic and lane-order fixed (reduce_add sums in one order), so the kernels' row independence holds on both.
 #pragma once
 #include <immintrin.h>
 
@@ -43,10 +43,17 @@ inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // b where either 
 inline Vec select_first(Vec v, int64_t n, float fill) { return _mm512_mask_blend_ps(first(n), set1(fill), v); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, fused
-inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }  // GCC's order, which reduce4 follows
-// out[j] = reduce_add(the j-th of a, b, c, d), bit for bit, the four sums interleaved in one vector (half the
-// shuffles and a quarter of the adds of four reduce_adds): lane j + lane j+8, then + the one 4 on, then 2 on,
-// then 1 on
+// the lanes' sum in one fixed tree, written out (not left to a compiler's reduction): lane j + lane j+8, then + the
+// one 4 on, then 2 on, then lanes 0 + 1
+inline float reduce_add(Vec v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_permute_ps(q, 0x4E));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+// out[j] = reduce_add(the j-th of a, b, c, d), bit for bit: the same tree for the four interleaved in one vector
+// (half the shuffles and a third of the adds of four reduce_adds)
 inline void reduce4(Vec a, Vec b, Vec c, Vec d, float* out) {
   const Vec ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));  // [a8 b8]
   const Vec cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));  // [c8 d8]
@@ -138,7 +145,8 @@ inline Vec pow2(__m256i k) {  // 2^k for -126 <= k <= 127
 }
 // AVX2 has no scalef: 2^n goes on as two exact powers 2^(n/2), so n = -127 (x near -88: a subnormal result)
 // rounds once, as scalef does; x is first capped at 88.38 (above it e^x overflows fp32: a finite value
-// instead of inf; a softmax's arguments are <= 0). _mm256_min_ps returns its second operand for a NaN.
+// instead of inf: SiLU's 1 + e^-g then gives g / 1e38 ~ -0 for g < -88). _mm256_min_ps returns its second operand
+// for a NaN.
 inline Vec exp(Vec x) {
   const Vec xc = _mm256_min_ps(set1(88.3762626647949f), x);
   const Vec n = round(mul(xc, set1(1.44269504088896341f)));

@@ -37,7 +37,7 @@ constexpr int MB = LANES == 16 ? 4 : 3;
 template <int R, typename W>
 inline void rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
   gemm_block::passes<MB, R>(M, MB, x, w + n0 * K, y + n0, K, N, reinterpret_cast<const char*>(w + (n0 + R) * K),
-                            K * static_cast<int64_t>(sizeof(W)));
+                            static_cast<int64_t>(sizeof(W)));
 }
 
 template <int NB, typename W>
