@@ -52,7 +52,8 @@ void rotate_and_store(float* qkv, const int64_t* pos, const int64_t* slot, const
                       const float* sin, const Dims& d, float* kc, float* vc) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D;
   by_rows(d.M, [&](int64_t m0, int64_t m1) {
-    std::vector<float> tmp(d.D);
+    thread_local std::vector<float> tmp;  // a head's rotation, grown to the largest head seen
+    if (static_cast<int64_t>(tmp.size()) < d.D) tmp.resize(d.D);
     for (int64_t m = m0; m < m1; ++m) {
       float* r = qkv + m * width;
       for (int64_t hh = 0; hh < d.nh + d.nkv; ++hh)
@@ -110,6 +111,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
   std::vector<float> h(d.M * d.H), qkv(d.M * width), attn(d.M * d.nh * d.D), y(d.M * d.H);
   std::vector<float> gu(d.M * 2 * inter), act(d.M * inter);
+  const std::vector<attention::Tile> tiles = attention::plan_tiles(slp, mp, rp, kv_len, d);  // every layer's
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights + 9 * l;
     const torch::Tensor *s = scales + 9 * l, *sm = smooths + 9 * l;
@@ -130,7 +132,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     }
     add_bias(q, w[2], d.M, width);
     rotate_and_store(q, pp, slp, rp, cp, sp, d, kc, vc);
-    attend(q, kc, vc, slp, mp, rp, kv_len, d, attn.data());
+    attend(tiles, q, kc, vc, slp, mp, rp, kv_len, d, attn.data());
     gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
