@@ -268,8 +268,13 @@ def test_a_new_cache_drops_the_graphs(pair):
     t_runner, _ = eng.cuda_graphs
     eng.generate(PROMPTS[:1], GREEDY)
     assert t_runner.stats.graphs > 0
-    eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=300, temperature=0.0))  # the cache grows
-    assert t_runner.stats.resets == 1
+    sizes = {eng.loop.cache.max_seq_len}
+    eng.scheduler.on_round = lambda: sizes.add(eng.loop.cache.max_seq_len)
+    try:
+        eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=300, temperature=0.0))  # the cache grows, doubling
+    finally:
+        eng.scheduler.on_round = None
+    assert len(sizes) > 1 and t_runner.stats.resets == len(sizes) - 1  # each growth dropped the graphs
 
 
 # ------------------------------------------------------------------ 4. load window

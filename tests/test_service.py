@@ -15,6 +15,7 @@ from util import long_prompt, wait_for
 from engine import Engine, EngineError, SamplingParams
 from engine.api.options import KernelOptions, Limits, SpeculationConfig
 from engine.core.errors import InvalidConfigError, InvalidRequestError, OverloadedError
+from engine.runtime.kv_growth import CacheUse, grown_size
 from engine.runtime.scheduler import RequestFailedError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +125,69 @@ def test_max_seq_len_limit_is_named(ckpt_dir):
         e.generate([[1] * 40], SamplingParams(max_new_tokens=30))
     assert len(e.generate([[1] * 40], SamplingParams(max_new_tokens=24))[0].token_ids) >= 1
     assert e.loop.cache is not None and e.loop.cache.max_seq_len <= 128
+
+
+# ---------------------------------------------------------------- the KV cache
+def test_the_cache_grows_to_what_is_used_doubling_within_the_batch_and_the_reach():
+    def use(rows: int, positions: int, reach: int = 10_000) -> CacheUse:
+        return CacheUse(rows, positions, reach)
+
+    assert grown_size((0, 0), use(1, 310, 374), 64) == (1, 384)  # the first: what its row uses, in 128s
+    assert grown_size((1, 384), use(1, 300), 64) is None
+    assert grown_size((1, 384), use(2, 300), 64) == (2, 384)  # rows double
+    assert grown_size((4, 384), use(5, 300), 64) == (8, 384)
+    assert grown_size((8, 384), use(9, 300), 12) == (12, 384)  # within max_batch
+    assert grown_size((2, 384), use(2, 400), 64) == (2, 768)  # positions double
+    assert grown_size((2, 384), use(2, 400, 420), 64) == (2, 512)  # within the reach, in 128s
+    assert grown_size((2, 384), use(2, 900), 64) == (2, 1024)  # more than double: what is used
+    assert grown_size((2, 384), use(3, 900), 64) == (4, 1024)  # both
+
+
+def test_a_longer_request_joins_the_running_batch_and_the_cache_grows_under_it(ckpt_dir, draft_dir):
+    """A request longer than the cache joins while another runs (no waiting for the batch to drain): the cache
+    and the draft model's grow between rounds keeping every row, so both outputs equal their solo runs."""
+    spec, limits = SpeculationConfig(k=3, k_policy="heuristic"), Limits(max_batch=4)
+    ref = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=spec, limits=limits)
+    first = long_prompt(ref, 160)
+    longer = [(5 * j) % 290 + 1 for j in range(300)]
+    sp_first, sp_longer = SamplingParams(max_new_tokens=160), SamplingParams(max_new_tokens=8, temperature=0.8, seed=5)
+    want_first = ref.generate([first], sp_first)[0].token_ids
+    want_longer = ref.generate([longer], sp_longer)[0].token_ids
+    e = Engine.from_pretrained(ckpt_dir, draft_dir, speculation=spec, limits=limits)
+    e.scheduler.on_round = lambda: time.sleep(0.002)  # keep the first request running while the second joins
+    try:
+        a = e.submit(first, sp_first)
+        assert wait_for(lambda: len(a.tokens_so_far()) > 0)
+        cache = e.loop.cache
+        assert cache is not None and cache.max_batch == 1 and cache.max_seq_len < len(longer)  # the first's size
+        b = e.submit(longer, sp_longer)
+        assert b.result(timeout=TIMEOUT).token_ids == want_longer
+        assert not a.done()  # the second did not wait for the first to end
+        assert a.result(timeout=TIMEOUT).token_ids == want_first
+    finally:
+        e.scheduler.on_round = None
+    draft_cache = e.drafter.cache
+    assert (cache.max_batch, cache.max_seq_len) == (2, 384)  # grown in place: rows doubled, positions to 300 + 13
+    assert (draft_cache.max_batch, draft_cache.max_seq_len) == (2, 384)
+
+
+def test_the_cache_holds_what_requests_use_not_what_they_may_use(ckpt_dir):
+    """A request that may run to the end of the context (a chat without max_tokens) but stops early holds
+    the positions it used, in one row; a longer run grows the cache a few times, doubling."""
+    e = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=4))
+    prompt = [(7 * j) % 290 + 1 for j in range(20)]
+    stop = e.generate([prompt], SamplingParams(max_new_tokens=12))[0].token_ids[-1]
+    out = e.generate([prompt], SamplingParams(max_new_tokens=e.max_seq_len - len(prompt), stop_token_ids=[stop]))
+    assert out[0].finish_reason == "stop" and len(out[0].token_ids) <= 12, out[0]
+    cache = e.loop.cache
+    assert cache is not None and (cache.max_batch, cache.max_seq_len) == (1, 128)
+    seen = set()
+    e.scheduler.on_round = lambda: seen.add(e.loop.cache.max_seq_len)
+    try:
+        e.generate([prompt], SamplingParams(max_new_tokens=400, temperature=1.0, seed=1, ignore_eos=True))
+    finally:
+        e.scheduler.on_round = None
+    assert sorted(seen) == [128, 256, 512], seen  # 20 + 400 tokens + K headroom: two growths
 
 
 # ---------------------------------------------------------------- cancel

@@ -37,6 +37,18 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def grow(self, max_batch: int, max_seq_len: int) -> None:
+        """Make room for at least ``max_batch`` rows of ``max_seq_len`` positions, keeping every row's keys and
+        values at their positions (the new rows and positions zero). The tensors are new: a CUDA graph that
+        captured the old ones must be dropped (engine/kernels/cudagraphs.py checks the addresses)."""
+        n, rows, heads, slots, dim = self.k.shape
+        shape = (n, max(rows, max_batch), heads, max(slots, max_seq_len), dim)
+        if shape[1] == rows and shape[3] == slots:
+            return
+        k, v = _grown(self.k, shape), _grown(self.v, shape)  # both allocated before either is swapped
+        self.k, self.v = k, v
+        self.max_batch, self.max_seq_len = shape[1], shape[3]
+
     def copy_rows(self, src: int, dst: Sequence[int], length: int) -> None:
         """Copy positions 0..length-1 of row ``src`` (every layer, keys and values) into the rows ``dst``."""
         assert 0 <= length <= self.max_seq_len, f"length {length} beyond the cache's {self.max_seq_len} positions"
@@ -56,6 +68,13 @@ class KVCache:
         d = torch.tensor([b for _, b in pairs], device=self.k.device)
         for t in (self.k, self.v):
             t[:, row, :, d] = t[:, row, :, s]  # (src is gathered before dst is written)
+
+
+def _grown(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A zero tensor of ``shape`` holding ``t`` in its leading corner (rows and positions kept)."""
+    out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    out[:, : t.shape[1], :, : t.shape[3]] = t
+    return out
 
 
 class Features(enum.Enum):

@@ -13,19 +13,20 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
    then the others' decode;
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
-Cache policy: the cache has ``max_batch`` rows; its length is what the admitted
-requests need (prompt + max_new_tokens + k_max + 2, rounded up to 128) and it
-only grows, and only between rounds when no sequence is running: a request
-longer than the cache waits at the head of the queue until the batch drains
-(FIFO, so it is never starved). Memory is proportional to the real lengths, and
-a request beyond ``max_seq_len`` (default: the model's context) is refused at
-submission. A round that raises changes no sequence (engine/spec_decode/loop.py): it is re-run one prefill
-family at a time, and only the requests whose rows fail alone end with ``RequestFailedError``; the others
-go on as if nothing happened. The worker logs it and keeps serving; health turns unhealthy only after rounds
-in which no request could run. The worker exits
-after ``idle_exit_s`` without work (so an unused Engine can be collected) and
-is restarted by the next submission; at interpreter exit it cancels what is
-left and ends between rounds (it is not a daemon, so no torch op is cut off).
+Cache policy: the cache holds what the running sequences use, not what they may use. Before each round it
+grows, keeping every row (the drafter's cache with it), to the highest row in use and the longest sequence's
+tokens + k_max + 2 positions, at least doubling what grows (engine/runtime/kv_growth.py). A request longer
+than the cache joins the running batch at once; a chat that may run to the end of the context holds the
+positions it reached; the cache never shrinks. A request beyond ``max_seq_len`` (default: the model's context)
+is refused at submission; when the memory to grow is not there, the requests that needed it end with
+``RequestFailedError``.
+
+Faults: a round that raises changes no sequence (engine/spec_decode/loop.py): it is re-run one prefill family
+at a time, and only the requests whose rows fail alone end with ``RequestFailedError``; the others go on as if
+nothing happened. The worker logs it and keeps serving; health turns unhealthy only after rounds in which no
+request could run. The worker exits after ``idle_exit_s`` without work (so an unused Engine can be collected)
+and is restarted by the next submission; at interpreter exit it cancels what is left and ends between rounds
+(it is not a daemon, so no torch op is cut off).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 
 from engine.core.errors import EngineError, OverloadedError
 from engine.runtime.k_tuner import Arm, KTuner
+from engine.runtime.kv_growth import CacheUse, grown_size
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.runtime.tuned_rounds import TunedRows, round_arm
@@ -119,7 +121,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ submission
     def need(self, prompt: list[int], params: SamplingParams) -> int:
-        """Cache positions a request needs: its tokens, K headroom and the scratch slot."""
+        """Cache positions a request needs at most: its tokens, K headroom and the scratch slot."""
         return len(prompt) + params.max_new_tokens + self.k_max + 2
 
     def submit(
@@ -249,24 +251,10 @@ class Scheduler:
                 self._finish_unstarted(r)
 
     def _admit(self) -> list[tuple[Request, int]]:
-        """Pop waiting requests into free rows (under the lock); the cache grows only when idle."""
+        """Pop waiting requests into free rows (under the lock); the cache grows for them before the round."""
         admitted: list[tuple[Request, int]] = []
         while self._waiting and self._free_rows and self._reserved < self.batch_cap:
-            r = self._waiting[0]
-            need = self.need(r.prompt, r.params)
-            cache = self.loop.cache
-            if cache is None or cache.max_seq_len < need:
-                if self._running or admitted:
-                    break  # the head waits until the batch drains, then the cache grows
-                longest = max(len(w.prompt) + w.params.max_new_tokens for w in self._waiting)
-                try:
-                    self.loop.ensure_cache(self.max_batch, min(longest, self.max_seq_len), self.k_max)
-                except Exception as e:  # noqa: BLE001 - e.g. out of memory: fail the request, keep serving
-                    log.exception("could not allocate the KV cache for %d positions", need)
-                    self._waiting.popleft()
-                    r.deliver([], error=RequestFailedError(f"KV cache allocation failed: {type(e).__name__}: {e}"))
-                    continue
-            self._waiting.popleft()
+            r = self._waiting.popleft()
             self._reserved += 1
             admitted.append((r, heapq.heappop(self._free_rows)))
         return admitted
@@ -301,6 +289,9 @@ class Scheduler:
             return
         if self.governor is not None:  # GPU memory pressure lowers K and the admitted batch, never fails
             self.k_cap, self.batch_cap = self.governor.poll()
+        self._fit_cache()
+        if not self._running:
+            return
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
         new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
@@ -311,6 +302,30 @@ class Scheduler:
             arm = round_arm(self.tuner, running)
             caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
             self._run_part(running, caps, arm)
+
+    def _fit_cache(self) -> None:
+        """Grow the cache, keeping every row, to hold this round of every running sequence (engine/runtime/
+        kv_growth.py). When the memory is not there, the requests that needed the room end with
+        RequestFailedError; the others go on."""
+        seqs = [x.seq for x in self._running]
+        use = CacheUse(
+            rows=max(s.row for s in seqs) + 1,
+            positions=max(len(s.tokens) for s in seqs) + self.k_max + 2,
+            reach=max(self.need(s.prompt, s.params) for s in seqs),
+        )
+        c = self.loop.cache
+        have = (0, 0) if c is None else (c.max_batch, c.max_seq_len)
+        size = grown_size(have, use, self.max_batch)
+        if size is None:
+            return
+        try:
+            self.loop.ensure_cache(*size)
+        except (RuntimeError, MemoryError) as e:  # out of memory (torch's OutOfMemoryError is a RuntimeError)
+            log.error("the KV cache could not grow to %d rows x %d positions: %s", *size, e)
+            err = RequestFailedError(f"the KV cache could not grow to {size[0]} rows x {size[1]} positions: {e}")
+            for x in list(self._running):
+                if x.seq.row >= have[0] or len(x.seq.tokens) + self.k_max + 2 > have[1]:
+                    self._retire(x, err)
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
         """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the

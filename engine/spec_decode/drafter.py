@@ -111,7 +111,8 @@ class Drafter(Protocol):
         ...
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
-        """Make room for max_batch rows of max_seq_len positions (the target cache's length)."""
+        """Make room for max_batch rows of max_seq_len positions (the target cache's size), keeping what every row
+        holds: the target's cache grows while sequences run, and the drafter's with it (``KVCache.grow``)."""
         ...
 
     def commit(self, seq: Seq, outcome: Committed) -> None:

@@ -125,21 +125,19 @@ class DecodeLoop:
         self.inject_nan: Callable[[Seq], bool] | None = None  # test hook: NaN logits for the rows it picks
         self.inject_fault: Callable[[Seq, str], bool] | None = None  # test hook: raise for the rows it picks
 
-    def ensure_cache(self, rows: int, positions: int, k_max: int) -> KVCache:
-        """A cache with >= rows rows and room for `positions` + K headroom + the scratch slot."""
-        need = positions + k_max + 2
+    def ensure_cache(self, rows: int, seq_len: int) -> KVCache:
+        """A cache of at least ``rows`` rows and ``seq_len`` positions (the last one the scratch slot), the
+        drafter's likewise: allocated, or grown keeping what every row holds (sequences may be running)."""
         c = self.cache
-        if c is None or c.max_batch < rows or c.max_seq_len < need:
-            seq_len = -(-need // 128) * 128
-            if c is not None:
-                seq_len = max(seq_len, c.max_seq_len)
-                rows = max(rows, c.max_batch)
-            self.cache = None  # free before allocating the bigger one
-            self.cache = KVCache(self.target.config, rows, seq_len, self.target.dtype, self.target.device)
-            log.debug("allocated KV cache rows=%d seq_len=%d (%.1f MB)", rows, seq_len, self.cache.nbytes / 2**20)
+        if c is None or c.max_batch < rows or c.max_seq_len < seq_len:
+            if c is None:
+                c = self.cache = KVCache(self.target.config, rows, seq_len, self.target.dtype, self.target.device)
+            else:
+                c.grow(rows, seq_len)
+            log.debug("KV cache: %d rows x %d positions (%.1f MB)", c.max_batch, c.max_seq_len, c.nbytes / 2**20)
         if self.drafter is not None:
-            self.drafter.ensure_cache(self.cache.max_batch, self.cache.max_seq_len)
-        return self.cache
+            self.drafter.ensure_cache(c.max_batch, c.max_seq_len)
+        return c
 
     def k_for(self, s: Seq, caps: KCaps) -> int:
         """Row K: the round's tuned K (else its controller's) within what remains and the load cap; a seeded sampled

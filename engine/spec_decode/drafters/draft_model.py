@@ -75,11 +75,12 @@ class ModelDrafter:
         return self._fed(seq).dlen
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
-        """(Re)allocate the draft's own static cache when it is missing or too small."""
-        c = self.cache
-        if c is None or c.max_batch < max_batch or c.max_seq_len != max_seq_len:
+        """Allocate the draft's own static cache, or grow it keeping what its rows hold."""
+        if self.cache is None:
             m = self.module  # the compute dtype (an FP8 draft's e4m3 tables and weights are storage only)
             self.cache = KVCache(m.config, max_batch, max_seq_len, m.dtype, m.device)
+        else:
+            self.cache.grow(max_batch, max_seq_len)
 
     def _start(self, seq: Seq) -> int:
         return self._fed(seq).dlen

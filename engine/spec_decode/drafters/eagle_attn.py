@@ -91,9 +91,10 @@ class EagleAttnDrafter(HeadDrafter):
         self.branches = 1  # > 1: trees: EAGLE-2's for greedy batches (draft_tree.py), spine trees else (spine_tree.py)
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
-        c = self.cache
-        if c is None or c.max_batch < max_batch or c.max_seq_len != max_seq_len:
+        if self.cache is None:
             self.cache = self.head.new_cache(max_batch, max_seq_len, self.head_weight.device)
+        else:
+            self.cache.grow(max_batch, max_seq_len)  # its entries kept
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
         st = self._entries(seq)

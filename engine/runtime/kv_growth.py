@@ -1,0 +1,40 @@
+"""How far the KV cache grows before a round: to what the running sequences use, at least doubling what grows.
+
+The scheduler (engine/runtime/scheduler.py) asks before each round; ``KVCache.grow`` (engine/core/forward.py)
+keeps every row's keys and values. Growing by doubling bounds a request's growths by log2 of its length, and
+sizing by use keeps a request that may run to the end of the context (a chat without ``max_tokens``) to the
+positions it reached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POSITION_STEP = 128  # positions grow in multiples of this
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """What the running sequences need of the cache this round."""
+
+    rows: int
+    """The highest row in use + 1."""
+    positions: int
+    """The longest sequence's tokens + K headroom + the scratch slot."""
+    reach: int
+    """The positions the longest running request may reach (its prompt + max_new_tokens + the same headroom)."""
+
+
+def grown_size(have: tuple[int, int], use: CacheUse, max_batch: int) -> tuple[int, int] | None:
+    """(rows, positions) the cache of ``have`` (rows, positions; (0, 0) when there is none) grows to, or None when
+    it holds ``use`` already. Rows at least double, within ``max_batch``; positions at least double, within
+    ``use.reach`` rounded up to POSITION_STEP."""
+    rows, positions = have
+    if use.rows <= rows and use.positions <= positions:
+        return None
+    if use.rows > rows:
+        rows = min(max_batch, max(use.rows, 2 * rows))
+    if use.positions > positions:
+        want = min(use.reach, max(use.positions, 2 * positions))
+        positions = -(-want // POSITION_STEP) * POSITION_STEP
+    return rows, positions
