@@ -9,7 +9,7 @@ round). A round (``DecodeLoop.step``) is five steps:
 2. ``draft``: the drafter proposes (``Proposal``: chains or trees), cut to each row's K_b nodes;
 3. ``verify``: ONE target forward over tokens[tlen:] + drafts scores the K+1 positions from the last committed
    token on, a tree's nodes under its attention mask (engine/spec_decode/verify.py, tree.py);
-4. ``accept``: the pure acceptance function on the device (engine/spec_decode/rejection.py, tree_accept.py); the
+4. ``accept``: the pure acceptance functions on the device (engine/spec_decode/acceptance.py); the
    one host sync of the round reads its result with a per-row non-finite flag;
 5. ``commit``: stop conditions inside the accepted run, lengths moved back (a rejection is just a smaller tlen;
    a tree's accepted path moved into consecutive cache slots), the drafter told what was committed
@@ -46,19 +46,17 @@ from torch import Tensor
 
 from engine.core.forward import CachedForward, KVCache
 from engine.core.tokenizer import Tokenizer
+from engine.spec_decode.acceptance import Verdict, accept_round
 from engine.spec_decode.drafter import Committed, DraftBatch, Drafter, FeatureNeed
 from engine.spec_decode.k_caps import KCaps, tunable
 from engine.spec_decode.penalties import needs_history
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.randomness import RoundNoise
-from engine.spec_decode.rejection import greedy_accept, rejection_sample
 from engine.spec_decode.sampling import RowProcessing
-from engine.spec_decode.seq import Seq, TokenLogprob, token_logprobs, waiting_for_prefill
+from engine.spec_decode.seq import Seq, waiting_for_prefill
 from engine.spec_decode.stops import StopChecker
 from engine.spec_decode.structured.grammar import GrammarCompiler
 from engine.spec_decode.structured.masks import GrammarRound
-from engine.spec_decode.tree import first_branch
-from engine.spec_decode.tree_accept import tree_greedy_accept, tree_rejection_sample
 from engine.spec_decode.verify import Scores, verify, verify_batch
 
 log = logging.getLogger(__name__)
@@ -79,19 +77,6 @@ class RoundPlan:
     @property
     def greedy(self) -> bool:
         return self.processing.mode == "greedy"
-
-
-@dataclass
-class Verdict:
-    """Step 4's result, on the host."""
-
-    tokens: list[list[int]]  # per row: the accepted drafts and the new token
-    bad: list[bool]  # non-finite scored logits
-    logprobs: dict[int, list[TokenLogprob]]  # rows that asked for them
-    last_features: Tensor | None  # [B, H] the feature that scored each row's new last token
-    cols: Tensor  # [B, K+1] the scored column of each committed token (a tree: its path's nodes + 1)
-    paths: list[list[int]] | None = None  # trees: each row's accepted nodes by depth (None: chains)
-    firsts: list[tuple[int, int]] | None = None  # trees: per row (its first branch's length, accepted along it)
 
 
 class _Steps(NamedTuple):
@@ -265,46 +250,12 @@ class DecodeLoop:
 
     def accept(self, plan: RoundPlan, proposal: Proposal, scores: Scores) -> Verdict:
         """Step 4: accept or reject every draft on the device; the round's one host sync reads the result."""
-        dev, V, B = self.target.device, self.vocab, len(plan.seqs)
-        logits = scores.logits[..., :V]  # [B, K+1, V]
         if self.inject_nan is not None:
             for b, s in enumerate(plan.seqs):
                 if self.inject_nan(s):
-                    logits[b] = float("nan")
-        num_draft = torch.tensor(proposal.row_counts(), dtype=torch.long, device=dev)  # [B]
-        scored = torch.arange(proposal.width + 1, device=dev) <= num_draft[:, None]  # [B, K+1] positions that count
-        bad = ((~torch.isfinite(logits)).any(-1) & scored).any(-1)  # [B] non-finite rows
-        tree, K = proposal.parents, proposal.width
-        cols = torch.arange(K + 1, device=dev).expand(B, K + 1)  # [B, K+1] a chain's columns
-        if plan.greedy:  # one-hot q: accept while d == argmax q, else take argmax q (whatever p is)
-            target = plan.processing.greedy_at(logits, proposal.tokens)  # [B, K+1] (within a grammar's mask)
-            if tree is None:
-                out, nacc = greedy_accept(proposal.tokens, target, num_draft)
-            else:
-                out, nacc, cols = tree_greedy_accept(proposal.tokens, tree, num_draft, target)
-        else:
-            assert plan.noise is not None
-            noise = plan.noise.cut(K)
-            q = plan.processing.probs_at(logits, proposal.tokens, 0)  # [B, K+1, V], penalties per draft position
-            if tree is None:
-                out, nacc = rejection_sample(proposal.tokens, proposal.probs, q, num_draft, noise.uniforms, noise.final)
-            else:
-                args = (proposal.probs, q, num_draft, noise.uniforms, noise.final)
-                out, nacc, cols = tree_rejection_sample(proposal.tokens, tree, *args)
-        rows = torch.arange(B, device=dev)
-        last = None if scores.features is None else scores.features[rows, cols[rows, nacc]]  # [B, H]
-        parts = [out, nacc[:, None], bad[:, None].to(out.dtype)]
-        if tree is not None:  # the accepted path's columns; the first branch: its length, the path's nodes on it
-            fb = first_branch(tree, num_draft)  # [B, K]
-            on_path = torch.arange(K, device=dev)[None] < nacc[:, None]  # [B, K] path positions
-            along = (fb.gather(1, (cols[:, 1:] - 1).clamp(min=0)) & on_path).sum(1)  # [B]
-            parts += [cols, fb.sum(1, keepdim=True), along[:, None]]
-        res = torch.cat(parts, 1).tolist()  # the one host sync
-        paths = None if tree is None else [[c - 1 for c in r[K + 3 : K + 3 + r[K + 1] + 1][1:]] for r in res]
-        firsts = None if tree is None else [(r[-2], r[-1]) for r in res]
+                    scores.logits[b, :, : self.vocab] = float("nan")
         lp_rows = {b: s.params.logprobs for b, s in enumerate(plan.seqs) if s.params.logprobs is not None}
-        lps = token_logprobs(logits.gather(1, cols[..., None].expand(-1, -1, V)), out, lp_rows) if lp_rows else {}
-        return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths, firsts)
+        return accept_round(proposal, scores, plan.processing, plan.noise, self.vocab, lp_rows)
 
     def commit(
         self, plan: RoundPlan, proposal: Proposal, scores: Scores, verdict: Verdict
