@@ -252,6 +252,24 @@ def test_chat_endpoint_stream_and_not(chat_dir):
         srv.close()
 
 
+def test_a_chat_without_max_tokens_holds_the_cache_it_uses(chat_dir):
+    """The openai client's default chat (no max_tokens: the server gives it the rest of the context) takes one
+    cache row of the positions it reached, not max_batch rows of the model's context."""
+    e = Engine.from_pretrained(chat_dir, speculation=SpeculationConfig(drafter="ngram", k=2))
+    srv = Live(e, "chat-model")
+    try:
+        r = srv.client.chat.completions.create(model="chat-model", messages=MESSAGES, temperature=0)
+        used = r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.usage.completion_tokens > 0 and used <= e.max_seq_len
+        metrics = httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.close()
+    cache = e.loop.cache
+    assert cache is not None and cache.max_batch == 1 and used <= cache.max_seq_len
+    gauge = re.search(r"^specmix:kv_cache_bytes\{[^}]*\} (\S+)$", metrics, re.M)
+    assert gauge is not None and float(gauge.group(1)) == cache.nbytes
+
+
 def test_chat_without_template_is_a_clear_400_and_completions_still_work(live):
     with pytest.raises(openai.BadRequestError) as e:
         live.client.chat.completions.create(model="m", messages=MESSAGES)
