@@ -15,6 +15,7 @@ from util import long_prompt, wait_for
 from engine import Engine, EngineError, SamplingParams
 from engine.api.options import KernelOptions, Limits, SpeculationConfig
 from engine.core.errors import InvalidConfigError, InvalidRequestError, OverloadedError
+from engine.core.forward import KVCache
 from engine.runtime.kv_growth import CacheUse, grown_size
 from engine.runtime.scheduler import RequestFailedError
 
@@ -141,6 +142,35 @@ def test_the_cache_grows_to_what_is_used_doubling_within_the_batch_and_the_reach
     assert grown_size((2, 384), use(2, 400, 420), 64) == (2, 512)  # within the reach, in 128s
     assert grown_size((2, 384), use(2, 900), 64) == (2, 1024)  # more than double: what is used
     assert grown_size((2, 384), use(3, 900), 64) == (4, 1024)  # both
+    assert grown_size((0, 0), use(3, 100), 64) == (4, 128)  # rows in powers of two (CUDA graphs' batch buckets)
+
+
+def test_a_cache_that_cannot_grow_fails_the_requests_that_needed_it_and_the_others_go_on(
+    ckpt_dir, draft_dir, monkeypatch
+):
+    e = Engine.from_pretrained(
+        ckpt_dir, draft_dir, speculation=SpeculationConfig(k=3, k_policy="heuristic"), limits=Limits(max_batch=4)
+    )
+    short, longer = [5, 6, 7], [(5 * j) % 290 + 1 for j in range(300)]
+    want = e.generate([short], SamplingParams(max_new_tokens=20))[0].token_ids
+    target, draft = e.loop.cache, e.drafter.cache
+    assert target is not None and (target.max_batch, target.max_seq_len) == (1, 128)
+    grow = KVCache.grow
+
+    def no_memory_for_the_draft(self: KVCache, rows: int, seq_len: int) -> None:
+        if self is draft:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+        grow(self, rows, seq_len)
+
+    monkeypatch.setattr(KVCache, "grow", no_memory_for_the_draft)
+    a, b = e.submit_many([short, longer], [SamplingParams(max_new_tokens=20)] * 2)
+    with pytest.raises(RequestFailedError, match="could not grow"):
+        b.result(timeout=TIMEOUT)
+    assert a.result(timeout=TIMEOUT).token_ids == want  # it fitted: it went on
+    # the drafter's cache grows first: the target's did not grow past it (its scratch slot is the drafter's too)
+    assert (target.max_batch, target.max_seq_len) == (draft.max_batch, draft.max_seq_len) == (1, 128)
+    monkeypatch.undo()
+    assert e.generate([longer], SamplingParams(max_new_tokens=4))[0].finish_reason == "length"  # serving goes on
 
 
 def test_a_longer_request_joins_the_running_batch_and_the_cache_grows_under_it(ckpt_dir, draft_dir):

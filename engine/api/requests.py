@@ -126,6 +126,6 @@ class RequestChecks:
         if n > self.max_seq_len:
             raise InvalidRequestError(
                 f"prompts[{i}] has {prompt_len} tokens + max_new_tokens {max_new} = {n}, beyond the "
-                f"engine's max_seq_len={self.max_seq_len} (the KV cache holds max_seq_len + k_max {self.k_max} + 2 "
-                "positions per row)"
+                f"engine's max_seq_len={self.max_seq_len} (a KV cache row grows to at most max_seq_len + k_max "
+                f"{self.k_max} + 2 positions)"
             )

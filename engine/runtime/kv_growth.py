@@ -27,13 +27,13 @@ class CacheUse:
 
 def grown_size(have: tuple[int, int], use: CacheUse, max_batch: int) -> tuple[int, int] | None:
     """(rows, positions) the cache of ``have`` (rows, positions; (0, 0) when there is none) grows to, or None when
-    it holds ``use`` already. Rows at least double, within ``max_batch``; positions at least double, within
-    ``use.reach`` rounded up to POSITION_STEP."""
+    it holds ``use`` already. Rows at least double, to a power of two within ``max_batch``; positions at least
+    double, within ``use.reach`` rounded up to POSITION_STEP."""
     rows, positions = have
     if use.rows <= rows and use.positions <= positions:
         return None
-    if use.rows > rows:
-        rows = min(max_batch, max(use.rows, 2 * rows))
+    if use.rows > rows:  # a power of two: a batch's CUDA-graph bucket fits (engine/kernels/cudagraphs.py)
+        rows = min(max_batch, 1 << (max(use.rows, 2 * rows) - 1).bit_length())
     if use.positions > positions:
         want = min(use.reach, max(use.positions, 2 * positions))
         positions = -(-want // POSITION_STEP) * POSITION_STEP

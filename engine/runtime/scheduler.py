@@ -45,7 +45,7 @@ import torch
 
 from engine.core.errors import EngineError, OverloadedError
 from engine.runtime.k_tuner import Arm, KTuner
-from engine.runtime.kv_growth import CacheUse, grown_size
+from engine.runtime.kv_growth import POSITION_STEP, CacheUse, grown_size
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.runtime.tuned_rounds import TunedRows, round_arm
@@ -305,8 +305,8 @@ class Scheduler:
 
     def _fit_cache(self) -> None:
         """Grow the cache, keeping every row, to hold this round of every running sequence (engine/runtime/
-        kv_growth.py). When the memory is not there, the requests that needed the room end with
-        RequestFailedError; the others go on."""
+        kv_growth.py). When the memory for that size is not there, the exact size this round needs is tried; when
+        that fails too, the requests that needed the room end with RequestFailedError and the others go on."""
         seqs = [x.seq for x in self._running]
         use = CacheUse(
             rows=max(s.row for s in seqs) + 1,
@@ -318,14 +318,17 @@ class Scheduler:
         size = grown_size(have, use, self.max_batch)
         if size is None:
             return
-        try:
-            self.loop.ensure_cache(*size)
-        except (RuntimeError, MemoryError) as e:  # out of memory (torch's OutOfMemoryError is a RuntimeError)
-            log.error("the KV cache could not grow to %d rows x %d positions: %s", *size, e)
-            err = RequestFailedError(f"the KV cache could not grow to {size[0]} rows x {size[1]} positions: {e}")
-            for x in list(self._running):
-                if x.seq.row >= have[0] or len(x.seq.tokens) + self.k_max + 2 > have[1]:
-                    self._retire(x, err)
+        exact = (max(have[0], use.rows), max(have[1], -(-use.positions // POSITION_STEP) * POSITION_STEP))
+        for want in dict.fromkeys([size, exact]):
+            try:
+                self.loop.ensure_cache(*want)
+                return
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the exact size, else fail those requests
+                log.error("the KV cache could not grow to %d rows x %d positions: %s", *want, e)
+                err = RequestFailedError(f"the KV cache could not grow to {want[0]} rows x {want[1]} positions: {e}")
+        for x in list(self._running):
+            if x.seq.row >= have[0] or len(x.seq.tokens) + self.k_max + 2 > have[1]:
+                self._retire(x, err)
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
         """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the

@@ -112,16 +112,18 @@ class DecodeLoop:
 
     def ensure_cache(self, rows: int, seq_len: int) -> KVCache:
         """A cache of at least ``rows`` rows and ``seq_len`` positions (the last one the scratch slot), the
-        drafter's likewise: allocated, or grown keeping what every row holds (sequences may be running)."""
+        drafter's likewise: allocated, or grown keeping what every row holds (sequences may be running). Growing
+        holds the old and the new tensors until the copy ends."""
         c = self.cache
-        if c is None or c.max_batch < rows or c.max_seq_len < seq_len:
-            if c is None:
-                c = self.cache = KVCache(self.target.config, rows, seq_len, self.target.dtype, self.target.device)
-            else:
-                c.grow(rows, seq_len)
+        if c is not None:
+            rows, seq_len = max(rows, c.max_batch), max(seq_len, c.max_seq_len)
+        if self.drafter is not None:  # first: a failure then leaves the drafter's cache at least the target's
+            self.drafter.ensure_cache(rows, seq_len)
+        if c is None:
+            c = self.cache = KVCache(self.target.config, rows, seq_len, self.target.dtype, self.target.device)
+        elif c.max_batch < rows or c.max_seq_len < seq_len:
+            c.grow(rows, seq_len)
             log.debug("KV cache: %d rows x %d positions (%.1f MB)", c.max_batch, c.max_seq_len, c.nbytes / 2**20)
-        if self.drafter is not None:
-            self.drafter.ensure_cache(c.max_batch, c.max_seq_len)
         return c
 
     def k_for(self, s: Seq, caps: KCaps) -> int:
