@@ -35,6 +35,14 @@ def grown_size(have: tuple[int, int], use: CacheUse, max_batch: int) -> tuple[in
     if use.rows > rows:  # a power of two: a batch's CUDA-graph bucket fits (engine/kernels/cudagraphs.py)
         rows = min(max_batch, 1 << (max(use.rows, 2 * rows) - 1).bit_length())
     if use.positions > positions:
-        want = min(use.reach, max(use.positions, 2 * positions))
-        positions = -(-want // POSITION_STEP) * POSITION_STEP
+        positions = _steps(min(use.reach, max(use.positions, 2 * positions)))
     return rows, positions
+
+
+def exact_size(have: tuple[int, int], use: CacheUse) -> tuple[int, int]:
+    """The least the cache of ``have`` grows to for ``use``: what to try when ``grown_size``'s is not there."""
+    return max(have[0], use.rows), max(have[1], _steps(use.positions))
+
+
+def _steps(positions: int) -> int:
+    return -(-positions // POSITION_STEP) * POSITION_STEP

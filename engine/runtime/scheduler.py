@@ -45,7 +45,7 @@ import torch
 
 from engine.core.errors import EngineError, OverloadedError
 from engine.runtime.k_tuner import Arm, KTuner
-from engine.runtime.kv_growth import POSITION_STEP, CacheUse, grown_size
+from engine.runtime.kv_growth import CacheUse, exact_size, grown_size
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.runtime.tuned_rounds import TunedRows, round_arm
@@ -318,8 +318,7 @@ class Scheduler:
         size = grown_size(have, use, self.max_batch)
         if size is None:
             return
-        exact = (max(have[0], use.rows), max(have[1], -(-use.positions // POSITION_STEP) * POSITION_STEP))
-        for want in dict.fromkeys([size, exact]):
+        for want in dict.fromkeys([size, exact_size(have, use)]):
             try:
                 self.loop.ensure_cache(*want)
                 return

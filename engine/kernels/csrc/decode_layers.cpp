@@ -45,6 +45,11 @@ void by_rows(int64_t M, const F& f) {
   at::parallel_for(0, M, ROW_GRAIN, f);
 }
 
+// y = rms_norm(x) * w for the call's M rows of H floats, by_rows
+void norm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps) {
+  by_rows(M, [&](int64_t m0, int64_t m1) { rms_norm(x + m0 * H, w, y + m0 * H, m1 - m0, H, eps); });
+}
+
 // Each row's q and k heads rotated in place (qkv [M, (nh + 2 nkv) D]), then its k and v stored at its cache slot
 // (slot [M]) of its cache row (row [M]); cos, sin: the rotary tables by position (pos [M]). Rows that share a slot
 // (padding rows all write the scratch slot, which no row reads) leave one of their values there, unspecified which.
@@ -125,9 +130,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     if (l == 0 && qkv_in) {  // a wide first layer (EAGLE-3's): its q/k/v read the given [M, in0], normed already
       gemm(amx, qkv_in, mat(1), q, d.M, in0, width);
     } else {
-      by_rows(d.M, [&](int64_t m0, int64_t m1) {
-        rms_norm(xp + m0 * d.H, w[0].data_ptr<float>(), h.data() + m0 * d.H, m1 - m0, d.H, eps);
-      });
+      norm_rows(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
       gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
     }
     add_bias(q, w[2], d.M, width);
@@ -136,9 +139,7 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
     gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
-    by_rows(d.M, [&](int64_t m0, int64_t m1) {
-      rms_norm(xp + m0 * d.H, w[5].data_ptr<float>(), h.data() + m0 * d.H, m1 - m0, d.H, eps);
-    });
+    norm_rows(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
     gemm(amx, h.data(), mat(6), gu.data(), d.M, d.H, 2 * inter);
     by_rows(d.M, [&](int64_t m0, int64_t m1) {
       row_ops::swiglu(gu.data() + m0 * 2 * inter, act.data() + m0 * inter, m1 - m0, inter);
