@@ -83,7 +83,7 @@ def test_prompts_of_different_lengths_prefill_in_passes_of_their_own(ckpt_dir, d
     params = SamplingParams(max_new_tokens=12)
     prompts = [LONG[:8], LONG]
     solo = [eng.generate([p], params)[0].token_ids for p in prompts]
-    counted = CountedForward(eng.loop.target)
+    counted = CountedForward(eng.loop.target, packs=False)  # the padded passes (PyTorch's layers, CUDA)
     eng.loop.target = counted
     drafts = CountedForward(eng.loop.drafter.model) if drafter == "model" else None
     if drafts is not None:

@@ -190,8 +190,9 @@ class CountedForward:
     """A ``CachedForward`` (engine/core/forward.py) that records the shape [rows, width] of each pass it runs
     through the model it wraps."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.config = inner, inner.config
+    def __init__(self, inner: Any, packs: bool = True) -> None:
+        """``packs``: False keeps the padded passes where the model would run a packed one."""
+        self.inner, self.config, self._packs = inner, inner.config, packs
         self.widths: list[tuple[int, int]] = []
 
     @property
@@ -201,6 +202,9 @@ class CountedForward:
     @property
     def device(self) -> torch.device:
         return self.inner.device
+
+    def packs(self, cache: Any) -> bool:
+        return self._packs and self.inner.packs(cache)
 
     def run(self, call: Any) -> Any:
         self.widths.append(tuple(call.tokens.shape))

@@ -90,7 +90,7 @@ class Engine:
             tuner = KTuner(k_max=pol.k_max, k_start=pol.k, k_min=pol.k_min, trees=pol.trees)
         self.scheduler = Scheduler(
             self.loop,
-            SchedulerLimits(limits.max_batch, limits.max_waiting, self.max_seq_len),
+            SchedulerLimits(limits.max_batch, limits.max_waiting, self.max_seq_len, prefill_chunk=limits.prefill_chunk),
             policy=self.policy,
             costs=lambda: self.costs,
             tuner=tuner,

@@ -228,9 +228,14 @@ class Limits:
     """Longest request (prompt + max_new_tokens); None: the model's context."""
     load_window: LoadWindowConfig | None = None
     """Lower K and the batch under GPU memory pressure (CUDA only; a no-op on the CPU); None: off."""
+    prefill_chunk: int | None = 256
+    """Prompt tokens prefilled per round while other requests decode, so that a joining prompt stalls the
+    running streams for at most that many tokens' forward (chunked prefill); None: a prompt prefills whole."""
 
     def __post_init__(self) -> None:
         _int("limits.max_batch", self.max_batch, 1, 1 << 16)
+        if self.prefill_chunk is not None:
+            _int("limits.prefill_chunk", self.prefill_chunk, 1, 1 << 20)
         _int("limits.max_waiting", self.max_waiting, 0, 1 << 30)
         if self.max_seq_len is not None:
             _int("limits.max_seq_len", self.max_seq_len, 2)

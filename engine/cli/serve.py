@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-waiting", type=int, default=256)
     ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument(
+        "--prefill-chunk", type=int, default=None,
+        help="prompt tokens prefilled per round while others decode (0: a prompt prefills whole; default: "
+        "engine/api/options.py's Limits)",
+    )  # fmt: skip
     ap.add_argument("--log-level", default="info")
     _add_http_args(ap)
     return ap
@@ -194,7 +199,8 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
     from engine.core.errors import InvalidConfigError
     from engine.core.hub import resolve_model
 
-    limits = Limits(max_batch=args.max_batch, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len)
+    chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk or None}
+    limits = Limits(max_batch=args.max_batch, max_waiting=args.max_waiting, max_seq_len=args.max_seq_len, **chunk)
     if args.profile:
         given = [f"--{n.replace('_', '-')}" for n in SPEC_ARGS if n != "no_spec" and getattr(args, n) is not None]
         if given:

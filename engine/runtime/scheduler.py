@@ -50,6 +50,7 @@ from engine.runtime.request import Completion, Request, RequestFailedError, Tota
 from engine.runtime.telemetry import LoadGovernor
 from engine.runtime.tuned_rounds import TunedRows, round_arm
 from engine.spec_decode.adaptive import Costs, KController, KPolicy
+from engine.spec_decode.chunked_prefill import split_prefill
 from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable_params
 from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
@@ -70,6 +71,9 @@ class SchedulerLimits:
     """Longest request (prompt + max_new_tokens) the cache may grow to."""
     idle_exit_s: float = 0.5
     """The worker exits after this long without work (the next submission restarts it)."""
+    prefill_chunk: int | None = None
+    """Prompt tokens prefilled per round while other requests decode (engine/spec_decode/chunked_prefill.py);
+    None: a joining prompt prefills whole."""
 
 
 @dataclass
@@ -100,7 +104,7 @@ class Scheduler:
         self.loop, self.tokenizer, self.policy, self._costs, self.device = loop, loop.tokenizer, policy, costs, device
         self.max_batch, self.max_waiting, self.max_seq_len = limits.max_batch, limits.max_waiting, limits.max_seq_len
         max_batch = limits.max_batch
-        self.idle_exit_s = limits.idle_exit_s
+        self.idle_exit_s, self.prefill_chunk = limits.idle_exit_s, limits.prefill_chunk
         self.k_max = policy.k_max if policy is not None else 0
         self.totals = Totals()
         self._lock = threading.Condition()
@@ -295,9 +299,14 @@ class Scheduler:
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
         new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
-        if new:  # their first step drafts nothing (DecodeLoop.k_for)
-            self._run_part(new, KCaps(all=self.k_cap), None)
-        running = [x.seq for x in self._running]  # (those that ended or failed in the prefill step have left)
+        if new:  # a budget of prompt tokens only while others decode
+            split = split_prefill(new, self.prefill_chunk if len(new) < len(seqs) else None)
+            if split.chunks:
+                self._prefill(split.chunks)
+            if split.finish:  # their first step drafts nothing (DecodeLoop.k_for)
+                self._run_part(split.finish, KCaps(all=self.k_cap), None)
+        # (those that ended or failed in the prefill step have left; those in their prefill wait)
+        running = [x.seq for x in self._running if x.seq.tlen >= len(x.seq.prompt)]
         if running:
             arm = round_arm(self.tuner, running)
             caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
@@ -359,6 +368,25 @@ class Scheduler:
             self.totals.target_forwards += rounds
             self.totals.plain_rounds += arm is not None and arm.k == 0
         self._hand_out(events)
+
+    def _prefill(self, chunks: list[tuple[Seq, int]]) -> None:
+        """Chunks of joined prompts' prefills; a pass that raises (and moved no sequence) is re-run one sequence at
+        a time, and a sequence whose chunk fails alone ends with RequestFailedError."""
+        t0 = time.perf_counter()
+        try:
+            self.loop.prefill(chunks)
+        except Exception as e:  # noqa: BLE001 - isolate the sequences that fail, keep serving
+            log.warning("a prefill chunk over %d sequences raised (%s: %s); re-running it by sequence", len(chunks),
+                        type(e).__name__, e)  # fmt: skip
+            for c in chunks if len(chunks) > 1 else ():
+                try:
+                    self.loop.prefill([c])
+                except Exception as e2:  # noqa: BLE001 - this sequence fails alone
+                    self._fail_seqs([c[0]], e2)
+            if len(chunks) == 1:
+                self._fail_seqs([chunks[0][0]], e)
+        with self._lock:
+            self.totals.seconds += time.perf_counter() - t0
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a

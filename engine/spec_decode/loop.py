@@ -47,6 +47,7 @@ from torch import Tensor
 from engine.core.forward import CachedForward, KVCache
 from engine.core.tokenizer import Tokenizer
 from engine.spec_decode.acceptance import Verdict, accept_round
+from engine.spec_decode.chunked_prefill import prefill_chunk
 from engine.spec_decode.drafter import Committed, DraftBatch, Drafter, FeatureNeed
 from engine.spec_decode.k_caps import KCaps, tunable
 from engine.spec_decode.penalties import needs_history
@@ -154,6 +155,22 @@ class DecodeLoop:
         ]  # fmt: skip
         if rows and self.drafter.catch_up(rows, self.cache.max_seq_len - 1) and self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
+
+    @torch.no_grad()
+    def prefill(self, chunks: list[tuple[Seq, int]]) -> None:
+        """Part of each joined prompt's prefill: the keys and values of each (sequence, n)'s next n prompt tokens;
+        nothing is sampled (engine/spec_decode/chunked_prefill.py). A pass that raises moves no sequence."""
+        assert self.cache is not None, "ensure_cache first"
+        for s, _ in chunks:
+            if self.inject_fault is not None and self.inject_fault(s, "prefill"):
+                raise RuntimeError(f"injected fault in a prefill chunk (cache row {s.row})")
+        need = self.drafter.features if self.drafter is not None else FeatureNeed.NONE
+        feats = prefill_chunk(self.target, self.cache, chunks, need)
+        for (s, n), f in zip(chunks, feats):
+            s.tlen += n
+            s.stats.prefill_tokens += n
+            if f is not None:
+                s.prompt_features.append(f)
 
     @torch.no_grad()
     def step(self, seqs: list[Seq], caps: KCaps = KCaps()) -> list[tuple[Seq, list[int]]]:
@@ -296,6 +313,8 @@ class DecodeLoop:
             g = plan.grammar  # the drafter proposed this row's drafts this round (not a grammar)
             ran = max(plan.ks) > 0 and (g is None or not (g.all_forced or g.forced[b]))
             feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
+            if s.prompt_features and feats is not None:  # the prompt's positions prefilled in chunks first
+                feats, s.prompt_features = torch.cat([*s.prompt_features, feats]), []
             self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats))
         if id(s) in plan.waiting:
             self._share_prefill(s, plan.waiting[id(s)], steps.scores, b)

@@ -99,6 +99,9 @@ class Seq:
     # (logits, feature | None) at the prompt's last position, which score its first round
     prefill_from: Seq | None = None
     first_scores: tuple[Tensor, Tensor | None] | None = None
+    # chunked prefill (chunked_prefill.py): the target's features of the prompt positions prefilled in chunks, for
+    # a drafter that reads every position's (handed to it with the rest when the prefill finishes)
+    prompt_features: list[Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -146,7 +149,7 @@ def waiting_for_prefill(seqs: list[Seq]) -> dict[int, list[Seq]]:
         if src.prompt != s.prompt:
             s.prefill_from = None
             continue
-        if running.get(id(src)) is not src or src.tlen:
+        if running.get(id(src)) is not src or src.tlen >= len(src.prompt):  # (a chunked prefill is not past it)
             heir = heirs.setdefault(id(src), s)
             s.prefill_from = None if heir is s else heir
             if heir is s:

@@ -1,0 +1,132 @@
+"""Chunked prefill: a prompt that joins while others decode prefills a budget of tokens per round, in passes of
+its own, and samples its first token when its prefill ends. Outputs equal the solo (unchunked) runs for every
+drafter, greedy and seeded; a drafter of every position's features gets the whole prompt's; the n samples of a
+chunked prompt still share its prefill; a chunk that fails ends its request alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eagle3 import native_head
+from util import CountedForward
+
+from engine import Engine, SamplingParams
+from engine.api.options import Limits, SpeculationConfig
+from engine.core.errors import InvalidConfigError
+from engine.runtime.scheduler import RequestFailedError
+from engine.spec_decode.chunked_prefill import split_prefill
+from engine.spec_decode.seq import Seq
+
+SHORT = [[5, 6, 7], [9, 10, 11, 12]]
+LONG = [(7 * j) % 280 + 3 for j in range(40)]  # a 40-token prompt that arrives while the short ones decode
+CHUNK = 16
+TIMEOUT = 120
+
+
+def _seq(n: int, tlen: int = 0, row: int = 0) -> Seq:
+    return Seq(prompt=list(range(1, n + 1)), params=SamplingParams(), generator=torch.Generator(), row=row, tlen=tlen)
+
+
+def test_each_round_prefills_at_most_the_budget_a_begun_prefill_first():
+    a, b, c = _seq(10, row=0), _seq(50, row=1), _seq(30, row=2)
+    split = split_prefill([a, b, c], 40)
+    assert split.finish == [a] and split.chunks == [(b, 30)]  # c waits: nothing left of the 40
+    b.tlen = 30
+    d = _seq(5, row=3)
+    split = split_prefill([c, b, d], 40)  # b, begun, comes first: its 20 finish, then 20 of c's 30
+    assert split.finish == [b] and split.chunks == [(c, 20)]
+    assert split_prefill([a, b, c], None).finish == [b, a, c]  # no budget: every prefill whole
+
+
+def test_the_samples_of_a_prompt_follow_their_source():
+    src, other = _seq(50), _seq(50, row=1)
+    other.prefill_from = src
+    split = split_prefill([src, other], 20)
+    assert split.chunks == [(src, 20)] and split.finish == []  # the sample waits while its source is in chunks
+    src.tlen = 40
+    split = split_prefill([src, other], 20)
+    assert split.finish == [src, other] and other.prefill_from is src
+
+
+def _engine(ckpt_dir, draft, drafter, chunk: int | None = CHUNK) -> Engine:
+    spec = SpeculationConfig(drafter=drafter, k=3, k_policy="heuristic")  # K from the row's own acceptance
+    return Engine.from_pretrained(ckpt_dir, draft, speculation=spec, limits=Limits(max_batch=8, prefill_chunk=chunk))
+
+
+def _join_late(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """SHORT decode; ``prompts`` join at the third round. Returns every request's handle."""
+    reqs = [eng.submit(p, sp) for p, sp in zip(SHORT, params)]
+    rounds = {"n": 0}
+
+    def late() -> None:
+        rounds["n"] += 1
+        if rounds["n"] == 3:
+            reqs.extend(eng.submit_many(prompts, params[2 : 2 + len(prompts)]))
+
+    eng.scheduler.on_round = late
+    [r.result(timeout=TIMEOUT) for r in reqs[:2]]
+    eng.scheduler.on_round = None
+    assert len(reqs) == 2 + len(prompts)  # they joined before the short ones ended
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(ckpt_dir, tmp_path_factory):
+    """A random EAGLE-3 head: it reads the target's features at every prompt position."""
+    return native_head(ckpt_dir, tmp_path_factory.mktemp("e3") / "h", (2, 2, 1), 64, seed=1, scale=0.3)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "model", "eagle3"])
+def test_a_prompt_joining_in_chunks_keeps_every_output(ckpt_dir, draft_dir, eagle3_dir, drafter, mode):
+    draft = {"model": draft_dir, "eagle3": eagle3_dir}.get(drafter or "")
+    seeded = mode == "seeded"
+    params = [SamplingParams(max_new_tokens=24, temperature=0.9 if seeded else 0, seed=3 + i) for i in range(3)]
+    solo_eng = _engine(ckpt_dir, draft, drafter, None)
+    solo = [solo_eng.generate([p], sp)[0] for p, sp in zip([*SHORT, LONG], params)]
+    eng = _engine(ckpt_dir, draft, drafter)
+    counted = CountedForward(eng.loop.target)
+    eng.loop.target = counted
+    chunks, prefill = [], eng.loop.prefill
+    eng.loop.prefill = lambda c: (chunks.append([(s.prompt == LONG, n) for s, n in c]), prefill(c))[1]
+    reqs = _join_late(eng, [LONG], params)
+    got = [r.result(timeout=TIMEOUT) for r in reqs]
+    assert [o.token_ids for o in got] == [o.token_ids for o in solo]
+    # the same drafts as unchunked (a head of every position's features read the whole prompt's)
+    assert [(o.stats["drafted"], o.stats["accepted"]) for o in got] == [
+        (o.stats["drafted"], o.stats["accepted"]) for o in solo
+    ]
+    assert got[2].stats["prefill_tokens"] == len(LONG)
+    assert chunks == [[(True, CHUNK)]] * 2  # 16 + 16 in chunks, the last 8 with its first token
+    assert (1, CHUNK) in counted.widths and not any(w[1] >= len(LONG) for w in counted.widths)
+
+
+def test_the_samples_of_a_chunked_prompt_share_its_prefill(ckpt_dir, draft_dir):
+    params = [SamplingParams(max_new_tokens=16, temperature=0.9, seed=11 + i) for i in range(5)]
+    solo_eng = _engine(ckpt_dir, draft_dir, "model", None)
+    solo = [solo_eng.generate([p], sp)[0].token_ids for p, sp in zip([*SHORT, LONG, LONG, LONG], params)]
+    eng = _engine(ckpt_dir, draft_dir, "model")
+    reqs = _join_late(eng, [LONG] * 3, params)
+    assert [r.result(timeout=TIMEOUT).token_ids for r in reqs] == solo
+    assert eng.stats()["prefill_shared"] == 2 * len(LONG)
+
+
+def test_a_chunk_that_fails_ends_its_request_alone(ckpt_dir, draft_dir):
+    params = [SamplingParams(max_new_tokens=24)] * 3
+    eng = _engine(ckpt_dir, draft_dir, "model")
+    solo = [eng.generate([p], params[0])[0].token_ids for p in [*SHORT, LONG]]
+    eng.loop.inject_fault = lambda s, where: where == "prefill" and s.prompt == LONG
+    try:
+        reqs = _join_late(eng, [LONG], params)
+        with pytest.raises(RequestFailedError, match="injected fault in a prefill chunk"):
+            reqs[2].result(timeout=TIMEOUT)
+    finally:
+        eng.loop.inject_fault = None
+    assert [r.result(timeout=TIMEOUT).token_ids for r in reqs[:2]] == solo[:2]
+    assert _join_late(eng, [LONG], params)[2].result(timeout=TIMEOUT).token_ids == solo[2]  # it serves on
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_a_bad_chunk_is_named(value):
+    with pytest.raises(InvalidConfigError, match="limits.prefill_chunk"):
+        Limits(prefill_chunk=value)
