@@ -53,6 +53,20 @@ def test_kernel_matches_linear_in_float64_and_rows_are_independent(K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("M", [129, 130, 301])
+def test_a_prompt_runs_in_passes_of_rows_with_the_same_bits(M):
+    """At K = 2048 a pass over the weights takes 128 input rows (1 MiB): 129, 130 and 301 rows run in two or three
+    passes, the last of one or two rows or a full tile, and each row is the one a single-row call computes."""
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 2048, generator=g), torch.randn(40, 2048, generator=g) / 2048**0.5
+    gemm = small_gemm_kernel()
+    full = gemm(x, w)
+    assert (full - (x.double() @ w.double().T).float()).abs().max().item() < 1e-4
+    for m in (0, 127, 128, M - 1):
+        assert torch.equal(gemm(x[m : m + 1].contiguous(), w), full[m : m + 1])
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("K,N", [(256, 768), (100, 37), (17, 9), (1, 5)])
 def test_16_bit_weights_are_widened_exactly(K, N, dtype):

@@ -10,7 +10,8 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
    prefills, the others wait for it and start from a copy (engine/spec_decode/loop.py);
 3. runs ``DecodeLoop.step`` over every running sequence: the requests that
    joined this round first (their prefill, and their first tokens handed out),
-   then the others' decode;
+   then the others' decode; while others decode, a round prefills at most
+   ``prefill_chunk`` prompt tokens (engine/spec_decode/chunked_prefill.py);
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
 Cache policy: the cache holds what the running sequences use, not what they may use. Before each round it

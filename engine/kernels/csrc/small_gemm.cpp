@@ -49,10 +49,19 @@ void gemm_blocks(const float* x, const W* w, float* y, int64_t M, int64_t K, int
   for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n);  // the N tail
 }
 
+// Input bytes one pass over the weights reuses: each weight block is multiplied by every input row of the pass,
+// so the pass's rows must stay in L2 while the blocks stream by. A prompt's thousands of rows run as passes of
+// at most this much (the weights then stream once per pass); one pass over all of them would reread its inputs
+// from L3 or memory for every block of weight rows, and a 2,048-token prompt would cost twice a 256-token one
+// per token.
+constexpr int64_t PASS_X_BYTES = 1024 << 10;
+
 template <typename W>
 void gemm(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   if (M <= MB) return gemm_blocks<NB_FEW>(x, w, y, M, K, N);
-  gemm_blocks<NB_MANY>(x, w, y, M, K, N);
+  const int64_t rows = std::max<int64_t>(MB, PASS_X_BYTES / (K * static_cast<int64_t>(sizeof(float))) / MB * MB);
+  for (int64_t m0 = 0; m0 < M; m0 += rows)  // (M - m0 <= MB in the last pass still runs the NB_MANY tiles)
+    gemm_blocks<NB_MANY>(x + m0 * K, w, y + m0 * N, std::min(rows, M - m0), K, N);
 }
 
 }  // namespace
