@@ -28,6 +28,7 @@ class RepeatLast:
 
     probabilistic = False
     features = FeatureNeed.NONE
+    samples = False
     max_drafts = None
 
     def __init__(self) -> None:

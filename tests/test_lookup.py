@@ -202,6 +202,7 @@ class Fixed:
 
     probabilistic = True
     features = FeatureNeed.NONE
+    samples = False
     max_drafts = None
 
     def __init__(self, truth: list[int], right: bool, empty_first: bool = False) -> None:
@@ -271,6 +272,7 @@ class Uniform:
 
     probabilistic = True
     features = FeatureNeed.NONE
+    samples = False
     max_drafts = None
 
     def __init__(self, vocab: int) -> None:

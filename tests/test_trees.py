@@ -184,7 +184,7 @@ class FixedTree:
     max_drafts = None
 
     def __init__(self, vocab: int, iid: bool) -> None:
-        self.iid = iid
+        self.iid = self.samples = iid  # (i.i.d. children are drawn with the round's draft noise)
         self.p = torch.softmax(torch.linspace(1.5, -1.5, vocab), 0)  # not the target's
 
     def propose(self, batch):

@@ -58,7 +58,8 @@ class DraftBatch:
     ks: list[int]
     """Each row's own K_b <= k (its drafts past K_b are not verified)."""
     noise: Tensor | None
-    """[B, k, V] float32 Exp(1), one vector per draft step; None for an all-greedy batch."""
+    """[B, k, V] float32 Exp(1), one vector per draft step; None for an all-greedy batch, or a drafter of fixed
+    tokens (``Drafter.samples``)."""
     vocab: int
     """The common vocabulary of draft and target (logits are cut to it)."""
     scratch_pos: int
@@ -100,6 +101,9 @@ class Drafter(Protocol):
     """Which target features ``commit`` receives."""
     max_drafts: int | None
     """The most drafts a round can use (Medusa: one per head); None: no limit."""
+    samples: bool
+    """Whether a sampled round's drafts are drawn from its distributions with the round's draft noise
+    (``DraftBatch.noise``); False: fixed tokens (one-hot ``Proposal.probs``), and the round draws no draft noise."""
 
     def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts for every row (a chain of at most ``batch.k``; fewer where it has fewer), with the distributions

@@ -205,7 +205,8 @@ class DecodeLoop:
         noise = None
         if proc.mode != "greedy":  # a greedy row draws nothing: its target and draft distributions are one-hot
             gens = [s.generator for s in active]
-            noise = RoundNoise.draw(gens, ks, [not s.params.greedy for s in active], self.vocab, dev)
+            drafts = self.drafter is not None and self.drafter.samples
+            noise = RoundNoise.draw(gens, ks, [not s.params.greedy for s in active], self.vocab, dev, drafts)
         return RoundPlan(active, ks, proc, noise, waiting, grammar, caps.tree)
 
     def _grammar_round(self, active: list[Seq], ks: list[int]) -> GrammarRound | None:

@@ -53,6 +53,7 @@ class ModelDrafter:
     """A draft model (or the target's first layers: engine/spec_decode/drafters/early_exit.py)."""
 
     features = FeatureNeed.NONE
+    samples = True
     max_drafts: int | None = None
 
     def __init__(self, model: CachedForward, module: Transformer, n_layers: int | None = None) -> None:

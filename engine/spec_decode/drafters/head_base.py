@@ -41,6 +41,7 @@ class HeadDrafter:
     """Features in, drafts and their distributions out (the head kinds subclass it)."""
 
     features = FeatureNeed.LAST
+    samples = True
 
     def __init__(self, head: LoadedHead, target: Transformer, scorer: nn.Module) -> None:
         """``scorer``: the target's LM head rows of the draft vocabulary (``draft_lm_head``), maybe on a kernel."""

@@ -79,7 +79,7 @@ class LookupFirst:
         """``rule``: whether a sequence's record prefers its copy (tests fix it: every copy taken)."""
         self.inner, self.prefers_copy = inner, rule
         self.ngram = NGramDrafter(n_max=max(n_max, n_min), n_min=n_min)
-        self.features, self.max_drafts = inner.features, inner.max_drafts
+        self.features, self.max_drafts, self.samples = inner.features, inner.max_drafts, inner.samples
         self._records = SeqStates(_Record)
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ class NGramDrafter:
     """Deterministic drafts (p one-hot): a copy of what followed the context's latest match, fewer than k or none."""
 
     features = FeatureNeed.NONE
+    samples = False  # (proposes fixed tokens)
     max_drafts: int | None = None
 
     def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1) -> None:

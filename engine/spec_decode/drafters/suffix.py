@@ -53,6 +53,7 @@ class SuffixDrafter:
     """Deterministic draft trees (or chains) from suffix trees of the request and of recent outputs."""
 
     features = FeatureNeed.NONE
+    samples = False  # (proposes fixed tokens)
     max_drafts: int | None = None
 
     def __init__(
