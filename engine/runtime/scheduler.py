@@ -388,6 +388,7 @@ class Scheduler:
                 self._fail_seqs([chunks[0][0]], e)
         with self._lock:
             self.totals.seconds += time.perf_counter() - t0
+            self.totals.target_forwards += 1
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a
