@@ -8,7 +8,12 @@ positions it reached.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from engine.spec_decode.loop import DecodeLoop
+
+log = logging.getLogger(__name__)
 
 POSITION_STEP = 128  # positions grow in multiples of this
 
@@ -46,3 +51,21 @@ def exact_size(have: tuple[int, int], use: CacheUse) -> tuple[int, int]:
 
 def _steps(positions: int) -> int:
     return -(-positions // POSITION_STEP) * POSITION_STEP
+
+
+def fit(loop: DecodeLoop, use: CacheUse, max_batch: int) -> tuple[tuple[int, int], str | None]:
+    """Grow ``loop``'s caches (``DecodeLoop.ensure_cache``: the drafter's first) for ``use``: to the grown size, else,
+    when the memory for it is not there, to the exact size. Returns the (rows, positions) they had, and why neither
+    size could be had (None: they hold ``use``)."""
+    c = loop.cache
+    have = (0, 0) if c is None else (c.max_batch, c.max_seq_len)
+    size = grown_size(have, use, max_batch)
+    why = None
+    for want in dict.fromkeys([size, exact_size(have, use)] if size is not None else []):
+        try:
+            loop.ensure_cache(*want)
+            return have, None
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the exact size, else the caller fails requests
+            log.error("the KV cache could not grow to %d rows x %d positions: %s", *want, e)
+            why = f"the KV cache could not grow to {want[0]} rows x {want[1]} positions: {e}"
+    return have, why

@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from engine.core.errors import EngineError, OverloadedError
+from engine.runtime import isolation
 from engine.runtime.k_tuner import Arm, KTuner
-from engine.runtime.kv_growth import CacheUse, exact_size, grown_size
+from engine.runtime.kv_growth import CacheUse, fit
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
 from engine.runtime.tuned_rounds import TunedRows, round_arm
@@ -323,21 +324,12 @@ class Scheduler:
             positions=max(len(s.tokens) for s in seqs) + self.k_max + 2,
             reach=max(self.need(s.prompt, s.params) for s in seqs),
         )
-        c = self.loop.cache
-        have = (0, 0) if c is None else (c.max_batch, c.max_seq_len)
-        size = grown_size(have, use, self.max_batch)
-        if size is None:
+        have, why = fit(self.loop, use, self.max_batch)
+        if why is None:
             return
-        for want in dict.fromkeys([size, exact_size(have, use)]):
-            try:
-                self.loop.ensure_cache(*want)
-                return
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the exact size, else fail those requests
-                log.error("the KV cache could not grow to %d rows x %d positions: %s", *want, e)
-                err = RequestFailedError(f"the KV cache could not grow to {want[0]} rows x {want[1]} positions: {e}")
         for x in list(self._running):
             if x.seq.row >= have[0] or len(x.seq.tokens) + self.k_max + 2 > have[1]:
-                self._retire(x, err)
+                self._retire(x, RequestFailedError(why))
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
         """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the
@@ -377,44 +369,26 @@ class Scheduler:
         try:
             self.loop.prefill(chunks)
         except Exception as e:  # noqa: BLE001 - isolate the sequences that fail, keep serving
-            log.warning("a prefill chunk over %d sequences raised (%s: %s); re-running it by sequence", len(chunks),
-                        type(e).__name__, e)  # fmt: skip
-            for c in chunks if len(chunks) > 1 else ():
-                try:
-                    self.loop.prefill([c])
-                except Exception as e2:  # noqa: BLE001 - this sequence fails alone
-                    self._fail_seqs([c[0]], e2)
-            if len(chunks) == 1:
-                self._fail_seqs([chunks[0][0]], e)
+            log.warning("a prefill chunk over %d sequences raised (%s); re-running it by sequence", len(chunks), e)
+            for part, err in isolation.by_sequence(self.loop, chunks, e).failed:
+                self._fail_seqs(part, err)
         with self._lock:
             self.totals.seconds += time.perf_counter() - t0
             self.totals.target_forwards += 1
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
-        """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time (a
-        sequence with those waiting for its prefill), so that only the rows that fail alone end with an error.
-        The streak of failed rounds (health) grows only when no family could run: a fault of the engine."""
-        families: dict[int, list[Seq]] = {}
-        for s in seqs:
-            families.setdefault(id(s.prefill_from or s), []).append(s)
-        why = f"{type(e).__name__}: {e}"
-        log.warning("a decode round over %d sequences raised (%s); re-running it by family", len(seqs), why)
-        events: list[tuple[Seq, list[int]]] = []
-        ok, failed = 0, []
-        for fam in families.values() if len(families) > 1 else ():
-            try:
-                events += self.loop.step(fam, caps)
-                ok += 1
-            except Exception as e2:  # noqa: BLE001 - this family fails alone
-                failed.append((fam, e2))
-        if len(families) == 1:
-            failed.append((seqs, e))
+        """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time, so that
+        only the rows that fail alone end with an error (engine/runtime/isolation.py). The streak of failed rounds
+        (health) grows only when no family could run: a fault of the engine."""
+        log.warning("a decode round over %d sequences raised (%s: %s); re-running it by family", len(seqs),
+                    type(e).__name__, e)  # fmt: skip
+        rerun = isolation.by_family(self.loop, seqs, caps, e)
         with self._lock:
-            self.totals.round_failures += len(failed)
-            self._failed_streak = 0 if ok else self._failed_streak + 1
-        for fam, err in failed:
-            self._fail_seqs(fam, err)
-        return events, max(1, ok)
+            self.totals.round_failures += len(rerun.failed)
+            self._failed_streak = 0 if rerun.ran else self._failed_streak + 1
+        for part, err in rerun.failed:
+            self._fail_seqs(part, err)
+        return rerun.events, max(1, rerun.ran)
 
     def _fail_seqs(self, seqs: list[Seq], e: Exception) -> None:
         log.error("a decode round over %d sequences failed; ending their requests", len(seqs), exc_info=e)
