@@ -131,3 +131,15 @@ def test_the_readme_lists_every_drafter_of_the_registry():
     rows = re.findall(r"^\| `([a-z0-9-]+)` \| ([^|]+) \| ([^|]+) \|$", text, re.MULTILINE)
     table = {name: (loads.strip(), summary.strip()) for name, loads, summary in rows}
     assert {n: table.get(n) for n in DRAFTERS.names()} == {e.name: (e.loads.value, e.summary) for e in DRAFTERS}
+
+
+# RepeatLast without ``samples``: a drafter written before the protocol had it
+_NoSamples = type("_NoSamples", (), {k: v for k, v in vars(RepeatLast).items() if k not in ("samples", "__dict__")})
+
+
+def test_a_drafter_missing_a_protocol_member_is_refused_at_load(ckpt_dir):
+    assert not hasattr(_NoSamples(), "samples") and hasattr(RepeatLast(), "samples")
+    registry = DRAFTERS.extended(DrafterEntry("partial", "no samples attribute", lambda ctx: _NoSamples()))
+    spec = SpeculationConfig(drafter="partial", k=2, k_policy="constant", registry=registry)
+    with pytest.raises(InvalidConfigError, match="'partial'.*Drafter.*samples"):
+        Engine.from_pretrained(ckpt_dir, speculation=spec)

@@ -77,6 +77,10 @@ class SchedulerLimits:
     """Prompt tokens prefilled per round while other requests decode (engine/spec_decode/chunked_prefill.py);
     None: a joining prompt prefills whole."""
 
+    def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} is invalid: allowed an int >= 1 or None")
+
 
 @dataclass
 class _Running:
@@ -366,15 +370,23 @@ class Scheduler:
         """Chunks of joined prompts' prefills; a pass that raises (and moved no sequence) is re-run one sequence at
         a time, and a sequence whose chunk fails alone ends with RequestFailedError."""
         t0 = time.perf_counter()
+        self._round_started = time.monotonic()
+        rerun = None
         try:
             self.loop.prefill(chunks)
         except Exception as e:  # noqa: BLE001 - isolate the sequences that fail, keep serving
             log.warning("a prefill chunk over %d sequences raised (%s); re-running it by sequence", len(chunks), e)
-            for part, err in isolation.by_sequence(self.loop, chunks, e).failed:
-                self._fail_seqs(part, err)
+            rerun = isolation.by_sequence(self.loop, chunks, e)
+        finally:
+            self._round_started = None
         with self._lock:
             self.totals.seconds += time.perf_counter() - t0
             self.totals.target_forwards += 1
+            if rerun is not None:
+                self.totals.round_failures += len(rerun.failed)
+                self._failed_streak = 0 if rerun.ran else self._failed_streak + 1
+        for part, err in rerun.failed if rerun is not None else ():
+            self._fail_seqs(part, err)
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time, so that
@@ -391,7 +403,7 @@ class Scheduler:
         return rerun.events, max(1, rerun.ran)
 
     def _fail_seqs(self, seqs: list[Seq], e: Exception) -> None:
-        log.error("a decode round over %d sequences failed; ending their requests", len(seqs), exc_info=e)
+        log.error("a round over %d sequences failed; ending their requests", len(seqs), exc_info=e)
         err = RequestFailedError(f"generation failed in a decode round: {type(e).__name__}: {e}")
         ids = {id(s) for s in seqs}
         for x in [x for x in self._running if id(x.seq) in ids]:

@@ -17,7 +17,7 @@ import enum
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,7 @@ class Committed:
     committed from the last round's end on (None where the drafter reads none)."""
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """A drafter: see the module docstring."""
 

@@ -166,6 +166,8 @@ class DecodeLoop:
                 raise RuntimeError(f"injected fault in a prefill chunk (cache row {s.row})")
         need = self.drafter.features if self.drafter is not None else FeatureNeed.NONE
         feats = prefill_chunk(self.target, self.cache, chunks, need)
+        if self.target.device.type == "cuda":  # finished before the round the K tuner times begins
+            torch.cuda.synchronize(self.target.device)
         for (s, n), f in zip(chunks, feats):
             s.tlen += n
             s.stats.prefill_tokens += n

@@ -103,6 +103,11 @@ class DrafterRegistry:
 def build_drafter(entry: DrafterEntry, ctx: DrafterContext, prompt_lookup_min: int | None) -> Drafter:
     """The entry's drafter, wrapped by prompt lookup first when ``prompt_lookup_min`` is set."""
     drafter = entry.build(ctx)
+    if not isinstance(drafter, Drafter):  # every member present: a drafter registered elsewhere is checked at load
+        raise InvalidConfigError(
+            f"drafter {entry.name!r} ({type(drafter).__name__}) does not implement engine/spec_decode/drafter.py's "
+            "Drafter: allowed an object with its attributes (features, max_drafts, samples) and methods"
+        )
     if prompt_lookup_min is None:
         return drafter
     if not entry.lookup_first:

@@ -59,7 +59,8 @@ constexpr int64_t PASS_X_BYTES = 1024 << 10;
 template <typename W>
 void gemm(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
   if (M <= MB) return gemm_blocks<NB_FEW>(x, w, y, M, K, N);
-  const int64_t rows = std::max<int64_t>(MB, PASS_X_BYTES / (K * static_cast<int64_t>(sizeof(float))) / MB * MB);
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(float));
+  const int64_t rows = std::max<int64_t>(MB, PASS_X_BYTES / row_bytes / MB * MB);
   for (int64_t m0 = 0; m0 < M; m0 += rows)  // (M - m0 <= MB in the last pass still runs the NB_MANY tiles)
     gemm_blocks<NB_MANY>(x + m0 * K, w, y + m0 * N, std::min(rows, M - m0), K, N);
 }
