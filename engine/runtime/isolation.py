@@ -3,6 +3,7 @@ and only the parts that fail alone fail; the scheduler ends their requests and k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.spec_decode.k_caps import KCaps
@@ -24,32 +25,33 @@ class Rerun:
 
 def by_family(loop: DecodeLoop, seqs: list[Seq], caps: KCaps, e: Exception) -> Rerun:
     """A round over ``seqs`` raised ``e``: re-run it one prefill family at a time (a sequence with those waiting for
-    its prefill). A single family fails with ``e``, not run again."""
+    its prefill)."""
     families: dict[int, list[Seq]] = {}
     for s in seqs:
         families.setdefault(id(s.prefill_from or s), []).append(s)
-    if len(families) == 1:
-        return Rerun(failed=[(seqs, e)])
-    out = Rerun()
-    for fam in families.values():
-        try:
-            out.events += loop.step(fam, caps)
-            out.ran += 1
-        except Exception as e2:  # noqa: BLE001 - this family fails alone
-            out.failed.append((fam, e2))
-    return out
+    return _in_parts(list(families.values()), lambda fam: loop.step(fam, caps), e)
 
 
 def by_sequence(loop: DecodeLoop, chunks: list[tuple[Seq, int]], e: Exception) -> Rerun:
-    """Prefill chunks that raised ``e`` (``DecodeLoop.prefill``): re-run one sequence at a time. A single chunk fails
-    with ``e``, not run again."""
-    if len(chunks) == 1:
-        return Rerun(failed=[([chunks[0][0]], e)])
+    """Prefill chunks that raised ``e`` (``DecodeLoop.prefill``): re-run one sequence at a time."""
+    size = {id(s): n for s, n in chunks}
+
+    def run(part: list[Seq]) -> list[tuple[Seq, list[int]]]:
+        loop.prefill([(part[0], size[id(part[0])])])
+        return []  # (a chunk hands out no tokens)
+
+    return _in_parts([[s] for s, _ in chunks], run, e)
+
+
+def _in_parts(parts: list[list[Seq]], run: Callable[[list[Seq]], list[tuple[Seq, list[int]]]], e: Exception) -> Rerun:
+    """Each part run alone; a single part fails with ``e``, not run again."""
+    if len(parts) == 1:
+        return Rerun(failed=[(parts[0], e)])
     out = Rerun()
-    for c in chunks:
+    for part in parts:
         try:
-            loop.prefill([c])
+            out.events += run(part)
             out.ran += 1
-        except Exception as e2:  # noqa: BLE001 - this sequence fails alone
-            out.failed.append(([c[0]], e2))
+        except Exception as e2:  # noqa: BLE001 - this part fails alone
+            out.failed.append((part, e2))
     return out

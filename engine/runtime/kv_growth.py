@@ -60,8 +60,10 @@ def fit(loop: DecodeLoop, use: CacheUse, max_batch: int) -> tuple[tuple[int, int
     c = loop.cache
     have = (0, 0) if c is None else (c.max_batch, c.max_seq_len)
     size = grown_size(have, use, max_batch)
+    if size is None:
+        return have, None
     why = None
-    for want in dict.fromkeys([size, exact_size(have, use)] if size is not None else []):
+    for want in dict.fromkeys([size, exact_size(have, use)]):
         try:
             loop.ensure_cache(*want)
             return have, None

@@ -382,11 +382,8 @@ class Scheduler:
         with self._lock:
             self.totals.seconds += time.perf_counter() - t0
             self.totals.target_forwards += 1
-            if rerun is not None:
-                self.totals.round_failures += len(rerun.failed)
-                self._failed_streak = 0 if rerun.ran else self._failed_streak + 1
-        for part, err in rerun.failed if rerun is not None else ():
-            self._fail_seqs(part, err)
+        if rerun is not None:
+            self._settle(rerun)
 
     def _isolate(self, seqs: list[Seq], caps: KCaps, e: Exception) -> tuple[list[tuple[Seq, list[int]]], int]:
         """A round over ``seqs`` raised (and changed none of them): re-run it one prefill family at a time, so that
@@ -395,12 +392,17 @@ class Scheduler:
         log.warning("a decode round over %d sequences raised (%s: %s); re-running it by family", len(seqs),
                     type(e).__name__, e)  # fmt: skip
         rerun = isolation.by_family(self.loop, seqs, caps, e)
+        self._settle(rerun)
+        return rerun.events, max(1, rerun.ran)
+
+    def _settle(self, rerun: isolation.Rerun) -> None:
+        """The failed parts of a re-run step end their requests; the streak of failed rounds (health) grows only
+        when no part could run."""
         with self._lock:
             self.totals.round_failures += len(rerun.failed)
             self._failed_streak = 0 if rerun.ran else self._failed_streak + 1
         for part, err in rerun.failed:
             self._fail_seqs(part, err)
-        return rerun.events, max(1, rerun.ran)
 
     def _fail_seqs(self, seqs: list[Seq], e: Exception) -> None:
         log.error("a round over %d sequences failed; ending their requests", len(seqs), exc_info=e)
