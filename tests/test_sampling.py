@@ -245,16 +245,6 @@ def test_round_noise_follows_each_rows_generator_in_draw_order() -> None:
     assert cut.draft.shape == (3, 1, 9) and torch.equal(cut.final, noise.final)
 
 
-def test_a_drafter_of_fixed_tokens_draws_no_draft_noise() -> None:
-    noise = RoundNoise.draw([_gen(11), _gen(12)], [2, 1], [True, True], 9, "cpu", drafts=False)
-    assert noise.draft is None and noise.cut(1).draft is None
-    ref = _gen(11)  # K uniforms, then the final vector: no draft vectors drawn before them
-    u0 = torch.empty(2).uniform_(generator=ref)
-    assert torch.equal(noise.uniforms[0], u0) and torch.equal(
-        noise.final[0], torch.empty(9).exponential_(generator=ref)
-    )
-
-
 def test_round_noise_refuses_a_generator_on_another_device() -> None:
     with pytest.raises(InvalidConfigError, match="generators\\[0\\]"):
         RoundNoise.draw([_FakeDeviceGen()], [1], [True], 4, "cpu")  # type: ignore[list-item]

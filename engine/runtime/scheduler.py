@@ -275,7 +275,8 @@ class Scheduler:
         sp, pol = r.params, self.policy
         gen = torch.Generator(device=self.device)
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        if pol is not None and self.tuner is not None and tunable_params(sp):  # its K is the tuner's: so its prior
+        if pol is not None and self.tuner is not None and tunable_params(sp, self.loop.position_noise):
+            # its K is the tuner's: so its prior
             prior = self.tuner.acceptance()
             pol = pol if prior is None else replace(pol, prior_a=prior.rest, prior_first=prior.first)
         # costs are measured (once) only for the cost-model policy
@@ -314,7 +315,7 @@ class Scheduler:
         # (those that ended or failed in the prefill step have left; those in their prefill wait)
         running = [x.seq for x in self._running if x.seq.tlen >= len(x.seq.prompt)]
         if running:
-            arm = round_arm(self.tuner, running)
+            arm = round_arm(self.tuner, running, self.loop.position_noise)
             caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
             self._run_part(running, caps, arm)
 
@@ -340,7 +341,7 @@ class Scheduler:
         tuner's) is given and no row prefills, its tokens handed out. The drafter's catch-up on joined prompts
         runs first, outside the time told."""
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
-        tuned = None if arm is None or self.tuner is None else TunedRows.of(seqs, arm)
+        tuned = None if arm is None or self.tuner is None else TunedRows.of(seqs, arm, self.loop.position_noise)
         t0 = t1 = time.perf_counter()
         self._round_started = time.monotonic()
         rounds, clean = 1, True

@@ -1,8 +1,8 @@
 """The K tuner's side of a scheduler round: the arm a round runs, and what the tuner learns from the round.
 
 The tuner (engine/runtime/k_tuner.py) knows arms, round times and acceptances, not sequences; this module reads
-those from the round's sequences. A row is tuned when its K is the tuner's (``k_caps.tunable``): greedy rows and
-sampled rows without a seed.
+those from the round's sequences. A row is tuned when its K is the tuner's (``k_caps.tunable``): greedy rows,
+sampled rows without a seed, and seeded ones where sampled rows draw one uniform per position.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from engine.spec_decode.k_caps import tunable
 from engine.spec_decode.seq import Seq
 
 
-def round_arm(tuner: KTuner | None, seqs: Sequence[Seq]) -> Arm | None:
-    """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row). A seeded sampled
-    row drafts as configured (its draws depend on its draft's shape): with one in the batch, a tree-capable
-    drafter drafts trees for every row this round (``KTuner.record`` files it under the arm that ran)."""
-    rows = [s for s in seqs if s.k_ctl is not None and tunable(s)]
+def round_arm(tuner: KTuner | None, seqs: Sequence[Seq], position_noise: bool) -> Arm | None:
+    """The round's arm from the tuner for the rows it may set (None: no tuner, or no such row; ``position_noise``:
+    ``k_caps.tunable``'s). A row it may not set drafts as configured (its draws depend on its draft's shape): with
+    one in the batch, a tree-capable drafter drafts trees for every row this round (``KTuner.record`` files it
+    under the arm that ran)."""
+    rows = [s for s in seqs if s.k_ctl is not None and tunable(s, position_noise)]
     if tuner is None or not rows:
         return None
     arm = tuner.choose(len(seqs), [s.k_ctl.split for s in rows])
@@ -38,15 +39,15 @@ class TunedRows:
     before: dict[int, tuple[Acceptance, int]]
 
     @classmethod
-    def of(cls, seqs: Sequence[Seq], arm: Arm) -> TunedRows:
-        """Read before the round runs."""
+    def of(cls, seqs: Sequence[Seq], arm: Arm, position_noise: bool) -> TunedRows:
+        """Read before the round runs (``position_noise``: ``k_caps.tunable``'s)."""
         return cls(
             arm,
             {
                 id(s): (s.k_ctl.split, s.stats.drafted)
                 for s in seqs
                 if s.k_ctl is not None
-                and tunable(s)
+                and tunable(s, position_noise)
                 and s.generated
                 and s.params.max_new_tokens - len(s.generated) > arm.k
             },

@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from engine.spec_decode.proposal import Proposal
-from engine.spec_decode.randomness import RoundNoise
+from engine.spec_decode.randomness import PositionNoise, RoundNoise
 from engine.spec_decode.rejection import greedy_accept, rejection_sample
-from engine.spec_decode.sampling import RowProcessing
+from engine.spec_decode.sampling import RowProcessing, inverse_cdf
 from engine.spec_decode.seq import TokenLogprob, token_logprobs
-from engine.spec_decode.tree import first_branch
+from engine.spec_decode.tree import depths, first_branch
 from engine.spec_decode.tree_accept import tree_greedy_accept, tree_rejection_sample
 from engine.spec_decode.verify import Scores
 
@@ -41,12 +41,19 @@ def accept_round(
     proposal: Proposal,
     scores: Scores,
     processing: RowProcessing,
-    noise: RoundNoise | None,
+    noise: PositionNoise | RoundNoise | None,
     vocab: int,
     logprob_rows: dict[int, int],
 ) -> Verdict:
     """The round's verdict: ``processing`` the rows' sampling controls (greedy: one-hot distributions),
-    ``noise`` the round's draws (None when every row is greedy), ``logprob_rows`` row -> top logprobs asked."""
+    ``noise`` the round's draws (None when every row is greedy), ``logprob_rows`` row -> top logprobs asked.
+
+    With ``PositionNoise`` (drafts of fixed tokens) the rule is the greedy one with the target's sample at each
+    scored position in place of its argmax: the inverse CDF of q there at the position's uniform (after a tree's
+    node at depth j: uniform j, after the root: uniform 0). A draft is accepted with probability q(d), a tree's
+    sibling tokens with their sum, and the new token at the first mismatch is q's sample given it is not the
+    draft: the residual of the exact rule for one-hot drafts. Every committed token is the one plain sampling
+    commits with that uniform."""
     logits = scores.logits[..., :vocab]  # [B, K+1, V]
     dev, B = logits.device, logits.shape[0]
     num_draft = torch.tensor(proposal.row_counts(), dtype=torch.long, device=dev)  # [B]
@@ -54,14 +61,18 @@ def accept_round(
     bad = ((~torch.isfinite(logits)).any(-1) & scored).any(-1)  # [B] non-finite rows
     tree, K = proposal.parents, proposal.width
     cols = torch.arange(K + 1, device=dev).expand(B, K + 1)  # [B, K+1] a chain's columns
-    if processing.mode == "greedy":  # one-hot q: accept while d == argmax q, else take argmax q (whatever p is)
-        target = processing.greedy_at(logits, proposal.tokens)  # [B, K+1] (within a grammar's mask)
+    if processing.mode == "greedy" or isinstance(noise, PositionNoise):
+        # greedy: accept while d == argmax q, else take argmax q; position noise: the same with the target's sample
+        if isinstance(noise, PositionNoise):
+            target = _position_samples(processing.probs_at(logits, proposal.tokens, 0), noise.cut(K), tree)
+        else:
+            target = processing.greedy_at(logits, proposal.tokens)  # [B, K+1] (within a grammar's mask)
         if tree is None:
             out, nacc = greedy_accept(proposal.tokens, target, num_draft)
         else:
             out, nacc, cols = tree_greedy_accept(proposal.tokens, tree, num_draft, target)
     else:
-        assert noise is not None
+        assert isinstance(noise, RoundNoise)
         drawn = noise.cut(K)
         q = processing.probs_at(logits, proposal.tokens, 0)  # [B, K+1, V], penalties per draft position
         if tree is None:
@@ -84,3 +95,13 @@ def accept_round(
     if logprob_rows:
         lps = token_logprobs(logits.gather(1, cols[..., None].expand(-1, -1, vocab)), out, logprob_rows)
     return Verdict([r[: r[K + 1] + 1] for r in res], [bool(r[K + 2]) for r in res], lps, last, cols, paths, firsts)
+
+
+def _position_samples(q: Tensor, noise: PositionNoise, parents: Tensor | None) -> Tensor:
+    """[B, K+1] the target's sample at each scored column of q [B, K+1, V]: column 0 and a chain's column j at
+    uniform j, a tree's node n (column n + 1) at the uniform of its children's depth."""
+    B, P, V = q.shape
+    u = noise.uniforms  # [B, K+1]
+    if parents is not None:
+        u = torch.cat([u[:, :1], u.gather(1, depths(parents))], 1)  # [B, N+1]
+    return inverse_cdf(q.reshape(B * P, V), u.reshape(B * P)).view(B, P)

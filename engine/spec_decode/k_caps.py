@@ -15,23 +15,24 @@ class KCaps:
     """Caps on this round's K and its draft shape, set by the serving layer."""
 
     all: int = NO_CAP
-    """The K of every row but seeded sampled ones (the load window lowers it under GPU memory pressure). A sampled
-    row's K decides which random draws it makes: capping a seeded one would make its tokens depend on the load."""
+    """The K of every row but seeded sampled ones whose draws depend on their K (``tunable``; the load window lowers
+    it under GPU memory pressure): capping those would make their tokens depend on the load."""
     tuned: int | None = None
-    """The round's K from measured rounds (engine/runtime/k_tuner.py; 0: a plain round) for every row but seeded
-    sampled ones, in place of each row's own controller K; None: each row's own."""
+    """The round's K from measured rounds (engine/runtime/k_tuner.py; 0: a plain round) for every ``tunable`` row, in
+    place of each row's own controller K; None: each row's own."""
     tree: bool = True
     """Whether a drafter configured for trees (``tree_branches`` > 1) drafts trees this round; False: chains (the
-    tuner measured chains faster at this batch). The serving layer keeps it True while a seeded sampled row runs:
-    its draws depend on its draft's shape."""
+    tuner measured chains faster at this batch). The serving layer keeps it True while a row that is not ``tunable``
+    runs: its draws depend on its draft's shape."""
 
 
-def tunable(s: Seq) -> bool:
-    """Whether the serving layer may set this row's K: any but a seeded sampled row, whose K decides its draws
-    (its tokens must not depend on the batch or the load)."""
-    return tunable_params(s.params)
+def tunable(s: Seq, position_noise: bool) -> bool:
+    """Whether the serving layer may set this row's K and draft shape: any but a seeded sampled row whose K decides
+    its draws (its tokens must not depend on the batch or the load). ``position_noise``: the round's sampled rows
+    draw one uniform per position (engine/spec_decode/randomness.py), so no row's tokens depend on its K."""
+    return tunable_params(s.params, position_noise)
 
 
-def tunable_params(p: SamplingParams) -> bool:
+def tunable_params(p: SamplingParams, position_noise: bool) -> bool:
     """``tunable`` of a row with these sampling parameters."""
-    return p.greedy or p.seed is None
+    return p.greedy or p.seed is None or position_noise

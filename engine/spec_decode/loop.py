@@ -52,7 +52,7 @@ from engine.spec_decode.drafter import Committed, DraftBatch, Drafter, FeatureNe
 from engine.spec_decode.k_caps import KCaps, tunable
 from engine.spec_decode.penalties import needs_history
 from engine.spec_decode.proposal import Proposal
-from engine.spec_decode.randomness import RoundNoise
+from engine.spec_decode.randomness import PositionNoise, RoundNoise
 from engine.spec_decode.sampling import RowProcessing
 from engine.spec_decode.seq import Seq, waiting_for_prefill
 from engine.spec_decode.stops import StopChecker
@@ -70,7 +70,7 @@ class RoundPlan:
     seqs: list[Seq]  # the rows, in batch order
     ks: list[int]  # K_b per row
     processing: RowProcessing
-    noise: RoundNoise | None  # None: an all-greedy batch (no draws)
+    noise: PositionNoise | RoundNoise | None  # None: an all-greedy batch (no draws)
     waiting: dict[int, list[Seq]]  # sequences waiting for a row's prefill, by that row's id
     grammar: GrammarRound | None = None  # the rows' grammars (None: no row is constrained)
     tree: bool = True  # whether a drafter configured for trees drafts them this round (KCaps.tree)
@@ -127,15 +127,21 @@ class DecodeLoop:
             log.debug("KV cache: %d rows x %d positions (%.1f MB)", c.max_batch, c.max_seq_len, c.nbytes / 2**20)
         return c
 
+    @property
+    def position_noise(self) -> bool:
+        """Whether sampled rows draw one uniform per scored position (``PositionNoise``: no drafter, or one of fixed
+        tokens): a row's tokens then do not depend on its K or its drafts' shape (``k_caps.tunable``)."""
+        return self.drafter is None or not self.drafter.samples
+
     def k_for(self, s: Seq, caps: KCaps) -> int:
         """Row K: the round's tuned K (else its controller's) within what remains and the load cap; a seeded sampled
-        row always takes its own controller's K, uncapped (``tunable``). A row's first round (its prefill, or its
-        start from a shared one) drafts nothing: its first token comes after the target's prefill alone (the
-        drafter catches up before its next round: ``catch_up``)."""
+        row whose draws depend on its K takes its own controller's K, uncapped (``tunable``). A row's first round
+        (its prefill, or its start from a shared one) drafts nothing: its first token comes after the target's
+        prefill alone (the drafter catches up before its next round: ``catch_up``)."""
         if self.drafter is None or s.k_ctl is None or not s.generated:
             return 0
         remaining = s.params.max_new_tokens - len(s.generated)
-        if not tunable(s):
+        if not tunable(s, self.position_noise):
             return max(0, min(s.k_ctl.k, remaining - 1))
         k = s.k_ctl.k if caps.tuned is None else caps.tuned
         return max(0, min(k, remaining - 1, caps.all))
@@ -204,11 +210,13 @@ class DecodeLoop:
         grammar = self._grammar_round(active, ks)
         params = [s.params for s in active]
         proc = RowProcessing.of(params, dev, history=history, eos=eos, vocab=self.vocab, constraint=grammar)
-        noise = None
+        noise: PositionNoise | RoundNoise | None = None
         if proc.mode != "greedy":  # a greedy row draws nothing: its target and draft distributions are one-hot
-            gens = [s.generator for s in active]
-            drafts = self.drafter is not None and self.drafter.samples
-            noise = RoundNoise.draw(gens, ks, [not s.params.greedy for s in active], self.vocab, dev, drafts)
+            gens, sampled = [s.generator for s in active], [not s.params.greedy for s in active]
+            if self.position_noise:
+                noise = PositionNoise.draw(gens, ks, sampled, dev)
+            else:
+                noise = RoundNoise.draw(gens, ks, sampled, self.vocab, dev)
         return RoundPlan(active, ks, proc, noise, waiting, grammar, caps.tree)
 
     def _grammar_round(self, active: list[Seq], ks: list[int]) -> GrammarRound | None:
@@ -229,7 +237,7 @@ class DecodeLoop:
         assert self.cache is not None
         row_ids = [s.row for s in plan.seqs]
         rows = None if row_ids == list(range(len(row_ids))) else torch.tensor(row_ids, device=dev)
-        draft_noise = None if plan.noise is None else plan.noise.draft
+        draft_noise = plan.noise.draft if isinstance(plan.noise, RoundNoise) else None
         window, sampled = self.target.config.sliding_window is not None, not plan.greedy
         in_order = [window or needs_history(s.params) for s in plan.seqs]  # rows that read their drafts in order
         chains = [o or (sampled and (s.grammar is not None or s.params.greedy)) for o, s in zip(in_order, plan.seqs)]
@@ -309,6 +317,8 @@ class DecodeLoop:
         new, k = verdict.tokens[b], steps.ks[b]
         n_before, a = len(s.tokens), len(verdict.tokens[b]) - 1
         s.tlen = n_before + a
+        if isinstance(plan.noise, PositionNoise):  # its generator after the draws of the tokens it commits
+            plan.noise.rewind(b, s.generator, a + 1)
         if verdict.paths is not None and self.cache is not None:  # the accepted nodes into consecutive slots
             path = verdict.paths[b]
             self.cache.move(s.row, [n_before + n for n in path], list(range(n_before, n_before + len(path))))

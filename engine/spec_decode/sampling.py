@@ -6,10 +6,12 @@ from: temperature -> top-k -> top-p, with the semantics of transformers'
 Rows are processed together with per-row parameters (no Python loop over
 rows), because the same function runs on the decode and verify hot path.
 
-Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)``
-picks token ``t`` with probability ``probs[t] / sum(probs)``. The noise is drawn
-up front (per request, from the request's own generator), so sampling itself
-needs no host synchronisation and is invariant to the scale of ``probs``.
+Sampling needs no host synchronisation: its noise is drawn up front (per request,
+from the request's own generator). Two samplers pick token ``t`` with probability
+``probs[t] / sum(probs)``: the exponential race ``argmax(probs / E)`` with
+``E ~ Exp(1)`` [V] (``sample_from_probs``: a draft model's drafts, a residual),
+and the inverse CDF at one uniform (``inverse_cdf``: the target's sample at each
+position when the drafts are fixed tokens, engine/spec_decode/randomness.py).
 """
 
 from __future__ import annotations
@@ -230,6 +232,30 @@ def sample_from_probs(probs: Tensor, noise: Tensor) -> Tensor:
     """
     tiny = torch.finfo(torch.float32).tiny
     return torch.argmax(probs.float() / noise.float().clamp_min(tiny), dim=-1)
+
+
+def inverse_cdf(probs: Tensor, u: Tensor, block: int = 512) -> Tensor:
+    """Inverse-CDF sample: the first token whose cumulative mass exceeds u * (the row's mass), per row.
+
+    probs [N, V] non-negative float32 (need not be normalised); u [N] float64 in [0, 1). Returns [N] int64.
+    Token t is chosen for u in an interval of length probs[t] / sum(probs): each block of ``block`` tokens is
+    summed in float32 (a vectorized pass over V), the blocks and the chosen block's tokens are accumulated in
+    float64. A token with probability 0 is never chosen while the row has positive mass.
+    """
+    N, V = probs.shape
+    nb = -(-V // block)
+    pad = torch.nn.functional.pad(probs.float(), (0, nb * block - V)) if nb * block != V else probs.float()
+    blocks = pad.view(N, nb, block)  # [N, nb, block]
+    ends = blocks.sum(-1).double().cumsum(-1)  # [N, nb] cumulative mass at each block's end
+    x = (u.double() * ends[:, -1]).unsqueeze(-1)  # [N, 1] the point to find
+    b = torch.searchsorted(ends, x, right=True).clamp(max=nb - 1)  # [N, 1] the block holding x
+    start = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)  # [N, 1]
+    rows = torch.arange(N, device=probs.device)
+    inner = blocks[rows, b[:, 0]]  # [N, block]
+    cum = inner.double().cumsum(-1) + start  # [N, block]
+    last = block - 1 - (inner > 0).flip(-1).int().argmax(-1, keepdim=True)  # [N, 1] the block's last positive
+    i = torch.searchsorted(cum, x, right=True).clamp(max=last)  # [N, 1] (x past the block's float64 sum: its last)
+    return (b * block + i)[:, 0]
 
 
 class Constraint(Protocol):
