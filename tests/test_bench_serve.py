@@ -139,6 +139,19 @@ def test_jsonl_dataset(tmp_path):
             serve_load.load_jsonl(f)
 
 
+def test_request_seeds(tmp_path):
+    """--request-seeds gives request i the seed --seed + i, sent in its body; without it no seed is sent."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "a b c"}) + "\n" + json.dumps({"messages": MESSAGES}) + "\n")
+    args = bench_serve.build_parser().parse_args(["--dataset", str(f), "--seed", "40", "--request-seeds"])
+    items = bench_serve.dataset(args, 3)
+    assert [it.seed for it in items] == [40, 41, 42]
+    sampling = serve_load.Sampling(max_tokens=4, temperature=0.7)
+    assert [serve_load.request_body("m", it, sampling)[1]["seed"] for it in items] == [40, 41, 42]
+    plain = bench_serve.dataset(bench_serve.build_parser().parse_args(["--dataset", str(f)]), 3)
+    assert all("seed" not in serve_load.request_body("m", it, sampling)[1] for it in plain)
+
+
 def test_random_dataset(ckpt_dir):
     from engine.core.tokenizer import Tokenizer
 

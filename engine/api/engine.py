@@ -21,10 +21,11 @@ from engine.core.hub import HubOptions, resolve_ref
 from engine.kernels.cpu_linear import packed_bytes
 from engine.kernels.cudagraphs import graph_stats
 from engine.kernels.memory import resident_weight_bytes
+from engine.runtime.admission import SchedulerLimits
 from engine.runtime.k_tuner import KTuner
 from engine.runtime.metrics import CudaMemory, EngineGauges, Sample, engine_samples, kv_cache_usage, render_text
 from engine.runtime.request import Completion, Request
-from engine.runtime.scheduler import Scheduler, SchedulerLimits
+from engine.runtime.scheduler import Scheduler
 from engine.runtime.telemetry import gpu_stats
 from engine.spec_decode.adaptive import Costs
 from engine.spec_decode.costs import drafter_costs

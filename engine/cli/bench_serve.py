@@ -9,6 +9,8 @@
     # datasets: a JSONL ("prompt" or "messages", optional "output_len"), or random token ids
     python tools/bench_serve.py ... --dataset prompts.jsonl
     python tools/bench_serve.py ... --dataset random --input-len 128 --output-len 64
+    # sampled requests that carry seeds (request i: --seed + i)
+    python tools/bench_serve.py ... --temperature 0.7 --request-seeds
 
 Modes: closed loop (``--concurrency``: N clients, each sending its next request when its last ends) and
 open loop (``--request-rate``: Poisson arrivals, requests/s; inf sends all at once). Every request
@@ -35,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
     ap.add_argument("--repeats", type=int, default=1, help="runs per point; each figure is the median")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-seeds", action="store_true", help="request i carries seed = --seed + i")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--plot", help="PNG: speedup vs concurrency, TTFT/TPOT vs request rate (the plot extra)")
     return ap
@@ -307,15 +310,17 @@ def point_row(
 
 
 def dataset(args: argparse.Namespace, n: int) -> list[Item]:
-    """n requests of --dataset (cycled when it has fewer)."""
+    """n requests of --dataset (cycled when it has fewer), request i seeded with --seed + i under --request-seeds."""
     from engine.cli import serve_load
 
     if args.dataset is None:
-        return serve_load.default_items(n, args.prompt_words, args.seed)
-    if args.dataset == "random":
+        items = serve_load.default_items(n, args.prompt_words, args.seed)
+    elif args.dataset == "random":
         tok = args.tokenizer or args.target or _flag(args.serve_args, "--target")
-        return serve_load.random_items(tok, n, args.input_len, args.output_len, args.seed)
-    return serve_load.take(serve_load.load_jsonl(args.dataset), n)
+        items = serve_load.random_items(tok, n, args.input_len, args.output_len, args.seed)
+    else:
+        items = serve_load.take(serve_load.load_jsonl(args.dataset), n)
+    return [replace(it, seed=args.seed + i) for i, it in enumerate(items)] if args.request_seeds else items
 
 
 if __name__ == "__main__":

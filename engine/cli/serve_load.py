@@ -30,6 +30,7 @@ class Item:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     output_len: int | None = None
+    seed: int | None = None  # the request's "seed" (None: none sent)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ def request_body(model: str, item: Item, sampling: Sampling) -> tuple[str, dict[
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if item.seed is not None:
+        body["seed"] = item.seed
     if item.messages is not None:
         return "/v1/chat/completions", {**body, "messages": item.messages}
     return "/v1/completions", {**body, "prompt": item.prompt}

@@ -1,9 +1,12 @@
 """How far the KV cache grows before a round: to what the running sequences use, at least doubling what grows.
 
-The scheduler (engine/runtime/scheduler.py) asks before each round; ``KVCache.grow`` (engine/core/forward.py)
-keeps every row's keys and values. Growing by doubling bounds a request's growths by log2 of its length, and
-sizing by use keeps a request that may run to the end of the context (a chat without ``max_tokens``) to the
-positions it reached.
+The scheduler (engine/runtime/scheduler.py) asks before each round: the cache grows, keeping every row (the
+drafter's cache with it; ``KVCache.grow``, engine/core/forward.py), to the highest row in use and the longest
+sequence's tokens + k_max + 2 positions. A request longer than the cache joins the running batch at once;
+growing by doubling bounds a request's growths by log2 of its length, and sizing by use keeps a request that
+may run to the end of the context (a chat without ``max_tokens``) to the positions it reached; the cache never
+shrinks. A request beyond ``max_seq_len`` (default: the model's context) is refused at submission; when the
+memory to grow is not there, the requests that needed it end with ``RequestFailedError``.
 """
 
 from __future__ import annotations

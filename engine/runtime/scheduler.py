@@ -14,13 +14,8 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
    ``prefill_chunk`` prompt tokens (engine/spec_decode/chunked_prefill.py);
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
-Cache policy: the cache holds what the running sequences use, not what they may use. Before each round it
-grows, keeping every row (the drafter's cache with it), to the highest row in use and the longest sequence's
-tokens + k_max + 2 positions, at least doubling what grows (engine/runtime/kv_growth.py). A request longer
-than the cache joins the running batch at once; a chat that may run to the end of the context holds the
-positions it reached; the cache never shrinks. A request beyond ``max_seq_len`` (default: the model's context)
-is refused at submission; when the memory to grow is not there, the requests that needed it end with
-``RequestFailedError``.
+Cache policy: the cache holds what the running sequences use, not what they may use (engine/runtime/
+kv_growth.py); the wait queue and the rows: engine/runtime/admission.py.
 
 Faults: a round that raises changes no sequence (engine/spec_decode/loop.py): it is re-run one prefill family
 at a time, and only the requests whose rows fail alone end with ``RequestFailedError``; the others go on as if
@@ -32,20 +27,19 @@ and is restarted by the next submission; at interpreter exit it cancels what is 
 
 from __future__ import annotations
 
-import heapq
 import logging
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from engine.core.errors import EngineError, OverloadedError
+from engine.core.errors import EngineError
 from engine.runtime import isolation
+from engine.runtime.admission import Admission, SchedulerLimits
 from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.kv_growth import CacheUse, fit
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
@@ -59,27 +53,6 @@ from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    """How much one scheduler takes on."""
-
-    max_batch: int
-    """Sequences decoded at once (rows of the KV cache)."""
-    max_waiting: int
-    """Requests queued beyond the running batch; more get OverloadedError."""
-    max_seq_len: int
-    """Longest request (prompt + max_new_tokens) the cache may grow to."""
-    idle_exit_s: float = 0.5
-    """The worker exits after this long without work (the next submission restarts it)."""
-    prefill_chunk: int | None = None
-    """Prompt tokens prefilled per round while other requests decode (engine/spec_decode/chunked_prefill.py);
-    None: a joining prompt prefills whole."""
-
-    def __post_init__(self) -> None:
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk={self.prefill_chunk} is invalid: allowed an int >= 1 or None")
 
 
 @dataclass
@@ -108,22 +81,19 @@ class Scheduler:
         first cost-model controller is made) build each sequence's K controller; ``governor`` is the load
         window (None: no caps)."""
         self.loop, self.tokenizer, self.policy, self._costs, self.device = loop, loop.tokenizer, policy, costs, device
-        self.max_batch, self.max_waiting, self.max_seq_len = limits.max_batch, limits.max_waiting, limits.max_seq_len
-        max_batch = limits.max_batch
+        self.max_batch = limits.max_batch
         self.idle_exit_s, self.prefill_chunk = limits.idle_exit_s, limits.prefill_chunk
         self.k_max = policy.k_max if policy is not None else 0
         self.totals = Totals()
         self._lock = threading.Condition()
-        self._waiting: deque[Request] = deque()
+        self.rows = Admission(limits.max_batch, limits.max_waiting)  # the wait queue and the cache rows (the lock's)
         self._running: list[_Running] = []  # the worker's; read elsewhere only for len()
-        self._reserved = 0  # rows held by running requests (under the lock)
-        self._free_rows = list(range(max_batch))  # a heap: low rows first keep the batch a row prefix
         self._thread: threading.Thread | None = None
         self._driver = threading.Lock()  # held by whichever thread runs a round (the worker or a caller)
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor = governor
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
-        self.batch_cap = max_batch  # admitted sequences at most (the load window lowers it)
+        self.batch_cap = limits.max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)
         self._round_started: float | None = None  # monotonic start of the round in progress
@@ -141,15 +111,10 @@ class Scheduler:
         ``drive``: the caller will run rounds itself (``drive``), counted before the worker can start."""
         reqs = [Request(p, sp, self.tokenizer, self.wake, self._completion) for p, sp in zip(prompts, params)]
         with self._lock:
-            room = self.max_waiting + (self.max_batch - self._reserved) - len(self._waiting)
-            if len(reqs) > room:
+            if len(reqs) > self.rows.room():
                 self.totals.rejected_overload += len(reqs)
-                raise OverloadedError(
-                    f"overloaded: {len(self._waiting)} requests waiting and {self._reserved} running "
-                    f"(max_waiting={self.max_waiting}, max_batch={self.max_batch}); "
-                    f"{len(reqs)} more do not fit, retry later"
-                )
-            self._waiting.extend(reqs)
+                raise self.rows.overloaded(len(reqs))
+            self.rows.waiting.extend(reqs)
             self._callers += drive
             if self._thread is None:
                 # not a daemon: at interpreter exit it cancels what runs and ends between rounds
@@ -163,7 +128,7 @@ class Scheduler:
             self._lock.notify_all()
 
     def queue_length(self) -> int:
-        return len(self._waiting)
+        return len(self.rows.waiting)
 
     def running_requests(self) -> list[Request]:
         """A copy of the running batch (for gauges)."""
@@ -196,7 +161,7 @@ class Scheduler:
         """Admit what fits, start it, run one round; False when there was nothing to run."""
         with self._lock:
             self._drop_cancelled_waiting()
-            admitted = self._admit()
+            admitted = self.rows.admit(self.batch_cap)
         first: dict[tuple[int, ...], Seq] = {}  # the first sequence of each prompt admitted: it prefills for the rest
         for r, row in admitted:
             try:
@@ -232,10 +197,10 @@ class Scheduler:
                     with self._lock:
                         if self._callers:
                             continue
-                        if not self._waiting:
+                        if not self.rows.waiting:
                             self._lock.wait(self.idle_exit_s)
                             self._drop_cancelled_waiting()
-                            if not self._waiting and not self._callers and not self._running:
+                            if not self.rows.waiting and not self._callers and not self._running:
                                 self._thread = None
                                 return
                         else:  # the head waits for rows; a round of others frees them
@@ -246,7 +211,7 @@ class Scheduler:
                     self._thread = None
 
     def _cancel_all(self) -> None:
-        for r in list(self._waiting) + [x.request for x in self._running]:
+        for r in list(self.rows.waiting) + [x.request for x in self._running]:
             r.cancel()
         with self._lock:
             self._drop_cancelled_waiting()
@@ -255,19 +220,8 @@ class Scheduler:
             self._retire(x)
 
     def _drop_cancelled_waiting(self) -> None:
-        if any(r.cancelled for r in self._waiting):
-            for r in [r for r in self._waiting if r.cancelled]:
-                self._waiting.remove(r)
-                self._finish_unstarted(r)
-
-    def _admit(self) -> list[tuple[Request, int]]:
-        """Pop waiting requests into free rows (under the lock); the cache grows for them before the round."""
-        admitted: list[tuple[Request, int]] = []
-        while self._waiting and self._free_rows and self._reserved < self.batch_cap:
-            r = self._waiting.popleft()
-            self._reserved += 1
-            admitted.append((r, heapq.heappop(self._free_rows)))
-        return admitted
+        for r in self.rows.drop_cancelled():
+            self._finish_unstarted(r)
 
     def _start(self, r: Request, row: int, sibling: Seq | None) -> Seq:
         """The request's sequence in ``row``: its seeded generator and K controller (outside the lock: costs may be
@@ -285,8 +239,7 @@ class Scheduler:
 
     def _free(self, row: int) -> None:
         with self._lock:
-            heapq.heappush(self._free_rows, row)
-            self._reserved -= 1
+            self.rows.release(row)
             self._lock.notify_all()
 
     def _round(self) -> None:
@@ -430,8 +383,7 @@ class Scheduler:
         s = x.seq
         self._running.remove(x)
         with self._lock:
-            heapq.heappush(self._free_rows, s.row)
-            self._reserved -= 1
+            self.rows.release(s.row)
             if error is None:
                 self.totals.count(s)
             else:
@@ -466,8 +418,8 @@ class Scheduler:
         with self._lock:
             if self._failed_streak >= max_failed_rounds:
                 return f"the last {self._failed_streak} decode rounds failed (limit {max_failed_rounds})"
-            if (self._waiting or self._running) and self._thread is None and not self._callers:
-                return f"{len(self._waiting) + len(self._running)} requests are pending but no worker runs them"
+            if (self.rows.waiting or self._running) and self._thread is None and not self._callers:
+                return f"{len(self.rows.waiting) + len(self._running)} requests are pending but no worker runs them"
         return None
 
     def reset_totals(self) -> None:
@@ -479,6 +431,6 @@ class Scheduler:
         with self._lock:
             return {
                 "totals": self.totals.copy(),
-                "waiting": len(self._waiting),
-                "running": self._reserved,
+                "waiting": len(self.rows.waiting),
+                "running": self.rows.held,
             }

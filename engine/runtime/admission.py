@@ -1,0 +1,77 @@
+"""What one scheduler takes on, and its wait queue and cache rows: who waits, which rows are free, what fits.
+
+Requests wait first come, first served; each running request holds one row of the KV cache, the lowest free one
+(so the running batch stays a prefix of the rows). The scheduler (engine/runtime/scheduler.py) calls every
+method under its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from engine.core.errors import OverloadedError
+from engine.runtime.request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """How much one scheduler takes on."""
+
+    max_batch: int
+    """Sequences decoded at once (rows of the KV cache)."""
+    max_waiting: int
+    """Requests queued beyond the running batch; more get OverloadedError."""
+    max_seq_len: int
+    """Longest request (prompt + max_new_tokens) the cache may grow to."""
+    idle_exit_s: float = 0.5
+    """The worker exits after this long without work (the next submission restarts it)."""
+    prefill_chunk: int | None = None
+    """Prompt tokens prefilled per round while other requests decode (engine/spec_decode/chunked_prefill.py);
+    None: a joining prompt prefills whole."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} is invalid: allowed an int >= 1 or None")
+
+
+class Admission:
+    """The requests waiting for a row, in order, and the rows of the cache free or held."""
+
+    def __init__(self, max_batch: int, max_waiting: int) -> None:
+        self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.waiting: deque[Request] = deque()
+        self.held = 0  # rows held by running requests
+        self._free = list(range(max_batch))  # a heap: low rows first
+
+    def room(self) -> int:
+        """How many more requests may queue: the queue's free places and the free rows."""
+        return self.max_waiting + (self.max_batch - self.held) - len(self.waiting)
+
+    def overloaded(self, n: int) -> OverloadedError:
+        """The error refusing ``n`` requests that do not fit."""
+        return OverloadedError(
+            f"overloaded: {len(self.waiting)} requests waiting and {self.held} running "
+            f"(max_waiting={self.max_waiting}, max_batch={self.max_batch}); {n} more do not fit, retry later"
+        )
+
+    def admit(self, cap: int) -> list[tuple[Request, int]]:
+        """Pop waiting requests into free rows while fewer than ``cap`` rows are held."""
+        admitted: list[tuple[Request, int]] = []
+        while self.waiting and self._free and self.held < cap:
+            self.held += 1
+            admitted.append((self.waiting.popleft(), heapq.heappop(self._free)))
+        return admitted
+
+    def release(self, row: int) -> None:
+        """A running request left ``row``."""
+        heapq.heappush(self._free, row)
+        self.held -= 1
+
+    def drop_cancelled(self) -> list[Request]:
+        """The cancelled waiting requests, taken out of the queue."""
+        gone = [r for r in self.waiting if r.cancelled]
+        for r in gone:
+            self.waiting.remove(r)
+        return gone
