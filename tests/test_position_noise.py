@@ -41,6 +41,9 @@ def test_inverse_cdf_at_the_ends_and_one_hot_rows() -> None:
         for block in (1, 2, 4, 512):
             got = inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64), block)
             assert got.tolist() == want, (u, block)
+    empty = torch.tensor([[0.0] * 6, [float("nan")] * 6])  # no mass: token 0, never one past the vocabulary
+    for block in (4, 512):
+        assert inverse_cdf(empty, torch.tensor([0.5, 0.999], dtype=torch.float64), block).tolist() == [0, 0]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -73,6 +76,22 @@ def test_position_noise_refuses_a_generator_on_another_device() -> None:
 
     with pytest.raises(InvalidConfigError, match="generators\\[0\\]"):
         PositionNoise.draw([CudaGen()], [1], [True], "cpu")  # type: ignore[list-item]
+
+
+@pytest.mark.gpu
+def test_position_noise_rewinds_a_cuda_generator() -> None:
+    """On CUDA too a row's draws are its generator's stream of single draws, and a rewind continues it."""
+
+    def one(g: torch.Generator) -> float:
+        return torch.empty(1, dtype=torch.float64, device="cuda").uniform_(generator=g).item()
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    stream = [one(g) for _ in range(4)]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    noise = PositionNoise.draw([g], [3], [True], "cuda")
+    assert noise.uniforms[0].tolist() == stream
+    noise.rewind(0, g, 1)
+    assert one(g) == stream[1]
 
 
 SEEDED = [
@@ -137,3 +156,15 @@ def test_the_tuner_sets_seeded_rows_with_fixed_token_drafts(ckpt_dir) -> None:
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     st = eng.stats()
     assert st["drafted"] == 0 and st["plain_rounds"] >= 20
+
+
+def test_a_row_with_non_finite_logits_ends_alone(ckpt_dir) -> None:
+    """A sampled row whose target logits turn NaN mid-stream ends with finish_reason "error" (its logprobs asked
+    for), and the row beside it keeps plain sampling's tokens."""
+    eng = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=3, k_policy="constant"))
+    params = [SamplingParams(max_new_tokens=16, temperature=0.9, seed=s, logprobs=2) for s in (99, 5)]
+    ref = Engine.from_pretrained(ckpt_dir).generate([PROMPTS[6]], params[1])[0].token_ids
+    eng.loop.inject_nan = lambda s: s.params.seed == 99 and len(s.generated) >= 2
+    out = eng.generate([PROMPTS[5], PROMPTS[6]], params)
+    assert out[0].finish_reason == "error" and len(out[0].token_ids) == 2
+    assert out[1].finish_reason == "length" and out[1].token_ids == ref

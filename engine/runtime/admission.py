@@ -1,8 +1,8 @@
 """What one scheduler takes on, and its wait queue and cache rows: who waits, which rows are free, what fits.
 
 Requests wait first come, first served; each running request holds one row of the KV cache, the lowest free one
-(so the running batch stays a prefix of the rows). The scheduler (engine/runtime/scheduler.py) calls every
-method under its lock.
+(so the running batch stays a prefix of the rows). The scheduler (engine/runtime/scheduler.py) changes them only
+under its lock.
 """
 
 from __future__ import annotations

@@ -36,9 +36,10 @@ best is measured afresh when the search reaches it again. Speculation turns off 
 commit more per second, or less than ``margin`` less, and back on when speculating wins again.
 
 The choice depends only on rounds already run (their times, the rows' past acceptance and commits), never on this
-round's draws, so sampling stays exact. It sets the K of greedy rows and of sampled rows without a seed; a seeded
-sampled row keeps its own controller's K, which depends on its own history only, so its tokens do not depend on the
-batch.
+round's draws, so sampling stays exact. It sets the K of greedy rows, of sampled rows without a seed and, with a
+drafter of fixed tokens (whose sampled rows draw position noise), of seeded ones; a seeded sampled row of a drafter
+that samples keeps its own controller's K, which depends on its own history only, so its tokens do not depend on the
+batch (``k_caps.tunable``).
 """
 
 from __future__ import annotations

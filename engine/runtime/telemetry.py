@@ -8,9 +8,10 @@ it holds (hysteresis, so a reading hovering at the threshold does not flap).
 
 ``LoadGovernor`` feeds it readings from a reader at most every ``interval_s``;
 the scheduler polls it before each round, admits no more than the batch cap and
-the loop caps the K of every row but seeded sampled ones (whose tokens must not
-depend on the load: their K decides their random draws). What shrinks is the per-round memory (verify logits,
-draft probabilities and noise, all proportional to batch x (K + 1) x vocab, plus
+the loop caps the K of every row but seeded sampled ones of a drafter that samples
+(whose tokens must not depend on the load: their K decides their random draws). What
+shrinks is the per-round memory (verify logits, draft probabilities and noise, all
+proportional to batch x (K + 1) x vocab, plus
 activations): the engine slows down instead of running out of memory when other
 work fills the GPU. The static KV cache is not resized.
 

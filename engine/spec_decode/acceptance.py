@@ -64,6 +64,7 @@ def accept_round(
     if processing.mode == "greedy" or isinstance(noise, PositionNoise):
         # greedy: accept while d == argmax q, else take argmax q; position noise: the same with the target's sample
         if isinstance(noise, PositionNoise):
+            assert proposal.probs is None, "position noise takes drafts of fixed tokens (Drafter.samples False)"
             target = _position_samples(processing.probs_at(logits, proposal.tokens, 0), noise.cut(K), tree)
         else:
             target = processing.greedy_at(logits, proposal.tokens)  # [B, K+1] (within a grammar's mask)

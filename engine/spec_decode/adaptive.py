@@ -2,7 +2,8 @@
 
 Policies:
 - ``measured`` (default): the serving layer sets each round's K from measured round times
-  (engine/runtime/k_tuner.py); a row it does not set (a seeded sampled row) moves its K as ``heuristic``.
+  (engine/runtime/k_tuner.py); a row it does not set (a seeded sampled row of a drafter that samples) moves its K
+  as ``heuristic``.
 - ``constant``: K never changes.
 - ``heuristic``: K + 2 after a full acceptance, K - 1 otherwise, within [k_min, k_max].
 - ``cost-model``: K maximising the expected speedup

@@ -104,7 +104,8 @@ class Drafter(Protocol):
     """The most drafts a round can use (Medusa: one per head); None: no limit."""
     samples: bool
     """Whether a sampled round's drafts are drawn from its distributions with the round's draft noise
-    (``DraftBatch.noise``); False: fixed tokens (one-hot ``Proposal.probs``), and the round draws no draft noise."""
+    (``DraftBatch.noise``, the exact rejection rule); False: fixed tokens (``Proposal.probs`` None), and sampled rows
+    draw position noise and take the position rule (engine/spec_decode/randomness.py, acceptance.py)."""
 
     def propose(self, batch: DraftBatch) -> Proposal:
         """Drafts for every row (a chain of at most ``batch.k``; fewer where it has fewer), with the distributions

@@ -1,4 +1,4 @@
-"""A round's randomness, drawn up front from each sequence's own generator (the one helper for it).
+"""A round's randomness, drawn up front from each sequence's own generator (the one module for it).
 
 Two layouts, by what the drafter proposes:
 
@@ -7,7 +7,8 @@ Two layouts, by what the drafter proposes:
   position's uniform, and the drafts are accepted while they equal those samples, so every committed token is the
   one plain sampling would commit with that uniform. Each position's uniform is its own draw and the generator is
   rewound past the positions the row commits (``rewind``): a row consumes one draw per token whatever its K or
-  draft shape, and a seeded row's tokens are those of plain sampling with the same seed.
+  draft shape, and a seeded row's tokens are those of plain sampling with the same seed (where the target's logits
+  are the same bits in every pass, as on the CPU's C++ step).
 * ``RoundNoise`` (a drafter that samples its drafts: a draft model, a head): for a row with K_b drafts the round
   draws draft noise E ~ Exp(1) [K_b, V] (the exponential race samples d_i from p_i), uniforms u_1..u_K_b (the
   acceptance tests) and one final noise vector [V] (the residual or bonus sample).
@@ -46,8 +47,8 @@ class PositionNoise:
         sampled: Sequence[bool],
         device: torch.device | str,
     ) -> PositionNoise:
-        """Row b draws K = ks[b] + 1 uniforms from generators[b] (None: the global RNG), each its own draw, when
-        sampled[b]; K is the widest ks."""
+        """Row b draws ks[b] + 1 uniforms from generators[b] (None: the global RNG), each its own draw, when
+        sampled[b]; the tensor is as wide as the widest ks + 1."""
         dev = torch.device(device)
         uniforms = torch.full((len(generators), max(ks, default=0) + 1), 0.5, dtype=torch.float64, device=dev)
         marks: list[list[Tensor]] = []

@@ -237,25 +237,28 @@ def sample_from_probs(probs: Tensor, noise: Tensor) -> Tensor:
 def inverse_cdf(probs: Tensor, u: Tensor, block: int = 512) -> Tensor:
     """Inverse-CDF sample: the first token whose cumulative mass exceeds u * (the row's mass), per row.
 
-    probs [N, V] non-negative float32 (need not be normalised); u [N] float64 in [0, 1). Returns [N] int64.
-    Token t is chosen for u in an interval of length probs[t] / sum(probs): each block of ``block`` tokens is
-    summed in float32 (a vectorized pass over V), the blocks and the chosen block's tokens are accumulated in
-    float64. A token with probability 0 is never chosen while the row has positive mass.
+    probs [N, V] non-negative float32 (need not be normalised); u [N] float64 in [0, 1). Returns [N] int64 in
+    [0, V). Token t is chosen for u in an interval of length probs[t] / sum(probs): each block of ``block`` tokens
+    is summed in float32 (a vectorized pass over V), the blocks and the chosen block's tokens are accumulated in
+    float64. A token with probability 0 is never chosen while the row has positive mass; a row without (all zero,
+    NaN) gets token 0.
     """
     N, V = probs.shape
-    nb = -(-V // block)
-    pad = torch.nn.functional.pad(probs.float(), (0, nb * block - V)) if nb * block != V else probs.float()
-    blocks = pad.view(N, nb, block)  # [N, nb, block]
-    ends = blocks.sum(-1).double().cumsum(-1)  # [N, nb] cumulative mass at each block's end
+    full = V // block
+    p = probs.float()
+    sums = p[:, : full * block].view(N, full, block).sum(-1)  # [N, full]
+    if full * block < V:
+        sums = torch.cat([sums, p[:, full * block :].sum(-1, keepdim=True)], 1)  # [N, nb] the tail block
+    ends = sums.double().cumsum(-1)  # [N, nb] cumulative mass at each block's end
     x = (u.double() * ends[:, -1]).unsqueeze(-1)  # [N, 1] the point to find
-    b = torch.searchsorted(ends, x, right=True).clamp(max=nb - 1)  # [N, 1] the block holding x
+    b = torch.searchsorted(ends, x, right=True).clamp(max=ends.shape[1] - 1)  # [N, 1] the block holding x
     start = torch.where(b > 0, ends.gather(1, (b - 1).clamp(min=0)), 0.0)  # [N, 1]
-    rows = torch.arange(N, device=probs.device)
-    inner = blocks[rows, b[:, 0]]  # [N, block]
+    cols = b * block + torch.arange(block, device=probs.device)  # [N, block] the block's tokens
+    inner = torch.where(cols < V, p.gather(1, cols.clamp(max=V - 1)), 0.0)  # [N, block]
     cum = inner.double().cumsum(-1) + start  # [N, block]
     last = block - 1 - (inner > 0).flip(-1).int().argmax(-1, keepdim=True)  # [N, 1] the block's last positive
     i = torch.searchsorted(cum, x, right=True).clamp(max=last)  # [N, 1] (x past the block's float64 sum: its last)
-    return (b * block + i)[:, 0]
+    return torch.where(ends[:, -1:] > 0, b * block + i, 0)[:, 0]
 
 
 class Constraint(Protocol):
