@@ -337,12 +337,28 @@ class DecodeLoop:
         if s.k_ctl is not None and k > 0:  # a tree's row: as the chain along its first branch would have fared
             s.k_ctl.update(*((k, a) if first is None else first))
         if plan.grammar is not None and s.grammar is not None:
-            new = plan.grammar.commit(b, s, new, a)
+            new = self._commit_grammar(b, s, plan.grammar, new, a)
         kept = self.stops.cut(s, new)
         if s.logprobs is not None:
             s.logprobs.extend(verdict.logprobs[b][: len(kept)])
         s.tokens.extend(kept)
         return kept
+
+    @staticmethod
+    def _commit_grammar(b: int, s: Seq, g: GrammarRound, new: list[int], a: int) -> list[int]:
+        """The row's matcher takes the round's tokens; the request ends where its grammar is complete (the tokens
+        up to there are returned)."""
+        assert s.grammar is not None
+        s.stats.mask_seconds += g.seconds[b]
+        if g.forced[b]:
+            s.stats.forced += len(g.forced[b])
+            s.stats.forced_accepted += min(a, len(g.forced[b]))
+        n, err = (0, "its grammar allows no continuation") if g.dead[b] else s.grammar.commit(new)
+        if err is not None:
+            raise RuntimeError(f"structured output: {err}")
+        if s.grammar.stopped:
+            s.finish("stop")
+        return new[:n]
 
     def _features_for(self, b: int, a: int, proposal: Proposal, scores: Scores, verdict: Verdict) -> Tensor | None:
         """The target's features row b's drafter reads after accepting ``a`` drafts (``FeatureNeed``)."""

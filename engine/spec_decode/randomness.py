@@ -28,6 +28,9 @@ from torch import Tensor
 
 from engine.core.errors import InvalidConfigError
 
+Generators = Sequence[torch.Generator | None]  # one per row (None: the global RNG)
+Device = torch.device | str
+
 
 @dataclass(frozen=True)
 class PositionNoise:
@@ -40,13 +43,7 @@ class PositionNoise:
     """Per row: its generator's state after each of its draws (empty: a greedy row)."""
 
     @classmethod
-    def draw(
-        cls,
-        generators: Sequence[torch.Generator | None],
-        ks: Sequence[int],
-        sampled: Sequence[bool],
-        device: torch.device | str,
-    ) -> PositionNoise:
+    def draw(cls, generators: Generators, ks: Sequence[int], sampled: Sequence[bool], device: Device) -> PositionNoise:
         """Row b draws ks[b] + 1 uniforms from generators[b] (None: the global RNG), each its own draw, when
         sampled[b]; the tensor is as wide as the widest ks + 1."""
         dev = torch.device(device)

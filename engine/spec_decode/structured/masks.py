@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from engine.spec_decode.proposal import Proposal
-from engine.spec_decode.seq import Seq
 from engine.spec_decode.structured.grammar import GrammarState, unpack
 
 
@@ -126,21 +125,6 @@ class GrammarRound:
             self._paths[b] = [()] + [path[n] for n in kept]
         dev = prop.tokens.device
         return Proposal(torch.tensor(tokens, device=dev), None, counts, torch.tensor(parents, device=dev)), tokens
-
-    def commit(self, b: int, s: Seq, new: list[int], a: int) -> list[int]:
-        """Row b's matcher (``s.grammar``) takes the round's tokens ``new`` (``a`` drafts accepted); the request
-        ends where its grammar is complete (the tokens up to there are returned)."""
-        assert s.grammar is not None
-        s.stats.mask_seconds += self.seconds[b]
-        if self.forced[b]:
-            s.stats.forced += len(self.forced[b])
-            s.stats.forced_accepted += min(a, len(self.forced[b]))
-        n, err = (0, "its grammar allows no continuation") if self.dead[b] else s.grammar.commit(new)
-        if err is not None:
-            raise RuntimeError(f"structured output: {err}")
-        if s.grammar.stopped:
-            s.finish("stop")
-        return new[:n]
 
 
 def _resized(prop: Proposal, width: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
