@@ -13,13 +13,14 @@ from util import CountedForward
 from engine import Engine, SamplingParams
 from engine.api.options import Limits, SpeculationConfig
 from engine.core.errors import InvalidConfigError
+from engine.runtime.admission import PrefillPace
 from engine.runtime.scheduler import RequestFailedError
 from engine.spec_decode.chunked_prefill import split_prefill
 from engine.spec_decode.seq import Seq
 
 SHORT = [[5, 6, 7], [9, 10, 11, 12]]
 LONG = [(7 * j) % 280 + 3 for j in range(40)]  # a 40-token prompt that arrives while the short ones decode
-CHUNK = 16
+CHUNK = 8  # prompt tokens per decoded token: at most 8 x (K + 1) = 32 < 40 a round
 TIMEOUT = 120
 
 
@@ -38,6 +39,22 @@ def test_each_round_prefills_at_most_the_budget_a_begun_prefill_first():
     assert split_prefill([a, b, c], None).finish == [b, a, c]  # no budget: every prefill whole
 
 
+def test_the_budget_is_the_chunk_per_token_each_decoding_row_was_given():
+    pace = PrefillPace(16, decay=0.5)
+    assert pace.budget() == 16  # before any round
+    pace.record(4, 4)  # plain rounds: one token a row
+    assert pace.budget() == 16
+    pace.record(4, 12)  # three a row: the mean (1 x 0.5 + 3) / 1.5
+    assert pace.budget() == round(16 * 3.5 / 1.5)
+    pace.record(0, 0)  # no decoding row: nothing learnt
+    assert pace.budget() == round(16 * 3.5 / 1.5)
+    for _ in range(30):
+        pace.record(8, 8)
+    assert pace.budget() == 16  # back to the chunk, never below it
+    pace.record(2, 0)  # rows that ended committed nothing: still at least the chunk
+    assert pace.budget() == 16 and PrefillPace(None).budget() is None
+
+
 def test_the_samples_of_a_prompt_follow_their_source():
     src, other = _seq(50), _seq(50, row=1)
     other.prefill_from = src
@@ -49,7 +66,7 @@ def test_the_samples_of_a_prompt_follow_their_source():
 
 
 def _engine(ckpt_dir, draft, drafter, chunk: int | None = CHUNK) -> Engine:
-    spec = SpeculationConfig(drafter=drafter, k=3, k_policy="heuristic")  # K from the row's own acceptance
+    spec = SpeculationConfig(drafter=drafter, k=3, k_max=3, k_policy="heuristic")  # K from the row's acceptance
     return Engine.from_pretrained(ckpt_dir, draft, speculation=spec, limits=Limits(max_batch=8, prefill_chunk=chunk))
 
 
@@ -87,8 +104,10 @@ def test_a_prompt_joining_in_chunks_keeps_every_output(ckpt_dir, draft_dir, eagl
     eng = _engine(ckpt_dir, draft, drafter)
     counted = CountedForward(eng.loop.target)
     eng.loop.target = counted
-    chunks, prefill = [], eng.loop.prefill
-    eng.loop.prefill = lambda c: (chunks.append([(s.prompt == LONG, n) for s, n in c]), prefill(c))[1]
+    budgets, budget = [], eng.scheduler.pace.budget  # each round's while others decode
+    eng.scheduler.pace.budget = lambda: (budgets.append(budget()), budgets[-1])[1]
+    chunks, prefill = [], eng.loop.prefill  # (LONG's?, tokens, the round's budget) of each chunk
+    eng.loop.prefill = lambda c: (chunks.append([(s.prompt == LONG, n, budgets[-1]) for s, n in c]), prefill(c))[1]
     reqs = _join_late(eng, [LONG], params)
     got = [r.result(timeout=TIMEOUT) for r in reqs]
     assert [o.token_ids for o in got] == [o.token_ids for o in solo]
@@ -97,8 +116,13 @@ def test_a_prompt_joining_in_chunks_keeps_every_output(ckpt_dir, draft_dir, eagl
         (o.stats["drafted"], o.stats["accepted"]) for o in solo
     ]
     assert got[2].stats["prefill_tokens"] == len(LONG)
-    assert chunks == [[(True, CHUNK)]] * 2  # 16 + 16 in chunks, the last 8 with its first token
-    assert (1, CHUNK) in counted.widths and not any(w[1] >= len(LONG) for w in counted.widths)
+    # each round's budget in a chunk, the rest (at most the budget) with its first token; CHUNK per token each
+    # decoding row was given: CHUNK in plain rounds, up to (K + 1) CHUNK
+    assert chunks and all(len(c) == 1 and c[0][0] and c[0][1] == c[0][2] for c in chunks)
+    assert 0 < len(LONG) - sum(c[0][1] for c in chunks) <= budgets[-1]
+    assert all(CHUNK <= b <= 4 * CHUNK for b in budgets) and (drafter is not None or set(budgets) == {CHUNK})
+    assert drafter != "model" or max(budgets) > CHUNK  # its drafts are accepted: more prompt tokens a round
+    assert (1, chunks[0][0][1]) in counted.widths and not any(w[1] >= len(LONG) for w in counted.widths)
 
 
 def test_the_samples_of_a_chunked_prompt_share_its_prefill(ckpt_dir, draft_dir):

@@ -229,8 +229,10 @@ class Limits:
     load_window: LoadWindowConfig | None = None
     """Lower K and the batch under GPU memory pressure (CUDA only; a no-op on the CPU); None: off."""
     prefill_chunk: int | None = 256
-    """Prompt tokens prefilled per round while other requests decode, so that a joining prompt stalls the
-    running streams for at most that many tokens' forward (chunked prefill); None: a prompt prefills whole."""
+    """Prompt tokens prefilled while other requests decode, per token each decoding row is given in a round (a
+    decayed mean: one in plain rounds, more where drafts are accepted), so that a joining prompt stalls the
+    running streams for at most that many tokens' forward per token they receive (chunked prefill); None: a
+    prompt prefills whole."""
 
     def __post_init__(self) -> None:
         _int("limits.max_batch", self.max_batch, 1, 1 << 16)

@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument(
         "--prefill-chunk", type=int, default=None,
-        help="prompt tokens prefilled per round while others decode (0: a prompt prefills whole; default: "
-        "engine/api/options.py's Limits)",
+        help="prompt tokens prefilled while others decode, per token a decoding row gets in a round (0: a prompt "
+        "prefills whole; default: engine/api/options.py's Limits)",
     )  # fmt: skip
     ap.add_argument("--log-level", default="info")
     _add_http_args(ap)

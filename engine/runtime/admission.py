@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.errors import OverloadedError
 from engine.runtime.request import Request
@@ -28,12 +28,42 @@ class SchedulerLimits:
     idle_exit_s: float = 0.5
     """The worker exits after this long without work (the next submission restarts it)."""
     prefill_chunk: int | None = None
-    """Prompt tokens prefilled per round while other requests decode (engine/spec_decode/chunked_prefill.py);
-    None: a joining prompt prefills whole."""
+    """Prompt tokens prefilled per round while other requests decode, per token each decoding row is given in a
+    round (``PrefillPace``; engine/spec_decode/chunked_prefill.py); None: a joining prompt prefills whole."""
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} is invalid: allowed an int >= 1 or None")
+
+
+@dataclass
+class PrefillPace:
+    """The prompt tokens a round may prefill while other requests decode: ``chunk`` per token each decoding row
+    was given in recent rounds (a decayed mean of the tokens committed per row and round: 1 without drafts).
+
+    A joining prompt then stalls the running streams by at most ``chunk`` tokens' forward per token they receive,
+    with speculation as without it. A round that commits several tokens per row prefills as many times more: with
+    a budget per round, the prompts' share of the work would fall as speculation speeds the decoding up, and under
+    load (the rows of finished requests refilled at once) the rows waiting for their prefill would pile up."""
+
+    chunk: int | None
+    """Prompt tokens per decoded token of a row (``SchedulerLimits.prefill_chunk``); None: no budget."""
+    decay: float = 0.8
+    """Weight of the past in the mean, per decode round."""
+    _given: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed [tokens per row, rounds]
+
+    def budget(self) -> int | None:
+        """This round's prompt tokens (None: no budget)."""
+        if self.chunk is None:
+            return None
+        tokens, rounds = self._given
+        return round(self.chunk * max(1.0, tokens / rounds)) if rounds > 0 else self.chunk
+
+    def record(self, rows: int, committed: int) -> None:
+        """A decode round over ``rows`` decoding rows committed ``committed`` tokens."""
+        if rows > 0:
+            t, n = self._given
+            self._given = [self.decay * t + committed / rows, self.decay * n + 1.0]
 
 
 class Admission:

@@ -10,8 +10,8 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
    prefills, the others wait for it and start from a copy (engine/spec_decode/loop.py);
 3. runs ``DecodeLoop.step`` over every running sequence: the requests that
    joined this round first (their prefill, and their first tokens handed out),
-   then the others' decode; while others decode, a round prefills at most
-   ``prefill_chunk`` prompt tokens (engine/spec_decode/chunked_prefill.py);
+   then the others' decode; while others decode, a round prefills at most ``prefill_chunk``
+   prompt tokens per token a decoding row gets (``PrefillPace``; spec_decode/chunked_prefill.py);
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
 Cache policy: the cache holds what the running sequences use, not what they may use (engine/runtime/
@@ -39,7 +39,7 @@ import torch
 
 from engine.core.errors import EngineError
 from engine.runtime import isolation
-from engine.runtime.admission import Admission, SchedulerLimits
+from engine.runtime.admission import Admission, PrefillPace, SchedulerLimits
 from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.kv_growth import CacheUse, fit
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
@@ -82,7 +82,7 @@ class Scheduler:
         window (None: no caps)."""
         self.loop, self.tokenizer, self.policy, self._costs, self.device = loop, loop.tokenizer, policy, costs, device
         self.max_batch = limits.max_batch
-        self.idle_exit_s, self.prefill_chunk = limits.idle_exit_s, limits.prefill_chunk
+        self.idle_exit_s, self.pace = limits.idle_exit_s, PrefillPace(limits.prefill_chunk)  # (prefill budget)
         self.k_max = policy.k_max if policy is not None else 0
         self.totals = Totals()
         self._lock = threading.Condition()
@@ -260,7 +260,7 @@ class Scheduler:
         seqs = [x.seq for x in self._running]
         new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
         if new:  # a budget of prompt tokens only while others decode
-            split = split_prefill(new, self.prefill_chunk if len(new) < len(seqs) else None)
+            split = split_prefill(new, self.pace.budget() if len(new) < len(seqs) else None)
             if split.chunks:
                 self._prefill(split.chunks)
             if split.finish:  # their first step drafts nothing (DecodeLoop.k_for)
@@ -312,6 +312,8 @@ class Scheduler:
         t2 = time.perf_counter()
         if tuned is not None and clean and not prefill and self.tuner is not None:
             self.tuner.record(len(seqs), tuned.arm, t2 - t1, tuned.yields(events))
+        if clean and not prefill:
+            self.pace.record(len(seqs), sum(len(toks) for _, toks in events))
         with self._lock:
             if clean:
                 self._failed_streak = 0
