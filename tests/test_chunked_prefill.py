@@ -16,6 +16,7 @@ from engine.core.errors import InvalidConfigError
 from engine.runtime.admission import PrefillPace
 from engine.runtime.scheduler import RequestFailedError
 from engine.spec_decode.chunked_prefill import split_prefill
+from engine.spec_decode.k_caps import NO_CAP
 from engine.spec_decode.seq import Seq
 
 SHORT = [[5, 6, 7], [9, 10, 11, 12]]
@@ -40,19 +41,25 @@ def test_each_round_prefills_at_most_the_budget_a_begun_prefill_first():
 
 
 def test_the_budget_is_the_chunk_per_token_each_decoding_row_was_given():
-    pace = PrefillPace(16, decay=0.5)
-    assert pace.budget() == 16  # before any round
+    pace, free = PrefillPace(16, decay=0.5), NO_CAP
+    assert pace.budget(free) == 16  # before any round
     pace.record(4, 4)  # plain rounds: one token a row
-    assert pace.budget() == 16
+    assert pace.budget(free) == 16
     pace.record(4, 12)  # three a row: the mean (1 x 0.5 + 3) / 1.5
-    assert pace.budget() == round(16 * 3.5 / 1.5)
+    assert pace.budget(free) == round(16 * 3.5 / 1.5) and pace.budget(1) == 32  # the load window's cap 1: 2 a row
     pace.record(0, 0)  # no decoding row: nothing learnt
-    assert pace.budget() == round(16 * 3.5 / 1.5)
+    assert pace.budget(free) == round(16 * 3.5 / 1.5)
     for _ in range(30):
         pace.record(8, 8)
-    assert pace.budget() == 16  # back to the chunk, never below it
+    assert pace.budget(free) == 16  # back to the chunk, never below it
     pace.record(2, 0)  # rows that ended committed nothing: still at least the chunk
-    assert pace.budget() == 16 and PrefillPace(None).budget() is None
+    assert pace.budget(free) == 16 and pace.budget(0) == 16 and PrefillPace(None).budget(free) is None
+
+
+@pytest.mark.parametrize("chunk, decay", [(0, 0.8), (-1, 0.8), (8, 1.0), (8, -0.1)])
+def test_a_bad_pace_is_named(chunk, decay):
+    with pytest.raises(ValueError, match="chunk=|decay="):
+        PrefillPace(chunk, decay)
 
 
 def test_the_samples_of_a_prompt_follow_their_source():
@@ -104,8 +111,11 @@ def test_a_prompt_joining_in_chunks_keeps_every_output(ckpt_dir, draft_dir, eagl
     eng = _engine(ckpt_dir, draft, drafter)
     counted = CountedForward(eng.loop.target)
     eng.loop.target = counted
-    budgets, budget = [], eng.scheduler.pace.budget  # each round's while others decode
-    eng.scheduler.pace.budget = lambda: (budgets.append(budget()), budgets[-1])[1]
+    pace = eng.scheduler.pace
+    budgets, budget = [], pace.budget  # each round's while others decode
+    pace.budget = lambda cap: (budgets.append(budget(cap)), budgets[-1])[1]
+    decoded, record = [], pace.record  # (rows, tokens) of each decode round
+    pace.record = lambda rows, n: (decoded.append((rows, n)), record(rows, n))[1]
     chunks, prefill = [], eng.loop.prefill  # (LONG's?, tokens, the round's budget) of each chunk
     eng.loop.prefill = lambda c: (chunks.append([(s.prompt == LONG, n, budgets[-1]) for s, n in c]), prefill(c))[1]
     reqs = _join_late(eng, [LONG], params)
@@ -122,6 +132,8 @@ def test_a_prompt_joining_in_chunks_keeps_every_output(ckpt_dir, draft_dir, eagl
     assert 0 < len(LONG) - sum(c[0][1] for c in chunks) <= budgets[-1]
     assert all(CHUNK <= b <= 4 * CHUNK for b in budgets) and (drafter is not None or set(budgets) == {CHUNK})
     assert drafter != "model" or max(budgets) > CHUNK  # its drafts are accepted: more prompt tokens a round
+    # decode rounds of the 3 rows at most, each row at most K + 1 tokens
+    assert decoded and all(1 <= rows <= 3 and 0 < n <= 4 * rows for rows, n in decoded)
     assert (1, chunks[0][0][1]) in counted.widths and not any(w[1] >= len(LONG) for w in counted.widths)
 
 

@@ -28,8 +28,8 @@ class SchedulerLimits:
     idle_exit_s: float = 0.5
     """The worker exits after this long without work (the next submission restarts it)."""
     prefill_chunk: int | None = None
-    """Prompt tokens prefilled per round while other requests decode, per token each decoding row is given in a
-    round (``PrefillPace``; engine/spec_decode/chunked_prefill.py); None: a joining prompt prefills whole."""
+    """Prompt tokens prefilled while other requests decode, per token a decoding row gets in a round
+    (``PrefillPace``; engine/spec_decode/chunked_prefill.py); None: a joining prompt prefills whole."""
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -41,29 +41,39 @@ class PrefillPace:
     """The prompt tokens a round may prefill while other requests decode: ``chunk`` per token each decoding row
     was given in recent rounds (a decayed mean of the tokens committed per row and round: 1 without drafts).
 
-    A joining prompt then stalls the running streams by at most ``chunk`` tokens' forward per token they receive,
-    with speculation as without it. A round that commits several tokens per row prefills as many times more: with
-    a budget per round, the prompts' share of the work would fall as speculation speeds the decoding up, and under
-    load (the rows of finished requests refilled at once) the rows waiting for their prefill would pile up."""
+    A joining prompt then stalls the running streams, on average over recent rounds, by at most ``chunk`` tokens'
+    forward per token they receive, with speculation as without it; a round that commits several tokens per row
+    prefills as many times more (each round's stall grows with it). With a budget per round, the prompts' share of
+    the work would fall as speculation speeds the decoding up, and their first tokens wait longer than without it."""
 
     chunk: int | None
     """Prompt tokens per decoded token of a row (``SchedulerLimits.prefill_chunk``); None: no budget."""
     decay: float = 0.8
-    """Weight of the past in the mean, per decode round."""
-    _given: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed [tokens per row, rounds]
+    """Weight of the past in the mean, per decode round (in [0, 1))."""
+    _tokens: float = field(default=0.0, init=False, repr=False)
+    """Decayed sum of the tokens committed per decoding row, per decode round."""
+    _rounds: float = field(default=0.0, init=False, repr=False)
+    """Decayed count of the decode rounds recorded."""
 
-    def budget(self) -> int | None:
-        """This round's prompt tokens (None: no budget)."""
+    def __post_init__(self) -> None:
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk={self.chunk} is invalid: allowed an int >= 1 or None")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay={self.decay} is invalid: allowed a float in [0, 1)")
+
+    def budget(self, k_cap: int) -> int | None:
+        """This round's prompt tokens (None: no budget); ``k_cap``, the round's K cap (the load window's), caps the
+        mean at ``k_cap + 1`` tokens per row."""
         if self.chunk is None:
             return None
-        tokens, rounds = self._given
-        return round(self.chunk * max(1.0, tokens / rounds)) if rounds > 0 else self.chunk
+        per_row = self._tokens / self._rounds if self._rounds > 0 else 1.0
+        return round(self.chunk * min(max(1.0, per_row), k_cap + 1.0))
 
     def record(self, rows: int, committed: int) -> None:
         """A decode round over ``rows`` decoding rows committed ``committed`` tokens."""
         if rows > 0:
-            t, n = self._given
-            self._given = [self.decay * t + committed / rows, self.decay * n + 1.0]
+            self._tokens = self.decay * self._tokens + committed / rows
+            self._rounds = self.decay * self._rounds + 1.0
 
 
 class Admission:

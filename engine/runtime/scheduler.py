@@ -11,7 +11,7 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
 3. runs ``DecodeLoop.step`` over every running sequence: the requests that
    joined this round first (their prefill, and their first tokens handed out),
    then the others' decode; while others decode, a round prefills at most ``prefill_chunk``
-   prompt tokens per token a decoding row gets (``PrefillPace``; spec_decode/chunked_prefill.py);
+   prompt tokens per token a decoding row gets (``PrefillPace``, engine/spec_decode/chunked_prefill.py);
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
 Cache policy: the cache holds what the running sequences use, not what they may use (engine/runtime/
@@ -260,7 +260,7 @@ class Scheduler:
         seqs = [x.seq for x in self._running]
         new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
         if new:  # a budget of prompt tokens only while others decode
-            split = split_prefill(new, self.pace.budget() if len(new) < len(seqs) else None)
+            split = split_prefill(new, self.pace.budget(self.k_cap) if len(new) < len(seqs) else None)
             if split.chunks:
                 self._prefill(split.chunks)
             if split.finish:  # their first step drafts nothing (DecodeLoop.k_for)

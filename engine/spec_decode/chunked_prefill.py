@@ -5,9 +5,9 @@ small CPU holds every running stream for the time of a 300-token forward. With a
 (the scheduler's: engine/runtime/admission.py ``PrefillPace``), each round prefills at most that many
 (``split_prefill``): a prompt whose rest fits finishes its prefill in the round's joining step (and samples its
 first token there); one that does not fit computes the keys and values of its next ``budget`` tokens
-(``prefill_chunk``) and joins a later round. Nothing is sampled from a chunk, so outputs are those of an unchunked
-prefill. Prompts whose prefill shares another's (the ``n`` samples
-of one prompt) follow their source: they start from its copy in the round its prefill finishes.
+(``prefill_chunk`` below) and joins a later round. Nothing is sampled from a chunk, so outputs are those of an
+unchunked prefill. Prompts whose prefill shares another's (the ``n`` samples of one prompt) follow their source:
+they start from its copy in the round its prefill finishes.
 """
 
 from __future__ import annotations
