@@ -29,11 +29,8 @@ class SchedulerLimits:
     """The worker exits after this long without work (the next submission restarts it)."""
     prefill_chunk: int | None = None
     """Prompt tokens prefilled while other requests decode, per token a decoding row gets in a round
-    (``PrefillPace``; engine/spec_decode/chunked_prefill.py); None: a joining prompt prefills whole."""
-
-    def __post_init__(self) -> None:
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk={self.prefill_chunk} is invalid: allowed an int >= 1 or None")
+    (``PrefillPace``, which checks it; engine/spec_decode/chunked_prefill.py); None: a joining prompt prefills
+    whole."""
 
 
 @dataclass
