@@ -137,6 +137,31 @@ def test_a_prompt_joining_in_chunks_keeps_every_output(ckpt_dir, draft_dir, eagl
     assert (1, chunks[0][0][1]) in counted.widths and not any(w[1] >= len(LONG) for w in counted.widths)
 
 
+def test_prompts_prefill_in_the_order_they_came_not_by_row(ckpt_dir):
+    """p2 waits in row 3 behind p1's chunks; p3 comes later into row 0 (freed by a short request): p2 goes first."""
+    eng = Engine.from_pretrained(ckpt_dir, limits=Limits(max_batch=4, prefill_chunk=CHUNK))
+    p1, p2, p3 = ([(7 * j + d) % 280 + 3 for j in range(40)] for d in (0, 1, 2))
+    order, prefill = [], eng.loop.prefill  # each prompt the first time a chunk of it runs
+    eng.loop.prefill = lambda c: ([order.append(s.prompt) for s, _ in c if s.prompt not in order], prefill(c))[1]
+    reqs, steps, short_done = {}, {"n": 0}, []
+
+    def late() -> None:  # before each step: the short one ends in the 4th (its 4th token)
+        steps["n"] += 1
+        if steps["n"] == 2:
+            reqs["p1"], reqs["p2"] = eng.submit_many([p1, p2], [SamplingParams(max_new_tokens=2)] * 2)
+        if steps["n"] == 5:  # p3 takes row 0, below p2's, while p1 is in its chunks
+            short_done.append(reqs["short"].done())
+            reqs["p3"] = eng.submit(p3, SamplingParams(max_new_tokens=2))
+
+    eng.scheduler.on_round = late
+    both = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=40)]
+    reqs["short"], reqs["long"] = eng.submit_many(SHORT, both)
+    reqs["long"].result(timeout=TIMEOUT)
+    eng.scheduler.on_round = None
+    assert short_done == [True] and all(r.result(timeout=TIMEOUT).finish_reason == "length" for r in reqs.values())
+    assert order == [p1, p2, p3]  # (by row, p3 in row 0 would go before p2 in row 3)
+
+
 def test_the_samples_of_a_chunked_prompt_share_its_prefill(ckpt_dir, draft_dir):
     params = [SamplingParams(max_new_tokens=16, temperature=0.9, seed=11 + i) for i in range(5)]
     solo_eng = _engine(ckpt_dir, draft_dir, "model", None)

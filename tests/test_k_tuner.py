@@ -8,7 +8,9 @@ from collections import Counter
 import pytest
 
 from engine.runtime.k_tuner import PLAIN, Arm, KTuner, RowYield, bucket
-from engine.spec_decode.adaptive import Acceptance, chain_tokens, expected_tokens
+from engine.runtime.tuned_rounds import controller
+from engine.spec_decode.adaptive import Acceptance, Costs, KPolicy, chain_tokens, expected_tokens
+from engine.spec_decode.sampling import SamplingParams
 
 flat = Acceptance.flat
 
@@ -164,6 +166,22 @@ def test_its_acceptance_is_what_the_rows_of_chain_rounds_accepted():
     for _ in range(20):
         tuner.record(3, Arm(2), 1.0, [RowYield(flat(0.9), 2), RowYield(flat(0.9), 1), RowYield(flat(0.9), 3)])
     assert tuner.acceptance() == pytest.approx((2 / 3, 1 / 2))
+
+
+def test_a_new_tuned_row_starts_from_the_tuners_acceptance():
+    """A row whose K is the tuner's (greedy; seeded sampling only with position noise) starts from the acceptance
+    the tuner measured; another keeps the policy's prior. Costs are asked for by the cost-model policy alone."""
+    tuner, policy, asked = KTuner(k_max=4, k_start=2), KPolicy(prior_a=0.7), []
+    for _ in range(20):
+        tuner.record(2, Arm(2), 1.0, [RowYield(flat(0.9), 3), RowYield(flat(0.9), 1)])
+    costs = lambda: asked.append(1) or Costs(c=0.1, v={1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})  # noqa: E731
+    greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)
+    assert controller(policy, tuner, greedy, False, costs).split == pytest.approx((0.5, 1.0))
+    assert controller(policy, tuner, seeded, True, costs).split == pytest.approx((0.5, 1.0))
+    assert controller(policy, tuner, seeded, False, costs).split == pytest.approx((0.7, 0.7))
+    assert controller(policy, None, greedy, False, costs).split == pytest.approx((0.7, 0.7))
+    assert controller(None, tuner, greedy, False, costs) is None and not asked
+    assert controller(KPolicy(name="cost-model"), None, greedy, False, costs).k >= 1 and asked == [1]
 
 
 # ---------------------------------------------------------------- trees beside chains

@@ -12,9 +12,11 @@ memory to grow is not there, the requests that needed it end with ``RequestFaile
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.spec_decode.loop import DecodeLoop
+from engine.spec_decode.seq import Seq
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,15 @@ class CacheUse:
     """The longest sequence's tokens + K headroom + the scratch slot."""
     reach: int
     """The positions the longest running request may reach (its prompt + max_new_tokens + the same headroom)."""
+
+    @classmethod
+    def of(cls, seqs: Sequence[Seq], k_max: int) -> CacheUse:
+        """The running ``seqs``' use, with ``k_max`` drafts of headroom and the scratch slot."""
+        return cls(
+            rows=max(s.row for s in seqs) + 1,
+            positions=max(len(s.tokens) for s in seqs) + k_max + 2,
+            reach=max(len(s.prompt) + s.params.max_new_tokens for s in seqs) + k_max + 2,
+        )
 
 
 def grown_size(have: tuple[int, int], use: CacheUse, max_batch: int) -> tuple[int, int] | None:

@@ -30,6 +30,17 @@ class Completion:
     stats: dict[str, Any] = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when SamplingParams.logprobs asked
 
+    @classmethod
+    def of(cls, s: Seq, text: str) -> Completion:
+        """A finished sequence's output (``text``: its final text)."""
+        logprobs = None if s.logprobs is None else list(s.logprobs)
+        return cls(text, s.generated, s.finish_reason or "length", s.prompt, s.stats.to_dict(), logprobs)
+
+    @classmethod
+    def unstarted(cls, prompt: list[int]) -> Completion:
+        """A request cancelled before it was admitted."""
+        return cls(text="", token_ids=[], finish_reason="cancelled", prompt_token_ids=prompt)
+
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 

@@ -11,7 +11,8 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
 3. runs ``DecodeLoop.step`` over every running sequence: the requests that
    joined this round first (their prefill, and their first tokens handed out),
    then the others' decode; while others decode, a round prefills at most ``prefill_chunk``
-   prompt tokens per token a decoding row gets (``PrefillPace``, engine/spec_decode/chunked_prefill.py);
+   prompt tokens per token a decoding row gets (``PrefillPace``, engine/spec_decode/chunked_prefill.py),
+   the prompts in the order they came;
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
 Cache policy: the cache holds what the running sequences use, not what they may use (engine/runtime/
@@ -32,7 +33,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,10 +45,10 @@ from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.kv_growth import CacheUse, fit
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
-from engine.runtime.tuned_rounds import TunedRows, round_arm
-from engine.spec_decode.adaptive import Costs, KController, KPolicy
+from engine.runtime.tuned_rounds import TunedRows, controller, round_arm
+from engine.spec_decode.adaptive import Costs, KPolicy
 from engine.spec_decode.chunked_prefill import split_prefill
-from engine.spec_decode.k_caps import NO_CAP, KCaps, tunable_params
+from engine.spec_decode.k_caps import NO_CAP, KCaps
 from engine.spec_decode.loop import DecodeLoop
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
@@ -100,10 +101,6 @@ class Scheduler:
         self._failed_streak = 0  # rounds that raised since the last one that did not
 
     # ------------------------------------------------------------ submission
-    def need(self, prompt: list[int], params: SamplingParams) -> int:
-        """Cache positions a request needs at most: its tokens, K headroom and the scratch slot."""
-        return len(prompt) + params.max_new_tokens + self.k_max + 2
-
     def submit(
         self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], drive: bool = False
     ) -> list[Request]:
@@ -226,16 +223,10 @@ class Scheduler:
     def _start(self, r: Request, row: int, sibling: Seq | None) -> Seq:
         """The request's sequence in ``row``: its seeded generator and K controller (outside the lock: costs may be
         measured); ``sibling``: the first admitted sequence of the same prompt, whose prefill it shares."""
-        sp, pol = r.params, self.policy
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        if pol is not None and self.tuner is not None and tunable_params(sp, self.loop.position_noise):
-            # its K is the tuner's: so its prior
-            prior = self.tuner.acceptance()
-            pol = pol if prior is None else replace(pol, prior_a=prior.rest, prior_first=prior.first)
-        # costs are measured (once) only for the cost-model policy
-        k_ctl = None if pol is None else KController(pol, self._costs() if pol.name == "cost-model" else None)
-        return Seq(prompt=r.prompt, params=sp, generator=gen, row=row, k_ctl=k_ctl, prefill_from=sibling)
+        gen.manual_seed(r.params.seed if r.params.seed is not None else secrets.randbits(63))
+        k_ctl = controller(self.policy, self.tuner, r.params, self.loop.position_noise, self._costs)
+        return Seq(prompt=r.prompt, params=r.params, generator=gen, row=row, k_ctl=k_ctl, prefill_from=sibling)
 
     def _free(self, row: int) -> None:
         with self._lock:
@@ -258,7 +249,8 @@ class Scheduler:
             return
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
-        new = [s for s in seqs if s.tlen < len(s.prompt)]  # (with those waiting for their prefill)
+        by_arrival = sorted(self._running, key=lambda x: x.request.submitted_at)  # the budget's order: not by row
+        new = [x.seq for x in by_arrival if x.seq.tlen < len(x.seq.prompt)]  # (with those waiting for their prefill)
         if new:  # a budget of prompt tokens only while others decode
             split = split_prefill(new, self.pace.budget(self.k_cap) if len(new) < len(seqs) else None)
             if split.chunks:
@@ -276,12 +268,7 @@ class Scheduler:
         """Grow the cache, keeping every row, to hold this round of every running sequence (engine/runtime/
         kv_growth.py). When the memory for that size is not there, the exact size this round needs is tried; when
         that fails too, the requests that needed the room end with RequestFailedError and the others go on."""
-        seqs = [x.seq for x in self._running]
-        use = CacheUse(
-            rows=max(s.row for s in seqs) + 1,
-            positions=max(len(s.tokens) for s in seqs) + self.k_max + 2,
-            reach=max(self.need(s.prompt, s.params) for s in seqs),
-        )
+        use = CacheUse.of([x.seq for x in self._running], self.k_max)
         have, why = fit(self.loop, use, self.max_batch)
         if why is None:
             return
@@ -395,21 +382,12 @@ class Scheduler:
         x.request.deliver(list(new), lps, final=None if error else s, error=error)
 
     def _completion(self, s: Seq) -> Completion:
-        return Completion(
-            text=self.loop.final_text(s),
-            token_ids=s.generated,
-            finish_reason=s.finish_reason or "length",
-            prompt_token_ids=s.prompt,
-            stats=s.stats.to_dict(),
-            logprobs=None if s.logprobs is None else list(s.logprobs),
-        )
+        return Completion.of(s, self.loop.final_text(s))
 
     def _finish_unstarted(self, r: Request) -> None:
         self.totals.requests += 1
         self.totals.finished["cancelled"] += 1
-        r.deliver(
-            [], completion=Completion(text="", token_ids=[], finish_reason="cancelled", prompt_token_ids=r.prompt)
-        )
+        r.deliver([], completion=Completion.unstarted(r.prompt))
 
     def health(self, stall_s: float, max_failed_rounds: int) -> str | None:
         """What keeps the engine from making progress, or None: a round running longer than ``stall_s``,

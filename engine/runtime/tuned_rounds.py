@@ -1,4 +1,5 @@
-"""The K tuner's side of a scheduler round: the arm a round runs, and what the tuner learns from the round.
+"""The K tuner's side of a scheduler round: a new row's K controller (its prior the tuner's acceptance), the arm
+a round runs, and what the tuner learns from the round.
 
 The tuner (engine/runtime/k_tuner.py) knows arms, round times and acceptances, not sequences; this module reads
 those from the round's sequences. A row is tuned when its K is the tuner's (``k_caps.tunable``): greedy rows,
@@ -7,12 +8,13 @@ sampled rows without a seed, and seeded ones where sampled rows draw one uniform
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from engine.runtime.k_tuner import Arm, KTuner, RowYield
-from engine.spec_decode.adaptive import Acceptance
-from engine.spec_decode.k_caps import tunable
+from engine.spec_decode.adaptive import Acceptance, Costs, KController, KPolicy
+from engine.spec_decode.k_caps import tunable, tunable_params
+from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
 
@@ -26,6 +28,23 @@ def round_arm(tuner: KTuner | None, seqs: Sequence[Seq], position_noise: bool) -
         return None
     arm = tuner.choose(len(seqs), [s.k_ctl.split for s in rows])
     return Arm(arm.k, True) if len(rows) < len(seqs) else arm
+
+
+def controller(
+    policy: KPolicy | None,
+    tuner: KTuner | None,
+    params: SamplingParams,
+    position_noise: bool,
+    costs: Callable[[], Costs | None],
+) -> KController | None:
+    """A new sequence's K controller (None: plain decoding). A row whose K is the tuner's starts from the tuner's
+    acceptance as its prior; ``costs`` is called only for the cost-model policy (it may measure them, once)."""
+    if policy is None:
+        return None
+    if tuner is not None and tunable_params(params, position_noise):
+        prior = tuner.acceptance()
+        policy = policy if prior is None else replace(policy, prior_a=prior.rest, prior_first=prior.first)
+    return KController(policy, costs() if policy.name == "cost-model" else None)
 
 
 @dataclass(frozen=True)
