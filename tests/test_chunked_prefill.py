@@ -143,7 +143,7 @@ def test_prompts_prefill_in_the_order_they_came_not_by_row(ckpt_dir):
     p1, p2, p3 = ([(7 * j + d) % 280 + 3 for j in range(40)] for d in (0, 1, 2))
     order, prefill = [], eng.loop.prefill  # each prompt the first time a chunk of it runs
     eng.loop.prefill = lambda c: ([order.append(s.prompt) for s, _ in c if s.prompt not in order], prefill(c))[1]
-    reqs, steps, short_done = {}, {"n": 0}, []
+    reqs, steps, short_done, begun = {}, {"n": 0}, [], []  # begun: the prompts in their prefill when p3 came
 
     def late() -> None:  # before each step: the short one ends in the 4th (its 4th token)
         steps["n"] += 1
@@ -151,6 +151,7 @@ def test_prompts_prefill_in_the_order_they_came_not_by_row(ckpt_dir):
             reqs["p1"], reqs["p2"] = eng.submit_many([p1, p2], [SamplingParams(max_new_tokens=2)] * 2)
         if steps["n"] == 5:  # p3 takes row 0, below p2's, while p1 is in its chunks
             short_done.append(reqs["short"].done())
+            begun.append(list(order))
             reqs["p3"] = eng.submit(p3, SamplingParams(max_new_tokens=2))
 
     eng.scheduler.on_round = late
@@ -158,7 +159,8 @@ def test_prompts_prefill_in_the_order_they_came_not_by_row(ckpt_dir):
     reqs["short"], reqs["long"] = eng.submit_many(SHORT, both)
     reqs["long"].result(timeout=TIMEOUT)
     eng.scheduler.on_round = None
-    assert short_done == [True] and all(r.result(timeout=TIMEOUT).finish_reason == "length" for r in reqs.values())
+    assert short_done == [True] and begun == [[p1]]
+    assert all(r.result(timeout=TIMEOUT).finish_reason == "length" for r in reqs.values())
     assert order == [p1, p2, p3]  # (by row, p3 in row 0 would go before p2 in row 3)
 
 

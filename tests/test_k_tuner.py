@@ -174,7 +174,7 @@ def test_a_new_tuned_row_starts_from_the_tuners_acceptance():
     tuner, policy, asked = KTuner(k_max=4, k_start=2), KPolicy(prior_a=0.7), []
     for _ in range(20):
         tuner.record(2, Arm(2), 1.0, [RowYield(flat(0.9), 3), RowYield(flat(0.9), 1)])
-    costs = lambda: asked.append(1) or Costs(c=0.1, v={1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})  # noqa: E731
+    costs = lambda: asked.append(1) or Costs(c=0.1, v={1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4})
     greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)
     assert controller(policy, tuner, greedy, False, costs).split == pytest.approx((0.5, 1.0))
     assert controller(policy, tuner, seeded, True, costs).split == pytest.approx((0.5, 1.0))

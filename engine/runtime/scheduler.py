@@ -12,7 +12,7 @@ Callers (any thread) validate their request, then ``submit`` it and wait on its
    joined this round first (their prefill, and their first tokens handed out),
    then the others' decode; while others decode, a round prefills at most ``prefill_chunk``
    prompt tokens per token a decoding row gets (``PrefillPace``, engine/spec_decode/chunked_prefill.py),
-   the prompts in the order they came;
+   a prefill begun first, then the prompts in the order they came;
 4. hands each request its new tokens; a finished request leaves and frees its row.
 
 Cache policy: the cache holds what the running sequences use, not what they may use (engine/runtime/
