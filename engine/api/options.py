@@ -232,7 +232,8 @@ class Limits:
     """Prompt tokens prefilled while other requests decode, per token each decoding row is given in a round (a
     decayed mean: one in plain rounds, more where drafts are accepted), so that a joining prompt stalls the
     running streams, on average over recent rounds, for at most that many tokens' forward per token they
-    receive (chunked prefill); None: a prompt prefills whole."""
+    receive (chunked prefill; a prefill begun first, then the prompts in the order they came); None: a prompt
+    prefills whole."""
 
     def __post_init__(self) -> None:
         _int("limits.max_batch", self.max_batch, 1, 1 << 16)
