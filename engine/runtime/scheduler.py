@@ -249,8 +249,8 @@ class Scheduler:
             return
         self._running.sort(key=lambda x: x.seq.row)
         seqs = [x.seq for x in self._running]
-        by_arrival = sorted(self._running, key=lambda x: x.request.submitted_at)  # the budget's order: not by row
-        new = [x.seq for x in by_arrival if x.seq.tlen < len(x.seq.prompt)]  # (with those waiting for their prefill)
+        joining = [x for x in self._running if x.seq.tlen < len(x.seq.prompt)]  # (with those waiting for a prefill)
+        new = [x.seq for x in sorted(joining, key=lambda x: x.request.submitted_at)]  # the budget's order: not by row
         if new:  # a budget of prompt tokens only while others decode
             split = split_prefill(new, self.pace.budget(self.k_cap) if len(new) < len(seqs) else None)
             if split.chunks:
