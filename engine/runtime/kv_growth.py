@@ -37,20 +37,25 @@ class CacheUse:
     @classmethod
     def of(cls, seqs: Sequence[Seq], k_max: int) -> CacheUse:
         """The running ``seqs``' use, with ``k_max`` drafts of headroom and the scratch slot."""
+        extra = k_max + 2
         return cls(
             rows=max(s.row for s in seqs) + 1,
-            positions=max(len(s.tokens) for s in seqs) + k_max + 2,
-            reach=max(len(s.prompt) + s.params.max_new_tokens for s in seqs) + k_max + 2,
+            positions=max(len(s.tokens) for s in seqs) + extra,
+            reach=max(len(s.prompt) + s.params.max_new_tokens for s in seqs) + extra,
         )
+
+    def fits(self, size: tuple[int, int]) -> bool:
+        """Whether a cache of ``size`` (rows, positions) holds this use."""
+        return self.rows <= size[0] and self.positions <= size[1]
 
 
 def grown_size(have: tuple[int, int], use: CacheUse, max_batch: int) -> tuple[int, int] | None:
     """(rows, positions) the cache of ``have`` (rows, positions; (0, 0) when there is none) grows to, or None when
     it holds ``use`` already. Rows at least double, to a power of two within ``max_batch``; positions at least
     double, within ``use.reach`` rounded up to POSITION_STEP."""
-    rows, positions = have
-    if use.rows <= rows and use.positions <= positions:
+    if use.fits(have):
         return None
+    rows, positions = have
     if use.rows > rows:  # a power of two: a batch's CUDA-graph bucket fits (engine/kernels/cudagraphs.py)
         rows = min(max_batch, 1 << (max(use.rows, 2 * rows) - 1).bit_length())
     if use.positions > positions:

@@ -273,7 +273,7 @@ class Scheduler:
         if why is None:
             return
         for x in list(self._running):
-            if x.seq.row >= have[0] or len(x.seq.tokens) + self.k_max + 2 > have[1]:
+            if not CacheUse.of([x.seq], self.k_max).fits(have):
                 self._retire(x, RequestFailedError(why))
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
