@@ -248,11 +248,10 @@ class Scheduler:
         if not self._running:
             return
         self._running.sort(key=lambda x: x.seq.row)
-        seqs = [x.seq for x in self._running]
         joining = [x for x in self._running if x.seq.tlen < len(x.seq.prompt)]  # (with those waiting for a prefill)
         new = [x.seq for x in sorted(joining, key=lambda x: x.request.submitted_at)]  # the budget's order: not by row
         if new:  # a budget of prompt tokens only while others decode
-            split = split_prefill(new, self.pace.budget(self.k_cap) if len(new) < len(seqs) else None)
+            split = split_prefill(new, self.pace.budget(self.k_cap) if len(new) < len(self._running) else None)
             if split.chunks:
                 self._prefill(split.chunks)
             if split.finish:  # their first step drafts nothing (DecodeLoop.k_for)
