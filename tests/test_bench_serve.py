@@ -279,3 +279,12 @@ def test_argument_errors(capsys):
         bench_serve.main(["--url", "http://127.0.0.1:1", "--dataset", "random"])
     assert "--tokenizer" in capsys.readouterr().err
     assert bench_serve.split_argv(["--url", "u", "--", "--target", "t"]) == (["--url", "u"], ["--target", "t"])
+
+
+def test_a_points_requests_by_default():
+    """4 per client, at least 32 (fewer runs at concurrency 1 spread by 10%); 32 per request rate; or as given."""
+    args = bench_serve.build_parser().parse_args([])
+    assert [bench_serve.point_size(args, "concurrency", c) for c in (1, 8, 16, 64)] == [32, 32, 64, 256]
+    assert bench_serve.point_size(args, "rate", 2.0) == 32
+    args = bench_serve.build_parser().parse_args(["--num-prompts", "5"])
+    assert bench_serve.point_size(args, "concurrency", 64) == 5
