@@ -282,7 +282,7 @@ def test_argument_errors(capsys):
 
 
 def test_a_points_requests_by_default():
-    """4 per client, at least 32 (fewer runs at concurrency 1 spread by 10%); 32 per request rate; or as given."""
+    """4 per client, at least 32 (runs of 8 at concurrency 1 spread by 11%); 32 per request rate; or as given."""
     args = bench_serve.build_parser().parse_args([])
     assert [bench_serve.point_size(args, "concurrency", c) for c in (1, 8, 16, 64)] == [32, 32, 64, 256]
     assert bench_serve.point_size(args, "rate", 2.0) == 32

@@ -267,8 +267,8 @@ def run_all(args: argparse.Namespace, servers: Sequence[Server], slos: dict[str,
 
 
 def point_size(args: argparse.Namespace, mode: str, x: float) -> int:
-    """Requests per point: --num-prompts, else 4 x the concurrency (at least 32: fewer short runs spread by 10%
-    at concurrency 1), or 32 per request rate."""
+    """Requests per point: --num-prompts, else 4 x the concurrency (at least 32: runs of 8 at concurrency 1
+    spread by 11%), or 32 per request rate."""
     return args.num_prompts or (max(32, 4 * int(x)) if mode == "concurrency" else 32)
 
 
