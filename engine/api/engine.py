@@ -335,11 +335,13 @@ class Engine:
 
 
 def _runtime_stats(engine: Engine) -> dict[str, Any]:
-    """CUDA graph counters and capture time, GPU memory/utilization and the load window (None when off)."""
+    """CUDA graph counters and capture time, GPU memory/utilization, the load window and the K tuner's figures (None
+    when off)."""
     gov = engine.scheduler.governor
     return {
         "cuda_graphs": graph_stats(engine.cuda_graphs),
         "gpu": gpu_stats(engine.device, engine.gpu_reader),
         "load_window": None if gov is None else gov.snapshot(),
         "k_tuner": None if engine.scheduler.tuner is None else engine.scheduler.tuner.snapshot(),
+        "draft_cost": None if engine.scheduler.tuner is None else engine.scheduler.draft_cost.snapshot(),
     }

@@ -67,12 +67,14 @@ PLAIN = Arm(0)
 
 
 class RowYield(NamedTuple):
-    """A tuned row's share of a round: its running acceptance before the round, the tokens it committed and whether
-    it drafted (a copy drafter's row without a match drafts nothing)."""
+    """A tuned row's share of a round: its running acceptance before the round, the tokens it committed, whether
+    it drafted (a copy drafter's row without a match drafts nothing) and how many drafts it verified (None: the
+    arm's K; a copy drafter drafts fewer where its match is short, engine/runtime/draft_cost.py)."""
 
     acceptance: Acceptance
     committed: float
     drafted: bool = True
+    drafts: int | None = None
 
 
 @dataclass
@@ -267,7 +269,8 @@ class KTuner:
             d = self.population_decay
             self._drafting[0] = d * self._drafting[0] + sum(r.drafted for r in rows)
             self._drafting[1] = d * self._drafting[1] + len(rows)
-            obs = [split_observation(arm.k, min(max(r.committed - 1.0, 0.0), arm.k)) for r in rows if r.drafted]
+            ks = [(r, arm.k if r.drafts is None else max(1, min(r.drafts, arm.k))) for r in rows if r.drafted]
+            obs = [split_observation(k, min(max(r.committed - 1.0, 0.0), k)) for r, k in ks]
             first, rest = self._first, self._rest
             first[0], first[1] = d * first[0] + sum(o[0] for o in obs), d * first[1] + len(obs)
             rest[0], rest[1] = d * rest[0] + sum(o[1] for o in obs), d * rest[1] + sum(o[2] for o in obs)

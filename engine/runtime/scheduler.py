@@ -41,11 +41,12 @@ import torch
 from engine.core.errors import EngineError
 from engine.runtime import isolation
 from engine.runtime.admission import Admission, PrefillPace, SchedulerLimits
+from engine.runtime.draft_cost import DraftCost
 from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.kv_growth import CacheUse, fit
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
-from engine.runtime.tuned_rounds import TunedRows, controller, round_arm
+from engine.runtime.tuned_rounds import TunedRows, controller, drafted, round_arm
 from engine.spec_decode.adaptive import Costs, KPolicy
 from engine.spec_decode.chunked_prefill import split_prefill
 from engine.spec_decode.k_caps import NO_CAP, KCaps
@@ -94,6 +95,7 @@ class Scheduler:
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor = governor
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
+        self.draft_cost = DraftCost()  # with the tuner: the acceptance a draft token needs at the running batch
         self.batch_cap = limits.max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)
@@ -260,7 +262,9 @@ class Scheduler:
         running = [x.seq for x in self._running if x.seq.tlen >= len(x.seq.prompt)]
         if running:
             arm = round_arm(self.tuner, running, self.loop.position_noise)
-            caps = KCaps(all=self.k_cap, tuned=None if arm is None else arm.k, tree=arm is None or arm.tree)
+            need = 0.0 if arm is None else self.draft_cost.min_accept(len(running))  # (a tuned round's drafts)
+            tuned, tree = None if arm is None else arm.k, arm is None or arm.tree
+            caps = KCaps(all=self.k_cap, tuned=tuned, tree=tree, min_accept=need)
             self._run_part(running, caps, arm)
 
     def _fit_cache(self) -> None:
@@ -283,7 +287,7 @@ class Scheduler:
         tuned = None if arm is None or self.tuner is None else TunedRows.of(seqs, arm, self.loop.position_noise)
         t0 = t1 = time.perf_counter()
         self._round_started = time.monotonic()
-        rounds, clean = 1, True
+        rounds, clean, drafted0 = 1, True, drafted(seqs)
         try:
             if self.on_round is not None:
                 self.on_round()
@@ -298,6 +302,7 @@ class Scheduler:
         t2 = time.perf_counter()
         if tuned is not None and clean and not prefill and self.tuner is not None:
             self.tuner.record(len(seqs), tuned.arm, t2 - t1, tuned.yields(events))
+            self.draft_cost.record(len(seqs), drafted(seqs) - drafted0, sum(len(t) for _, t in events), t2 - t1)
         if clean and not prefill:
             self.pace.record(len(seqs), sum(len(toks) for _, toks in events))
         with self._lock:

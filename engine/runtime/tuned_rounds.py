@@ -73,9 +73,15 @@ class TunedRows:
         )
 
     def yields(self, events: Sequence[tuple[Seq, list[int]]]) -> list[RowYield]:
-        """After the round: each such row that did not end, its tokens committed and whether it drafted."""
-        return [
-            RowYield(self.before[id(s)][0], len(new), s.stats.drafted > self.before[id(s)][1])
-            for s, new in events
-            if id(s) in self.before and not s.finished
-        ]
+        """After the round: each such row that did not end, its tokens committed, whether it drafted and how many."""
+        out = []
+        for s, new in events:
+            if id(s) in self.before and not s.finished:
+                acc, before = self.before[id(s)]
+                out.append(RowYield(acc, len(new), s.stats.drafted > before, s.stats.drafted - before))
+        return out
+
+
+def drafted(seqs: Sequence[Seq]) -> int:
+    """The draft tokens the sequences have had verified so far (a round's: the difference across it)."""
+    return sum(s.stats.drafted for s in seqs)

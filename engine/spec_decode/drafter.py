@@ -71,6 +71,10 @@ class DraftBatch:
     tree: bool = True
     """Whether a drafter configured for trees drafts them this round (False: chains; the serving layer measured
     chains faster at this batch, ``KCaps.tree``)."""
+    min_accept: float = 0.0
+    """The chance of acceptance a draft token must have to pay for its verification at the running batch
+    (engine/runtime/draft_cost.py; 0: every draft pays). A drafter that estimates its drafts' acceptance (n-gram)
+    proposes none below it; the others ignore it."""
     chains: list[bool] | None = None
     """Rows that take a chain in a tree round (None: none): they read their drafts in order (penalties, min_tokens,
     a sliding window), are sampled under a grammar, or are greedy rows of a sampled batch. The loop cuts what it

@@ -24,6 +24,9 @@ class KCaps:
     """Whether a drafter configured for trees (``tree_branches`` > 1) drafts trees this round; False: chains (the
     tuner measured chains faster at this batch). The serving layer keeps it True while a row that is not ``tunable``
     runs: its draws depend on its draft's shape."""
+    min_accept: float = 0.0
+    """The chance of acceptance a draft token must have to be drafted (``DraftBatch.min_accept``; 0: no cut), from
+    the running batch's measured rounds (engine/runtime/draft_cost.py)."""
 
 
 def tunable(s: Seq, position_noise: bool) -> bool:

@@ -73,7 +73,7 @@ class RoundPlan:
     noise: PositionNoise | RoundNoise | None  # None: an all-greedy batch (no draws)
     waiting: dict[int, list[Seq]]  # sequences waiting for a row's prefill, by that row's id
     grammar: GrammarRound | None = None  # the rows' grammars (None: no row is constrained)
-    tree: bool = True  # whether a drafter configured for trees drafts them this round (KCaps.tree)
+    caps: KCaps = KCaps()  # the serving layer's: whether a tree drafter drafts trees, the drafts' min acceptance
 
     @property
     def greedy(self) -> bool:
@@ -217,7 +217,7 @@ class DecodeLoop:
                 noise = PositionNoise.draw(gens, ks, sampled, dev)
             else:
                 noise = RoundNoise.draw(gens, ks, sampled, self.vocab, dev)
-        return RoundPlan(active, ks, proc, noise, waiting, grammar, caps.tree)
+        return RoundPlan(active, ks, proc, noise, waiting, grammar, caps)
 
     def _grammar_round(self, active: list[Seq], ks: list[int]) -> GrammarRound | None:
         """The round's grammar work, each constrained row's matcher made on its first round."""
@@ -244,7 +244,7 @@ class DecodeLoop:
         batch = DraftBatch(
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
-            tree=plan.tree, chains=chains,
+            tree=plan.caps.tree, chains=chains, min_accept=plan.caps.min_accept,
         )  # fmt: skip
         g = plan.grammar
         if g is not None and g.all_forced:  # the grammar drafts every row: no drafter

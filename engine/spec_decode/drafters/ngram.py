@@ -3,6 +3,14 @@
 With ``branches`` > 1 the continuations of up to that many earlier occurrences (latest first, the longest n
 that matches) are merged into one draft tree (a trie: shared prefixes once, siblings distinct), within the
 row's node budget; the latest occurrence's continuation is the first branch, so one branch is the chain.
+
+A chain's length follows its evidence: how far the match reaches back (the n tokens matched, extended backwards
+while the tokens before both occurrences agree, up to ``MATCH_CAP``) predicts how many of the copied tokens the
+target accepts. ``MatchAcceptance`` learns, per match length m and draft position i, the share of chains that
+drafted i tokens and had their first i accepted; a round's ``DraftBatch.min_accept`` (the acceptance a draft token
+must reach to pay for its verification at the running batch, engine/runtime/draft_cost.py) cuts each row's chain
+before its first position below it. Drafting depends only on the committed tokens and past rounds, never on
+this round's draws.
 """
 
 from __future__ import annotations
@@ -12,11 +20,52 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed
+from engine.spec_decode.drafter import Committed, DraftBatch, DrafterContext, FeatureNeed, SeqStates
 from engine.spec_decode.proposal import Proposal
 
 if TYPE_CHECKING:
     from engine.spec_decode.seq import Seq
+
+MATCH_CAP = 16  # a match is measured back this far at most
+
+
+class MatchAcceptance:
+    """Per match length m (1..MATCH_CAP) and draft position i (1..positions): of the chains that drafted at least i
+    tokens, the share whose first i were accepted. A cell starts optimistic (``prior`` pseudo-chains all
+    accepted), so a cell is drafted until its own chains say it does not pay; counts are halved past ``window``
+    chains, so the estimate follows the text."""
+
+    def __init__(self, positions: int = 16, prior: float = 4.0, window: float = 2000.0) -> None:
+        self.positions, self.prior, self.window = positions, prior, window
+        self._tried = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
+        self._hit = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
+
+    def estimate(self, m: int, i: int) -> float:
+        """The chance that a chain of match length m has its first i drafts accepted."""
+        m, i = min(m, MATCH_CAP), min(i, self.positions)
+        return float((self._hit[m, i] + self.prior) / (self._tried[m, i] + self.prior))
+
+    def chains(self, m: int, i: int) -> float:
+        """The (halved past ``window``) count of verified chains of match length m that drafted at least i tokens."""
+        return float(self._tried[min(m, MATCH_CAP), min(i, self.positions)])
+
+    def length(self, m: int, k: int, min_accept: float) -> int:
+        """The drafts (at most k) whose estimates all reach ``min_accept``."""
+        n = 0
+        while n < k and (min_accept <= 0.0 or self.estimate(m, n + 1) >= min_accept):
+            n += 1
+        return n
+
+    def record(self, m: int, drafted: int, accepted: int) -> None:
+        """A verified chain of ``drafted`` tokens at match length m, its first ``accepted`` accepted."""
+        m, d = min(m, MATCH_CAP), min(drafted, self.positions)
+        if d <= 0:
+            return
+        self._tried[m, 1 : d + 1] += 1.0
+        self._hit[m, 1 : min(accepted, d) + 1] += 1.0
+        if self._tried[m, 1] > self.window:
+            self._tried[m] *= 0.5
+            self._hit[m] *= 0.5
 
 
 class NGramDrafter:
@@ -28,19 +77,30 @@ class NGramDrafter:
 
     def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1) -> None:
         self.n_max, self.n_min, self.branches = n_max, n_min, branches
+        self.acceptance = MatchAcceptance()
+        self._chain: SeqStates[list[int]] = SeqStates(lambda: [0, 0])  # per row: [match length, drafts] proposed
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> NGramDrafter:
         return cls(branches=ctx.options.get("tree_branches", 1))
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix (n_max..n_min tokens)."""
+        return self.match(tokens, k)[1]
+
+    def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(the match length, the continuation of at most k tokens): the latest earlier occurrence of the longest
+        suffix of n_max..n_min tokens, its match extended backwards up to MATCH_CAP tokens; (0, []) where none."""
         L = len(tokens)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             tail = tokens[L - n :]
             for start in range(L - n - 1, -1, -1):  # latest earlier occurrence first
                 if tokens[start : start + n] == tail:
-                    return tokens[start + n : start + n + k]
-        return []
+                    m = n
+                    while m < MATCH_CAP and start - (m - n) > 0 and tokens[start - (m - n) - 1] == tokens[L - m - 1]:
+                        m += 1
+                    return m, tokens[start + n : start + n + k]
+        return 0, []
 
     def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
         """What followed up to ``branches`` earlier occurrences of the longest matching suffix, latest first."""
@@ -59,7 +119,12 @@ class NGramDrafter:
     def propose(self, batch: DraftBatch) -> Proposal:
         if batch.tree and self.branches > 1:
             return self._propose_tree(batch)
-        props = [self.lookup(s.tokens, batch.k) for s in batch.seqs]
+        props = []
+        for s, kb in zip(batch.seqs, batch.ks):
+            m, cont = self.match(s.tokens, kb)
+            cont = cont[: self.acceptance.length(m, len(cont), batch.min_accept)]
+            self._chain(s)[:] = [m, len(cont)]
+            props.append(cont)
         out = torch.zeros(len(props), batch.k, dtype=torch.long)
         for b, p in enumerate(props):
             if p:
@@ -74,6 +139,7 @@ class NGramDrafter:
         parents = torch.full((B, k), -1, dtype=torch.long)
         counts = []
         for b, s in enumerate(batch.seqs):
+            self._chain(s)[:] = [0, 0]  # (a tree's accepted path teaches the chain estimate nothing)
             conts = self.continuations(s.tokens, batch.ks[b])
             nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node
             at = [-1] * len(conts)  # each continuation's node so far (None once cut by the budget)
@@ -90,7 +156,11 @@ class NGramDrafter:
         return Proposal(tokens.to(batch.device), None, counts, parents.to(batch.device))
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
-        pass  # no state: it reads the tokens
+        """A verified chain teaches the match-length estimate (a tree's round, or none drafted, teaches nothing)."""
+        chain = self._chain.get(seq)
+        if chain is not None and outcome.drafted:
+            self.acceptance.record(chain[0], chain[1], outcome.accepted)
+            chain[:] = [0, 0]
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
         pass

@@ -1,0 +1,175 @@
+"""The acceptance a draft token needs at the running batch (engine/runtime/draft_cost.py) and the n-gram drafter's
+chains cut by what its matches have been worth (engine/spec_decode/drafters/ngram.py). Oracles: least squares on
+synthetic round times with known coefficients, counts written out by hand, and plain decoding's tokens (greedy, and
+seeded sampling) with the cut under concurrent load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from util import PROMPTS
+
+from engine import Engine, SamplingParams
+from engine.api.options import SpeculationConfig
+from engine.runtime.draft_cost import DraftCost
+from engine.runtime.k_tuner import Arm, KTuner, RowYield
+from engine.spec_decode.adaptive import Acceptance
+from engine.spec_decode.drafter import Committed, DraftBatch
+from engine.spec_decode.drafters.ngram import MATCH_CAP, MatchAcceptance, NGramDrafter
+from engine.spec_decode.sampling import RowProcessing
+from engine.spec_decode.seq import Seq
+
+
+@pytest.mark.parametrize("rows_vary", [True, False])
+def test_it_reads_the_draft_tokens_cost_and_asks_beta_times_the_rate(rows_vary: bool) -> None:
+    """Round times a + g B + beta D (+-2% noise) at buckets 8 and 64: beta to within 5%, per bucket, with the rows'
+    cost held apart; the threshold is beta times the committed tokens per second."""
+    rng = random.Random(0)
+    cost = DraftCost(decay=0.995)
+    truth = {8: (0.015, 0.0016, 0.0015), 64: (0.02, 0.0022, 0.0018)}  # a, g, beta
+    tokens = {8: 0.0, 64: 0.0}
+    seconds = {8: 0.0, 64: 0.0}
+    for _ in range(600):
+        for top, (a, g, beta) in truth.items():
+            b = rng.randint(top // 2 + 1, top) if rows_vary else top
+            d = rng.randint(0, 4 * b) if rng.random() < 0.8 else 0
+            t = (a + g * b + beta * d) * rng.uniform(0.98, 1.02)
+            n = b + rng.randint(0, d)
+            cost.record(b, d, n, t)
+            tokens[top] += n
+            seconds[top] += t
+    for top, (_, _, beta) in truth.items():
+        got = cost.marginal(top)
+        assert got is not None and got == pytest.approx(beta, rel=0.05)
+        rate = cost.rate(top)
+        assert rate is not None and rate == pytest.approx(tokens[top] / seconds[top], rel=0.1)
+        assert cost.min_accept(top) == pytest.approx(min(cost.cap, got * rate))
+    assert 0.1 < cost.min_accept(8) < cost.min_accept(64) <= cost.cap
+    assert set(cost.snapshot()) == {"8", "64"}
+
+
+def test_it_asks_nothing_until_it_can_read_a_slope() -> None:
+    """Too few rounds, drafts that never varied, or a slope that is not positive: no threshold (0)."""
+    cost = DraftCost()
+    for _ in range(5):
+        cost.record(4, 8, 6, 0.02)
+    assert cost.min_accept(4) == 0.0 and cost.marginal(4) is None  # 5 rounds < min_rounds
+    for _ in range(20):
+        cost.record(4, 8, 6, 0.02)
+    assert cost.marginal(4) is None and cost.min_accept(4) == 0.0  # the drafts never varied
+    falling = DraftCost()
+    for i in range(40):
+        falling.record(4, i % 5, 6, 0.03 - 0.001 * (i % 5))  # more drafts, shorter rounds: noise, not a cost
+    assert falling.min_accept(4) == 0.0
+    assert DraftCost().min_accept(1) == 0.0  # a bucket never seen
+
+
+def test_match_acceptance_counts_chains_by_match_length_and_position() -> None:
+    est = MatchAcceptance(positions=4, prior=2.0)
+    assert est.estimate(3, 1) == 1.0 and est.length(3, 4, 0.9) == 4  # optimistic before any chain
+    est.record(3, drafted=4, accepted=1)
+    est.record(3, drafted=4, accepted=3)
+    est.record(3, drafted=2, accepted=2)
+    est.record(3, drafted=0, accepted=0)  # nothing drafted: nothing learnt
+    # position i: (chains whose first i were accepted + prior) / (chains that drafted i + prior)
+    assert [est.estimate(3, i) for i in (1, 2, 3, 4)] == pytest.approx([5 / 5, 4 / 5, 3 / 4, 2 / 4])
+    assert est.estimate(2, 1) == 1.0  # other match lengths untouched
+    assert est.length(3, 4, 0.7) == 3 and est.length(3, 4, 0.78) == 2 and est.length(3, 2, 0.0) == 2
+    assert est.length(3, 4, 0.0) == 4  # no threshold: the whole chain
+    est.record(MATCH_CAP + 9, drafted=1, accepted=0)  # longer matches share the last cell
+    assert est.estimate(MATCH_CAP, 1) == pytest.approx(2 / 3)
+
+
+def test_the_match_reaches_back_past_the_n_gram() -> None:
+    d = NGramDrafter(n_max=3)
+    toks = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6]  # 1..6 occurred before: a match of 6 through [4, 5, 6]
+    assert d.match(toks, 3) == (6, [7, 8, 1])
+    assert d.lookup(toks, 3) == [7, 8, 1]
+    assert d.match([5, 1, 2, 7, 1, 2], 2) == (2, [7, 1])
+    assert d.match([1, 2, 3], 2) == (0, [])
+    long = [4] * 40
+    assert d.match(long, 2)[0] == MATCH_CAP
+
+
+def _batch(seqs: list[Seq], k: int, min_accept: float) -> DraftBatch:
+    params = [SamplingParams(max_new_tokens=50)] * len(seqs)
+    proc = RowProcessing.of(params, torch.device("cpu"), vocab=32)
+    return DraftBatch(
+        seqs=seqs, rows=None, processing=proc, k=k, ks=[k] * len(seqs), noise=None, vocab=32, scratch_pos=63,
+        target_cache=None, device=torch.device("cpu"), min_accept=min_accept,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_the_n_gram_drafter_cuts_each_chain_where_its_match_has_not_paid() -> None:
+    """Short matches whose chains were rejected draft nothing at a threshold of 0.5, a long one drafts its whole
+    chain; at 0 every chain is whole; a verified chain teaches the estimate, a tree's round does not."""
+    d = NGramDrafter()
+    for _ in range(20):
+        d.acceptance.record(1, drafted=4, accepted=0)
+        d.acceptance.record(MATCH_CAP, drafted=4, accepted=4)
+    sp = SamplingParams(max_new_tokens=50)
+    short = Seq([20, 7, 21, 22, 7], sp, torch.Generator())  # [7] occurred once before: a match of 1
+    long = Seq([*range(1, 18), 0, *range(1, 17)], sp, torch.Generator())  # 1..16 occurred before: a match of 16
+    cut = d.propose(_batch([short, long], 4, 0.5))
+    assert cut.row_counts() == [0, 4] and cut.tokens[1].tolist() == [17, 0, 1, 2]
+    assert d.propose(_batch([short, long], 4, 0.0)).row_counts() == [3, 4]
+    before = d.acceptance.estimate(1, 1)
+    d.commit(short, Committed(len(short.tokens), 0, 4, True))
+    assert d.acceptance.estimate(1, 1) < before  # its one draft, rejected
+    tree = NGramDrafter(branches=2)
+    tree.propose(_batch([short], 4, 0.0))
+    tree.commit(short, Committed(len(short.tokens), 0, 4, True))
+    assert tree.acceptance.estimate(1, 1) == 1.0  # a tree's round: not a chain of this match
+
+
+def test_the_tuner_learns_a_cut_chain_as_the_drafts_it_verified() -> None:
+    """A row that drafted 2 of the arm's 6 and had both accepted is no rejection: the later drafts' successes
+    without a failure."""
+    tuner = KTuner(k_max=6, k_start=6)
+    tuner.record(8, Arm(6), 0.01, [RowYield(Acceptance(0.5, 0.5), 3.0, True, 2)] * 4)
+    acc = tuner.acceptance()
+    assert acc is not None and acc.first == 1.0 and acc.rest == 1.0
+
+
+class _Strict(DraftCost):
+    """A threshold fixed high, so that the cut runs in every tuned round."""
+
+    def min_accept(self, batch: int) -> float:
+        return 0.6
+
+
+class _Drafting(KTuner):
+    """Chains of 4 every round (a random model's drafts may measure slower than plain rounds)."""
+
+    def choose(self, batch: int, acceptance: object) -> Arm:
+        return Arm(4)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_outputs_stay_plain_decodings_with_chains_cut_under_load(ckpt_dir, sampled: bool) -> None:
+    """With the cut in every round, beside other requests: greedy rows give plain decoding's tokens, seeded sampled
+    rows plain sampling's for their seeds; the cut ran (some matched rows drafted nothing)."""
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0.9 if sampled else 0.0, seed=i if sampled else None)
+        for i in range(4)
+    ]
+    prompts = [[5 + i, 6, 7, 8, 9] * 5 + [5 + i] for i in range(4)]  # copies to draft, of every match length
+    ref = [o.token_ids for o in Engine.from_pretrained(ckpt_dir).generate(prompts, params)]
+    eng = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=4))
+    eng.scheduler.draft_cost, eng.scheduler.tuner = _Strict(), _Drafting(k_max=4, k_start=4)
+    drafter = eng.drafter
+    assert isinstance(drafter, NGramDrafter)
+    est = drafter.acceptance
+    for m in (1, 2):  # short matches that have not paid: cut
+        for _ in range(10):
+            est.record(m, drafted=4, accepted=0)
+    cuts, length = [], est.length
+    est.length = lambda m, k, need: (cuts.append(length(m, k, need) < k), cuts[-1])[1]  # type: ignore[method-assign]
+    others = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in ((12, 0.0), (30, 1.0), (7, 0.5))]
+    reqs = eng.submit_many([*prompts, PROMPTS[1], PROMPTS[2], PROMPTS[3]], [*params, *others])
+    assert [r.result(timeout=120).token_ids for r in reqs][:4] == ref
+    cut = [length(m, k, need) for m, k, need in [(1, 4, 0.6), (2, 4, 0.6)]]
+    assert cut == [0, 0] and any(cuts) and not all(cuts)  # chains were cut, others drafted whole
+    assert eng.stats()["drafted"] > 0
