@@ -10,10 +10,10 @@ at batch 1 a draft token costs a small share of the round and nearly every draft
 Per batch bucket (the running batch rounded up to a power of two, as the K tuner's) the tuner feeds each measured
 round's rows, drafted tokens, committed tokens and wall time; beta is the least-squares slope of the round time on
 the drafted tokens with the rows held apart (decayed sums, ``decay`` per round), and R the decayed committed tokens
-per second. Until a bucket has ``min_rounds`` rounds with drafted tokens that vary, or where the fit is not
-positive, it asks nothing of the drafts (0). A drafter that estimates its drafts' acceptance (n-gram: by the
-length of its match, engine/spec_decode/drafters/ngram.py) drafts only the tokens that reach it. The threshold
-depends only on rounds already run, so sampling stays exact.
+per second. Until a bucket has ``min_rounds`` (decayed) rounds with drafted tokens that vary apart from the rows,
+or where the slope is not positive, it asks nothing of the drafts (0). A drafter that estimates its drafts'
+acceptance (n-gram: by the length of its match, engine/spec_decode/drafters/ngram.py) drafts only the tokens that
+reach it. The threshold depends only on rounds already run, so sampling stays exact.
 """
 
 from __future__ import annotations
@@ -64,8 +64,10 @@ class DraftCost:
         if dd <= 1e-9:
             return None  # the drafted tokens did not vary: no slope to read
         det = rr * dd - rd * rd
-        if rr <= 1e-9 or det <= 1e-6 * rr * dd:  # the rows did not vary (or moved with the drafts): one regressor
+        if rr <= 1e-9:  # the rows did not vary: the drafts alone
             beta = dt / dd
+        elif det <= 1e-6 * rr * dd:
+            return None  # the drafts moved with the rows: their costs cannot be told apart
         else:
             beta = (rr * dt - rd * rt) / det
         return beta if beta > 0 else None

@@ -250,9 +250,10 @@ class KTuner:
 
     def record(self, batch: int, arm: Arm, seconds: float, rows: Sequence[RowYield] = ()) -> None:
         """One round's wall time at ``arm`` and, per tuned row that could draft the arm's full K and did not end, its
-        acceptance before the round, the tokens it committed and whether it drafted (a round that prefilled is
-        not recorded: its prefill dominates). A tree where the drafter drafts none, or of one node or none, is filed
-        under the chain arm of its K: that is what ran."""
+        acceptance before the round, the tokens it committed, whether it drafted and how many drafts it verified (a
+        chain's observation is censored at those; a round that prefilled is not recorded: its prefill dominates). A
+        tree where the drafter drafts none, or of one node or none, is filed under the chain arm of its K: that is
+        what ran."""
         arm = Arm(arm.k, arm.tree and self.trees and arm.k > 1)
         b, now = bucket(batch), self._rounds.get(bucket(batch), 0)
         w = self.decay ** max(1.0, (now - self._at.get((b, arm), now)) / self.explore)  # the past's weight

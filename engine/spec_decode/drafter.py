@@ -74,7 +74,8 @@ class DraftBatch:
     min_accept: float = 0.0
     """The chance of acceptance a draft token must have to pay for its verification at the running batch
     (engine/runtime/draft_cost.py; 0: every draft pays). A drafter that estimates its drafts' acceptance (n-gram)
-    proposes none below it; the others ignore it."""
+    proposes none below it; the others ignore it. Set only for drafters of fixed tokens (``Drafter.samples``
+    False), whose sampled rows' tokens do not depend on their drafts."""
     chains: list[bool] | None = None
     """Rows that take a chain in a tree round (None: none): they read their drafts in order (penalties, min_tokens,
     a sliding window), are sampled under a grammar, or are greedy rows of a sampled batch. The loop cuts what it
@@ -96,6 +97,8 @@ class Committed:
     features: Tensor | None = None
     """The target's features the drafter reads (``FeatureNeed``): LAST [H]; ALL [m, H] for the positions
     committed from the last round's end on (None where the drafter reads none)."""
+    verified: int = 0
+    """The row's drafts the target verified (its proposal after the loop's cuts: the row's K_b, a grammar's)."""
 
 
 @runtime_checkable

@@ -244,7 +244,7 @@ class DecodeLoop:
         batch = DraftBatch(
             seqs=plan.seqs, rows=rows, processing=plan.processing, k=kmax, ks=plan.ks, noise=draft_noise,
             vocab=self.vocab, scratch_pos=self.cache.max_seq_len - 1, target_cache=self.cache, device=dev,
-            tree=plan.caps.tree, chains=chains, min_accept=plan.caps.min_accept,
+            tree=plan.caps.tree, chains=chains, min_accept=plan.caps.min_accept if self.position_noise else 0.0,
         )  # fmt: skip
         g = plan.grammar
         if g is not None and g.all_forced:  # the grammar drafts every row: no drafter
@@ -328,7 +328,7 @@ class DecodeLoop:
             feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
             if s.prompt_features and feats is not None:  # the prompt's positions prefilled in chunks first
                 feats, s.prompt_features = torch.cat([*s.prompt_features, feats]), []
-            self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats))
+            self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats, k))
         if id(s) in plan.waiting:
             self._share_prefill(s, plan.waiting[id(s)], steps.scores, b)
         s.stats.record(k, a)

@@ -32,10 +32,11 @@ MATCH_CAP = 16  # a match is measured back this far at most
 class MatchAcceptance:
     """Per match length m (1..MATCH_CAP) and draft position i (1..positions): of the chains that drafted at least i
     tokens, the share whose first i were accepted. A cell starts optimistic (``prior`` pseudo-chains all
-    accepted), so a cell is drafted until its own chains say it does not pay; counts are halved past ``window``
-    chains, so the estimate follows the text."""
+    accepted), so a cell is drafted until its own chains say it does not pay. The counts fade by 1 / ``window`` per
+    round (``age``), whether or not the cell drafted: a cell the cut turned off drifts back to the prior and is
+    tried again (the rarer its chains, the sooner), so the estimate follows the text."""
 
-    def __init__(self, positions: int = 16, prior: float = 4.0, window: float = 2000.0) -> None:
+    def __init__(self, positions: int = 16, prior: float = 4.0, window: float = 500.0) -> None:
         self.positions, self.prior, self.window = positions, prior, window
         self._tried = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
         self._hit = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
@@ -46,7 +47,7 @@ class MatchAcceptance:
         return float((self._hit[m, i] + self.prior) / (self._tried[m, i] + self.prior))
 
     def chains(self, m: int, i: int) -> float:
-        """The (halved past ``window``) count of verified chains of match length m that drafted at least i tokens."""
+        """The (faded) count of verified chains of match length m that drafted at least i tokens."""
         return float(self._tried[min(m, MATCH_CAP), min(i, self.positions)])
 
     def length(self, m: int, k: int, min_accept: float) -> int:
@@ -63,9 +64,12 @@ class MatchAcceptance:
             return
         self._tried[m, 1 : d + 1] += 1.0
         self._hit[m, 1 : min(accepted, d) + 1] += 1.0
-        if self._tried[m, 1] > self.window:
-            self._tried[m] *= 0.5
-            self._hit[m] *= 0.5
+
+    def age(self) -> None:
+        """One round passed: every count fades by 1 / window."""
+        keep = 1.0 - 1.0 / self.window
+        self._tried.mul_(keep)
+        self._hit.mul_(keep)
 
 
 class NGramDrafter:
@@ -117,6 +121,7 @@ class NGramDrafter:
         return found
 
     def propose(self, batch: DraftBatch) -> Proposal:
+        self.acceptance.age()
         if batch.tree and self.branches > 1:
             return self._propose_tree(batch)
         props = []
@@ -159,7 +164,7 @@ class NGramDrafter:
         """A verified chain teaches the match-length estimate (a tree's round, or none drafted, teaches nothing)."""
         chain = self._chain.get(seq)
         if chain is not None and outcome.drafted:
-            self.acceptance.record(chain[0], chain[1], outcome.accepted)
+            self.acceptance.record(chain[0], min(chain[1], outcome.verified), outcome.accepted)
             chain[:] = [0, 0]
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
