@@ -23,26 +23,27 @@ from engine.spec_decode.seq import Seq
 
 
 @pytest.mark.parametrize("rows_vary", [True, False])
-def test_it_reads_the_draft_tokens_cost_and_asks_beta_times_the_rate(rows_vary: bool) -> None:
-    """Round times a + g B + beta D (+-2% noise) at buckets 8 and 64: beta to within 5%, per bucket, with the rows'
-    cost held apart; the threshold is beta times the committed tokens per second."""
+def test_it_reads_a_tokens_cost_and_asks_it_times_the_rate(rows_vary: bool) -> None:
+    """Round times a + c N (+-2% noise) over N verified tokens (a token per row plus the drafts) at buckets 8 and
+    64: c to within 5%, per bucket, whether the rows or only the drafts vary; the threshold is c times the committed
+    tokens per second."""
     rng = random.Random(0)
     cost = DraftCost(decay=0.995)
-    truth = {8: (0.015, 0.0016, 0.0015), 64: (0.02, 0.0022, 0.0018)}  # a, g, beta
+    truth = {8: (0.028, 0.0015), 64: (0.03, 0.0021)}  # a, c
     tokens = {8: 0.0, 64: 0.0}
     seconds = {8: 0.0, 64: 0.0}
     for _ in range(600):
-        for top, (a, g, beta) in truth.items():
+        for top, (a, c) in truth.items():
             b = rng.randint(top // 2 + 1, top) if rows_vary else top
             d = rng.randint(0, 4 * b) if rng.random() < 0.8 else 0
-            t = (a + g * b + beta * d) * rng.uniform(0.98, 1.02)
+            t = (a + c * (b + d)) * rng.uniform(0.98, 1.02)
             n = b + rng.randint(0, d)
-            cost.record(b, d, n, t)
+            cost.record(b + d, n, t, b)
             tokens[top] += n
             seconds[top] += t
-    for top, (_, _, beta) in truth.items():
+    for top, (_, c) in truth.items():
         got = cost.marginal(top)
-        assert got is not None and got == pytest.approx(beta, rel=0.05)
+        assert got is not None and got == pytest.approx(c, rel=0.05)
         rate = cost.rate(top)
         assert rate is not None and rate == pytest.approx(tokens[top] / seconds[top], rel=0.1)
         assert cost.min_accept(top) == pytest.approx(min(cost.cap, got * rate))
@@ -51,26 +52,21 @@ def test_it_reads_the_draft_tokens_cost_and_asks_beta_times_the_rate(rows_vary: 
 
 
 def test_it_asks_nothing_until_it_can_read_a_slope() -> None:
-    """Too few rounds, drafts that never varied, or a slope that is not positive: no threshold (0)."""
+    """Too few rounds, verified tokens that never varied, or a slope that is not positive: no threshold (0)."""
     cost = DraftCost()
     for i in range(6):
-        cost.record(4, 2 * i, 6, 0.02 + 0.001 * i)  # a clean slope of 0.5 ms a draft
+        cost.record(4 + 2 * i, 6, 0.02 + 0.001 * i, 4)  # a clean slope of 0.5 ms a token
     assert cost.min_accept(4) == 0.0 and cost.marginal(4) is None  # 6 rounds < min_rounds
     for i in range(6, 12):
-        cost.record(4, 2 * (i % 6), 6, 0.02 + 0.001 * (i % 6))
+        cost.record(4 + 2 * (i % 6), 6, 0.02 + 0.001 * (i % 6), 4)
     assert cost.marginal(4) == pytest.approx(0.0005) and cost.min_accept(4) > 0.0
     flat = DraftCost()
     for _ in range(20):
-        flat.record(4, 8, 6, 0.02)
-    assert flat.marginal(4) is None and flat.min_accept(4) == 0.0  # the drafts never varied
-    tied = DraftCost()
-    for i in range(20):
-        b = 2 + i % 3
-        tied.record(b, 3 * b, b, 0.01 * b)  # drafts always 3 per row: their cost and the rows' are one
-    assert tied.marginal(4) is None and tied.min_accept(4) == 0.0
+        flat.record(12, 6, 0.02, 4)
+    assert flat.marginal(4) is None and flat.min_accept(4) == 0.0  # the verified tokens never varied
     falling = DraftCost()
     for i in range(40):
-        falling.record(4, i % 5, 6, 0.03 - 0.001 * (i % 5))  # more drafts, shorter rounds: noise, not a cost
+        falling.record(4 + i % 5, 6, 0.03 - 0.001 * (i % 5), 4)  # more tokens, shorter rounds: noise, not a cost
     assert falling.min_accept(4) == 0.0
     assert DraftCost().min_accept(1) == 0.0  # a bucket never seen
 
@@ -153,6 +149,21 @@ def test_the_tuner_learns_a_cut_chain_as_the_drafts_it_verified() -> None:
     tuner.record(8, Arm(6), 0.01, [RowYield(Acceptance(0.5, 0.5), 3.0, True, 2)] * 4)
     acc = tuner.acceptance()
     assert acc is not None and acc.first == 1.0 and acc.rest == 1.0
+
+
+def test_the_tuner_prices_each_bucket_by_its_own_share_of_rows_that_draft() -> None:
+    """The cut drafts fewer rows at a large batch than at a small one: a bucket that recorded 8 rows or more is
+    priced by its own share, one that recorded fewer by the share over every bucket."""
+    tuner = KTuner(k_max=4, k_start=4)
+    for _ in range(3):
+        tuner.record(16, Arm(4), 0.03, [RowYield(Acceptance(0.9, 0.9), 5.0, True, 4)] * 2
+                     + [RowYield(Acceptance(0.9, 0.9), 1.0, False, 0)] * 14)  # fmt: skip
+        tuner.record(4, Arm(4), 0.02, [RowYield(Acceptance(0.9, 0.9), 5.0, True, 4)] * 4)
+    tuner.record(2, Arm(4), 0.02, [RowYield(Acceptance(0.9, 0.9), 5.0, True, 4)] * 2)
+    assert tuner.drafting(16) == pytest.approx(2 / 16, abs=0.01)
+    assert tuner.drafting(4) == pytest.approx(1.0)
+    pooled = tuner.drafting()
+    assert 2 / 16 < pooled < 1.0 and tuner.drafting(2) == pooled  # 2 rows at bucket 2: the pooled share
 
 
 class _Strict(DraftCost):

@@ -12,9 +12,10 @@ rounds it drafted, split at the first draft: ``Acceptance``, first a1 and later 
 1 + a1 (1 - a2^K) / (1 - a2) committed tokens where it drafts (``chain_tokens``; a copy drafter's first draft is
 right far less often than the ones after a right one, and one pooled a would overprice K = 1), and one where it does
 not: a copy drafter's row without a match drafts nothing. The share of tuned rows that draft (``drafting``) is a
-decayed estimate over the rows of recent chain rounds, pooled across K and buckets (a drafter's matches depend on
-the text, not on the batch; 1 for a drafter that always drafts). For a tree of K nodes no such closed form holds
-(it depends on how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's
+decayed estimate over the rows of recent chain rounds, pooled across K, per bucket once the bucket has recorded a
+few rows (a copy drafter's matches depend on the text, but the cut of drafts that do not pay, engine/runtime/
+draft_cost.py, depends on the batch; 1 for a drafter that always drafts). For a tree of K nodes no such closed form
+holds (it depends on how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's
 rounds committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that drafted the arm's full K
 and did not end) and of what their acceptances predicted. The ratio starts at the nearest measured tree's (1, the
 chain's prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per measurement).
@@ -118,6 +119,7 @@ class KTuner:
     _first: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [accepted, rows] decayed, all buckets
     _rest: list[float] = field(default_factory=lambda: [0.0, 0.0])  # later drafts: [successes, trials] decayed
     _drafting: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [drafted, rows] decayed, all buckets
+    _drafting_at: dict[int, list[float]] = field(default_factory=dict)  # the same per bucket
     _at: dict[tuple[int, Arm], int] = field(default_factory=dict)  # (bucket, arm) -> the bucket's round of its last
     _rounds: dict[int, int] = field(default_factory=dict)  # rounds chosen per bucket
     _best: dict[int, Arm] = field(default_factory=dict)  # the last best arm per bucket
@@ -138,7 +140,7 @@ class KTuner:
         rows = max(1, len(acceptance))
         chain = sum(chain_tokens(a, arm.k) for a in acceptance) / rows  # per row that drafts
         if not arm.tree:  # rows without a draft commit one token (a tree's calibration counts them already)
-            m = self.drafting()
+            m = self.drafting(batch)
             return rows * (m * chain + 1.0 - m) / t
         b = bucket(batch)
         prior = self._ratio(b, arm)
@@ -163,9 +165,12 @@ class KTuner:
             return None
         return Acceptance(f / n1, r / n2 if n2 >= 1.0 else f / n1)
 
-    def drafting(self) -> float:
-        """The share of tuned rows of recent chain rounds that drafted (1 before any is recorded)."""
-        d, n = self._drafting
+    def drafting(self, batch: int | None = None) -> float:
+        """The share of tuned rows of recent chain rounds that drafted (1 before any is recorded): at this batch's
+        bucket once it has recorded 8 rows (a cut that depends on the batch, engine/runtime/draft_cost.py, drafts
+        fewer rows at larger ones), else over all buckets."""
+        at = self._drafting_at.get(bucket(batch)) if batch is not None else None
+        d, n = at if at is not None and at[1] >= 8.0 else self._drafting
         return d / n if n >= 1.0 else 1.0
 
     def arms(self) -> list[Arm]:
@@ -268,8 +273,9 @@ class KTuner:
             y[1] = w * y[1] + sum(chain_tokens(r.acceptance, arm.k) for r in rows)
         else:  # a chain's row that drafted accepted committed - 1 of K: a censored geometric observation
             d = self.population_decay
-            self._drafting[0] = d * self._drafting[0] + sum(r.drafted for r in rows)
-            self._drafting[1] = d * self._drafting[1] + len(rows)
+            for share in (self._drafting, self._drafting_at.setdefault(b, [0.0, 0.0])):
+                share[0] = d * share[0] + sum(r.drafted for r in rows)
+                share[1] = d * share[1] + len(rows)
             ks = [(r, arm.k if r.drafts is None else max(1, min(r.drafts, arm.k))) for r in rows if r.drafted]
             obs = [split_observation(k, min(max(r.committed - 1.0, 0.0), k)) for r, k in ks]
             first, rest = self._first, self._rest

@@ -302,7 +302,8 @@ class Scheduler:
         t2 = time.perf_counter()
         if tuned is not None and clean and not prefill and self.tuner is not None:
             self.tuner.record(len(seqs), tuned.arm, t2 - t1, tuned.yields(events))
-            self.draft_cost.record(len(seqs), drafted(seqs) - drafted0, sum(len(t) for _, t in events), t2 - t1)
+            verified = len(seqs) + drafted(seqs) - drafted0
+            self.draft_cost.record(verified, sum(len(t) for _, t in events), t2 - t1, len(seqs))
         if clean and not prefill:
             self.pace.record(len(seqs), sum(len(toks) for _, toks in events))
         with self._lock:
