@@ -97,6 +97,8 @@ class KTuner:
     population_decay: float = 0.95
     """Weight of the past in the tuner's acceptance estimate (``acceptance``) and in its share of rows that draft
     (``drafting``), per recorded chain round."""
+    bucket_rows: float = 8.0
+    """The (decayed) rows a bucket records before its own share of rows that draft prices it (``drafting``)."""
     warmup: int = 2
     """Rounds measured at an arm before its estimate counts."""
     explore: int = 12
@@ -167,10 +169,10 @@ class KTuner:
 
     def drafting(self, batch: int | None = None) -> float:
         """The share of tuned rows of recent chain rounds that drafted (1 before any is recorded): at this batch's
-        bucket once it has recorded 8 rows (a cut that depends on the batch, engine/runtime/draft_cost.py, drafts
-        fewer rows at larger ones), else over all buckets."""
+        bucket once it has recorded ``bucket_rows`` rows (a cut that depends on the batch, engine/runtime/
+        draft_cost.py, drafts fewer rows at larger ones), else over all buckets."""
         at = self._drafting_at.get(bucket(batch)) if batch is not None else None
-        d, n = at if at is not None and at[1] >= 8.0 else self._drafting
+        d, n = at if at is not None and at[1] >= self.bucket_rows else self._drafting
         return d / n if n >= 1.0 else 1.0
 
     def arms(self) -> list[Arm]:

@@ -46,7 +46,7 @@ from engine.runtime.k_tuner import Arm, KTuner
 from engine.runtime.kv_growth import CacheUse, fit
 from engine.runtime.request import Completion, Request, RequestFailedError, Totals
 from engine.runtime.telemetry import LoadGovernor
-from engine.runtime.tuned_rounds import TunedRows, controller, drafted, round_arm
+from engine.runtime.tuned_rounds import TunedRows, controller, round_arm, round_caps
 from engine.spec_decode.adaptive import Costs, KPolicy
 from engine.spec_decode.chunked_prefill import split_prefill
 from engine.spec_decode.k_caps import NO_CAP, KCaps
@@ -262,9 +262,7 @@ class Scheduler:
         running = [x.seq for x in self._running if x.seq.tlen >= len(x.seq.prompt)]
         if running:
             arm = round_arm(self.tuner, running, self.loop.position_noise)
-            need = 0.0 if arm is None else self.draft_cost.min_accept(len(running))  # (a tuned round's drafts)
-            tuned, tree = None if arm is None else arm.k, arm is None or arm.tree
-            caps = KCaps(all=self.k_cap, tuned=tuned, tree=tree, min_accept=need)
+            caps = round_caps(arm, self.draft_cost, len(running), self.k_cap)
             self._run_part(running, caps, arm)
 
     def _fit_cache(self) -> None:
@@ -280,14 +278,14 @@ class Scheduler:
                 self._retire(x, RequestFailedError(why))
 
     def _run_part(self, seqs: list[Seq], caps: KCaps, arm: Arm | None) -> None:
-        """One step over ``seqs`` (isolating the rows that fail), its time told the tuner where ``arm`` (the
-        tuner's) is given and no row prefills, its tokens handed out. The drafter's catch-up on joined prompts
-        runs first, outside the time told."""
+        """One step over ``seqs`` (isolating the rows that fail), its time told the tuner and the draft cost where
+        ``arm`` (the tuner's) is given and no row prefills, its tokens handed out. The drafter's catch-up on joined
+        prompts runs first, outside the time told."""
         prefill = any(s.tlen < len(s.prompt) for s in seqs)  # costs the same at any K: the tuner does not measure it
         tuned = None if arm is None or self.tuner is None else TunedRows.of(seqs, arm, self.loop.position_noise)
         t0 = t1 = time.perf_counter()
         self._round_started = time.monotonic()
-        rounds, clean, drafted0 = 1, True, drafted(seqs)
+        rounds, clean = 1, True
         try:
             if self.on_round is not None:
                 self.on_round()
@@ -301,9 +299,7 @@ class Scheduler:
             self._round_started = None
         t2 = time.perf_counter()
         if tuned is not None and clean and not prefill and self.tuner is not None:
-            self.tuner.record(len(seqs), tuned.arm, t2 - t1, tuned.yields(events))
-            verified = len(seqs) + drafted(seqs) - drafted0
-            self.draft_cost.record(verified, sum(len(t) for _, t in events), t2 - t1, len(seqs))
+            tuned.teach(self.tuner, self.draft_cost, seqs, events, t2 - t1)
         if clean and not prefill:
             self.pace.record(len(seqs), sum(len(toks) for _, toks in events))
         with self._lock:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from engine.runtime.draft_cost import DraftCost
 from engine.runtime.k_tuner import Arm, KTuner, RowYield
 from engine.spec_decode.adaptive import Acceptance, Costs, KController, KPolicy
-from engine.spec_decode.k_caps import tunable, tunable_params
+from engine.spec_decode.k_caps import KCaps, tunable, tunable_params
 from engine.spec_decode.sampling import SamplingParams
 from engine.spec_decode.seq import Seq
 
@@ -28,6 +29,14 @@ def round_arm(tuner: KTuner | None, seqs: Sequence[Seq], position_noise: bool) -
         return None
     arm = tuner.choose(len(seqs), [s.k_ctl.split for s in rows])
     return Arm(arm.k, True) if len(rows) < len(seqs) else arm
+
+
+def round_caps(arm: Arm | None, cost: DraftCost, batch: int, k_cap: int) -> KCaps:
+    """The round's caps: the load window's K cap, and where the tuner chose ``arm``, its K and shape and the
+    acceptance a draft token needs at this batch (engine/runtime/draft_cost.py)."""
+    if arm is None:
+        return KCaps(all=k_cap)
+    return KCaps(all=k_cap, tuned=arm.k, tree=arm.tree, min_accept=cost.min_accept(batch))
 
 
 def controller(
@@ -56,6 +65,7 @@ class TunedRows:
 
     arm: Arm
     before: dict[int, tuple[Acceptance, int]]
+    drafted: int  # every row's drafts verified so far, before the round
 
     @classmethod
     def of(cls, seqs: Sequence[Seq], arm: Arm, position_noise: bool) -> TunedRows:
@@ -70,6 +80,7 @@ class TunedRows:
                 and s.generated
                 and s.params.max_new_tokens - len(s.generated) > arm.k
             },
+            drafted(seqs),
         )
 
     def yields(self, events: Sequence[tuple[Seq, list[int]]]) -> list[RowYield]:
@@ -80,6 +91,15 @@ class TunedRows:
                 acc, before = self.before[id(s)]
                 out.append(RowYield(acc, len(new), s.stats.drafted > before, s.stats.drafted - before))
         return out
+
+    def teach(
+        self, tuner: KTuner, cost: DraftCost, seqs: Sequence[Seq], events: Sequence[tuple[Seq, list[int]]], secs: float
+    ) -> None:
+        """After a measured round over ``seqs``: the tuner its time and the rows' yields, the draft cost its
+        verified tokens (a token per row plus the drafts), committed tokens and time."""
+        tuner.record(len(seqs), self.arm, secs, self.yields(events))
+        verified = len(seqs) + drafted(seqs) - self.drafted
+        cost.record(verified, sum(len(t) for _, t in events), secs, len(seqs))
 
 
 def drafted(seqs: Sequence[Seq]) -> int:

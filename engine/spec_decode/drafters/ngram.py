@@ -40,11 +40,13 @@ class MatchAcceptance:
         self.positions, self.prior, self.window = positions, prior, window
         self._tried = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
         self._hit = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
+        self._rates: list[list[float]] | None = None  # the estimates as lists, made once per change of the counts
 
     def estimate(self, m: int, i: int) -> float:
         """The chance that a chain of match length m has its first i drafts accepted."""
-        m, i = min(m, MATCH_CAP), min(i, self.positions)
-        return float((self._hit[m, i] + self.prior) / (self._tried[m, i] + self.prior))
+        if self._rates is None:
+            self._rates = ((self._hit + self.prior) / (self._tried + self.prior)).tolist()
+        return self._rates[min(m, MATCH_CAP)][min(i, self.positions)]
 
     def chains(self, m: int, i: int) -> float:
         """The (faded) count of verified chains of match length m that drafted at least i tokens."""
@@ -64,12 +66,14 @@ class MatchAcceptance:
             return
         self._tried[m, 1 : d + 1] += 1.0
         self._hit[m, 1 : min(accepted, d) + 1] += 1.0
+        self._rates = None
 
     def age(self) -> None:
         """One round passed: every count fades by 1 / window."""
         keep = 1.0 - 1.0 / self.window
         self._tried.mul_(keep)
         self._hit.mul_(keep)
+        self._rates = None
 
 
 class NGramDrafter:
@@ -83,6 +87,7 @@ class NGramDrafter:
         self.n_max, self.n_min, self.branches = n_max, n_min, branches
         self.acceptance = MatchAcceptance()
         self._chain: SeqStates[list[int]] = SeqStates(lambda: [0, 0])  # per row: [match length, drafts] proposed
+        self._trees = False  # whether the last round proposed trees (a tree's path teaches the chains nothing)
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> NGramDrafter:
@@ -122,7 +127,8 @@ class NGramDrafter:
 
     def propose(self, batch: DraftBatch) -> Proposal:
         self.acceptance.age()
-        if batch.tree and self.branches > 1:
+        self._trees = batch.tree and self.branches > 1
+        if self._trees:
             return self._propose_tree(batch)
         props = []
         for s, kb in zip(batch.seqs, batch.ks):
@@ -144,7 +150,6 @@ class NGramDrafter:
         parents = torch.full((B, k), -1, dtype=torch.long)
         counts = []
         for b, s in enumerate(batch.seqs):
-            self._chain(s)[:] = [0, 0]  # (a tree's accepted path teaches the chain estimate nothing)
             conts = self.continuations(s.tokens, batch.ks[b])
             nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node
             at = [-1] * len(conts)  # each continuation's node so far (None once cut by the budget)
@@ -162,7 +167,7 @@ class NGramDrafter:
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
         """A verified chain teaches the match-length estimate (a tree's round, or none drafted, teaches nothing)."""
-        chain = self._chain.get(seq)
+        chain = None if self._trees else self._chain.get(seq)
         if chain is not None and outcome.drafted:
             self.acceptance.record(chain[0], min(chain[1], outcome.verified), outcome.accepted)
             chain[:] = [0, 0]
