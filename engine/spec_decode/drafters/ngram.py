@@ -7,10 +7,10 @@ row's node budget; the latest occurrence's continuation is the first branch, so 
 A chain's length follows its evidence: how far the match reaches back (the n tokens matched, extended backwards
 while the tokens before both occurrences agree, up to ``MATCH_CAP``) predicts how many of the copied tokens the
 target accepts. ``MatchAcceptance`` learns, per match length m and draft position i, the share of chains that
-drafted i tokens and had their first i accepted; a round's ``DraftBatch.min_accept`` (the acceptance a draft token
-must reach to pay for its verification at the running batch, engine/runtime/draft_cost.py) cuts each row's chain
-before its first position below it. Drafting depends only on the committed tokens and past rounds, never on
-this round's draws.
+drafted at least i tokens and had their first i accepted; a round's ``DraftBatch.min_accept`` (the acceptance a
+draft token must reach to pay for its verification at the running batch, engine/runtime/draft_cost.py) cuts each
+row's chain before its first position below it. Drafting depends only on the committed tokens and past rounds, never
+on this round's draws.
 """
 
 from __future__ import annotations
