@@ -38,19 +38,17 @@ class MatchAcceptance:
 
     def __init__(self, positions: int = 16, prior: float = 4.0, window: float = 500.0) -> None:
         self.positions, self.prior, self.window = positions, prior, window
-        self._tried = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
-        self._hit = torch.zeros(MATCH_CAP + 1, positions + 1, dtype=torch.float64)
-        self._rates: list[list[float]] | None = None  # the estimates as lists, made once per change of the counts
+        self._tried = [[0.0] * (positions + 1) for _ in range(MATCH_CAP + 1)]  # [m][i]
+        self._hit = [[0.0] * (positions + 1) for _ in range(MATCH_CAP + 1)]
 
     def estimate(self, m: int, i: int) -> float:
         """The chance that a chain of match length m has its first i drafts accepted."""
-        if self._rates is None:
-            self._rates = ((self._hit + self.prior) / (self._tried + self.prior)).tolist()
-        return self._rates[min(m, MATCH_CAP)][min(i, self.positions)]
+        m, i = min(m, MATCH_CAP), min(i, self.positions)
+        return (self._hit[m][i] + self.prior) / (self._tried[m][i] + self.prior)
 
     def chains(self, m: int, i: int) -> float:
         """The (faded) count of verified chains of match length m that drafted at least i tokens."""
-        return float(self._tried[min(m, MATCH_CAP), min(i, self.positions)])
+        return self._tried[min(m, MATCH_CAP)][min(i, self.positions)]
 
     def length(self, m: int, k: int, min_accept: float) -> int:
         """The drafts (at most k) whose estimates all reach ``min_accept``."""
@@ -62,18 +60,16 @@ class MatchAcceptance:
     def record(self, m: int, drafted: int, accepted: int) -> None:
         """A verified chain of ``drafted`` tokens at match length m, its first ``accepted`` accepted."""
         m, d = min(m, MATCH_CAP), min(drafted, self.positions)
-        if d <= 0:
-            return
-        self._tried[m, 1 : d + 1] += 1.0
-        self._hit[m, 1 : min(accepted, d) + 1] += 1.0
-        self._rates = None
+        for i in range(1, d + 1):
+            self._tried[m][i] += 1.0
+            self._hit[m][i] += float(i <= accepted)
 
     def age(self) -> None:
         """One round passed: every count fades by 1 / window."""
         keep = 1.0 - 1.0 / self.window
-        self._tried.mul_(keep)
-        self._hit.mul_(keep)
-        self._rates = None
+        for table in (self._tried, self._hit):
+            for row in table:
+                row[:] = [x * keep for x in row]
 
 
 class NGramDrafter:
