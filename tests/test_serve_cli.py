@@ -93,3 +93,12 @@ def test_the_suffix_drafters_global_tree_from_the_command_line(ckpt_dir):
     assert shared.drafter.index is not None
     off, _ = _load("--target", str(ckpt_dir), "--drafter", "suffix", "--suffix-global-tokens", "0", "--no-spec")
     assert off.drafter is None  # --no-spec leaves the drafter's flags unread: one command line serves on and off
+
+
+def test_the_draft_cut_from_the_command_line(ckpt_dir):
+    eng, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram", "--no-draft-cut")
+    assert not eng.policy.draft_cut and eng.scheduler.draft_cost is None
+    on, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram")
+    assert on.policy.draft_cut and on.scheduler.draft_cost is not None
+    off, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram", "--no-draft-cut", "--no-spec")
+    assert off.drafter is None  # one command line serves on and off

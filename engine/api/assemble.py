@@ -306,4 +306,4 @@ def k_policy(spec: SpeculationConfig, drafter: Drafter, trees: bool) -> KPolicy:
     k_max = spec.resolved_k_max if drafter.max_drafts is None else min(spec.resolved_k_max, drafter.max_drafts)
     k = min(spec.k, k_max)
     tree = trees and (spec.tree_branches or 1) > 1
-    return KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max, trees=tree)
+    return KPolicy(name=spec.k_policy, k=k, k_min=min(spec.k_min, k), k_max=k_max, trees=tree, draft_cut=spec.draft_cut)

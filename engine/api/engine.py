@@ -272,6 +272,7 @@ class Engine:
             governor=self.scheduler.governor,
             graphs=graph_stats(self.cuda_graphs),
             tuned=None if self.scheduler.tuner is None else self.scheduler.tuner.best(),
+            draft_cost=_draft_cost(self),
         )
         return engine_samples(self.scheduler.snapshot(), gauges)
 
@@ -343,5 +344,11 @@ def _runtime_stats(engine: Engine) -> dict[str, Any]:
         "gpu": gpu_stats(engine.device, engine.gpu_reader),
         "load_window": None if gov is None else gov.snapshot(),
         "k_tuner": None if engine.scheduler.tuner is None else engine.scheduler.tuner.snapshot(),
-        "draft_cost": None if engine.scheduler.tuner is None else engine.scheduler.draft_cost.snapshot(),
+        "draft_cost": _draft_cost(engine),
     }
+
+
+def _draft_cost(engine: Engine) -> dict[str, dict[str, float | None]] | None:
+    """The tuner's draft cost per batch bucket (engine/runtime/draft_cost.py); None without a tuner or the cut."""
+    cost = engine.scheduler.draft_cost
+    return None if cost is None or engine.scheduler.tuner is None else cost.snapshot()

@@ -68,6 +68,10 @@ class SpeculationConfig:
     suffix_global_tokens: int | None = None
     """The "suffix" drafter's global suffix tree over recent requests' outputs: its bound in tokens (0: none, each
     request drafts from its own prompt and output only); None: 2**20. Only with drafter="suffix"."""
+    draft_cut: bool = True
+    """With the "measured" policy: a drafter that estimates its drafts' acceptance (n-gram) cuts each row's chain
+    before its first draft less likely to be accepted than a draft token costs at the running batch
+    (engine/runtime/draft_cost.py); False: every drafting row drafts the round's K."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -108,6 +112,8 @@ class SpeculationConfig:
             _int("speculation.tree_branches", self.tree_branches, 1, 8)
         if self.suffix_global_tokens is not None:
             _int("speculation.suffix_global_tokens", self.suffix_global_tokens, 0, 1 << 31)
+        if not isinstance(self.draft_cut, bool):
+            raise InvalidConfigError(f"speculation.draft_cut={self.draft_cut!r:.60} is invalid: allowed True or False")
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
@@ -154,6 +160,8 @@ class SpeculationConfig:
             out["tree_branches"] = self.tree_branches
         if self.suffix_global_tokens is not None:
             out["suffix_global_tokens"] = self.suffix_global_tokens
+        if not self.draft_cut:
+            out["draft_cut"] = False
         if self.costs is not None:
             out.update(self.costs.to_dict())
         return out
@@ -171,6 +179,7 @@ class SpeculationConfig:
             prompt_lookup_min=spec.get("prompt_lookup_min"),
             tree_branches=spec.get("tree_branches"),
             suffix_global_tokens=spec.get("suffix_global_tokens"),
+            draft_cut=spec.get("draft_cut", True),
         )
 
 

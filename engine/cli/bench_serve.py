@@ -47,9 +47,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bench_serve")
 
-# "fixedK": K drafts every round (K = 1..8); with "off" (K = 0) a sweep of fixed K for the tuner ("on") to match
+# "fixedK": K drafts every round (K = 1..8); with "off" (K = 0) a sweep of fixed K for the tuner ("on") to match;
+# "nocut": the tuner without the per-row cut of copied chains (SpeculationConfig.draft_cut)
 CONFIGS = {
     "on": [],
+    "nocut": ["--no-draft-cut"],
     "off": ["--no-spec"],
     **{f"fixed{k}": ["--k", str(k), "--k-policy", "constant"] for k in range(1, 9)},
 }
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["on", "off"],
         choices=list(CONFIGS),
-        help="servers to compare: on (the default K tuner), off (--no-spec), fixedK (K constant, 1..8)",
+        help="servers to compare: on (the default K tuner), off (--no-spec), fixedK (K constant, 1..8), nocut "
+        "(--no-draft-cut)",
     )
     ap.add_argument("--concurrency", nargs="+", type=int, default=None, help="closed-loop clients (default 1 4 16)")
     ap.add_argument("--request-rate", "--rate", nargs="+", type=float, default=None, help="Poisson requests/s, inf")

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the suffix drafter's tree over recent requests' outputs, in tokens (0: none; default 2**20)",
     )
     ap.add_argument(
+        "--no-draft-cut",
+        action="store_true",
+        default=None,
+        help="with the measured K policy: n-gram chains are not cut where a draft token does not pay at the batch",
+    )
+    ap.add_argument(
         "--full-check",
         action="store_true",
         help="re-hash every weight file of the profile (default: only files whose size/mtime changed)",
@@ -176,6 +182,7 @@ SPEC_ARGS = (
     "prompt_lookup",
     "tree_branches",
     "suffix_global_tokens",
+    "no_draft_cut",
 )  # with --target only
 
 
@@ -226,6 +233,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
             prompt_lookup_min=args.prompt_lookup,
             tree_branches=args.tree_branches,
             suffix_global_tokens=args.suffix_global_tokens,
+            draft_cut=not args.no_draft_cut,
         )
     )
     eng = Engine.from_pretrained(

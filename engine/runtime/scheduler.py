@@ -95,7 +95,8 @@ class Scheduler:
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor = governor
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
-        self.draft_cost = DraftCost()  # with the tuner: the acceptance a draft token needs at the running batch
+        cut = policy is not None and policy.draft_cut  # with the tuner: the acceptance a draft token needs
+        self.draft_cost = DraftCost() if cut else None
         self.batch_cap = limits.max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)

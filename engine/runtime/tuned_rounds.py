@@ -31,12 +31,12 @@ def round_arm(tuner: KTuner | None, seqs: Sequence[Seq], position_noise: bool) -
     return Arm(arm.k, True) if len(rows) < len(seqs) else arm
 
 
-def round_caps(arm: Arm | None, cost: DraftCost, batch: int, k_cap: int) -> KCaps:
+def round_caps(arm: Arm | None, cost: DraftCost | None, batch: int, k_cap: int) -> KCaps:
     """The round's caps: the load window's K cap, and where the tuner chose ``arm``, its K and shape and the
-    acceptance a draft token needs at this batch (engine/runtime/draft_cost.py)."""
+    acceptance a draft token needs at this batch (engine/runtime/draft_cost.py; ``cost`` None: no cut)."""
     if arm is None:
         return KCaps(all=k_cap)
-    return KCaps(all=k_cap, tuned=arm.k, tree=arm.tree, min_accept=cost.min_accept(batch))
+    return KCaps(all=k_cap, tuned=arm.k, tree=arm.tree, min_accept=0.0 if cost is None else cost.min_accept(batch))
 
 
 def controller(
@@ -93,13 +93,19 @@ class TunedRows:
         return out
 
     def teach(
-        self, tuner: KTuner, cost: DraftCost, seqs: Sequence[Seq], events: Sequence[tuple[Seq, list[int]]], secs: float
+        self,
+        tuner: KTuner,
+        cost: DraftCost | None,
+        seqs: Sequence[Seq],
+        events: Sequence[tuple[Seq, list[int]]],
+        secs: float,
     ) -> None:
-        """After a measured round over ``seqs``: the tuner its time and the rows' yields, the draft cost its
-        verified tokens (a token per row plus the drafts), committed tokens and time."""
+        """After a measured round over ``seqs``: the tuner its time and the rows' yields, the draft cost (None: no
+        cut) its verified tokens (a token per row plus the drafts), committed tokens and time."""
         tuner.record(len(seqs), self.arm, secs, self.yields(events))
-        verified = len(seqs) + drafted(seqs) - self.drafted
-        cost.record(verified, sum(len(t) for _, t in events), secs, len(seqs))
+        if cost is not None:
+            verified = len(seqs) + drafted(seqs) - self.drafted
+            cost.record(verified, sum(len(t) for _, t in events), secs, len(seqs))
 
 
 def drafted(seqs: Sequence[Seq]) -> int:

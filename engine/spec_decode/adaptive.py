@@ -131,6 +131,7 @@ class KPolicy:
     prior_weight: float = 2.0  # pseudo-trials behind the prior
     prior_first: float | None = None  # the first draft's acceptance assumed before any observation (None: prior_a)
     trees: bool = False  # the drafter drafts trees (tree_branches > 1): ``measured`` chooses trees or chains per batch
+    draft_cut: bool = True  # ``measured``: chains cut per row where a draft token does not pay (SpeculationConfig's)
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
