@@ -116,39 +116,41 @@ def _batch(seqs: list[Seq], k: int, min_accept: float) -> DraftBatch:
 
 def test_the_n_gram_drafter_cuts_each_chain_where_its_match_has_not_paid() -> None:
     """Short matches whose chains were rejected draft nothing at a threshold of 0.5, a long one drafts its whole
-    chain; at 0 every chain is whole; a verified chain teaches the estimate, a tree's round does not."""
+    chain; at 0 every chain is whole; a verified chain teaches the estimate, a tree's round does not; greedy and
+    sampled rows keep their estimates apart."""
     d = NGramDrafter()
     for _ in range(20):
-        d.greedy.record(1, drafted=4, accepted=0)
-        d.greedy.record(MATCH_CAP, drafted=4, accepted=4)
+        d.greedy_acceptance.record(1, drafted=4, accepted=0)
+        d.greedy_acceptance.record(MATCH_CAP, drafted=4, accepted=4)
     sp = SamplingParams(max_new_tokens=50)
     short = Seq([20, 7, 21, 22, 7], sp, torch.Generator())  # [7] occurred once before: a match of 1
     long = Seq([*range(1, 18), 0, *range(1, 17)], sp, torch.Generator())  # 1..16 occurred before: a match of 16
     cut = d.propose(_batch([short, long], 4, 0.5))
     assert cut.row_counts() == [0, 4] and cut.tokens[1].tolist() == [17, 0, 1, 2]
     assert d.propose(_batch([short, long], 4, 0.0)).row_counts() == [3, 4]
-    before = d.greedy.estimate(1, 1)
+    before = d.greedy_acceptance.estimate(1, 1)
     d.commit(short, Committed(len(short.tokens), 0, 4, True, verified=3))
-    assert d.greedy.estimate(1, 1) < before  # its chain of 3, rejected at the first
+    assert d.greedy_acceptance.estimate(1, 1) < before  # its chain of 3, rejected at the first
     both = NGramDrafter(branches=2)
     chain_round = _batch([short], 4, 0.0)
     chain_round.tree = False
     both.propose(chain_round)  # a chain round proposed (and, say, failed before its commit) ...
     both.propose(_batch([short], 4, 0.0))  # ... then a tree round
     both.commit(short, Committed(len(short.tokens), 0, 4, True, verified=3))
-    assert both.greedy.chains(1, 1) == 0.0  # a tree's round: not a chain of this match
+    assert both.greedy_acceptance.chains(1, 1) == 0.0  # a tree's round: not a chain of this match
     d.propose(_batch([short], 4, 0.0))
     d.commit(short, Committed(len(short.tokens), 1, 4, True, verified=1))  # a grammar cut its chain of 3 to 1
-    assert d.greedy.chains(1, 2) == d.greedy.chains(1, 1) - 1  # only the verified draft counted
+    assert d.greedy_acceptance.chains(1, 2) == d.greedy_acceptance.chains(1, 1) - 1  # only the verified draft counted
     apart = NGramDrafter()  # greedy and sampled rows learn apart: rejections of sampled copies cut sampled rows only
     for _ in range(20):
-        apart.sampled.record(1, drafted=4, accepted=0)
+        apart.sampled_acceptance.record(1, drafted=4, accepted=0)
     hot = Seq(short.tokens, SamplingParams(max_new_tokens=50, temperature=0.8), torch.Generator())
     assert apart.propose(_batch([short, hot], 4, 0.5)).row_counts() == [3, 0]
-    before = apart.sampled.chains(1, 1)
-    apart.commit(hot, Committed(len(hot.tokens), 0, 4, False, verified=0))  # it drafted nothing: nothing learnt
-    apart.commit(short, Committed(len(short.tokens), 3, 4, True, verified=3))
-    assert apart.sampled.chains(1, 1) == before and apart.greedy.chains(1, 3) == 1.0
+    assert apart.propose(_batch([short, hot], 4, 0.0)).row_counts() == [3, 3]
+    before = apart.sampled_acceptance.chains(1, 1)
+    apart.commit(hot, Committed(len(hot.tokens), 0, 4, True, verified=3))  # the sampled row's chain: its table
+    apart.commit(short, Committed(len(short.tokens), 3, 4, True, verified=3))  # the greedy row's: the other
+    assert apart.sampled_acceptance.chains(1, 1) == before + 1 and apart.greedy_acceptance.chains(1, 1) == 1.0
 
 
 def test_the_tuner_learns_a_cut_chain_as_the_drafts_it_verified() -> None:
@@ -203,12 +205,18 @@ def test_outputs_stay_plain_decodings_with_chains_cut_under_load(ckpt_dir, sampl
     eng.scheduler.draft_cost, eng.scheduler.tuner = _Strict(), _Drafting(k_max=4, k_start=4)
     drafter = eng.drafter
     assert isinstance(drafter, NGramDrafter)
-    est = drafter.sampled if sampled else drafter.greedy
+    est = drafter.sampled_acceptance if sampled else drafter.greedy_acceptance
     for m in (1, 2):  # short matches that have not paid: cut
         for _ in range(10):
             est.record(m, drafted=4, accepted=0)
     cuts, length = [], est.length
-    est.length = lambda m, k, need: (cuts.append(length(m, k, need) < k), cuts[-1])[1]  # type: ignore[method-assign]
+
+    def spy(m: int, k: int, need: float) -> int:
+        n = length(m, k, need)
+        cuts.append(n < k)
+        return n
+
+    est.length = spy  # type: ignore[method-assign]
     others = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in ((12, 0.0), (30, 1.0), (7, 0.5))]
     reqs = eng.submit_many([*prompts, PROMPTS[1], PROMPTS[2], PROMPTS[3]], [*params, *others])
     assert [r.result(timeout=120).token_ids for r in reqs][:4] == ref
@@ -217,39 +225,49 @@ def test_outputs_stay_plain_decodings_with_chains_cut_under_load(ckpt_dir, sampl
 
 
 def test_the_switch_is_checked_and_kept_in_profiles() -> None:
-    """``draft_cut`` is a bool (a profile's too, refused by name otherwise); a profile keeps it only when off."""
+    """``draft_cut`` is a bool (a profile's too, refused by name otherwise), off only where it cuts (the n-gram
+    drafter, the measured policy); a profile keeps it only when off."""
     from engine.api.profile_sections import Speculation
     from engine.core.errors import InvalidConfigError, ProfileError
 
     with pytest.raises(InvalidConfigError, match=r"speculation.draft_cut=1 is invalid: allowed True or False"):
         SpeculationConfig(drafter="ngram", draft_cut=1)  # type: ignore[arg-type]
+    for drafter, policy in (("model", "measured"), ("ngram", "constant"), (None, "measured")):
+        with pytest.raises(InvalidConfigError, match=r"draft_cut=False needs drafter='ngram' and k_policy='measur"):
+            SpeculationConfig(drafter=drafter, k_policy=policy, draft_cut=False)
     cfg = SpeculationConfig(drafter="ngram", k_max=8, draft_cut=False)
     assert SpeculationConfig.from_profile(cfg.to_profile()) == cfg
     assert "draft_cut" not in SpeculationConfig(drafter="ngram").to_profile()
     assert Speculation.from_dict(cfg.to_profile(), "p.json").config.draft_cut is False
+    assert Speculation.from_dict({**cfg.to_profile(), "draft_cut": None}, "p.json").config.draft_cut is True
     with pytest.raises(ProfileError, match=r"p.json: field speculation.draft_cut='no' is invalid: allowed true or"):
         Speculation.from_dict({**cfg.to_profile(), "draft_cut": "no"}, "p.json")
 
 
-def test_without_the_cut_no_round_asks_an_acceptance_and_with_it_the_figures_are_gauges(ckpt_dir) -> None:
-    """``draft_cut=False``: no draft cost is kept and no round asks its drafts an acceptance; the same tokens. With
-    the cut (the default) the per-bucket figures of ``stats()["draft_cost"]`` are the /metrics gauges."""
+def test_without_the_cut_no_round_asks_an_acceptance_and_the_figures_are_gauges(ckpt_dir, monkeypatch) -> None:
+    """With a threshold of 0.6 at every batch: the default engine asks it of its drafts, ``draft_cut=False`` never
+    does (the same tokens). Both keep the per-bucket figures of ``stats()["draft_cost"]``, which are the /metrics
+    gauges."""
+    monkeypatch.setattr(DraftCost, "min_accept", lambda self, batch: 0.6)
     prompts = [[5 + i, 6, 7, 8, 9] * 5 + [5 + i] for i in range(4)]
     sp = SamplingParams(max_new_tokens=40)
-    on = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=4))
-    off = Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=4, draft_cut=False))
-    drafter = off.drafter
-    assert isinstance(drafter, NGramDrafter)
-    asked, length = [], drafter.greedy.length
-    drafter.greedy.length = lambda m, k, need: (asked.append(need), length(m, k, need))[1]  # type: ignore[method-assign]
-    assert [o.token_ids for o in on.generate(prompts, sp)] == [o.token_ids for o in off.generate(prompts, sp)]
-    assert asked and set(asked) == {0.0}
-    assert off.scheduler.draft_cost is None and off.stats()["draft_cost"] is None
-    assert "draft_min_accept" not in off.metrics_text()
-    cost, text = on.stats()["draft_cost"], on.metrics_text()
-    assert cost
-    for b, v in cost.items():
-        assert f'specmix:spec_decode_draft_min_accept{{batch_bucket="{b}"}} {float(v["min_accept"])!r}' in text
-        if v["token_s"] is not None:
-            assert f'specmix:spec_decode_draft_token_seconds{{batch_bucket="{b}"}} {v["token_s"]!r}' in text
-    assert "# TYPE specmix:spec_decode_committed_tokens_per_second gauge" in text
+    engines = {
+        cut: Engine.from_pretrained(ckpt_dir, speculation=SpeculationConfig(drafter="ngram", k=4, draft_cut=cut))
+        for cut in (True, False)
+    }
+    asked: dict[bool, set[float]] = {True: set(), False: set()}
+    for cut, eng in engines.items():
+        table = eng.drafter.greedy_acceptance  # type: ignore[union-attr]
+        length = table.length
+        table.length = lambda m, k, need, length=length, seen=asked[cut]: (seen.add(need), length(m, k, need))[1]
+    on, off = (engines[c].generate(prompts, sp) for c in (True, False))
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert 0.6 in asked[True] and asked[False] == {0.0}
+    for eng in engines.values():
+        cost, text = eng.stats()["draft_cost"], eng.metrics_text()
+        assert cost
+        for b, v in cost.items():
+            assert f'specmix:spec_decode_draft_min_accept{{batch_bucket="{b}"}} 0.6' in text
+            series = f'specmix:spec_decode_draft_token_seconds{{batch_bucket="{b}"}} '
+            assert series + repr(float(v["token_s"] or 0.0)) in text  # 0 until a slope is read
+        assert "# TYPE specmix:spec_decode_committed_tokens_per_second gauge" in text

@@ -349,6 +349,5 @@ def _runtime_stats(engine: Engine) -> dict[str, Any]:
 
 
 def _draft_cost(engine: Engine) -> dict[str, dict[str, float | None]] | None:
-    """The tuner's draft cost per batch bucket (engine/runtime/draft_cost.py); None without a tuner or the cut."""
-    cost = engine.scheduler.draft_cost
-    return None if cost is None or engine.scheduler.tuner is None else cost.snapshot()
+    """The draft cost per batch bucket (engine/runtime/draft_cost.py), kept with the tuner (None without)."""
+    return None if engine.scheduler.tuner is None else engine.scheduler.draft_cost.snapshot()

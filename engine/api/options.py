@@ -71,7 +71,8 @@ class SpeculationConfig:
     draft_cut: bool = True
     """With the "measured" policy: a drafter that estimates its drafts' acceptance (n-gram) cuts each row's chain
     before its first draft less likely to be accepted than a draft token costs at the running batch
-    (engine/runtime/draft_cost.py); False: every drafting row drafts the round's K."""
+    (engine/runtime/draft_cost.py); False (drafter "ngram", policy "measured" only): each row drafts its whole copy,
+    up to the round's K."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""
@@ -114,6 +115,11 @@ class SpeculationConfig:
             _int("speculation.suffix_global_tokens", self.suffix_global_tokens, 0, 1 << 31)
         if not isinstance(self.draft_cut, bool):
             raise InvalidConfigError(f"speculation.draft_cut={self.draft_cut!r:.60} is invalid: allowed True or False")
+        if not self.draft_cut and (self.drafter != "ngram" or self.k_policy != "measured"):
+            raise InvalidConfigError(
+                f"speculation.draft_cut=False needs drafter='ngram' and k_policy='measured' (they are "
+                f"{self.drafter!r} and {self.k_policy!r}): no other drafter or policy cuts its drafts"
+            )
         if self.costs is not None and not isinstance(self.costs, Costs):
             raise InvalidConfigError(f"speculation.costs={self.costs!r:.60} is invalid: allowed a Costs or None")
         if self.draft_dtype is not None and self.draft_dtype not in STEP_WEIGHTS:
@@ -179,7 +185,7 @@ class SpeculationConfig:
             prompt_lookup_min=spec.get("prompt_lookup_min"),
             tree_branches=spec.get("tree_branches"),
             suffix_global_tokens=spec.get("suffix_global_tokens"),
-            draft_cut=spec.get("draft_cut", True),
+            draft_cut=spec.get("draft_cut") is not False,
         )
 
 

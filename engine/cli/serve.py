@@ -212,7 +212,7 @@ def load(args: argparse.Namespace) -> tuple[Any, str, Path | None]:
         given = [f"--{n.replace('_', '-')}" for n in SPEC_ARGS if n != "no_spec" and getattr(args, n) is not None]
         if given:
             raise InvalidConfigError(
-                f"{', '.join(given)} invalid with --profile: the profile fixes the speculation (build it with them; "
+                f"{', '.join(given)} invalid with --profile: the profile fixes the speculation (its build chose it; "
                 "--no-spec serves its target on its plan without the drafter)"
             )
         eng = Engine.from_profile(

@@ -72,7 +72,7 @@ class EngineGauges:
     governor: LoadGovernor | None = None  # None: no load window
     graphs: dict[str, Any] | None = None  # graph_stats(...) (None: CUDA graphs off)
     tuned: dict[str, Arm] | None = None  # the K tuner's best arm per batch bucket (None: no tuner)
-    draft_cost: dict[str, dict[str, float | None]] | None = None  # DraftCost.snapshot() (None: no cut)
+    draft_cost: dict[str, dict[str, float | None]] | None = None  # DraftCost.snapshot() (None: no tuner)
 
 
 def kv_cache_usage(cache: KVCache | None, running: Sequence[Request]) -> float:
@@ -328,23 +328,29 @@ def _tuner_samples(tuned: dict[str, Arm] | None) -> list[Sample]:
 
 
 DRAFT_COST_HELP = {
-    "token_s": ("draft_token_seconds", "Seconds a verified token adds to a decoding round at a batch bucket."),
-    "tokens_per_s": ("committed_tokens_per_second", "Committed tokens per second of a batch bucket's rounds."),
+    "token_s": (
+        "draft_token_seconds",
+        "Seconds a verified token adds to a decoding round at a batch bucket (0: not known).",
+    ),
+    "tokens_per_s": (
+        "committed_tokens_per_second",
+        "Committed tokens per second of a batch bucket's rounds (0: not known).",
+    ),
     "min_accept": (
         "draft_min_accept",
-        "Acceptance a copied draft token needs to pay for its verification at a batch bucket (0: every draft).",
+        "Acceptance a copied draft token needs to pay for its verification at a batch bucket (0: not known).",
     ),
 }
 
 
 def _draft_cost_samples(cost: dict[str, dict[str, float | None]] | None) -> list[Sample]:
-    """Per figure of engine/runtime/draft_cost.py, one gauge per batch bucket where it is known."""
+    """Per figure of engine/runtime/draft_cost.py, one gauge per batch bucket the rounds have run at (0 where the
+    figure is not known yet), so that a series, once published, stays."""
     buckets = sorted((cost or {}).items(), key=lambda x: int(x[0]))
     return [
-        Sample(PREFIX + "spec_decode_" + name, "gauge", help_, v[key], {"batch_bucket": b})
+        Sample(PREFIX + "spec_decode_" + name, "gauge", help_, v[key] or 0.0, {"batch_bucket": b})
         for key, (name, help_) in DRAFT_COST_HELP.items()
         for b, v in buckets
-        if v[key] is not None
     ]
 
 

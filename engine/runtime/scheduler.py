@@ -95,8 +95,8 @@ class Scheduler:
         self._callers = 0  # callers driving rounds themselves (generate); the worker stands by meanwhile
         self.governor = governor
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
-        cut = policy is not None and policy.draft_cut  # with the tuner: the acceptance a draft token needs
-        self.draft_cost = DraftCost() if cut else None
+        self.draft_cost = DraftCost()  # with the tuner: the acceptance a draft token needs at the running batch
+        self.draft_cut = policy is not None and policy.draft_cut  # ... asked of the drafts (SpeculationConfig's)
         self.batch_cap = limits.max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)
@@ -263,7 +263,7 @@ class Scheduler:
         running = [x.seq for x in self._running if x.seq.tlen >= len(x.seq.prompt)]
         if running:
             arm = round_arm(self.tuner, running, self.loop.position_noise)
-            caps = round_caps(arm, self.draft_cost, len(running), self.k_cap)
+            caps = round_caps(arm, self.draft_cost if self.draft_cut else None, len(running), self.k_cap)
             self._run_part(running, caps, arm)
 
     def _fit_cache(self) -> None:

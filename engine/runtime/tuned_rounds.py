@@ -93,19 +93,13 @@ class TunedRows:
         return out
 
     def teach(
-        self,
-        tuner: KTuner,
-        cost: DraftCost | None,
-        seqs: Sequence[Seq],
-        events: Sequence[tuple[Seq, list[int]]],
-        secs: float,
+        self, tuner: KTuner, cost: DraftCost, seqs: Sequence[Seq], events: Sequence[tuple[Seq, list[int]]], secs: float
     ) -> None:
-        """After a measured round over ``seqs``: the tuner its time and the rows' yields, the draft cost (None: no
-        cut) its verified tokens (a token per row plus the drafts), committed tokens and time."""
+        """After a measured round over ``seqs``: the tuner its time and the rows' yields, the draft cost its
+        verified tokens (a token per row plus the drafts), committed tokens and time."""
         tuner.record(len(seqs), self.arm, secs, self.yields(events))
-        if cost is not None:
-            verified = len(seqs) + drafted(seqs) - self.drafted
-            cost.record(verified, sum(len(t) for _, t in events), secs, len(seqs))
+        verified = len(seqs) + drafted(seqs) - self.drafted
+        cost.record(verified, sum(len(t) for _, t in events), secs, len(seqs))
 
 
 def drafted(seqs: Sequence[Seq]) -> int:

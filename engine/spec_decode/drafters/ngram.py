@@ -16,7 +16,8 @@ committed tokens and past rounds, never on this round's draws.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,7 +83,7 @@ class NGramDrafter:
 
     def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1) -> None:
         self.n_max, self.n_min, self.branches = n_max, n_min, branches
-        self.greedy, self.sampled = MatchAcceptance(), MatchAcceptance()  # the rows' estimates, by sampling
+        self.greedy_acceptance, self.sampled_acceptance = MatchAcceptance(), MatchAcceptance()  # by the rows' sampling
         self._chain: SeqStates[list[int]] = SeqStates(lambda: [0, 0])  # per row: [match length, drafts] proposed
         self._trees = False  # whether the last round proposed trees (a tree's path teaches the chains nothing)
 
@@ -94,41 +95,41 @@ class NGramDrafter:
         """What followed the latest earlier occurrence of the longest matching suffix (n_max..n_min tokens)."""
         return self.match(tokens, k)[1]
 
+    def _occurrences(self, tokens: list[int]) -> Iterator[tuple[int, int]]:
+        """(n, start) of each earlier occurrence of the longest suffix of n_max..n_min tokens that occurred, latest
+        first."""
+        L = len(tokens)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            tail, found = tokens[L - n :], False
+            for start in range(L - n - 1, -1, -1):
+                if tokens[start : start + n] == tail:
+                    found = True
+                    yield n, start
+            if found:
+                return
+
     def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(the match length, the continuation of at most k tokens): the latest earlier occurrence of the longest
         suffix of n_max..n_min tokens, its match extended backwards up to MATCH_CAP tokens; (0, []) where none."""
         L = len(tokens)
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            tail = tokens[L - n :]
-            for start in range(L - n - 1, -1, -1):  # latest earlier occurrence first
-                if tokens[start : start + n] == tail:
-                    m = n
-                    while m < MATCH_CAP and start - (m - n) > 0 and tokens[start - (m - n) - 1] == tokens[L - m - 1]:
-                        m += 1
-                    return m, tokens[start + n : start + n + k]
+        for n, start in self._occurrences(tokens):
+            m = n
+            while m < MATCH_CAP and start - (m - n) > 0 and tokens[start - (m - n) - 1] == tokens[L - m - 1]:
+                m += 1
+            return m, tokens[start + n : start + n + k]
         return 0, []
 
     def continuations(self, tokens: list[int], k: int) -> list[list[int]]:
         """What followed up to ``branches`` earlier occurrences of the longest matching suffix, latest first."""
-        L, found = len(tokens), []
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            tail = tokens[L - n :]
-            for start in range(L - n - 1, -1, -1):
-                if tokens[start : start + n] == tail:
-                    found.append(tokens[start + n : start + n + k])
-                    if len(found) == self.branches:
-                        return found
-            if found:
-                return found
-        return found
+        return [tokens[st + n : st + n + k] for n, st in islice(self._occurrences(tokens), self.branches)]
 
     def table(self, seq: Seq) -> MatchAcceptance:
-        """The estimates of ``seq``'s kind of row: greedy or sampled."""
-        return self.greedy if seq.params.greedy else self.sampled
+        """The estimates of ``seq``'s kind of row: greedy, or sampled (every temperature in one table)."""
+        return self.greedy_acceptance if seq.params.greedy else self.sampled_acceptance
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        self.greedy.age()
-        self.sampled.age()
+        self.greedy_acceptance.age()
+        self.sampled_acceptance.age()
         self._trees = batch.tree and self.branches > 1
         if self._trees:
             return self._propose_tree(batch)
