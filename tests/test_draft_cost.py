@@ -116,41 +116,36 @@ def _batch(seqs: list[Seq], k: int, min_accept: float) -> DraftBatch:
 
 def test_the_n_gram_drafter_cuts_each_chain_where_its_match_has_not_paid() -> None:
     """Short matches whose chains were rejected draft nothing at a threshold of 0.5, a long one drafts its whole
-    chain; at 0 every chain is whole; a verified chain teaches the estimate, a tree's round does not; greedy and
-    sampled rows keep their estimates apart."""
+    chain; at 0 every chain is whole; a verified chain teaches the estimate, a tree's round does not; a sampled row
+    is not cut and teaches nothing."""
     d = NGramDrafter()
     for _ in range(20):
-        d.greedy_acceptance.record(1, drafted=4, accepted=0)
-        d.greedy_acceptance.record(MATCH_CAP, drafted=4, accepted=4)
+        d.acceptance.record(1, drafted=4, accepted=0)
+        d.acceptance.record(MATCH_CAP, drafted=4, accepted=4)
     sp = SamplingParams(max_new_tokens=50)
     short = Seq([20, 7, 21, 22, 7], sp, torch.Generator())  # [7] occurred once before: a match of 1
     long = Seq([*range(1, 18), 0, *range(1, 17)], sp, torch.Generator())  # 1..16 occurred before: a match of 16
     cut = d.propose(_batch([short, long], 4, 0.5))
     assert cut.row_counts() == [0, 4] and cut.tokens[1].tolist() == [17, 0, 1, 2]
     assert d.propose(_batch([short, long], 4, 0.0)).row_counts() == [3, 4]
-    before = d.greedy_acceptance.estimate(1, 1)
+    before = d.acceptance.estimate(1, 1)
     d.commit(short, Committed(len(short.tokens), 0, 4, True, verified=3))
-    assert d.greedy_acceptance.estimate(1, 1) < before  # its chain of 3, rejected at the first
+    assert d.acceptance.estimate(1, 1) < before  # its chain of 3, rejected at the first
     both = NGramDrafter(branches=2)
     chain_round = _batch([short], 4, 0.0)
     chain_round.tree = False
     both.propose(chain_round)  # a chain round proposed (and, say, failed before its commit) ...
     both.propose(_batch([short], 4, 0.0))  # ... then a tree round
     both.commit(short, Committed(len(short.tokens), 0, 4, True, verified=3))
-    assert both.greedy_acceptance.chains(1, 1) == 0.0  # a tree's round: not a chain of this match
+    assert both.acceptance.chains(1, 1) == 0.0  # a tree's round: not a chain of this match
     d.propose(_batch([short], 4, 0.0))
     d.commit(short, Committed(len(short.tokens), 1, 4, True, verified=1))  # a grammar cut its chain of 3 to 1
-    assert d.greedy_acceptance.chains(1, 2) == d.greedy_acceptance.chains(1, 1) - 1  # only the verified draft counted
-    apart = NGramDrafter()  # greedy and sampled rows learn apart: rejections of sampled copies cut sampled rows only
-    for _ in range(20):
-        apart.sampled_acceptance.record(1, drafted=4, accepted=0)
+    assert d.acceptance.chains(1, 2) == d.acceptance.chains(1, 1) - 1  # only the verified draft counted
     hot = Seq(short.tokens, SamplingParams(max_new_tokens=50, temperature=0.8), torch.Generator())
-    assert apart.propose(_batch([short, hot], 4, 0.5)).row_counts() == [3, 0]
-    assert apart.propose(_batch([short, hot], 4, 0.0)).row_counts() == [3, 3]
-    before = apart.sampled_acceptance.chains(1, 1)
-    apart.commit(hot, Committed(len(hot.tokens), 0, 4, True, verified=3))  # the sampled row's chain: its table
-    apart.commit(short, Committed(len(short.tokens), 3, 4, True, verified=3))  # the greedy row's: the other
-    assert apart.sampled_acceptance.chains(1, 1) == before + 1 and apart.greedy_acceptance.chains(1, 1) == 1.0
+    assert d.propose(_batch([short, hot], 4, 0.5)).row_counts() == [0, 3]  # a sampled row drafts its whole copy
+    before = d.acceptance.chains(1, 1)
+    d.commit(hot, Committed(len(hot.tokens), 0, 4, True, verified=3))
+    assert d.acceptance.chains(1, 1) == before  # and teaches the greedy rows' table nothing
 
 
 def test_the_tuner_learns_a_cut_chain_as_the_drafts_it_verified() -> None:
@@ -194,7 +189,8 @@ class _Drafting(KTuner):
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_outputs_stay_plain_decodings_with_chains_cut_under_load(ckpt_dir, sampled: bool) -> None:
     """With the cut in every round, beside other requests: greedy rows give plain decoding's tokens, seeded sampled
-    rows plain sampling's for their seeds; the cut ran (some matched rows drafted nothing)."""
+    rows (beside greedy rows that are cut) plain sampling's for their seeds; the cut ran (some matched rows drafted
+    less than their copy)."""
     params = [
         SamplingParams(max_new_tokens=40, temperature=0.9 if sampled else 0.0, seed=i if sampled else None)
         for i in range(4)
@@ -205,7 +201,7 @@ def test_outputs_stay_plain_decodings_with_chains_cut_under_load(ckpt_dir, sampl
     eng.scheduler.draft_cost, eng.scheduler.tuner = _Strict(), _Drafting(k_max=4, k_start=4)
     drafter = eng.drafter
     assert isinstance(drafter, NGramDrafter)
-    est = drafter.sampled_acceptance if sampled else drafter.greedy_acceptance
+    est = drafter.acceptance
     for m in (1, 2):  # short matches that have not paid: cut
         for _ in range(10):
             est.record(m, drafted=4, accepted=0)
@@ -217,8 +213,10 @@ def test_outputs_stay_plain_decodings_with_chains_cut_under_load(ckpt_dir, sampl
         return n
 
     est.length = spy  # type: ignore[method-assign]
+    cut_rows = [[9 + i, 6, 7, 8, 5] * 5 + [9 + i] for i in range(4)] if sampled else []  # greedy, beside
     others = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in ((12, 0.0), (30, 1.0), (7, 0.5))]
-    reqs = eng.submit_many([*prompts, PROMPTS[1], PROMPTS[2], PROMPTS[3]], [*params, *others])
+    others += [SamplingParams(max_new_tokens=40)] * len(cut_rows)
+    reqs = eng.submit_many([*prompts, PROMPTS[1], PROMPTS[2], PROMPTS[3], *cut_rows], [*params, *others])
     assert [r.result(timeout=120).token_ids for r in reqs][:4] == ref
     assert any(cuts) and not all(cuts)  # chains were cut, others drafted whole
     assert eng.stats()["drafted"] > 0
@@ -257,7 +255,7 @@ def test_without_the_cut_no_round_asks_an_acceptance_and_the_figures_are_gauges(
     }
     asked: dict[bool, set[float]] = {True: set(), False: set()}
     for cut, eng in engines.items():
-        table = eng.drafter.greedy_acceptance  # type: ignore[union-attr]
+        table = eng.drafter.acceptance  # type: ignore[union-attr]
         length = table.length
         table.length = lambda m, k, need, length=length, seen=asked[cut]: (seen.add(need), length(m, k, need))[1]
     on, off = (engines[c].generate(prompts, sp) for c in (True, False))

@@ -7,11 +7,11 @@ row's node budget; the latest occurrence's continuation is the first branch, so 
 A chain's length follows its evidence: how far the match reaches back (the n tokens matched, extended backwards
 while the tokens before both occurrences agree, up to ``MATCH_CAP``) predicts how many of the copied tokens the
 target accepts. ``MatchAcceptance`` learns, per match length m and draft position i, the share of chains that
-drafted at least i tokens and had their first i accepted, for greedy rows and sampled rows apart (a sampled row
-accepts a copy with the target's probability of it, not only where it is the argmax); a round's
-``DraftBatch.min_accept`` (the acceptance a draft token must reach to pay for its verification at the running batch,
-engine/runtime/draft_cost.py) cuts each row's chain before its first position below it. Drafting depends only on the
-committed tokens and past rounds, never on this round's draws.
+drafted at least i tokens and had their first i accepted, over greedy rows; a round's ``DraftBatch.min_accept`` (the
+acceptance a draft token must reach to pay for its verification at the running batch, engine/runtime/draft_cost.py)
+cuts each greedy row's chain before its first position below it. A sampled row drafts its whole copy and teaches the
+table nothing: served at temperature 0.7 the cut of sampled rows lost to whole copies (docs/performance.md, "The cut
+as a switch"). Drafting depends only on the committed tokens and past rounds, never on this round's draws.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class NGramDrafter:
 
     def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1) -> None:
         self.n_max, self.n_min, self.branches = n_max, n_min, branches
-        self.greedy_acceptance, self.sampled_acceptance = MatchAcceptance(), MatchAcceptance()  # by the rows' sampling
+        self.acceptance = MatchAcceptance()  # the greedy rows' chains
         self._chain: SeqStates[list[int]] = SeqStates(lambda: [0, 0])  # per row: [match length, drafts] proposed
         self._trees = False  # whether the last round proposed trees (a tree's path teaches the chains nothing)
 
@@ -123,20 +123,16 @@ class NGramDrafter:
         """What followed up to ``branches`` earlier occurrences of the longest matching suffix, latest first."""
         return [tokens[st + n : st + n + k] for n, st in islice(self._occurrences(tokens), self.branches)]
 
-    def table(self, seq: Seq) -> MatchAcceptance:
-        """The estimates of ``seq``'s kind of row: greedy, or sampled (every temperature in one table)."""
-        return self.greedy_acceptance if seq.params.greedy else self.sampled_acceptance
-
     def propose(self, batch: DraftBatch) -> Proposal:
-        self.greedy_acceptance.age()
-        self.sampled_acceptance.age()
+        self.acceptance.age()
         self._trees = batch.tree and self.branches > 1
         if self._trees:
             return self._propose_tree(batch)
         props = []
         for s, kb in zip(batch.seqs, batch.ks):
             m, cont = self.match(s.tokens, kb)
-            cont = cont[: self.table(s).length(m, len(cont), batch.min_accept)]
+            need = batch.min_accept if s.params.greedy else 0.0  # a sampled row drafts its whole copy
+            cont = cont[: self.acceptance.length(m, len(cont), need)]
             self._chain(s)[:] = [m, len(cont)]
             props.append(cont)
         out = torch.zeros(len(props), batch.k, dtype=torch.long)
@@ -170,9 +166,9 @@ class NGramDrafter:
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
         """A verified chain teaches the match-length estimate (a tree's round, or none drafted, teaches nothing)."""
-        chain = None if self._trees else self._chain.get(seq)
+        chain = None if self._trees or not seq.params.greedy else self._chain.get(seq)
         if chain is not None and outcome.drafted:
-            self.table(seq).record(chain[0], min(chain[1], outcome.verified), outcome.accepted)
+            self.acceptance.record(chain[0], min(chain[1], outcome.verified), outcome.accepted)
             chain[:] = [0, 0]
 
     def ensure_cache(self, max_batch: int, max_seq_len: int) -> None:
