@@ -69,9 +69,10 @@ class SpeculationConfig:
     """The "suffix" drafter's global suffix tree over recent requests' outputs: its bound in tokens (0: none, each
     request drafts from its own prompt and output only); None: 2**20. Only with drafter="suffix"."""
     draft_cut: bool = True
-    """With the "measured" policy: a drafter that estimates its drafts' acceptance (n-gram) cuts each row's chain
-    before its first draft less likely to be accepted than a draft token costs at the running batch
-    (engine/runtime/draft_cost.py); False (drafter "ngram", policy "measured" only): each row drafts its whole copy,
+    """With the "measured" policy: a drafter that estimates its drafts' acceptance (n-gram) cuts each greedy row's
+    chain before its first draft less likely to be accepted than a draft token costs at the running batch
+    (engine/runtime/draft_cost.py; a sampled row drafts its whole copy); False (drafter "ngram", policy "measured"
+    only): each row drafts its whole copy,
     up to the round's K."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-draft-cut",
         action="store_true",
         default=None,
-        help="with the measured K policy: n-gram chains are not cut where a draft token does not pay at the batch",
+        help="--drafter ngram with the measured K policy: greedy rows' chains are not cut where a draft does not pay",
     )
     ap.add_argument(
         "--full-check",

@@ -13,10 +13,9 @@ Per batch bucket (the running batch rounded up to a power of two, as the K tuner
 measured round's verified tokens, committed tokens and wall time; u is the least-squares slope of the round time on
 the verified tokens and R the committed tokens per second, both from sums decayed by ``decay`` per round. Until a
 bucket has ``min_rounds`` (decayed) rounds whose verified tokens varied (``min_spread``), or where the slope is not
-positive, it
-asks nothing of the drafts (0). A drafter that estimates its drafts' acceptance (n-gram: by the length of its match,
-engine/spec_decode/drafters/ngram.py) drafts only the tokens that reach it. The threshold depends only on rounds
-already run, so sampling stays exact.
+positive, it asks nothing of the drafts (0). A drafter that estimates its drafts' acceptance (n-gram: by the length
+of its match, engine/spec_decode/drafters/ngram.py) drafts only the tokens that reach it, in its greedy rows. The
+threshold depends only on rounds already run, so sampling stays exact.
 """
 
 from __future__ import annotations

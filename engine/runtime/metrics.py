@@ -329,7 +329,7 @@ def _tuner_samples(tuned: dict[str, Arm] | None) -> list[Sample]:
 
 DRAFT_COST_HELP = {
     "token_s": (
-        "draft_token_seconds",
+        "verified_token_seconds",
         "Seconds a verified token adds to a decoding round at a batch bucket (0: not known).",
     ),
     "tokens_per_s": (

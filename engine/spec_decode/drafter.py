@@ -74,8 +74,8 @@ class DraftBatch:
     min_accept: float = 0.0
     """The chance of acceptance a draft token must have to pay for its verification at the running batch
     (engine/runtime/draft_cost.py; 0: every draft pays). A drafter that estimates its drafts' acceptance (n-gram)
-    proposes none below it; the others ignore it. Set only for drafters of fixed tokens (``Drafter.samples``
-    False), whose sampled rows' tokens do not depend on their drafts."""
+    proposes none below it for its greedy rows; the others ignore it. Set only for drafters of fixed tokens
+    (``Drafter.samples`` False), whose sampled rows' tokens do not depend on their drafts."""
     chains: list[bool] | None = None
     """Rows that take a chain in a tree round (None: none): they read their drafts in order (penalties, min_tokens,
     a sliding window), are sampled under a grammar, or are greedy rows of a sampled batch. The loop cuts what it
