@@ -72,8 +72,7 @@ class SpeculationConfig:
     """With the "measured" policy: a drafter that estimates its drafts' acceptance (n-gram) cuts each greedy row's
     chain before its first draft less likely to be accepted than a draft token costs at the running batch
     (engine/runtime/draft_cost.py; a sampled row drafts its whole copy); False (drafter "ngram", policy "measured"
-    only): each row drafts its whole copy,
-    up to the round's K."""
+    only): each row drafts its whole copy, up to the round's K."""
     draft_dtype: str | None = None
     """The draft model's dtype ("float32", "float16", "bfloat16"); None: float32 on the CPU (where its
     C++ step runs), the target's dtype on CUDA. Only with a draft checkpoint."""

@@ -96,7 +96,7 @@ class Scheduler:
         self.governor = governor
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
         self.draft_cost = DraftCost()  # with the tuner: the acceptance a draft token needs at the running batch
-        self.draft_cut = policy is not None and policy.draft_cut  # ... asked of the drafts (SpeculationConfig's)
+        self.draft_cut = policy is not None and policy.draft_cut  # whether rounds ask it of the drafts
         self.batch_cap = limits.max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)

@@ -10,9 +10,9 @@ target accepts. ``MatchAcceptance`` learns, per match length m and draft positio
 drafted at least i tokens and had their first i accepted, over greedy rows; a round's ``DraftBatch.min_accept`` (the
 acceptance a draft token must reach to pay for its verification at the running batch, engine/runtime/draft_cost.py)
 cuts each greedy row's chain before its first position below it. A sampled row drafts its whole copy and teaches the
-table nothing (measured: cutting sampled rows served no faster than whole copies at temperature 0.7, docs/
-performance.md, "The cut as a switch"). Drafting depends only on the committed tokens and past rounds, never on this
-round's draws.
+table nothing (measured: cutting sampled rows served no faster than whole copies at temperature 0.7;
+docs/performance.md, "The cut as a switch"). Drafting depends only on the committed tokens and past rounds, never on
+this round's draws.
 """
 
 from __future__ import annotations
