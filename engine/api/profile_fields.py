@@ -83,6 +83,9 @@ class JsonFields:
     def opt_string(self, key: str) -> str | None:
         return None if self.absent(key) else self.string(key)
 
+    def opt_flag(self, key: str) -> bool | None:
+        return None if self.absent(key) else self.flag(key)
+
     def opt_mapping(self, key: str) -> dict[str, Any] | None:
         return None if self.absent(key) else self.mapping(key)
 

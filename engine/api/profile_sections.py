@@ -228,8 +228,7 @@ class Speculation:
         r.opt_integer("prompt_lookup_min")
         r.opt_integer("tree_branches")
         r.opt_integer("suffix_global_tokens")
-        if not r.absent("draft_cut"):
-            r.flag("draft_cut")
+        r.opt_flag("draft_cut")
         if "c" in r.d:  # the measured costs (Costs.to_dict)
             r.number("c")
             v = r.opt_mapping("v") or {}

@@ -168,7 +168,7 @@ class NGramDrafter:
 
     def commit(self, seq: Seq, outcome: Committed) -> None:
         """A verified chain teaches the match-length estimate (a tree's round, or none drafted, teaches nothing)."""
-        chain = None if self._trees or not seq.params.greedy else self._chain.get(seq)
+        chain = None if self._trees else self._chain.get(seq)  # (set for greedy rows only)
         if chain is not None and outcome.drafted:
             self.acceptance.record(chain[0], min(chain[1], outcome.verified), outcome.accepted)
             chain[:] = [0, 0]
