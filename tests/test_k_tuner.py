@@ -110,6 +110,28 @@ def test_rows_without_a_draft_count_one_token():
     assert tuner.rate(8, [flat(0.8)] * 8, Arm(3, True)) == pytest.approx(8 * expected_tokens(0.8, 3) / 2.0)
 
 
+def test_a_chain_is_priced_by_the_drafts_its_rows_verify():
+    """Rows cut to two drafts whatever the arm's K (a copy drafter's cut, engine/runtime/draft_cost.py): a round's
+    time grows by a draft step per K, its tokens stop at two drafts. Priced at the arm's K, a long K would look
+    best; priced by the drafts verified (``reach``), K = 2 is, and the rate at K equals what its rows commit."""
+    a, cut = 0.8, 2
+
+    def secs(k: int) -> float:
+        return 1.0 + 0.02 * k
+
+    tuner = KTuner(k_max=8, k_start=6)
+    seen: Counter[int] = Counter()
+    for i in range(300):
+        arm = tuner.choose(4, [flat(a)] * 4)
+        drafts = min(arm.k, cut)
+        tuner.record(4, arm, secs(arm.k), [RowYield(flat(a), expected_tokens(a, drafts), arm.k > 0, drafts)] * 4)
+        seen[arm.k] += i >= 150
+    assert seen.most_common(1)[0][0] == cut and seen[cut] >= 0.8 * 150, seen
+    assert tuner.reach(4, Arm(3)) == pytest.approx((expected_tokens(a, 2) - 1) / (expected_tokens(a, 3) - 1))
+    assert tuner.rate(4, [flat(a)] * 4, Arm(3)) == pytest.approx(4 * expected_tokens(a, 2) / secs(3))
+    assert tuner.reach(4, Arm(2)) == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("gain, spec", [(1.02, False), (1.2, True)])
 def test_a_drafting_arm_within_the_margin_of_plain_runs_plain_rounds(gain, spec):
     """K = 1 commits ``gain`` times plain's tokens per second (every other K far less): within the 5% margin plain

@@ -14,7 +14,11 @@ right far less often than the ones after a right one, and one pooled a would ove
 not: a copy drafter's row without a match drafts nothing. The share of tuned rows that draft (``drafting``) is a
 decayed estimate over the rows of recent chain rounds, pooled across K, per bucket once the bucket has recorded a
 few rows (a copy drafter's matches depend on the text, but the cut of drafts that do not pay, engine/runtime/
-draft_cost.py, depends on the batch; 1 for a drafter that always drafts). For a tree of K nodes no such closed form
+draft_cost.py, depends on the batch; 1 for a drafter that always drafts). A drafting row may draft fewer than K (a
+copy shorter than K, or cut where its drafts do not pay): per bucket and chain arm, the share of the drafts' expected
+gain its rows reached (``reach``: decayed sums of each row's prediction at the drafts it verified and at the arm's K,
+less the token every row commits) scales the gain predicted at K, so a long K is priced by the drafts its rows
+actually verify. For a tree of K nodes no such closed form
 holds (it depends on how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's
 rounds committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that drafted the arm's full K
 and did not end) and of what their acceptances predicted. The ratio starts at the nearest measured tree's (1, the
@@ -118,6 +122,7 @@ class KTuner:
     bucket is dropped (measured afresh when the search reaches it again)."""
     _times: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # -> [seconds, weight, measurements]
     _yield: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # trees: [committed, predicted] decayed
+    _reach: dict[tuple[int, Arm], list[float]] = field(default_factory=dict)  # chains: [gain at drafts, at K] decayed
     _first: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [accepted, rows] decayed, all buckets
     _rest: list[float] = field(default_factory=lambda: [0.0, 0.0])  # later drafts: [successes, trials] decayed
     _drafting: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [drafted, rows] decayed, all buckets
@@ -141,10 +146,10 @@ class KTuner:
             return None
         rows = max(1, len(acceptance))
         chain = sum(chain_tokens(a, arm.k) for a in acceptance) / rows  # per row that drafts
+        b = bucket(batch)
         if not arm.tree:  # rows without a draft commit one token (a tree's calibration counts them already)
             m = self.drafting(batch)
-            return rows * (m * chain + 1.0 - m) / t
-        b = bucket(batch)
+            return rows * (m * (1.0 + (chain - 1.0) * self.reach(b, arm)) + 1.0 - m) / t
         prior = self._ratio(b, arm)
         got = self._yield.get((b, arm), [0.0, 0.0])
         w = self.yield_prior * rows * chain * self.decay ** self._times[(b, arm)][2]  # fades as it is measured
@@ -158,6 +163,12 @@ class KTuner:
             return 1.0
         y = min(near, key=lambda x: x[0])[1]
         return y[0] / y[1] if y[1] > 0 else 1.0
+
+    def reach(self, b: int, arm: Arm) -> float:
+        """The share of a chain arm's expected gain over one token that its drafting rows reached at bucket ``b``
+        by the drafts they verified (1 where none is recorded)."""
+        got = self._reach.get((b, arm))
+        return got[0] / got[1] if got is not None and got[1] > 0 else 1.0
 
     def acceptance(self) -> Acceptance | None:
         """The acceptance of the tuned rows of recent chain rounds that drafted, split at the first draft (None: none
@@ -197,6 +208,7 @@ class KTuner:
         for key in [key for key, at in self._at.items() if key[0] == b and n - at > self.stale and key[1] not in keep]:
             del self._times[key], self._at[key]  # the load may have changed since: measure it again when needed
             self._yield.pop(key, None)
+            self._reach.pop(key, None)
         rates = {a: r for a in self.arms() if (r := self.rate(batch, acceptance, a)) is not None}
         if last is None or not rates:  # a new bucket (or one whose estimates all went stale)
             start = self._start(b)
@@ -280,6 +292,10 @@ class KTuner:
                 share[1] = d * share[1] + len(rows)
             ks = [(r, arm.k if r.drafts is None else max(1, min(r.drafts, arm.k))) for r in rows if r.drafted]
             obs = [split_observation(k, min(max(r.committed - 1.0, 0.0), k)) for r, k in ks]
+            if ks:
+                reach = self._reach.setdefault((b, arm), [0.0, 0.0])
+                reach[0] = w * reach[0] + sum(chain_tokens(r.acceptance, k) - 1.0 for r, k in ks)
+                reach[1] = w * reach[1] + sum(chain_tokens(r.acceptance, arm.k) - 1.0 for r, _ in ks)
             first, rest = self._first, self._rest
             first[0], first[1] = d * first[0] + sum(o[0] for o in obs), d * first[1] + len(obs)
             rest[0], rest[1] = d * rest[0] + sum(o[1] for o in obs), d * rest[1] + sum(o[2] for o in obs)
