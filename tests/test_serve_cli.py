@@ -99,9 +99,9 @@ def test_the_draft_cut_from_the_command_line(ckpt_dir):
     from engine.core.errors import InvalidConfigError
 
     eng, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram", "--no-draft-cut")
-    assert not eng.policy.draft_cut and not eng.scheduler.draft_cut
+    assert not eng.policy.draft_cut
     on, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram")
-    assert on.policy.draft_cut and on.scheduler.draft_cut
+    assert on.policy.draft_cut
     off, _ = _load("--target", str(ckpt_dir), "--drafter", "ngram", "--no-draft-cut", "--no-spec")
     assert off.drafter is None  # one command line serves on and off
     with pytest.raises(InvalidConfigError, match="--no-draft-cut invalid with --profile"):

@@ -96,7 +96,6 @@ class Scheduler:
         self.governor = governor
         self.tuner = tuner  # the round's K from measured rounds (None: each sequence's own controller)
         self.draft_cost = DraftCost()  # with the tuner: the acceptance a draft token needs at the running batch
-        self.draft_cut = policy is not None and policy.draft_cut  # whether rounds ask it of the drafts
         self.batch_cap = limits.max_batch  # admitted sequences at most (the load window lowers it)
         self.k_cap = NO_CAP  # the load window's K cap of the last round (lowered under GPU memory pressure)
         self.on_round: Callable[[], None] | None = None  # test hook, called before each step (its errors: the step's)
@@ -263,7 +262,8 @@ class Scheduler:
         running = [x.seq for x in self._running if x.seq.tlen >= len(x.seq.prompt)]
         if running:
             arm = round_arm(self.tuner, running, self.loop.position_noise)
-            caps = round_caps(arm, self.draft_cost if self.draft_cut else None, len(running), self.k_cap)
+            cut = self.policy is not None and self.policy.draft_cut  # whether rounds ask the draft cost's cut
+            caps = round_caps(arm, self.draft_cost if cut else None, len(running), self.k_cap)
             self._run_part(running, caps, arm)
 
     def _fit_cache(self) -> None:

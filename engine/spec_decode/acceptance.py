@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.spec_decode.drafter import FeatureNeed
 from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.randomness import PositionNoise, RoundNoise
 from engine.spec_decode.rejection import greedy_accept, rejection_sample
@@ -35,6 +36,18 @@ class Verdict:
     cols: Tensor  # [B, K+1] the scored column of each committed token (a tree: its path's nodes + 1)
     paths: list[list[int]] | None = None  # trees: each row's accepted nodes by depth (None: chains)
     firsts: list[tuple[int, int]] | None = None  # trees: per row (its first branch's length, accepted along it)
+
+    def row_features(self, b: int, a: int, need: FeatureNeed, scores: Scores) -> Tensor | None:
+        """The target's features row b's drafter reads (``need``) after accepting ``a`` drafts."""
+        if need is FeatureNeed.LAST:
+            return None if self.last_features is None else self.last_features[b]
+        if need is FeatureNeed.ALL and scores.features is not None:  # positions tlen .. the new tlen - 1
+            new = scores.features[b, self.cols[b, : a + 1]]
+            if scores.catch[b] > 1:  # a prefill: the features of the prompt's columns before the last
+                assert scores.prefix is not None
+                new = torch.cat([scores.prefix[b, : scores.catch[b] - 1], new])
+            return new
+        return None
 
 
 def accept_round(

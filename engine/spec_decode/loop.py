@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
 
 from engine.core.forward import CachedForward, KVCache
 from engine.core.tokenizer import Tokenizer
@@ -55,7 +54,7 @@ from engine.spec_decode.proposal import Proposal
 from engine.spec_decode.randomness import PositionNoise, RoundNoise
 from engine.spec_decode.sampling import RowProcessing
 from engine.spec_decode.seq import Seq, waiting_for_prefill
-from engine.spec_decode.stops import StopChecker
+from engine.spec_decode.stops import StopChecker, grammar_cut
 from engine.spec_decode.structured.grammar import GrammarCompiler
 from engine.spec_decode.structured.masks import GrammarRound
 from engine.spec_decode.verify import Scores, verify, verify_batch
@@ -325,7 +324,7 @@ class DecodeLoop:
         if self.drafter is not None:
             g = plan.grammar  # the drafter proposed this row's drafts this round (not a grammar)
             ran = max(plan.ks) > 0 and (g is None or not (g.all_forced or g.forced[b]))
-            feats = self._features_for(b, a, steps.proposal, steps.scores, verdict)
+            feats = verdict.row_features(b, a, self.drafter.features, steps.scores)
             if s.prompt_features and feats is not None:  # the prompt's positions prefilled in chunks first
                 feats, s.prompt_features = torch.cat([*s.prompt_features, feats]), []
             self.drafter.commit(s, Committed(n_before, a, max(plan.ks), ran, feats, k))
@@ -337,42 +336,12 @@ class DecodeLoop:
         if s.k_ctl is not None and k > 0:  # a tree's row: as the chain along its first branch would have fared
             s.k_ctl.update(*((k, a) if first is None else first))
         if plan.grammar is not None and s.grammar is not None:
-            new = self._commit_grammar(b, s, plan.grammar, new, a)
+            new = grammar_cut(s, plan.grammar, b, new, a)
         kept = self.stops.cut(s, new)
         if s.logprobs is not None:
             s.logprobs.extend(verdict.logprobs[b][: len(kept)])
         s.tokens.extend(kept)
         return kept
-
-    @staticmethod
-    def _commit_grammar(b: int, s: Seq, g: GrammarRound, new: list[int], a: int) -> list[int]:
-        """The row's matcher takes the round's tokens; the request ends where its grammar is complete (the tokens
-        up to there are returned)."""
-        assert s.grammar is not None
-        s.stats.mask_seconds += g.seconds[b]
-        if g.forced[b]:
-            s.stats.forced += len(g.forced[b])
-            s.stats.forced_accepted += min(a, len(g.forced[b]))
-        n, err = (0, "its grammar allows no continuation") if g.dead[b] else s.grammar.commit(new)
-        if err is not None:
-            raise RuntimeError(f"structured output: {err}")
-        if s.grammar.stopped:
-            s.finish("stop")
-        return new[:n]
-
-    def _features_for(self, b: int, a: int, proposal: Proposal, scores: Scores, verdict: Verdict) -> Tensor | None:
-        """The target's features row b's drafter reads after accepting ``a`` drafts (``FeatureNeed``)."""
-        assert self.drafter is not None
-        need = self.drafter.features
-        if need is FeatureNeed.LAST:
-            return None if verdict.last_features is None else verdict.last_features[b]
-        if need is FeatureNeed.ALL and scores.features is not None:  # positions tlen .. the new tlen - 1
-            new = scores.features[b, verdict.cols[b, : a + 1]]
-            if scores.catch[b] > 1:  # a prefill: the features of the prompt's columns before the last
-                assert scores.prefix is not None
-                new = torch.cat([scores.prefix[b, : scores.catch[b] - 1], new])
-            return new
-        return None
 
     def _fail_row(self, s: Seq, why: str) -> None:
         log.warning(

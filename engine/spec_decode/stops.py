@@ -1,9 +1,10 @@
-"""Stop conditions inside a round's accepted run: eos and stop tokens, max_new_tokens, stop strings."""
+"""Where a round's accepted run ends: eos and stop tokens, max_new_tokens, stop strings, a complete grammar."""
 
 from __future__ import annotations
 
 from engine.core.tokenizer import Tokenizer
 from engine.spec_decode.seq import Seq
+from engine.spec_decode.structured.masks import GrammarRound
 
 
 class StopChecker:
@@ -64,3 +65,19 @@ class StopChecker:
         if s.params.stop:
             return s.text if s.stop_cut is None else s.text[: s.stop_cut]
         return self.tokenizer.decode(s.generated[:-1] if s.stop_token else s.generated)
+
+
+def grammar_cut(s: Seq, g: GrammarRound, b: int, new: list[int], a: int) -> list[int]:
+    """Row b (``s``) of a round with grammars: its matcher takes the round's tokens (``a`` drafts accepted); the
+    request ends where its grammar is complete (the tokens up to there are returned)."""
+    assert s.grammar is not None
+    s.stats.mask_seconds += g.seconds[b]
+    if g.forced[b]:
+        s.stats.forced += len(g.forced[b])
+        s.stats.forced_accepted += min(a, len(g.forced[b]))
+    n, err = (0, "its grammar allows no continuation") if g.dead[b] else s.grammar.commit(new)
+    if err is not None:
+        raise RuntimeError(f"structured output: {err}")
+    if s.grammar.stopped:
+        s.finish("stop")
+    return new[:n]
