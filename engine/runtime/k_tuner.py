@@ -9,22 +9,22 @@ to a power of two) and per arm it keeps a decayed mean of the round's wall time.
 
 Expected tokens per round: for a chain of K, each tuned row's running acceptance (the K controller's EMAs over the
 rounds it drafted, split at the first draft: ``Acceptance``, first a1 and later a2) predicts
-1 + a1 (1 - a2^K) / (1 - a2) committed tokens where it drafts (``chain_tokens``; a copy drafter's first draft is
-right far less often than the ones after a right one, and one pooled a would overprice K = 1), and one where it does
-not: a copy drafter's row without a match drafts nothing. The share of tuned rows that draft (``drafting``) is a
-decayed estimate over the rows of recent chain rounds, pooled across K, per bucket once the bucket has recorded a
-few rows (a copy drafter's matches depend on the text, but the cut of drafts that do not pay, engine/runtime/
-draft_cost.py, depends on the batch; 1 for a drafter that always drafts). A drafting row may draft fewer than K (a
-copy shorter than K, or cut where its drafts do not pay): per bucket and chain arm, the share of the drafts' expected
-gain its rows reached (``reach``: decayed sums of each row's prediction at the drafts it verified and at the arm's K,
-less the token every row commits) scales the gain predicted at K, so a long K is priced by the drafts its rows
-actually verify. For a tree of K nodes no such closed form
-holds (it depends on how the drafter spends its nodes): the chain's prediction at its K is calibrated by what the tree's
-rounds committed, the ratio of decayed sums of the tokens its tuned rows committed (rows that drafted the arm's full K
-and did not end) and of what their acceptances predicted. The ratio starts at the nearest measured tree's (1, the
-chain's prediction, where none is; worth ``yield_prior`` measured rounds, fading by ``decay`` per measurement).
-The round takes the arm with the most expected tokens per second; a tree is taken only where its measured rate
-beats every chain's, so a drafter whose trees do not pay runs chains.
+1 + a1 (1 - a2^K) / (1 - a2) committed tokens where it drafts (``chain_tokens``; a copy drafter's first draft is right
+far less often than the ones after a right one, and one pooled a would overprice K = 1), and one where it does not: a
+copy drafter's row without a match drafts nothing. The share of tuned rows that draft (``drafting``) is a decayed
+estimate over the rows of recent chain rounds, pooled across K, per bucket once the bucket has recorded a few rows (a
+copy drafter's matches depend on the text, but the cut of drafts that do not pay, engine/runtime/draft_cost.py,
+depends on the batch; 1 for a drafter that always drafts). A drafting row may draft fewer than K (a copy shorter than
+K, or cut where its drafts do not pay): per bucket and chain arm, the share of the drafts' expected gain its rows
+reached (``reach``: decayed sums of each row's prediction at the drafts it verified and at the arm's K, less the token
+every row commits) scales the gain predicted at K, so a long K is priced by the drafts its rows actually verify. For a
+tree of K nodes no such closed form holds (it depends on how the drafter spends its nodes): the chain's prediction at
+its K is calibrated by what the tree's rounds committed, the ratio of decayed sums of the tokens its tuned rows
+committed (rows that could draft the arm's full K and did not end) and of what their acceptances predicted. The ratio
+starts at the nearest measured tree's (the chain's prediction as its rows reach it where none is; worth
+``yield_prior`` measured rounds, fading by ``decay`` per measurement). The round takes the arm with the most expected
+tokens per second; a tree is taken only where its measured rate beats every chain's, so a drafter whose trees do not
+pay runs chains.
 
 A new row's acceptance starts from the tuner's: a decayed estimate over the tuned rows of recent chain rounds
 (``acceptance``), not from a fixed prior, so that rows admitted while plain rounds run (they learn nothing) do not
@@ -151,16 +151,18 @@ class KTuner:
             m = self.drafting(batch)
             return rows * (m * (1.0 + (chain - 1.0) * self.reach(b, arm)) + 1.0 - m) / t
         prior = self._ratio(b, arm)
+        if prior is None:  # no tree measured at the bucket: the chain's prediction at its K, as its rows reach it
+            prior = (1.0 + (chain - 1.0) * self.reach(b, Arm(arm.k))) / chain
         got = self._yield.get((b, arm), [0.0, 0.0])
         w = self.yield_prior * rows * chain * self.decay ** self._times[(b, arm)][2]  # fades as it is measured
         return rows * chain * (got[0] + w * prior) / (got[1] + w) / t
 
-    def _ratio(self, b: int, arm: Arm) -> float:
-        """A tree's calibration before its own measurements: that of the nearest tree measured at the bucket, else
-        1 (the chain's prediction)."""
+    def _ratio(self, b: int, arm: Arm) -> float | None:
+        """A tree's calibration before its own measurements: that of the nearest tree measured at the bucket (None:
+        none is)."""
         near = [(abs(a.k - arm.k), y) for (bb, a), y in self._yield.items() if bb == b and a != arm]
         if not near:
-            return 1.0
+            return None
         y = min(near, key=lambda x: x[0])[1]
         return y[0] / y[1] if y[1] > 0 else 1.0
 
@@ -292,10 +294,9 @@ class KTuner:
                 share[1] = d * share[1] + len(rows)
             ks = [(r, arm.k if r.drafts is None else max(1, min(r.drafts, arm.k))) for r in rows if r.drafted]
             obs = [split_observation(k, min(max(r.committed - 1.0, 0.0), k)) for r, k in ks]
-            if ks:
-                reach = self._reach.setdefault((b, arm), [0.0, 0.0])
-                reach[0] = w * reach[0] + sum(chain_tokens(r.acceptance, k) - 1.0 for r, k in ks)
-                reach[1] = w * reach[1] + sum(chain_tokens(r.acceptance, arm.k) - 1.0 for r, _ in ks)
+            reach = self._reach.setdefault((b, arm), [0.0, 0.0])
+            reach[0] = w * reach[0] + sum(chain_tokens(r.acceptance, k) - 1.0 for r, k in ks)
+            reach[1] = w * reach[1] + sum(chain_tokens(r.acceptance, arm.k) - 1.0 for r, _ in ks)
             first, rest = self._first, self._rest
             first[0], first[1] = d * first[0] + sum(o[0] for o in obs), d * first[1] + len(obs)
             rest[0], rest[1] = d * rest[0] + sum(o[1] for o in obs), d * rest[1] + sum(o[2] for o in obs)
