@@ -132,9 +132,8 @@ class NGramDrafter:
         props = []
         for s, kb in zip(batch.seqs, batch.ks):
             m, cont = self.match(s.tokens, kb)
-            need = batch.min_accept if s.params.greedy else 0.0  # a sampled row drafts its whole copy
-            cont = cont[: self.acceptance.length(m, len(cont), need)]
-            if s.params.greedy:  # what its commit teaches the table
+            if s.params.greedy:  # cut where it does not pay, and what its commit teaches (a sampled row: whole copy)
+                cont = cont[: self.acceptance.length(m, len(cont), batch.min_accept)]
                 self._chain(s)[:] = [m, len(cont)]
             props.append(cont)
         out = torch.zeros(len(props), batch.k, dtype=torch.long)
