@@ -466,6 +466,25 @@ def test_bench_modes_of_trained_heads(tiny_heads, tmp_path, capsys):
     assert all(m["match_vs_plain"]["identical"] == 1.0 for m in modes.values())
 
 
+def test_bench_reports_the_costs_of_a_mode_whose_rounds_never_drafted(tiny_heads, tmp_path, capsys, monkeypatch):
+    """Where the K tuner runs plain rounds only (speculation lost to plain decoding at batch 1), a head's mode
+    still reports its measured draft cost, and no acceptance or predicted speedup."""
+    from engine.cli.bench import main
+    from engine.runtime.k_tuner import PLAIN, KTuner
+
+    monkeypatch.setattr(KTuner, "choose", lambda self, batch, acceptance: PLAIN)
+    target, d = tiny_heads
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fibonacci(n):\n", encoding="utf-8")
+    argv = ["--target", str(target), "--medusa", str(d / "medusa"), "--prompts", str(prompts), "--repeats", "1"]
+    argv += ["--max-new-tokens", "6", "--no-hf", "--threads", "1", "--modes", "specmix-medusa"]
+    assert main([*argv, "--json", str(tmp_path / "r.json")]) == 0
+    capsys.readouterr()
+    mode = {m["name"]: m for m in json.loads((tmp_path / "r.json").read_text())["modes"]}["specmix-medusa"]
+    assert mode["costs"]["c"] > 0 and mode["token_acceptance"] is None and mode["mean_accepted_length"] == 1
+    assert mode["predicted_speedup"] is None
+
+
 def _dir_files(d) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 

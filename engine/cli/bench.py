@@ -252,16 +252,17 @@ def _measure(a: argparse.Namespace, modes: _Modes, runs: _Runs) -> dict[str, lis
 
 
 def _spec_figures(eng: Engine) -> dict[str, Any]:
-    """A drafter mode's acceptance, its per-token acceptance and, with measured costs, the cost model's
-    predicted speedup at the K it would choose."""
+    """A drafter mode's acceptance, its per-token acceptance, its measured costs and, where its rows drafted, the
+    cost model's predicted speedup at the K it would choose."""
     st = eng.stats()
     row: dict[str, Any] = {"acceptance_rate": st["acceptance_rate"], "mean_accepted_length": st["mean_accepted_length"]}
-    row["token_acceptance"] = st["token_acceptance"]
-    if st["token_acceptance"] is not None and eng.costs is not None:
-        acc = st["token_acceptance"]  # the cost model's per-token a (accepted / drafted is biased low)
+    row["token_acceptance"] = acc = st["token_acceptance"]  # the cost model's a (accepted / drafted is biased low)
+    if eng.costs is None:
+        return row
+    row["costs"] = eng.costs.to_dict()  # measured whether or not its rounds drafted (the tuner may run plain)
+    if acc is not None:
         k = best_k(min(acc, 0.999), eng.costs, 1, eng.policy.k_max)
         row["predicted_speedup"] = expected_speedup(acc, k, eng.costs)
-        row["costs"] = eng.costs.to_dict()
     return row
 
 
