@@ -261,7 +261,9 @@ def test_one_command_starts_speculation_on_and_off(ckpt_dir, draft_dir, tmp_path
     assert [(s["mode"], s["x"]) for s in got["speedups"]] == [("concurrency", 1), ("concurrency", 2), ("rate", 50.0)]
     assert all(s["speedup"] > 0 for s in got["speedups"])
     on, off = got["rows"][0]["speculation"], got["rows"][1]["speculation"]
-    assert on["drafts"] > 0 and 1 <= on["mean_accepted_length"] <= 4 and on["tuned_k"]
+    # the tuner drafts in its exploration rounds at least, wherever plain rounds measure faster on this machine
+    assert sum(r["speculation"]["drafts"] for r in got["rows"][::2]) > 0
+    assert 1 <= on["mean_accepted_length"] <= 4 and on["tuned_k"]
     assert off["drafts"] == 0 and off["mean_accepted_length"] is None
     assert all(r["total_output_tokens"] == 18 for r in got["rows"])
     assert png.stat().st_size > 10_000
