@@ -31,7 +31,7 @@ from quant.plan import make_plan
 STATUS = small_gemm_status()
 pytestmark = pytest.mark.skipif(STATUS is not None, reason=f"fp32 CPU kernels unavailable: {STATUS}")
 GROUPS = (None, 32, 64, 128)
-ROWS = (1, 2, 3, 4, 5, 8, 17, 33, 64)  # around the kernel's switch from direct reads to a dequantized scratch (3 | 4)
+ROWS = (1, 2, 3, 4, 5, 6, 8, 17, 33, 64)  # around the direct-read | scratch switch: 3 | 4, on AMX cores 5 | 6
 
 
 def _dequant(mod: Int8Linear) -> torch.Tensor:

@@ -7,6 +7,7 @@
 // so every output equals small_gemm on the dequantized weight bit for bit, for any M.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,9 +28,12 @@ using simd::Vec;
 // weight rows per block: R * M accumulators, M inputs and a weight in registers, with room to spare (a block too
 // large for the registers spills its accumulators at every group boundary)
 constexpr int NB = LANES == 16 ? 4 : 2;
-// up to this many input rows read the int8 block directly; more dequantize it once into a scratch (faster from
-// 4 rows on with AVX-512: docs/performance.md)
-constexpr int DIRECT_ROWS = 3;
+// up to direct_rows() input rows (at most MAX_DIRECT_ROWS: R * 5 accumulators, 5 inputs, a weight and R scales
+// fill AVX-512's 32 registers) read the int8 block directly; more dequantize it once into a scratch. Which is
+// faster depends on the core (docs/performance.md): on a Zen 4 EPYC the scratch from 4 rows, on an AMX Xeon the
+// direct read up to 5 (each 512-bit op at full width on two ports, so widening a weight once per row pass costs
+// less than the scratch's store and reload)
+constexpr int MAX_DIRECT_ROWS = 5;
 // input rows per pass over the scratch, the passes made equal (9 rows: 5 + 4, not 4 + 4 + 1): on AVX-512,
 // 4 * 6 accumulators, 6 inputs and a weight fill the registers (7-15% faster than passes of 4 at 5 and 9 rows)
 constexpr int SCRATCH_ROWS = LANES == 16 ? 6 : 4;
@@ -46,8 +50,8 @@ struct Weights {
 inline Vec dequant(const int8_t* q, Vec scale) { return simd::mul(simd::load(q), scale); }
 inline Vec dequant_first(const int8_t* q, Vec scale, int64_t n) { return simd::mul(simd::load_first(q, n), scale); }
 
-// One pass of up to DIRECT_ROWS rows reading the int8 block directly, each weight vector dequantized in registers (not
-// inlined, as gemm_block::block); `next`: the int8 block to pull into L2 meanwhile, row by row
+// One pass of up to MAX_DIRECT_ROWS rows reading the int8 block directly, each weight vector dequantized in
+// registers (not inlined, as gemm_block::block); `next`: the int8 block to pull into L2 meanwhile, row by row
 template <int M, int R>
 __attribute__((noinline)) void block(const float* __restrict x, const Weights& w, float* __restrict y, int64_t K,
                                      int64_t N, int64_t n0, const char* next) {
@@ -110,18 +114,29 @@ inline void dequant_rows(const Weights& w, int64_t K, int64_t n0, float* __restr
   }
 }
 
-// A block of R weight rows against all M input rows. Up to DIRECT_ROWS rows read the int8 weights directly, in
+// A block of R weight rows against all M input rows. Up to `direct` rows read the int8 weights directly, in
 // one pass. More dequantize the block once into `scratch` and run the fp32 passes over it (widening and scaling
 // each weight once, not once per pass); their sums are the same FMA chains over the same values, so
 // a row's result is bit for bit the direct one. Meanwhile the block `ahead` bytes on streams into L2.
 template <int R>
 inline void rows(const float* x, const Weights& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
-                 int64_t ahead, float* scratch) {
+                 int64_t ahead, int64_t direct, float* scratch) {
   const char* next = reinterpret_cast<const char*>(w.q + n0 * K + ahead);
-  if (M <= DIRECT_ROWS) return pass<DIRECT_ROWS, R>(M, x, w, y, K, N, n0, next);
+  if (M <= direct) return pass<MAX_DIRECT_ROWS, R>(M, x, w, y, K, N, n0, next);
   dequant_rows<R>(w, K, n0, scratch);
   const int64_t P = (M + SCRATCH_ROWS - 1) / SCRATCH_ROWS, per = (M + P - 1) / P;  // passes of equal rows
   gemm_block::passes<SCRATCH_ROWS, R>(M, per, x, scratch, y + n0, K, N, next, 1);
+}
+
+// the most input rows that read the int8 block directly on this CPU (decided once per process): 5 on a CPU
+// with AMX-BF16 (the cores measured faster so), else 3; the two ways give the same bits
+int64_t direct_rows() {
+  static const int64_t n = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool amx_core = LANES == 16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1u);
+    return amx_core ? int64_t{MAX_DIRECT_ROWS} : int64_t{3};
+  }();
+  return n;
 }
 
 // this thread's dequantization scratch of at least n floats: grown, never shrunk or freed, so a verify pass
@@ -215,12 +230,13 @@ void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor&
   const int64_t blocks = N / NB;
   // prefetch distance: whole blocks, at least AHEAD_BYTES (a single block of a short row is too near)
   const int64_t ahead = NB * K * std::max<int64_t>(1, (AHEAD_BYTES + NB * K - 1) / (NB * K));
+  const int64_t direct = direct_rows();
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    float* scratch = M > DIRECT_ROWS ? thread_scratch(NB * K) : nullptr;
-    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB, ahead, scratch);
+    float* scratch = M > direct ? thread_scratch(NB * K) : nullptr;
+    for (int64_t b = b0; b < b1; ++b) rows<NB>(x, w, y, M, K, N, b * NB, ahead, direct, scratch);
   });
-  float* scratch = M > DIRECT_ROWS ? thread_scratch(K) : nullptr;
-  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, scratch);  // the N tail
+  float* scratch = M > direct ? thread_scratch(K) : nullptr;
+  for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, direct, scratch);  // the N tail
 }
 
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group) {
