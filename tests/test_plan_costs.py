@@ -8,9 +8,12 @@ import torch
 from test_plan_search import tiny, windows
 
 from engine.build.planner import measured_costs
+from engine.core.model import fuse_projections
 from engine.kernels.cost_meter import ModuleCostMeter
-from engine.kernels.cpu_gemm import small_gemm_status
+from engine.kernels.cpu_decode import install_decode_step, step_info
+from engine.kernels.cpu_gemm import amx_status, small_gemm_status
 from engine.kernels.cpu_int8 import CpuCostMeter
+from engine.kernels.step_weights import dense_step_storage
 from quant.calibration import collect_calibration
 from quant.candidates import CHOICES, DENSE, kernel_bytes, ordered_choices, paper_cost, read_rate
 from quant.catalog import lookup_gpu
@@ -51,6 +54,33 @@ def test_cpu_cost_meter_measures_the_step_kernels():
     res = search_ffn(m, calib, lookup_gpu("a100"), kld_budget=1e9, cost=meter, cost_source="measured here")
     assert set(res.modules) == {f"layers.0.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")}
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.skipif(small_gemm_status() is not None, reason=f"CPU kernels unavailable: {small_gemm_status()}")
+@pytest.mark.parametrize("values", [None, torch.bfloat16, torch.float16])
+def test_the_dense_baseline_is_what_the_decode_step_runs(values):
+    """The planner prices the dense Linear in the storage and on the kernel the step gives the model's weights:
+    a bf16-valued checkpoint on AMX tiles where this CPU has them (where int8 weights can lose to it)."""
+    _, m = tiny(4, layers=1)
+    if values is not None:
+        with torch.no_grad():
+            for lin in m.modules():
+                if isinstance(lin, torch.nn.Linear):
+                    lin.weight.copy_(lin.weight.to(values))
+    dense = dense_step_storage(m)  # as the planner asks, before the engine fuses q/k/v and gate/up
+    fuse_projections(m)
+    assert install_decode_step(m) is None
+    info = step_info({"target": m})
+    assert (
+        dense.removesuffix("-amx")
+        == {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[info["target_step_weights"]]
+    )
+    assert (dense == "bf16-amx") == info["target_step_amx"]
+    assert (dense == "bf16-amx") == (values is torch.bfloat16 and amx_status() is None)
+    meter = CpuCostMeter(rows=4, stream_bytes=2 << 20, repeats=2, dense=dense)
+    assert meter(DENSE, 256, 192, 64) > 0 and measured_costs("cpu", m)[0].dense == dense
+    with pytest.raises(ValueError, match="dense='int4' is invalid: allowed fp32, fp16, bf16, bf16-amx"):
+        CpuCostMeter(dense="int4")
 
 
 def test_module_cost_meter_times_each_candidates_linear():

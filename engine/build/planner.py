@@ -19,10 +19,12 @@ import torch
 from engine.api.plan_apply import calib_batches
 from engine.core.checkpoint import load_model
 from engine.core.config import load_config
+from engine.core.model import Transformer
 from engine.core.tokenizer import Tokenizer
 from engine.kernels.cost_meter import ModuleCostMeter
 from engine.kernels.cpu_gemm import small_gemm_status
 from engine.kernels.cpu_int8 import CpuCostMeter
+from engine.kernels.step_weights import dense_step_storage
 from quant.candidates import CostFn
 
 log = logging.getLogger(__name__)
@@ -34,16 +36,16 @@ DEFAULT_MIN_TOP1 = 0.98
 KLD_WINDOWS = 16  # of calib_batches' 256-token windows: 4,096 calibration tokens score each candidate plan
 
 
-def measured_costs(device: str) -> tuple[CostFn | None, str | None]:
-    """The plan runs where it is built: its candidates' costs measured there (the CPU's C++ step kernels; on CUDA
-    each candidate's Linear), and how the profile names them; (None, None) where the CPU kernels are missing
-    (the costs are then on paper)."""
+def measured_costs(device: str, model: Transformer | None = None) -> tuple[CostFn | None, str | None]:
+    """The plan runs where it is built: its candidates' costs measured there (the CPU's C++ step kernels, the
+    dense Linear as the step would hold ``model``'s, fp32 without one; on CUDA each candidate's Linear), and how
+    the profile names them; (None, None) where the CPU kernels are missing (the costs are then on paper)."""
     if device == "cuda":
         meter = ModuleCostMeter(torch.device("cuda"))
         return meter, f"measured on {torch.cuda.get_device_name()} at {meter.rows} rows"
     if small_gemm_status() is None:
-        cpu = CpuCostMeter()
-        return cpu, f"measured on this CPU at {cpu.rows} rows"
+        cpu = CpuCostMeter(dense="fp32" if model is None else dense_step_storage(model))
+        return cpu, f"measured on this CPU at {cpu.rows} rows, the dense Linear in {cpu.dense}"
     return None, None
 
 
@@ -69,7 +71,7 @@ def search_plan(
     tok = Tokenizer(target_dir)
     calib = collect_calibration(model, calib_batches(tok, calib_text), kld_windows=KLD_WINDOWS)
     store_narrow(model, plan.target)  # the trials' KLD is the plan's: its 16-bit attention included
-    cost, source = measured_costs(device)
+    cost, source = measured_costs(device, model)
     res = search_ffn(
         model, calib, gpu, kld_budget=kld_budget, min_top1=min_top1, dense_storage=plan.target.compute_dtype,
         cost=cost, cost_source=source,

@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -154,17 +155,30 @@ def fused_int8(mods: tuple[nn.Module, ...]) -> Int8Weight | None:
     return Int8Weight(q, scale, finest or 0, torch.empty(0))
 
 
+# how the decode step can hold a dense Linear's weight: on the few-row GEMM in fp32 or a lossless 16-bit copy,
+# or bf16 on AMX tiles (engine/kernels/step_weights.py ``dense_step_storage`` says which a model gets)
+DENSE_STORAGES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "bf16-amx": torch.bfloat16}
+
+
 @dataclass
 class CpuCostMeter:
     """The planner's measured cost on this CPU (``quant.candidates.CostFn``): one call of the kernel the decode
-    step runs for a candidate (int8 GEMM, W8A8, or the fp32 kernel for the dense Linear) at ``rows`` rows
-    (default: a verify pass of K + 1 <= 8 rows at batch 1), on weights cycled through ``stream_bytes`` so they
-    come from memory as a model's do, not from cache; the median of ``repeats`` timings, cached per shape."""
+    step runs for a candidate (int8 GEMM, W8A8, or for the dense Linear the kernel and storage the step gives the
+    model's dense weights) at ``rows`` rows (default: a verify pass of K + 1 <= 8 rows at batch 1), on weights
+    cycled through ``stream_bytes`` so they come from memory as a model's do, not from cache; the median of
+    ``repeats`` timings, cached per shape."""
 
     rows: int = 8
     stream_bytes: int = 64 << 20
     repeats: int = 5
+    dense: str = "fp32"
+    """How the step runs the dense Linear: a key of ``DENSE_STORAGES`` (a bf16-valued checkpoint on a CPU with
+    AMX: "bf16-amx", whose verify rows come almost free)."""
     cache: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dense not in DENSE_STORAGES:
+            raise ValueError(f"dense={self.dense!r} is invalid: allowed {', '.join(DENSE_STORAGES)}")
 
     def __call__(self, choice: Choice, n_out: int, n_in: int, rows: int) -> float:
         key = (choice.label, n_out, n_in, min(rows, self.rows))
@@ -180,8 +194,7 @@ class CpuCostMeter:
             lin.weight.normal_(0, 0.05, generator=g)
         x = torch.randn(rows, n_in, generator=g)
         if choice.kernel == "dense":
-            w = lin.weight.detach()
-            copies, run = [w.clone() for _ in range(self._copies(w))], lambda t: k.small_gemm(x, t)
+            copies, run = self._dense(k, lin.weight.detach(), x)
         else:
             mod = Int8Linear.from_float(lin, choice.kernel, group_size=choice.group_size)
             s, grp = mod.weight_scale.detach(), mod.group_size or 0
@@ -197,6 +210,14 @@ class CpuCostMeter:
                 run(t)
             times.append((time.perf_counter() - t0) / len(copies))
         return statistics.median(times[1:])
+
+    def _dense(self, k: Any, w: Tensor, x: Tensor) -> tuple[list[Tensor], Callable[[Tensor], Tensor]]:
+        """Copies of the dense weight as the step holds it, and the kernel that reads one."""
+        held = w.to(DENSE_STORAGES[self.dense])
+        if self.dense == "bf16-amx":
+            n = w.shape[0]
+            return [k.amx_pack(held) for _ in range(self._copies(held))], lambda t: k.amx_gemm(x, t, n)
+        return [held.clone() for _ in range(self._copies(held))], lambda t: k.small_gemm(x, t)
 
     def _copies(self, w: Tensor) -> int:
         return max(1, min(64, self.stream_bytes // max(1, w.numel() * w.element_size())))

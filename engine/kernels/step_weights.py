@@ -14,8 +14,10 @@ from torch import Tensor, nn
 
 from engine.core.checkpoint import DTYPES
 from engine.core.model import Transformer
+from engine.core.stored_linear import StoredLinear
 from engine.kernels.cpu_fp8 import fp8_table, fp8_weight
-from engine.kernels.cpu_int8 import Int8Weight, fused_int8
+from engine.kernels.cpu_gemm import amx_status
+from engine.kernels.cpu_int8 import DENSE_STORAGES, Int8Weight, fused_int8
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 
 # the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or 16-bit copies
@@ -69,6 +71,19 @@ def step_weight_dtype(weights: list[Tensor], choice: torch.dtype | str | None) -
             return exact
         return torch.float16 if choice == "auto" else PER_WEIGHT
     return DTYPES.get(choice, choice) if isinstance(choice, str) else choice
+
+
+def dense_step_storage(model: Transformer) -> str:
+    """How the step would hold a dense Linear of ``model`` (the planner's baseline, ``CpuCostMeter.dense``): the
+    storage ``step_weight_dtype`` gives its float GEMM weights (16-bit stored ones included), on AMX tiles where
+    that is bf16 and this CPU has them; with a storage per weight, the FFN weights' own."""
+    ws = [m.weight for m in model.modules() if isinstance(m, (nn.Linear, StoredLinear))]
+    step = step_weight_dtype(ws, None)
+    if step == PER_WEIGHT:
+        step = exact_dtype([m.weight for n, m in model.named_modules() if ".mlp." in n and isinstance(m, nn.Linear)])
+    elif step == torch.bfloat16 and amx_status() is None:
+        return "bf16-amx"
+    return next(name for name, dtype in DENSE_STORAGES.items() if dtype == step)
 
 
 def exact_dtype(weights: list[Tensor]) -> torch.dtype:
