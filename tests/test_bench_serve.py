@@ -263,7 +263,7 @@ def test_one_command_starts_speculation_on_and_off(ckpt_dir, draft_dir, tmp_path
     on, off = got["rows"][0]["speculation"], got["rows"][1]["speculation"]
     # the tuner drafts in its exploration rounds at least, wherever plain rounds measure faster on this machine
     assert sum(r["speculation"]["drafts"] for r in got["rows"][::2]) > 0
-    assert 1 <= on["mean_accepted_length"] <= 4 and on["tuned_k"]
+    assert (on["mean_accepted_length"] is None or 1 <= on["mean_accepted_length"] <= 4) and on["tuned_k"]
     assert off["drafts"] == 0 and off["mean_accepted_length"] is None
     assert all(r["total_output_tokens"] == 18 for r in got["rows"])
     assert png.stat().st_size > 10_000

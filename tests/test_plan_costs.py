@@ -9,6 +9,7 @@ from test_plan_search import tiny, windows
 
 from engine.build.planner import measured_costs
 from engine.core.model import fuse_projections
+from engine.core.stored_linear import StoredLinear
 from engine.kernels.cost_meter import ModuleCostMeter
 from engine.kernels.cpu_decode import install_decode_step, step_info
 from engine.kernels.cpu_gemm import amx_status, small_gemm_status
@@ -56,27 +57,37 @@ def test_cpu_cost_meter_measures_the_step_kernels():
     assert torch.is_grad_enabled()
 
 
+def _valued(values: str) -> torch.nn.Module:
+    """A tiny model whose weights are fp32, bf16- or fp16-valued, or (``"mixed"``, as the planner's ``store_narrow``
+    leaves a bf16 checkpoint) bf16-valued with its attention stored in fp16, neither dtype holding both."""
+    _, m = tiny(4, layers=1)
+    with torch.no_grad():
+        for lin in m.modules():
+            if isinstance(lin, torch.nn.Linear) and values != "fp32":
+                lin.weight.copy_(lin.weight.to(torch.float16 if values == "fp16" else torch.bfloat16))
+        if values == "mixed":
+            attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
+            attn.q_proj.weight[0, 0], mlp.gate_proj.weight[0, 0] = 1 + 2**-10, 2.0**20  # fp16 only; bf16 only
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(attn, name, StoredLinear.from_linear(getattr(attn, name), torch.float16))
+    return m
+
+
 @pytest.mark.skipif(small_gemm_status() is not None, reason=f"CPU kernels unavailable: {small_gemm_status()}")
-@pytest.mark.parametrize("values", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("values", ["fp32", "bf16", "fp16", "mixed"])
 def test_the_dense_baseline_is_what_the_decode_step_runs(values):
     """The planner prices the dense Linear in the storage and on the kernel the step gives the model's weights:
     a bf16-valued checkpoint on AMX tiles where this CPU has them (where int8 weights can lose to it)."""
-    _, m = tiny(4, layers=1)
-    if values is not None:
-        with torch.no_grad():
-            for lin in m.modules():
-                if isinstance(lin, torch.nn.Linear):
-                    lin.weight.copy_(lin.weight.to(values))
+    m = _valued(values)
     dense = dense_step_storage(m)  # as the planner asks, before the engine fuses q/k/v and gate/up
     fuse_projections(m)
     assert install_decode_step(m) is None
     info = step_info({"target": m})
-    assert (
-        dense.removesuffix("-amx")
-        == {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[info["target_step_weights"]]
-    )
-    assert (dense == "bf16-amx") == info["target_step_amx"]
-    assert (dense == "bf16-amx") == (values is torch.bfloat16 and amx_status() is None)
+    label = info["target_step_weights"]  # a storage per weight: their dtypes joined by "+" (the FFN's bf16 here)
+    held = "bf16" if "+" in label else {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[label]
+    assert dense.removesuffix("-amx") == held == values.replace("mixed", "bf16")
+    assert ("+" in label) == (values == "mixed")
+    assert (dense == "bf16-amx") == info["target_step_amx"] == (values == "bf16" and amx_status() is None)
     meter = CpuCostMeter(rows=4, stream_bytes=2 << 20, repeats=2, dense=dense)
     assert meter(DENSE, 256, 192, 64) > 0 and measured_costs("cpu", m)[0].dense == dense
     with pytest.raises(ValueError, match="dense='int4' is invalid: allowed fp32, fp16, bf16, bf16-amx"):

@@ -27,12 +27,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from engine.kernels.cpu_gemm import MAX_ROWS, cpu_kernels, small_gemm_status
+from engine.core.errors import KernelUnavailableError
+from engine.kernels.cpu_gemm import MAX_ROWS, amx_status, cpu_kernels, small_gemm_status
 from quant.candidates import Choice
 from quant.int8 import group_count
 from quant.linear import Int8Linear
@@ -157,7 +159,9 @@ def fused_int8(mods: tuple[nn.Module, ...]) -> Int8Weight | None:
 
 # how the decode step can hold a dense Linear's weight: on the few-row GEMM in fp32 or a lossless 16-bit copy,
 # or bf16 on AMX tiles (engine/kernels/step_weights.py ``dense_step_storage`` says which a model gets)
-DENSE_STORAGES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "bf16-amx": torch.bfloat16}
+DENSE_STORAGES = MappingProxyType(
+    {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "bf16-amx": torch.bfloat16}
+)
 
 
 @dataclass
@@ -179,6 +183,8 @@ class CpuCostMeter:
     def __post_init__(self) -> None:
         if self.dense not in DENSE_STORAGES:
             raise ValueError(f"dense={self.dense!r} is invalid: allowed {', '.join(DENSE_STORAGES)}")
+        if self.dense == "bf16-amx" and amx_status() is not None:
+            raise KernelUnavailableError(f"dense='bf16-amx' needs AMX tiles: {amx_status()}")
 
     def __call__(self, choice: Choice, n_out: int, n_in: int, rows: int) -> float:
         key = (choice.label, n_out, n_in, min(rows, self.rows))

@@ -14,10 +14,9 @@ from torch import Tensor, nn
 
 from engine.core.checkpoint import DTYPES
 from engine.core.model import Transformer
-from engine.core.stored_linear import StoredLinear
 from engine.kernels.cpu_fp8 import fp8_table, fp8_weight
 from engine.kernels.cpu_gemm import amx_status
-from engine.kernels.cpu_int8 import DENSE_STORAGES, Int8Weight, fused_int8
+from engine.kernels.cpu_int8 import Int8Weight, fused_int8
 from quant.linear import FP8Embedding, FP8Linear, Int8Linear
 
 # the GEMM weights' storage in the kernel: float32 (the model's own tensors, shared) or 16-bit copies
@@ -74,16 +73,25 @@ def step_weight_dtype(weights: list[Tensor], choice: torch.dtype | str | None) -
 
 
 def dense_step_storage(model: Transformer) -> str:
-    """How the step would hold a dense Linear of ``model`` (the planner's baseline, ``CpuCostMeter.dense``): the
-    storage ``step_weight_dtype`` gives its float GEMM weights (16-bit stored ones included), on AMX tiles where
-    that is bf16 and this CPU has them; with a storage per weight, the FFN weights' own."""
-    ws = [m.weight for m in model.modules() if isinstance(m, (nn.Linear, StoredLinear))]
-    step = step_weight_dtype(ws, None)
+    """How the step would hold a dense FFN Linear of ``model`` (the planner's baseline, ``CpuCostMeter.dense``): the
+    storage ``step_weight_dtype`` gives the model's float GEMM weights (16-bit stored and FP8 ones included, fused
+    or not), on AMX tiles where that is bf16 and this CPU has them; where each weight keeps its own, the FFN's
+    float weights' common lossless dtype."""
+    per_slot = [(name, w) for layer in model.layers for name, (_, ps) in slots(layer).items() for w in _float_parts(ps)]
+    step = step_weight_dtype([w for _, w in per_slot] + [_head_weight(model)], None)
     if step == PER_WEIGHT:
-        step = exact_dtype([m.weight for n, m in model.named_modules() if ".mlp." in n and isinstance(m, nn.Linear)])
+        ffn = [w for name, w in per_slot if name in ("gate_up", "down_proj")]
+        step = exact_dtype(ffn) if ffn else torch.float32
     elif step == torch.bfloat16 and amx_status() is None:
         return "bf16-amx"
-    return next(name for name, dtype in DENSE_STORAGES.items() if dtype == step)
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[step]
+
+
+def _float_parts(parts: tuple[nn.Module, ...]) -> list[Tensor]:
+    """A slot's float GEMM weights part by part (FP8 ones dequantized, float32; INT8 ones have none)."""
+    if isinstance(parts[0], Int8Linear):
+        return []
+    return [fp8_weight((p,)) if isinstance(p, FP8Linear) else p.weight for p in parts]
 
 
 def exact_dtype(weights: list[Tensor]) -> torch.dtype:

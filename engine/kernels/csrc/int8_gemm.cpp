@@ -25,14 +25,13 @@ namespace {
 using simd::LANES;
 using simd::Vec;
 
-// weight rows per block: R * M accumulators, M inputs and a weight in registers, with room to spare (a block too
-// large for the registers spills its accumulators at every group boundary)
+// weight rows per block: R * M accumulators, M inputs, a weight and R scales in registers (30 of AVX-512's 32 at
+// 5 rows; a block too large for the registers spills its accumulators at every group boundary)
 constexpr int NB = LANES == 16 ? 4 : 2;
-// up to direct_rows() input rows (at most MAX_DIRECT_ROWS: R * 5 accumulators, 5 inputs, a weight and R scales
-// fill AVX-512's 32 registers) read the int8 block directly; more dequantize it once into a scratch. Which is
-// faster depends on the core (docs/performance.md): on a Zen 4 EPYC the scratch from 4 rows, on an AMX Xeon the
-// direct read up to 5 (each 512-bit op at full width on two ports, so widening a weight once per row pass costs
-// less than the scratch's store and reload)
+// up to direct_rows() input rows (at most MAX_DIRECT_ROWS, as the registers allow) read the int8 block directly;
+// more dequantize it once into a scratch. Which is faster depends on the core (docs/performance.md): on a Zen 4
+// EPYC the scratch from 4 rows, on an AMX Xeon the direct read up to 5 (each 512-bit op at full width on two
+// ports, so widening a weight once per row pass costs less than the scratch's store and reload)
 constexpr int MAX_DIRECT_ROWS = 5;
 // input rows per pass over the scratch, the passes made equal (9 rows: 5 + 4, not 4 + 4 + 1): on AVX-512,
 // 4 * 6 accumulators, 6 inputs and a weight fill the registers (7-15% faster than passes of 4 at 5 and 9 rows)
@@ -227,6 +226,7 @@ void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor&
   check_int8_weight(q, s, group, N, K, "int8_gemm");
   const Weights w{q.data_ptr<int8_t>(), s.data_ptr<float>(), group == 0 ? 1 : (K + group - 1) / group,
                   group == 0 ? K : group};
+  if (M == 0) return;
   const int64_t blocks = N / NB;
   // prefetch distance: whole blocks, at least AHEAD_BYTES (a single block of a short row is too near)
   const int64_t ahead = NB * K * std::max<int64_t>(1, (AHEAD_BYTES + NB * K - 1) / (NB * K));
