@@ -40,12 +40,17 @@ def slots(layer: Any) -> dict[str, tuple[Any, tuple[nn.Module, ...]]]:
     }
 
 
-def _float_weight(mod: Any, parts: tuple[nn.Module, ...]) -> Tensor | None:
-    """The slot's float GEMM weight: a fused group's or a lone plain Linear's, FP8 Linears' dequantized (float32);
-    None for INT8 Linears (read as they are)."""
-    if isinstance(parts[0], Int8Linear) or isinstance(mod, Int8Linear):
-        return None
-    return fp8_weight(parts) if isinstance(parts[0], FP8Linear) else mod.weight
+def _float_parts(parts: tuple[nn.Module, ...]) -> list[Tensor]:
+    """A slot's float GEMM weights part by part (a fused group's parts are views of its weight; FP8 ones
+    dequantized, float32); none for INT8 Linears (read as they are)."""
+    if isinstance(parts[0], Int8Linear):
+        return []
+    return [fp8_weight((p,)) if isinstance(p, FP8Linear) else p.weight for p in parts]
+
+
+def _slot_weights(model: Transformer, names: tuple[str, ...]) -> list[Tensor]:
+    """The float GEMM weights of the named slots in every layer, fused or not."""
+    return [w for layer in model.layers for n, (_, ps) in slots(layer).items() if n in names for w in _float_parts(ps)]
 
 
 def _head_weight(model: Transformer) -> Tensor:
@@ -54,9 +59,8 @@ def _head_weight(model: Transformer) -> Tensor:
 
 
 def gemm_weights(model: Transformer) -> list[Tensor]:
-    """The float GEMM weights of the step (INT8 ones are read as they are)."""
-    ws = [_float_weight(mod, parts) for layer in model.layers for mod, parts in slots(layer).values()]
-    return [w for w in ws if w is not None] + [_head_weight(model)]
+    """The float GEMM weights of the step, part by part (INT8 ones are read as they are)."""
+    return _slot_weights(model, ("qkv", "o_proj", "gate_up", "down_proj")) + [_head_weight(model)]
 
 
 def step_weight_dtype(weights: list[Tensor], choice: torch.dtype | str | None) -> torch.dtype | str:
@@ -77,21 +81,13 @@ def dense_step_storage(model: Transformer) -> str:
     storage ``step_weight_dtype`` gives the model's float GEMM weights (16-bit stored and FP8 ones included, fused
     or not), on AMX tiles where that is bf16 and this CPU has them; where each weight keeps its own, the FFN's
     float weights' common lossless dtype."""
-    per_slot = [(name, w) for layer in model.layers for name, (_, ps) in slots(layer).items() for w in _float_parts(ps)]
-    step = step_weight_dtype([w for _, w in per_slot] + [_head_weight(model)], None)
+    step = step_weight_dtype(gemm_weights(model), None)
     if step == PER_WEIGHT:
-        ffn = [w for name, w in per_slot if name in ("gate_up", "down_proj")]
+        ffn = _slot_weights(model, ("gate_up", "down_proj"))
         step = exact_dtype(ffn) if ffn else torch.float32
     elif step == torch.bfloat16 and amx_status() is None:
         return "bf16-amx"
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[step]
-
-
-def _float_parts(parts: tuple[nn.Module, ...]) -> list[Tensor]:
-    """A slot's float GEMM weights part by part (FP8 ones dequantized, float32; INT8 ones have none)."""
-    if isinstance(parts[0], Int8Linear):
-        return []
-    return [fp8_weight((p,)) if isinstance(p, FP8Linear) else p.weight for p in parts]
 
 
 def exact_dtype(weights: list[Tensor]) -> torch.dtype:
