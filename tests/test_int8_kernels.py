@@ -20,7 +20,7 @@ from engine.core.model import KVCache, fuse_projections
 from engine.core.stored_linear import StoredEmbedding
 from engine.kernels.cpu_decode import DecodeStep, install_decode_step
 from engine.kernels.cpu_gemm import cpu_kernels, small_gemm_status
-from engine.kernels.cpu_int8 import install_int8_row_kernels
+from engine.kernels.cpu_int8 import install_int8_row_kernels, uses_int8_amx
 from engine.kernels.cpu_linear import fast_cpu_linears
 from engine.kernels.memory import resident_weight_bytes
 from quant.catalog import lookup_gpu
@@ -84,8 +84,13 @@ def test_int8_linear_on_the_cpu_keeps_no_dense_copy(group):
         y_tiles = mod(x)  # no row kernel: dequantized a tile at a time
         assert torch.allclose(y_tiles, x @ _dequant(mod).t(), rtol=1e-5, atol=1e-6)
         assert install_int8_row_kernels(nn.Sequential(mod)) == 1
-        for m in (1, 4, 32):  # the row kernel: the fp32 kernel's bits on the dequantized weight
-            assert torch.equal(mod(x[:m]), cpu_kernels().small_gemm(x[:m].contiguous(), _dequant(mod)))
+        amx = uses_int8_amx(nn.Sequential(mod))  # on AMX-INT8 tiles where this CPU has them (test_int8_amx.py)
+        for m in (1, 4, 32):  # the row kernel: the int8 GEMM's bits (the fp32 kernel's on the dequantized weight)
+            xm = x[:m].contiguous()
+            want = cpu_kernels().small_gemm(xm, _dequant(mod))
+            if amx:
+                want = cpu_kernels().int8_amx_gemm(xm, mod.weight, mod.weight_scale, group or 0)
+            assert torch.equal(mod(x[:m]), want)
         assert torch.equal(mod(x), y_tiles)  # over MAX_ROWS: the tiles again
     assert not mod.kernel_state  # nothing cached beside the int8 weight
     assert torch.equal(dequant_linear(x, mod.weight, mod.weight_scale, group), y_tiles)
@@ -122,6 +127,7 @@ def int8_model(tmp_path_factory):
 
 def test_decode_step_runs_int8_layers_like_pytorch(int8_model):
     m, ref = int8_model
+    assert m.layer_step.int8_amx == (not cpu_kernels().int8_amx_status())  # its weight-only INT8 on tiles where it can
     toks = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     c1, c2 = (KVCache(m.config, 2, 32, torch.float32, "cpu") for _ in range(2))
     with torch.no_grad():

@@ -13,7 +13,8 @@ PyTorch forward is its fallback with the same inputs and outputs (tests run both
 
 The GEMM weights: fp32 (the model's own tensors) on the small-GEMM kernel (AVX-512 or AVX2), or 16-bit
 copies widened in registers, or a precision plan's INT8 weights (kernel w8a16) read as int8 by the int8 GEMM
-(engine/kernels/cpu_int8.py: dequantized in registers, the modules' own tensors, no fp32 copy), or a draft
+(engine/kernels/cpu_int8.py: dequantized in registers, the modules' own tensors, no fp32 copy; on a CPU with
+AMX-INT8 read by tiles, engine/kernels/csrc/int8_amx.cpp, the inputs split into exact int8 parts), or a draft
 plan's FP8 weights and embedding table dequantized once into the step's weight dtype
 (engine/kernels/cpu_fp8.py). A model whose weights are all bf16 values (a bf16 checkpoint loaded in fp32,
 as the demo pair v3 is) loses nothing in bf16 storage (``exact_weight_dtype``), and on a CPU with AMX its
@@ -43,7 +44,7 @@ from engine.kernels.cpu_gemm import (
     cpu_kernels,
     small_gemm_status,
 )
-from engine.kernels.cpu_int8 import int8_gemm_reason, step_int8_reason
+from engine.kernels.cpu_int8 import int8_gemm_reason, step_int8_reason, uses_int8_amx
 from engine.kernels.step_weights import (
     PER_WEIGHT,
     WEIGHT_DTYPES,
@@ -165,6 +166,7 @@ class DecodeStep:
         if amx and amx_reason:
             raise KernelUnavailableError(f"AMX tiles are unavailable: {amx_reason}")
         self.amx = bool(weight_dtype == torch.bfloat16 and amx is not False and not amx_reason)
+        self.int8_amx = uses_int8_amx(model)  # its INT8 Linears' kernel, as their row kernel outside the step
         self.model, self.weight_dtype = model, weight_dtype
 
         sw = layer_weights(model.layers, weight_dtype)
@@ -184,6 +186,7 @@ class DecodeStep:
             cfg.sliding_window or 0,
             cfg.rms_norm_eps,
             self.amx,
+            self.int8_amx,
         )
         self._empty = torch.empty(0, dtype=torch.long)
         self._empty_f = torch.empty(0)
@@ -281,11 +284,13 @@ def install_decode_step(model: Transformer, weight_dtype: torch.dtype | str | No
 
 
 def step_info(models: dict[str, Transformer | None]) -> dict[str, Any]:
-    """For the engine's info, per named model: ``<name>_step_weights`` (the step's GEMM weight storage) and
-    ``<name>_step_amx`` (on AMX tiles), both None where the model has no step."""
+    """For the engine's info, per named model: ``<name>_step_weights`` (the step's GEMM weight storage),
+    ``<name>_step_amx`` (16-bit GEMMs on AMX tiles) and ``<name>_step_int8_amx`` (INT8 ones on AMX-INT8 tiles),
+    all None where the model has no step."""
     info: dict[str, Any] = {}
     for name, m in models.items():
         step = None if m is None else m.layer_step
         info[f"{name}_step_weights"] = None if step is None else str(step.weight_dtype).replace("torch.", "")
         info[f"{name}_step_amx"] = None if step is None else step.amx
+        info[f"{name}_step_int8_amx"] = None if step is None else step.int8_amx
     return info

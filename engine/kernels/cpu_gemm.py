@@ -56,6 +56,7 @@ SOURCES = [
     for name in (
         "small_gemm.cpp",
         "int8_gemm.cpp",
+        "int8_amx.cpp",
         "amx_gemm.cpp",
         "attention.cpp",
         "decode_layers.cpp",

@@ -281,7 +281,7 @@ class AttnHeadKernel(_EntriesKernel):
         sw.add(torch.zeros(1, H), head.out_norm.weight.detach(), lm_weight.detach().contiguous())  # (no embedding read)
         self.impl = cpu_kernels().DecodeModel(
             *sw.args(), mcfg.num_attention_heads, mcfg.num_key_value_heads, 0,
-            mcfg.rms_norm_eps, False,
+            mcfg.rms_norm_eps, False, False,
         )  # fmt: skip
         self.n_layers = mcfg.num_hidden_layers
         self._entries = head.entries
@@ -313,7 +313,7 @@ class Eagle3HeadKernel(_EntriesKernel):
         n = len(ws)
         self.impl = cpu_kernels().DecodeModel(
             ws, [none] * n, [none] * n, [0] * n, mcfg.num_attention_heads, mcfg.num_key_value_heads, 0,
-            mcfg.rms_norm_eps, False,
+            mcfg.rms_norm_eps, False, False,
         )  # fmt: skip
         self._inputs = head.midlayer.inputs
         self._out = torch.tensor([1], dtype=torch.long)  # "entering layer 1": the layer's output, before the norm

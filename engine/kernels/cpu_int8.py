@@ -78,7 +78,34 @@ def int8_gemm_reason(mod: Int8Linear) -> str | None:
     return None
 
 
+def int8_amx_reason(mod: Int8Linear) -> str | None:
+    """None when the AMX-INT8 tile GEMM can read this module's weight with fp32 inputs here, else why not."""
+    why = int8_gemm_reason(mod)
+    if why is not None:
+        return why
+    k = cpu_kernels()
+    if k.int8_amx_status():
+        return k.int8_amx_status()
+    mult = k.int8_amx_group_multiple()
+    if mod.group_size is not None and mod.group_size % mult:
+        return f"group size {mod.group_size} is not a multiple of {mult} (a weight tile's k)"
+    return None
+
+
+def uses_int8_amx(model: nn.Module) -> bool:
+    """Whether ``model``'s weight-only INT8 Linears run on AMX-INT8 tiles in the C++ paths (the step and the row
+    kernel): where every one the int8 GEMMs read can. One kernel per model, so every path computes the same numbers."""
+    mods = [m for m in int8_linears(model) if int8_gemm_reason(m) is None]
+    return bool(mods) and all(int8_amx_reason(m) is None for m in mods)
+
+
 CPU_INT8_PATHS = (
+    CpuInt8Path(
+        "int8-amx",
+        int8_amx_reason,
+        "AMX-INT8 tiles reading int8, fp32 inputs split into exact int8 parts (a model "
+        "whose every such Linear can; the decode step and <= MAX_ROWS rows)",
+    ),
     CpuInt8Path("int8-gemm", int8_gemm_reason, "C++ few-row GEMM reading int8 (the decode step; <= MAX_ROWS rows)"),
     CpuInt8Path("dequant-tile", lambda mod: None, "weight dequantized a tile at a time + float GEMM (many rows)"),
 )
@@ -92,10 +119,11 @@ def install_int8_row_kernels(model: nn.Module) -> int:
     """Every Int8Linear of ``model`` that the C++ GEMM can read runs its inputs of at most MAX_ROWS rows on it;
     returns their number (the others' reasons are logged once per reason)."""
     n, reasons = 0, set()
+    kernel = cpu_kernels().int8_amx_gemm if uses_int8_amx(model) else cpu_kernels().int8_gemm
     for mod in int8_linears(model):
         why = int8_gemm_reason(mod)
         if why is None:
-            mod.use_row_kernel(cpu_kernels().int8_gemm, MAX_ROWS)
+            mod.use_row_kernel(kernel, MAX_ROWS)
             n += 1
         else:
             mod.use_row_kernel(None)
@@ -167,10 +195,10 @@ DENSE_STORAGES = MappingProxyType(
 @dataclass
 class CpuCostMeter:
     """The planner's measured cost on this CPU (``quant.candidates.CostFn``): one call of the kernel the decode
-    step runs for a candidate (int8 GEMM, W8A8, or for the dense Linear the kernel and storage the step gives the
-    model's dense weights) at ``rows`` rows (default: a verify pass of K + 1 <= 8 rows at batch 1), on weights
-    cycled through ``stream_bytes`` so they come from memory as a model's do, not from cache; the median of
-    ``repeats`` timings, cached per shape."""
+    step runs for a candidate (the int8 GEMM on AMX-INT8 tiles where the candidate can run there, else on AVX-512;
+    W8A8; or for the dense Linear the kernel and storage the step gives the model's dense weights) at ``rows`` rows
+    (default: a verify pass of K + 1 <= 8 rows at batch 1), on weights cycled through ``stream_bytes`` so they come
+    from memory as a model's do, not from cache; the median of ``repeats`` timings, cached per shape."""
 
     rows: int = 8
     stream_bytes: int = 64 << 20
@@ -208,7 +236,8 @@ class CpuCostMeter:
             if choice.kernel == "w8a8":
                 run = lambda t: k.w8a8_gemm(x, t, s, torch.empty(0))  # noqa: E731
             else:
-                run = lambda t: k.int8_gemm(x, t, s, grp)  # noqa: E731
+                gemm = k.int8_amx_gemm if int8_amx_reason(mod) is None else k.int8_gemm
+                run = lambda t: gemm(x, t, s, grp)  # noqa: E731
         times = []
         for _ in range(self.repeats + 1):  # the first round warms up
             t0 = time.perf_counter()

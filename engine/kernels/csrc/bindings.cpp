@@ -9,6 +9,7 @@
 #include "amx_gemm.h"
 #include "decode.h"
 #include "head.h"
+#include "int8_amx.h"
 #include "int8_gemm.h"
 #include "small_gemm.h"
 
@@ -21,13 +22,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_gemm", &w8a8_gemm, "fp32 y = quant.matmul_kernels' w8a8 of x (smooth, per-row int8) and q",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_group_multiple", &int8_group_multiple, "int8_gemm's group sizes: 0 or a multiple of this");
+  m.def("int8_amx_status", []() { return int8_amx_status(); }, "'' when AMX-INT8 tiles run here, else why not");
+  m.def("int8_amx_gemm", &int8_amx_gemm,
+        "fp32 y = x @ (q * s)^T on AMX-INT8 tiles, inputs split exactly into int8 parts, row-independent",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_amx_group_multiple", &int8_amx_group_multiple, "int8_amx_gemm's group sizes: 0 or a multiple of this");
   m.def("amx_status", []() { return amx_status(); }, "'' when AMX tiles run here, else why not");
   m.def("amx_pack", &amx_pack, "bf16 w [N, K] -> the tile order amx_gemm reads");
   m.def("amx_gemm", &amx_gemm, "fp32 y = x @ w^T on AMX tiles, w bf16-valued (packed), row-independent",
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool>())
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool, bool>())
       .def("forward", &DecodeModel::forward, "fp32 Llama forward for few rows: embedding, layers, norm, head",
            py::call_guard<py::gil_scoped_release>())
       .def("forward_x", &DecodeModel::forward_x, "the same forward from the first layer's inputs [B, T, H]",

@@ -15,10 +15,12 @@ class DecodeModel {
   // scales, smooths, groups: per weight, an int8 GEMM weight's float32 scales, SmoothQuant factors and group
   // size (0: one scale per output row, -1: W8A8 with activations quantized per row; int8_gemm.h), empty,
   // empty and 0 for the others.
-  // amx: the 16-bit GEMMs on AMX tiles (bf16 GEMM weights, packed here; int8 ones stay on the int8 kernel)
+  // amx: the 16-bit GEMMs on AMX tiles (bf16 GEMM weights, packed here; int8 ones stay on the int8 kernels)
+  // int8_amx: the weight-only int8 GEMMs on AMX-INT8 tiles (int8_amx.h; groups 0 or multiples of 32), else on
+  // the AVX int8 kernel (int8_gemm.h)
   DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
               std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads, int64_t n_kv,
-              int64_t window, double eps, bool amx);
+              int64_t window, double eps, bool amx, bool int8_amx);
   // tokens, pos [B, T] int64; rows [B] or [B, T] (a cache row per token; empty: 0..B-1); idx empty, [B] or [B, J]; the first n_layers layers;
   // hidden: empty, or a float32 tensor the scored rows' final-norm outputs are written to (its shape becomes
   // the logits' with H in place of V)
@@ -63,7 +65,7 @@ class DecodeModel {
   std::vector<int64_t> groups_;
   int64_t n_heads_, n_kv_, window_;
   double eps_;
-  bool amx_;
+  bool amx_, int8_amx_;
   // derived from the weights (checked once, in the constructor); in0_: the first layer's q/k/v input width
   int64_t n_layers_, hidden_, head_dim_, inter_, vocab_, in0_;
 };

@@ -18,6 +18,7 @@
 #include "amx_gemm.h"
 #include "attention.h"
 #include "decode.h"
+#include "int8_amx.h"
 #include "int8_gemm.h"
 #include "row_ops.h"
 #include "small_gemm.h"
@@ -87,19 +88,25 @@ const float* f32(const torch::Tensor& t, const char* what) {
 
 // One GEMM weight of the step: float (s empty) or int8 with scales s, per row (group 0), per group, or W8A8
 // (group -1: activations quantized per row after the division by smooth, s per output row)
+// which kernels the step's GEMMs run on (DecodeModel's amx and int8_amx)
+struct Kernels {
+  bool amx, int8_amx;
+};
+
 struct Mat {
   const torch::Tensor &w, &s, &smooth;
   int64_t group;
 };
 
-// y[M, N] = x[M, K] @ w^T on the weight's GEMM kernel: int8 weights on the int8 kernels, the others on AMX
-// tiles (w packed by amx_pack) or the small GEMM
-void gemm(bool amx, const float* x, const Mat& w, float* y, int64_t M, int64_t K, int64_t N) {
+// y[M, N] = x[M, K] @ w^T on the weight's GEMM kernel: int8 weights on the int8 kernels (weight-only ones on
+// AMX-INT8 tiles where k.int8_amx), the others on AMX tiles (w packed by amx_pack) or the small GEMM
+void gemm(Kernels k, const float* x, const Mat& w, float* y, int64_t M, int64_t K, int64_t N) {
   if (w.w.scalar_type() == at::kChar) {
     if (w.group < 0) return w8a8_gemm_into(x, w.w, w.s, w.smooth, y, M, K, N);
+    if (k.int8_amx) return int8_amx_gemm_into(x, w.w, w.s, w.group, y, M, K, N);
     return int8_gemm_into(x, w.w, w.s, w.group, y, M, K, N);
   }
-  if (amx) return amx_gemm_into(x, w.w, y, M, K, N);
+  if (k.amx) return amx_gemm_into(x, w.w, y, M, K, N);
   small_gemm_into(x, w.w, y, M, K, N);
 }
 
@@ -110,7 +117,7 @@ void gemm(bool amx, const float* x, const Mat& w, float* y, int64_t M, int64_t K
 // last layer's output). qkv_in: null, or the first layer's q/k/v input [M, in0] (x is then only its residual).
 void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, const int64_t* rp, int64_t kv_len,
             const torch::Tensor* weights,
-            const torch::Tensor* scales, const torch::Tensor* smooths, const int64_t* groups, bool amx, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
+            const torch::Tensor* scales, const torch::Tensor* smooths, const int64_t* groups, Kernels kern, int64_t L, float* kc0, float* vc0, const Dims& d, int64_t inter, const float* cp,
             const float* sp, float eps, const std::vector<int64_t>& aux, float* cap, const float* qkv_in,
             int64_t in0) {
   const int64_t width = (d.nh + 2 * d.nkv) * d.D, layer_kv = d.max_batch * d.nkv * d.S * d.D;
@@ -128,23 +135,23 @@ void layers(float* xp, const int64_t* pp, const int64_t* slp, const bool* mp, co
       if (aux[a] == l) std::copy_n(xp, d.M * d.H, cap + a * d.M * d.H);
     float* q = qkv.data();
     if (l == 0 && qkv_in) {  // a wide first layer (EAGLE-3's): its q/k/v read the given [M, in0], normed already
-      gemm(amx, qkv_in, mat(1), q, d.M, in0, width);
+      gemm(kern, qkv_in, mat(1), q, d.M, in0, width);
     } else {
       norm_rows(xp, w[0].data_ptr<float>(), h.data(), d.M, d.H, eps);
-      gemm(amx, h.data(), mat(1), q, d.M, d.H, width);
+      gemm(kern, h.data(), mat(1), q, d.M, d.H, width);
     }
     add_bias(q, w[2], d.M, width);
     rotate_and_store(q, pp, slp, rp, cp, sp, d, kc, vc);
     attend(tiles, q, kc, vc, slp, mp, rp, kv_len, d, attn.data());
-    gemm(amx, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
+    gemm(kern, attn.data(), mat(3), y.data(), d.M, d.nh * d.D, d.H);
     add_bias(y.data(), w[4], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
     norm_rows(xp, w[5].data_ptr<float>(), h.data(), d.M, d.H, eps);
-    gemm(amx, h.data(), mat(6), gu.data(), d.M, d.H, 2 * inter);
+    gemm(kern, h.data(), mat(6), gu.data(), d.M, d.H, 2 * inter);
     by_rows(d.M, [&](int64_t m0, int64_t m1) {
       row_ops::swiglu(gu.data() + m0 * 2 * inter, act.data() + m0 * inter, m1 - m0, inter);
     });
-    gemm(amx, act.data(), mat(7), y.data(), d.M, inter, d.H);
+    gemm(kern, act.data(), mat(7), y.data(), d.M, inter, d.H);
     add_bias(y.data(), w[8], d.M, d.H);
     for (int64_t i = 0; i < d.M * d.H; ++i) xp[i] += y[i];
   }
@@ -252,7 +259,7 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
   std::vector<int64_t> shape;
   const std::vector<int64_t> sel = scored_rows(idx, B, T, V, shape), feat = feature_layers(aux, n_layers, hidden);
   std::vector<float> cap(feat.size() * M * H);
-  layers(x.data(), pp, slp, tree ? mc.data_ptr<bool>() : nullptr, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), amx_,
+  layers(x.data(), pp, slp, tree ? mc.data_ptr<bool>() : nullptr, row.data(), kv_len, weights_.data(), scales_.data(), smooths_.data(), groups_.data(), Kernels{amx_, int8_amx_},
          n_layers, const_cast<float*>(f32(k_cache, "k_cache")),
          const_cast<float*>(f32(v_cache, "v_cache")), d, inter_, f32(cos, "cos"), f32(sin, "sin"),
          static_cast<float>(eps_), feat, cap.data(), qkv_in, in0_);
@@ -263,7 +270,7 @@ torch::Tensor DecodeModel::run(std::vector<float>& x, int64_t B, int64_t T, cons
     rms_norm(x.data() + sel[r] * H, norm.data_ptr<float>(), normed.data() + r * H, 1, H, static_cast<float>(eps_));
   torch::Tensor logits = torch::empty(shape, embed.options().dtype(at::kFloat));
   const size_t hi = static_cast<size_t>(9 * n_layers_ + 2);
-  gemm(amx_, normed.data(), Mat{head, scales_[hi], smooths_[hi], groups_[hi]}, logits.data_ptr<float>(), R, H, V);
+  gemm(Kernels{amx_, int8_amx_}, normed.data(), Mat{head, scales_[hi], smooths_[hi], groups_[hi]}, logits.data_ptr<float>(), R, H, V);
   if (hidden.numel() > 0)
     write_hidden(hidden, x.data(), norm.data_ptr<float>(), static_cast<float>(eps_), cap,
                  static_cast<int64_t>(feat.size()), B, T, H, sel, shape, every);

@@ -9,6 +9,7 @@
 
 #include "amx_gemm.h"
 #include "decode.h"
+#include "int8_amx.h"
 #include "int8_gemm.h"
 #include "row_ops.h"
 #include "small_gemm.h"
@@ -39,9 +40,9 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
 
 DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> scales,
                          std::vector<torch::Tensor> smooths, std::vector<int64_t> groups, int64_t n_heads,
-                         int64_t n_kv, int64_t window, double eps, bool amx)
+                         int64_t n_kv, int64_t window, double eps, bool amx, bool int8_amx)
     : weights_(std::move(weights)), scales_(std::move(scales)), smooths_(std::move(smooths)),
-      groups_(std::move(groups)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps), amx_(amx) {
+      groups_(std::move(groups)), n_heads_(n_heads), n_kv_(n_kv), window_(window), eps_(eps), amx_(amx), int8_amx_(int8_amx) {
   TORCH_CHECK(weights_.size() >= 12 && (weights_.size() - 3) % 9 == 0, "DecodeModel: 9 weights per layer + 3");
   TORCH_CHECK(scales_.size() == weights_.size() && smooths_.size() == weights_.size() &&
               groups_.size() == weights_.size(),
@@ -81,6 +82,14 @@ DecodeModel::DecodeModel(std::vector<torch::Tensor> weights, std::vector<torch::
     if (w[8].numel()) check_vector(w[8], hidden_, "down bias");
   }
   vocab_ = head.size(0);
+  if (int8_amx_) {  // the weight-only int8 GEMMs on AMX-INT8 tiles: each one's grouping must suit them
+    TORCH_CHECK(int8_amx_status().empty(), "DecodeModel: int8_amx=True, but ", int8_amx_status());
+    for (size_t i = 0; i < weights_.size(); ++i)
+      TORCH_CHECK(weights_[i].scalar_type() != at::kChar || groups_[i] < 0 ||
+                  groups_[i] % int8_amx_group_multiple() == 0,
+                  "DecodeModel: int8_amx=True needs int8 groups of 0 or a multiple of ", int8_amx_group_multiple(),
+                  ", got ", groups_[i]);
+  }
   if (amx_) {  // every 16-bit GEMM weight (bf16) replaced by its tiles (int8 ones stay on the int8 kernel)
     TORCH_CHECK(amx_status().empty(), "DecodeModel: amx=True, but ", amx_status());
     std::vector<size_t> mats;
