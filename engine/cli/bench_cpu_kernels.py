@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Time the CPU few-row GEMMs (engine/kernels/csrc) per weight storage: fp32, fp16, and int8 per output
-channel or per group of 32, 64, 128 input channels, on random weights of the given shapes.
+channel or per group of 32, 64, 128 input channels, on random weights of the given shapes; on a CPU with AMX also
+bf16 and int8 on its tiles (``-amx``).
 
     python tools/bench_cpu_kernels.py [--shapes 3072x576,576x1536,49152x576] [--rows 1,9] [--threads 1]
 
@@ -26,6 +27,13 @@ from engine.core.cli import ArgumentError, OneLineParser, run_tool
 log = logging.getLogger("bench_cpu_kernels")
 
 STORAGES = ("fp32", "fp16", "int8", "int8/g32", "int8/g64", "int8/g128")
+AMX_STORAGES = ("bf16-amx", "int8-amx", "int8-amx/g32", "int8-amx/g64", "int8-amx/g128")
+
+
+def storages(kernels: Any) -> tuple[str, ...]:
+    """STORAGES, then the AMX tiles' where this CPU runs them."""
+    ok = {"bf16": not kernels.amx_status(), "int8": not kernels.int8_amx_status()}
+    return STORAGES + tuple(s for s in AMX_STORAGES if ok[s.split("-")[0]])
 
 
 def _ints(text: str, what: str, lo: int, hi: int) -> list[int]:
@@ -48,10 +56,12 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _weight(storage: str, w: torch.Tensor) -> tuple[Any, int]:
+def _weight(kernels: Any, storage: str, w: torch.Tensor) -> tuple[Any, int]:
     """The weight as the kernel takes it, and the bytes a call reads (int8 scales included)."""
     from quant.int8 import quantize_int8_groupwise, quantize_int8_rowwise
 
+    if storage == "bf16-amx":
+        return (kernels.amx_pack(w.bfloat16()), w.shape[0]), w.numel() * 2
     if storage in ("fp32", "fp16"):
         t = w.clone() if storage == "fp32" else w.half()  # a copy of its own: the copies must not share memory
         return t, t.numel() * t.element_size()
@@ -63,15 +73,18 @@ def _weight(storage: str, w: torch.Tensor) -> tuple[Any, int]:
 def _call(kernels: Any, x: torch.Tensor, storage: str) -> Callable[[Any], torch.Tensor]:
     if storage in ("fp32", "fp16"):
         return lambda wt: kernels.small_gemm(x, wt)
-    return lambda wt: kernels.int8_gemm(x, wt[0], wt[1], wt[2])
+    if storage == "bf16-amx":
+        return lambda wt: kernels.amx_gemm(x, wt[0], wt[1])
+    gemm = kernels.int8_amx_gemm if storage.startswith("int8-amx") else kernels.int8_gemm
+    return lambda wt: gemm(x, wt[0], wt[1], wt[2])
 
 
 def time_storage(kernels: Any, shape: tuple[int, int], rows: int, storage: str, stream_mib: int, repeats: int) -> dict:
     """Median microseconds per call of one storage, its weight cycled through ``stream_mib`` MiB."""
     n, k = shape
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * 0.05
-    first, nbytes = _weight(storage, w)
-    copies = [first] + [_weight(storage, w)[0] for _ in range(max(2, (stream_mib << 20) // nbytes) - 1)]
+    first, nbytes = _weight(kernels, storage, w)
+    copies = [first] + [_weight(kernels, storage, w)[0] for _ in range(max(2, (stream_mib << 20) // nbytes) - 1)]
     f = _call(kernels, torch.randn(rows, k), storage)
     for wt in copies[:2]:
         f(wt)
@@ -89,11 +102,12 @@ def run(shapes: list[tuple[int, int]], rows: list[int], stream_mib: int, repeats
     from engine.kernels.cpu_gemm import cpu_kernels
 
     kernels = cpu_kernels()  # KernelUnavailableError (an EngineError) says why, in one line
-    head = "| shape [N, K] | rows | " + " | ".join(STORAGES) + " |"
-    lines = [head, "|---|---|" + "---|" * len(STORAGES)]
+    names = storages(kernels)
+    head = "| shape [N, K] | rows | " + " | ".join(names) + " |"
+    lines = [head, "|---|---|" + "---|" * len(names)]
     for shape in shapes:
         for m in rows:
-            res = {s: time_storage(kernels, shape, m, s, stream_mib, repeats) for s in STORAGES}
+            res = {s: time_storage(kernels, shape, m, s, stream_mib, repeats) for s in names}
             base = res["fp32"]["us"]
             cells = [f"{r['us']:.0f} µs, {r['gb_s']:.1f} GB/s, {base / r['us']:.2f}x" for r in res.values()]
             lines.append(f"| [{shape[0]}, {shape[1]}] | {m} | " + " | ".join(cells) + " |")

@@ -8,6 +8,11 @@ verify pass equals the one-token steps and every path that reads an INT8 weight 
 
 Where it runs, by the paths of kernel ``w8a16`` on the CPU (``CPU_INT8_PATHS``, each with its probe):
 
+- ``int8-amx``: on a CPU with AMX-INT8, for a model whose every such Linear it can read (groups of a multiple
+  of 32; ``uses_int8_amx``), the tile GEMM (engine/kernels/csrc/int8_amx.cpp) in place of ``int8-gemm``, on the
+  same calls: the int8 weight read as it is held, each fp32 input row split into four int8 parts (each input kept
+  to 2^-27 of its row's largest), exact integer tile sums scaled in fp32. Row-independent too, but not the
+  fp32 kernel's bits: one kernel per model, so its step, row kernel and verify passes agree.
 - ``int8-gemm``: the C++ GEMM, per output channel or per group of a multiple of the vector width (32, 64 and
   128 on AVX2 and AVX-512): inside the decode step (engine/kernels/cpu_decode.py: decode, verify, prefill and
   a draft model's steps) and, through ``Int8Linear.use_row_kernel``, for any fp32 input of at most

@@ -32,10 +32,9 @@
 #if !defined(SPECMIX_NO_AMX) && defined(__x86_64__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define SPECMIX_AMX 1
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -64,12 +63,6 @@ inline float widen(uint16_t b) {
 #ifdef SPECMIX_AMX
 
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // v = hi + mid + lo exactly: its top 8 significant bits (bf16 by truncation: never overflows), the next 8,
 // the last 8 (each difference is exact: same sign as v, at most 16 then 8 significant bits). A non-finite
@@ -108,21 +101,13 @@ inline void split16(const float* v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
 }
 
-std::string probe() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "the CPU does not report its features (cpuid leaf 7)";
-  if (!(d & (1u << 24)) || !(d & (1u << 22))) return "the CPU has no AMX-BF16 tiles";
-  // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return "the kernel refused the AMX tile state (arch_prctl)";
-  return "";
-}
 
 // Load the tile shapes of a pass over P chunks of input rows (chunk p fills trows[p] tile rows): tmm4+p its
 // inputs, tmm(p * G + j) its outputs for weight column block j (G = 4 / P blocks per weight load), tmm7 a
 // weight tile (16 k-pairs x 16 columns).
 __attribute__((target("amx-tile,amx-bf16")))
 void configure(int64_t P, const int64_t* trows) {
-  TileConfig cfg;
+  amx_tiles::Config cfg;
   const int64_t G = 4 / P;
   for (int64_t p = 0; p < P; ++p) {
     cfg.rows[4 + p] = static_cast<uint8_t>(trows[p]);
@@ -130,7 +115,7 @@ void configure(int64_t P, const int64_t* trows) {
   }
   cfg.rows[7] = KT / 2;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
-  _tile_loadconfig(&cfg);
+  amx_tiles::load(cfg);
 }
 
 // tile numbers are immediates in the instructions: each pass shape is spelled out
@@ -217,7 +202,7 @@ void tiles(const uint16_t* parts, const uint16_t* w, float* y, int64_t M, int64_
 }  // namespace
 
 const std::string& amx_status() {
-  static const std::string reason = probe();  // once per process (thread-safe static)
+  static const std::string reason = amx_tiles::probe(22, "AMX-BF16");  // once per process (thread-safe static)
   return reason;
 }
 

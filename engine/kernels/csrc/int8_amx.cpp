@@ -30,10 +30,9 @@
 #if !defined(SPECMIX_NO_AMX) && defined(__x86_64__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define SPECMIX_AMX 1
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -52,19 +51,6 @@ constexpr int64_t FLUSH_KT = 32;  // k tiles per exact int32 -> fp32 conversion 
 
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-std::string probe() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "the CPU does not report its features (cpuid leaf 7)";
-  if (!(d & (1u << 24)) || !(d & (1u << 25))) return "the CPU has no AMX-INT8 tiles";
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return "the kernel refused the AMX tile state (arch_prctl)";
-  return "";
-}
 
 // the calls' layout: K padded to whole tiles, scales per row (G groups of `group` k)
 struct Shape {
@@ -105,7 +91,7 @@ int prepare_row(const float* x, int64_t K, int64_t KB, int64_t j, int8_t* dst) {
 
 __attribute__((target("amx-tile,amx-int8")))
 void configure() {
-  TileConfig cfg;
+  amx_tiles::Config cfg;
   for (int t : {0, 7}) {  // tmm0, tmm7: weights, 16 rows of 32 int8 k
     cfg.rows[t] = NT;
     cfg.colsb[t] = KT;
@@ -118,9 +104,7 @@ void configure() {
     cfg.rows[t] = NT;
     cfg.colsb[t] = 64;
   }
-  // the whole configuration as the asm's operand (GCC's _tile_loadconfig names only its first 8 bytes as read,
-  // which lets the compiler drop the stores of the shapes)
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  amx_tiles::load(cfg);
 }
 
 // acc[n][c] += s[n, g] * c[n][c] for the 16 weight rows of a block (scales past N count 0)
@@ -231,7 +215,7 @@ void release() { _tile_release(); }
 }  // namespace
 
 const std::string& int8_amx_status() {
-  static const std::string reason = probe();  // once per process (thread-safe static)
+  static const std::string reason = amx_tiles::probe(25, "AMX-INT8");  // once per process (thread-safe static)
   return reason;
 }
 
