@@ -1,8 +1,8 @@
 """The INT8 GEMM on AMX-INT8 tiles (engine/kernels/csrc/int8_amx.cpp) against float64 references: within a bound
 of the exact product (per channel and per group of 32, 64, 128, odd shapes, 1 to 64 rows, an outlier input),
 row-independent bit for bit, an infinity or NaN in one row kept to that row as the AVX-512 kernel computes it,
-groups that are not whole tiles refused; the decode step runs a model's INT8 Linears on it, and a model with
-one such Linear keeps every one on the AVX-512 kernel."""
+groups that are not whole tiles refused; the decode step runs a model's INT8 Linears on it (a verify block equal
+to its one-token steps), and a model with a Linear it does not run keeps every one on the AVX-512 kernel."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from engine.core.checkpoint import load_model
+from engine.core.model import KVCache, fuse_projections
+from engine.kernels.cpu_decode import install_decode_step
 from engine.kernels.cpu_gemm import cpu_kernels, small_gemm_status
 from engine.kernels.cpu_int8 import int8_amx_reason, uses_int8_amx
+from engine.kernels.cpu_linear import fast_cpu_linears
 from quant.linear import Int8Linear
 
 STATUS = small_gemm_status() or cpu_kernels().int8_amx_status()
@@ -72,10 +76,48 @@ def test_groups_that_are_not_whole_tiles_are_refused():
     q, s, _ = _weight(16, 64, 16)
     with pytest.raises(RuntimeError, match="multiple of 32, got 16"):
         cpu_kernels().int8_amx_gemm(torch.randn(2, 64), q, s, 16)
-    lin = nn.Linear(64, 16, bias=False)
-    mods = [Int8Linear.from_float(lin, "w8a16", group_size=g) for g in (32, 16)]
-    assert int8_amx_reason(mods[0]) is None
-    assert "not a multiple of 32" in int8_amx_reason(mods[1])
-    # one kernel per model: a Linear the tiles cannot read keeps the model's others on the AVX-512 kernel
-    assert uses_int8_amx(nn.Sequential(mods[0]))
-    assert not uses_int8_amx(nn.Sequential(*mods))
+    lin = nn.Linear(128, 16, bias=False)
+    mods = [Int8Linear.from_float(lin, "w8a16", group_size=g) for g in (None, 64, 128, 32, 16)]
+    assert all(int8_amx_reason(m) is None for m in mods[:3])
+    assert "slower than the AVX-512 int8 GEMM" in int8_amx_reason(mods[3])  # groups of 32: the kernel's, not chosen
+    assert "not a multiple of 32" in int8_amx_reason(mods[4])
+    # one kernel per model: a Linear the tiles do not run keeps the model's others on the AVX-512 kernel
+    assert uses_int8_amx(nn.Sequential(*mods[:3]))
+    assert not uses_int8_amx(nn.Sequential(*mods[:4]))
+
+
+def _int8_ffn(model: nn.Module) -> None:
+    """INT8 FFNs per channel and in groups of 64 and 128 (gate and up differ: the step stacks them), one W8A8."""
+    for i, layer in enumerate(model.layers):
+        m = layer.mlp
+        gs = [(64, None, 128), (None, 128, 64), (128, 64, None)][i % 3]
+        m.gate_proj = Int8Linear.from_float(m.gate_proj, "w8a16", group_size=gs[0])
+        m.up_proj = Int8Linear.from_float(m.up_proj, "w8a16", group_size=gs[1])
+        if i == 1:
+            m.down_proj = Int8Linear.from_float(m.down_proj, "w8a8", act_absmax=m.down_proj.weight.abs().amax(0) + 0.5)
+        else:
+            m.down_proj = Int8Linear.from_float(m.down_proj, "w8a16", group_size=gs[2])
+
+
+def test_the_decode_step_runs_int8_linears_on_the_tiles(tmp_path):
+    from util import make_checkpoint
+
+    path = make_checkpoint(tmp_path, "llama", num_hidden_layers=3, intermediate_size=256)
+    m, ref = load_model(path, torch.float32), load_model(path, torch.float32)
+    with torch.no_grad():
+        _int8_ffn(m)
+        _int8_ffn(ref)
+    fuse_projections(m)
+    assert fast_cpu_linears(m, torch.device("cpu"), True)[0] > 0
+    assert install_decode_step(m) is None and m.layer_step.int8_amx
+    toks = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    c1, c2 = (KVCache(m.config, 2, 32, torch.float32, "cpu") for _ in range(2))
+    with torch.no_grad():
+        assert torch.allclose(m(toks, cache=c1, kv_len=9), ref(toks, cache=c2, kv_len=9), rtol=1e-4, atol=1e-4)
+        nxt = torch.randint(0, m.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
+        pos = torch.arange(9, 13).expand(2, 4)
+        c2.k.copy_(c1.k)
+        c2.v.copy_(c1.v)
+        block = m(nxt, input_pos=pos, cache=c1, kv_len=13)
+        steps = [m(nxt[:, t : t + 1], input_pos=pos[:, t : t + 1], cache=c2, kv_len=10 + t) for t in range(4)]
+    assert torch.equal(block, torch.cat(steps, 1))  # a verify block equals its one-token steps bit for bit

@@ -8,11 +8,12 @@ verify pass equals the one-token steps and every path that reads an INT8 weight 
 
 Where it runs, by the paths of kernel ``w8a16`` on the CPU (``CPU_INT8_PATHS``, each with its probe):
 
-- ``int8-amx``: on a CPU with AMX-INT8, for a model whose every such Linear it can read (groups of a multiple
-  of 32; ``uses_int8_amx``), the tile GEMM (engine/kernels/csrc/int8_amx.cpp) in place of ``int8-gemm``, on the
-  same calls: the int8 weight read as it is held, each fp32 input row split into four int8 parts (each input kept
-  to 2^-27 of its row's largest), exact integer tile sums scaled in fp32. Row-independent too, but not the
-  fp32 kernel's bits: one kernel per model, so its step, row kernel and verify passes agree.
+- ``int8-amx``: on a CPU with AMX-INT8, for a model whose every such Linear it runs (per channel or in groups
+  of a multiple of 64, ``AMX_MIN_GROUP``; ``uses_int8_amx``), the tile GEMM (engine/kernels/csrc/int8_amx.cpp) in
+  place of ``int8-gemm``, on the same calls: the int8 weight read as it is held, each fp32 input row split into
+  four int8 parts (each input kept to 2^-27 of its row's largest), exact integer tile sums scaled in fp32.
+  Row-independent too, but not the fp32 kernel's bits: one kernel per model, so its step, row kernel and verify
+  passes agree.
 - ``int8-gemm``: the C++ GEMM, per output channel or per group of a multiple of the vector width (32, 64 and
   128 on AVX2 and AVX-512): inside the decode step (engine/kernels/cpu_decode.py: decode, verify, prefill and
   a draft model's steps) and, through ``Int8Linear.use_row_kernel``, for any fp32 input of at most
@@ -83,6 +84,11 @@ def int8_gemm_reason(mod: Int8Linear) -> str | None:
     return None
 
 
+# the AMX-INT8 tiles run a model's INT8 Linears per channel or in groups of a multiple of this: with groups of 32 (a
+# conversion of the tile sums per 32 k) they measured slower than the AVX-512 kernel at 1 row and level at 5
+AMX_MIN_GROUP = 64
+
+
 def int8_amx_reason(mod: Int8Linear) -> str | None:
     """None when the AMX-INT8 tile GEMM can read this module's weight with fp32 inputs here, else why not."""
     why = int8_gemm_reason(mod)
@@ -94,6 +100,11 @@ def int8_amx_reason(mod: Int8Linear) -> str | None:
     mult = k.int8_amx_group_multiple()
     if mod.group_size is not None and mod.group_size % mult:
         return f"group size {mod.group_size} is not a multiple of {mult} (a weight tile's k)"
+    if mod.group_size is not None and mod.group_size % AMX_MIN_GROUP:
+        return (
+            f"group size {mod.group_size}: the tiles convert and scale each group's sums, slower than the AVX-512 "
+            f"int8 GEMM at a few rows for groups below {AMX_MIN_GROUP} (docs/performance.md)"
+        )
     return None
 
 
