@@ -163,14 +163,16 @@ def test_no_dense_copy_of_an_int8_weight_after_a_forward(int8_model):
     )
 
 
-def test_speculation_is_greedy_identical_on_the_int8_plan(ckpt_dir):
+@pytest.mark.parametrize("group", [32, None])  # per channel: on AMX-INT8 tiles where the CPU has them
+def test_speculation_is_greedy_identical_on_the_int8_plan(ckpt_dir, group):
     cfg = load_model(ckpt_dir, torch.float32).config
-    plan = make_plan(lookup_gpu("a100"), cfg, None, device="cpu", int8_kernel="w8a16", group_size=32)
+    plan = make_plan(lookup_gpu("a100"), cfg, None, device="cpu", int8_kernel="w8a16", group_size=group)
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
     outs = []
     for spec in (SpeculationConfig(), SpeculationConfig(drafter="ngram", k=4)):
         eng = Engine.from_pretrained(ckpt_dir, precision=PrecisionConfig(plan=plan), speculation=spec)
         assert eng.info["cpu_decode_step"] == ["target"]
+        assert eng.info["target_step_int8_amx"] == (group is None and not cpu_kernels().int8_amx_status())
         outs.append([o.token_ids for o in eng.generate(PROMPTS[:3], params)])
         mem = eng.stats()["memory"]
         assert mem["target_weight_bytes"] == resident_weight_bytes(eng.target)

@@ -321,7 +321,13 @@ def _settings(
         "cpu_decode_step": spec_info.get("cpu_decode_step"),
         **{
             k: spec_info.get(k)
-            for k in ("target_step_weights", "target_step_amx", "draft_step_weights", "draft_step_amx")
+            for k in (
+                "target_step_weights",
+                "target_step_amx",
+                "target_step_int8_amx",
+                "draft_step_weights",
+                "draft_step_amx",
+            )
         },
         "batch": 1,
         "sweep_k": sweep,
