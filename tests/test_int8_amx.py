@@ -50,14 +50,27 @@ def test_within_a_bound_of_the_exact_product(group, shape):
         assert ((y.double() - exact).abs() <= bound).all(), (m, (y.double() - exact).abs().max().item())
 
 
-@pytest.mark.parametrize("group", (0, 32))
-def test_each_row_is_computed_alone(group):
-    q, s, _ = _weight(70, 300, group, seed=1)
-    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 64)[:, None]
-    k = cpu_kernels()
-    alone = torch.cat([k.int8_amx_gemm(x[i : i + 1].contiguous(), q, s, group) for i in range(64)])
+@pytest.mark.parametrize("group, k", [(0, 300), (32, 300), (0, 2100), (128, 2100)])  # 2100: 3 conversions per row
+def test_each_row_is_computed_alone(group, k):
+    q, s, _ = _weight(70, k, group, seed=1)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 64)[:, None]
+    kern = cpu_kernels()
+    alone = torch.cat([kern.int8_amx_gemm(x[i : i + 1].contiguous(), q, s, group) for i in range(64)])
     for m in ROWS:  # any block of rows gives each row the bits it has alone (a verify pass == its steps)
-        assert torch.equal(k.int8_amx_gemm(x[:m].contiguous(), q, s, group), alone[:m])
+        assert torch.equal(kern.int8_amx_gemm(x[:m].contiguous(), q, s, group), alone[:m])
+
+
+def test_stacked_weights_give_each_its_own_bits_only_when_alike_grouped():
+    k = cpu_kernels()
+    (qa, sa, _), (qb, sb, _) = _weight(48, 256, 64, seed=5), _weight(40, 256, 64, seed=6)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(7))
+    stacked = k.int8_amx_gemm(x, torch.cat([qa, qb]), torch.cat([sa, sb]), 64)  # gate/up as the step stacks them
+    assert torch.equal(stacked, torch.cat([k.int8_amx_gemm(x, qa, sa, 64), k.int8_amx_gemm(x, qb, sb, 64)], 1))
+    # a per-channel weight's scale repeated at groups of 64 (a stack with a grouped one): other bits than alone, so
+    # uses_int8_amx keeps such models on the AVX-512 kernel
+    qc, sc, _ = _weight(48, 256, 0, seed=8)
+    alone, repeated = k.int8_amx_gemm(x, qc, sc, 0), k.int8_amx_gemm(x, qc, sc[:, None].repeat(1, 4).contiguous(), 64)
+    assert not torch.equal(alone, repeated) and torch.allclose(alone, repeated, rtol=1e-5, atol=1e-6)
 
 
 def test_a_non_finite_input_stays_in_its_row():
@@ -67,7 +80,8 @@ def test_a_non_finite_input_stays_in_its_row():
     x[2, 5], x[4, 7] = float("nan"), float("inf")
     y = cpu_kernels().int8_amx_gemm(x, q, s, 32)
     for r in (2, 4):  # the AVX-512 kernel's IEEE arithmetic on that row alone
-        assert torch.equal(y[r].isnan(), cpu_kernels().int8_gemm(x[r : r + 1].contiguous(), q, s, 32)[0].isnan())
+        want_r = cpu_kernels().int8_gemm(x[r : r + 1].contiguous(), q, s, 32)[0]
+        torch.testing.assert_close(y[r], want_r, rtol=0, atol=0, equal_nan=True)
     assert y[2].isnan().all()
     assert torch.equal(y[[0, 1, 3, 5]], want[[0, 1, 3, 5]])
 
@@ -86,11 +100,12 @@ def test_groups_that_are_not_whole_tiles_are_refused():
     assert not uses_int8_amx(nn.Sequential(*mods[:4]))
 
 
-def _int8_ffn(model: nn.Module) -> None:
-    """INT8 FFNs per channel and in groups of 64 and 128 (gate and up differ: the step stacks them), one W8A8."""
+def _int8_ffn(model: nn.Module, mixed: bool = False) -> None:
+    """INT8 FFNs per channel and in groups of 64 and 128 (gate and up alike, as the step stacks them; ``mixed``: not
+    alike in the first layer), one W8A8."""
     for i, layer in enumerate(model.layers):
         m = layer.mlp
-        gs = [(64, None, 128), (None, 128, 64), (128, 64, None)][i % 3]
+        gs = [(None if mixed else 64, 64, 128), (None, None, 64), (128, 128, None)][i % 3]
         m.gate_proj = Int8Linear.from_float(m.gate_proj, "w8a16", group_size=gs[0])
         m.up_proj = Int8Linear.from_float(m.up_proj, "w8a16", group_size=gs[1])
         if i == 1:
@@ -121,3 +136,17 @@ def test_the_decode_step_runs_int8_linears_on_the_tiles(tmp_path):
         block = m(nxt, input_pos=pos, cache=c1, kv_len=13)
         steps = [m(nxt[:, t : t + 1], input_pos=pos[:, t : t + 1], cache=c2, kv_len=10 + t) for t in range(4)]
     assert torch.equal(block, torch.cat(steps, 1))  # a verify block equals its one-token steps bit for bit
+
+
+def test_a_stack_of_unlike_groupings_keeps_the_avx512_kernel(tmp_path):
+    from util import make_checkpoint
+
+    m = load_model(make_checkpoint(tmp_path, "llama", num_hidden_layers=3, intermediate_size=256), torch.float32)
+    with torch.no_grad():
+        _int8_ffn(m, mixed=True)
+    assert all(
+        int8_amx_reason(mod) is None for mod in m.modules() if isinstance(mod, Int8Linear) and mod.kernel == "w8a16"
+    )
+    fuse_projections(m)
+    assert not uses_int8_amx(m)
+    assert install_decode_step(m) is None and not m.layer_step.int8_amx

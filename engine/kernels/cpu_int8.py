@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.core.errors import KernelUnavailableError
+from engine.core.model import MLP, Attention
 from engine.kernels.cpu_gemm import MAX_ROWS, amx_status, cpu_kernels, small_gemm_status
 from quant.candidates import Choice
 from quant.int8 import group_count
@@ -84,8 +85,8 @@ def int8_gemm_reason(mod: Int8Linear) -> str | None:
     return None
 
 
-# the AMX-INT8 tiles run a model's INT8 Linears per channel or in groups of a multiple of this: with groups of 32 (a
-# conversion of the tile sums per 32 k) they measured slower than the AVX-512 kernel at 1 row and level at 5
+# the AMX-INT8 tiles run a model's INT8 Linears per channel or in groups of a multiple of this: groups of 32 (a
+# conversion of the tile sums per 32 k) stay on the AVX-512 kernel, faster at a few rows (docs/performance.md)
 AMX_MIN_GROUP = 64
 
 
@@ -108,19 +109,36 @@ def int8_amx_reason(mod: Int8Linear) -> str | None:
     return None
 
 
+def _fused_groups(model: nn.Module) -> list[tuple[nn.Module, ...]]:
+    """The Linears the decode step stacks into one GEMM: each attention's q/k/v, each MLP's gate/up."""
+    fused: list[tuple[nn.Module, ...]] = []
+    for m in model.modules():
+        if isinstance(m, Attention):
+            fused.append((m.q_proj, m.k_proj, m.v_proj))
+        elif isinstance(m, MLP):
+            fused.append((m.gate_proj, m.up_proj))
+    return fused
+
+
 def uses_int8_amx(model: nn.Module) -> bool:
     """Whether ``model``'s weight-only INT8 Linears run on AMX-INT8 tiles in the C++ paths (the step and the row
-    kernel): where every one the int8 GEMMs read can. One kernel per model, so every path computes the same numbers."""
+    kernel): where the tiles run every one the int8 GEMMs read, and the Linears the step stacks share one grouping.
+    The tiles scale each group's integer sum, so a stack whose scales are repeated at a finer grouping than a
+    Linear's own would give that Linear other bits in the step than alone; on the AVX-512 kernel (each weight
+    dequantized as q * s) the grouping never changes a bit. One kernel per model, so every path computes the same
+    numbers."""
     mods = [m for m in int8_linears(model) if int8_gemm_reason(m) is None]
-    return bool(mods) and all(int8_amx_reason(m) is None for m in mods)
+    if not mods or any(int8_amx_reason(m) is not None for m in mods):
+        return False
+    return all(len({p.group_size for p in parts if isinstance(p, Int8Linear)}) <= 1 for parts in _fused_groups(model))
 
 
 CPU_INT8_PATHS = (
     CpuInt8Path(
         "int8-amx",
         int8_amx_reason,
-        "AMX-INT8 tiles reading int8, fp32 inputs split into exact int8 parts (a model "
-        "whose every such Linear can; the decode step and <= MAX_ROWS rows)",
+        "AMX-INT8 tiles reading int8, fp32 inputs split into exact int8 parts (a model whose every such Linear "
+        "they run, its stacked ones alike grouped: uses_int8_amx; the decode step and <= MAX_ROWS rows)",
     ),
     CpuInt8Path("int8-gemm", int8_gemm_reason, "C++ few-row GEMM reading int8 (the decode step; <= MAX_ROWS rows)"),
     CpuInt8Path("dequant-tile", lambda mod: None, "weight dequantized a tile at a time + float GEMM (many rows)"),
@@ -135,11 +153,11 @@ def install_int8_row_kernels(model: nn.Module) -> int:
     """Every Int8Linear of ``model`` that the C++ GEMM can read runs its inputs of at most MAX_ROWS rows on it;
     returns their number (the others' reasons are logged once per reason)."""
     n, reasons = 0, set()
-    kernel = cpu_kernels().int8_amx_gemm if uses_int8_amx(model) else cpu_kernels().int8_gemm
+    amx = uses_int8_amx(model)
     for mod in int8_linears(model):
         why = int8_gemm_reason(mod)
         if why is None:
-            mod.use_row_kernel(kernel, MAX_ROWS)
+            mod.use_row_kernel(cpu_kernels().int8_amx_gemm if amx else cpu_kernels().int8_gemm, MAX_ROWS)
             n += 1
         else:
             mod.use_row_kernel(None)
@@ -211,7 +229,8 @@ DENSE_STORAGES = MappingProxyType(
 @dataclass
 class CpuCostMeter:
     """The planner's measured cost on this CPU (``quant.candidates.CostFn``): one call of the kernel the decode
-    step runs for a candidate (the int8 GEMM on AMX-INT8 tiles where the candidate can run there, else on AVX-512;
+    step runs for a candidate (the int8 GEMM on AMX-INT8 tiles where the tiles run the candidate's grouping, else
+    on AVX-512: a model mixing groupings the tiles do not run keeps all on AVX-512, so there the cost is optimistic;
     W8A8; or for the dense Linear the kernel and storage the step gives the model's dense weights) at ``rows`` rows
     (default: a verify pass of K + 1 <= 8 rows at batch 1), on weights cycled through ``stream_bytes`` so they come
     from memory as a model's do, not from cache; the median of ``repeats`` timings, cached per shape."""

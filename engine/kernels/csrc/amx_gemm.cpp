@@ -160,6 +160,7 @@ void pass(const uint16_t* a, int64_t P, const int64_t* mr, const uint16_t* w, fl
         case 2: _tile_stored(2, out, 64); break;
         default: _tile_stored(3, out, 64); break;
       }
+      amx_tiles::memory_barrier();  // the tile's sums are in `out` before they are read
       const int64_t n0 = (nb0 + j) * NT, nn = std::min(NT, N - n0);
       for (int64_t m = 0; m < mr[p]; ++m) {  // the same order of additions for every row
         const float* r = out + 3 * m * NT;

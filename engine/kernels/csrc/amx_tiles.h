@@ -20,6 +20,10 @@ struct alignas(64) Config {
 // as read, which lets the compiler drop the stores of the shapes)
 inline void load(const Config& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg)); }
 
+// A compiler barrier around tile loads and stores: GCC's _tile_loadd and _tile_stored name no memory operand, so
+// without it the compiler may drop stores a tile load reads, or read what a tile store wrote before it was written
+inline void memory_barrier() { __asm__ volatile("" : : : "memory"); }
+
 // "" when this process can run tiles with feature `bit` of cpuid leaf 7's EDX (22: AMX-BF16, 25: AMX-INT8; named
 // `what`), else why not
 inline std::string probe(unsigned bit, const char* what) {

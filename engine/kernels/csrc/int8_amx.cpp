@@ -139,7 +139,8 @@ const int8_t* weight_tile(const int8_t* q, const Shape& sh, int64_t n0, int64_t 
     if (kb % 2 == 0 && n0 + (AHEAD + 1) * NT <= sh.N)  /* a line of each row of the block AHEAD blocks on */ \
       for (int64_t i = 0; i < NT; ++i) _mm_prefetch(q + (n0 + AHEAD * NT + i) * sh.K + kb * KT, _MM_HINT_T0);  \
     int64_t stride;                                                                                           \
-    const int8_t* a_ptr_ = weight_tile(q, sh, n0, kb, pad, &stride);                                               \
+    const int8_t* a_ptr_ = weight_tile(q, sh, n0, kb, pad, &stride);                                          \
+    amx_tiles::memory_barrier(); /* the padded copy is written before the tile reads it */                   \
     if (kb % 2 == 0) { SPECMIX_KB(0, c0, c1) } else { SPECMIX_KB(7, c0, c1) }                                 \
   }
 // one k tile: the weights into tile a (0 and 7 alternate, so the next load overlaps this tile's products)
@@ -153,11 +154,10 @@ const int8_t* weight_tile(const int8_t* q, const Shape& sh, int64_t n0, int64_t 
   }
 #define SPECMIX_DRAIN(c0, c1, gd)                         \
   _tile_stored(c0, c[0], 64);                             \
+  if (RB > 1) _tile_stored(c1, c[1], 64);                 \
+  amx_tiles::memory_barrier();                            \
   flush(c[0], s, sh, n0, gd, acc);                        \
-  if (RB > 1) {                                           \
-    _tile_stored(c1, c[1], 64);                           \
-    flush(c[1], s, sh, n0, gd, acc + NT * 16);            \
-  }
+  if (RB > 1) flush(c[1], s, sh, n0, gd, acc + NT * 16);
 
 // One pass: the weight rows n0.. against RB <= 2 row groups from rg0, over all of K -> acc [RB][16][16]. Segments
 // (a scale group, at most FLUSH_KT tiles) alternate between tiles 3, 4 and 5, 6, so a segment's tile products
@@ -199,6 +199,7 @@ void finish(const float* acc, const int* e, const Shape& sh, int64_t rg, int64_t
                                           _mm512_set1_epi32(16));
   for (int64_t j = 0; j < ROWS && rg * ROWS + j < sh.M; ++j) {
     const int64_t m = rg * ROWS + j;
+    if (e[m] == INT32_MIN) continue;  // a non-finite row: the AVX-512 kernel's, after the tiles
     __m512 v[PARTS];
     for (int i = 0; i < PARTS; ++i)
       v[i] = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(PARTS * j + i))), acc, 4);
@@ -225,6 +226,7 @@ void int8_amx_gemm_into(const float* x, const torch::Tensor& q, const torch::Ten
   check_int8_weight(q, s, group, N, K, "int8_amx_gemm");
   TORCH_CHECK(group % KT == 0, "int8_amx_gemm: group size 0 (per row) or a multiple of ", KT, ", got ", group);
   if (M == 0) return;
+  if (K == 0) return std::fill(y, y + M * N, 0.f);  // empty sums
   const int64_t KB = (K + KT - 1) / KT, RG = (M + ROWS - 1) / ROWS, NB = (N + NT - 1) / NT;
   const Shape sh{M, K, N, KB, group == 0 ? 1 : (K + group - 1) / group, group == 0 ? KB * KT : group};
   std::vector<int8_t> parts(static_cast<size_t>(RG * KB * BTILE), 0);
