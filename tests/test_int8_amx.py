@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.core.checkpoint import load_model
-from engine.core.model import KVCache, fuse_projections
+from engine.core.model import fuse_projections
 from engine.kernels.cpu_decode import install_decode_step
 from engine.kernels.cpu_gemm import cpu_kernels, small_gemm_status
 from engine.kernels.cpu_int8 import int8_amx_reason, uses_int8_amx
@@ -115,7 +115,7 @@ def _int8_ffn(model: nn.Module, mixed: bool = False) -> None:
 
 
 def test_the_decode_step_runs_int8_linears_on_the_tiles(tmp_path):
-    from util import make_checkpoint
+    from util import assert_step_like_pytorch, make_checkpoint
 
     path = make_checkpoint(tmp_path, "llama", num_hidden_layers=3, intermediate_size=256)
     m, ref = load_model(path, torch.float32), load_model(path, torch.float32)
@@ -125,17 +125,7 @@ def test_the_decode_step_runs_int8_linears_on_the_tiles(tmp_path):
     fuse_projections(m)
     assert fast_cpu_linears(m, torch.device("cpu"), True)[0] > 0
     assert install_decode_step(m) is None and m.layer_step.int8_amx
-    toks = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    c1, c2 = (KVCache(m.config, 2, 32, torch.float32, "cpu") for _ in range(2))
-    with torch.no_grad():
-        assert torch.allclose(m(toks, cache=c1, kv_len=9), ref(toks, cache=c2, kv_len=9), rtol=1e-4, atol=1e-4)
-        nxt = torch.randint(0, m.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
-        pos = torch.arange(9, 13).expand(2, 4)
-        c2.k.copy_(c1.k)
-        c2.v.copy_(c1.v)
-        block = m(nxt, input_pos=pos, cache=c1, kv_len=13)
-        steps = [m(nxt[:, t : t + 1], input_pos=pos[:, t : t + 1], cache=c2, kv_len=10 + t) for t in range(4)]
-    assert torch.equal(block, torch.cat(steps, 1))  # a verify block equals its one-token steps bit for bit
+    assert_step_like_pytorch(m, ref)  # a verify block equals its one-token steps bit for bit
 
 
 def test_a_stack_of_unlike_groupings_keeps_the_avx512_kernel(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from util import PROMPTS
+from util import PROMPTS, assert_step_like_pytorch
 
 from engine import Engine, SamplingParams
 from engine.api.options import PrecisionConfig, SpeculationConfig
@@ -128,20 +128,7 @@ def int8_model(tmp_path_factory):
 def test_decode_step_runs_int8_layers_like_pytorch(int8_model):
     m, ref = int8_model
     assert not m.layer_step.int8_amx  # groups of 32 among its INT8 Linears: all on the AVX-512 int8 GEMM
-    toks = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    c1, c2 = (KVCache(m.config, 2, 32, torch.float32, "cpu") for _ in range(2))
-    with torch.no_grad():
-        out = m(toks, cache=c1, kv_len=9)
-        want = ref(toks, cache=c2, kv_len=9)
-        assert torch.allclose(out, want, rtol=1e-4, atol=1e-4)
-        # a verify block of 4 tokens equals its 4 one-token steps bit for bit
-        nxt = torch.randint(0, m.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
-        pos = torch.arange(9, 13).expand(2, 4)
-        c2.k.copy_(c1.k)
-        c2.v.copy_(c1.v)
-        block = m(nxt, input_pos=pos, cache=c1, kv_len=13)
-        steps = [m(nxt[:, t : t + 1], input_pos=pos[:, t : t + 1], cache=c2, kv_len=10 + t) for t in range(4)]
-    assert torch.equal(block, torch.cat(steps, 1))
+    assert_step_like_pytorch(m, ref)  # and a verify block equals its one-token steps bit for bit
 
 
 def test_no_dense_copy_of_an_int8_weight_after_a_forward(int8_model):

@@ -247,3 +247,21 @@ def joint3_counts(eng: Any, prompt: list[int], sp: Any, passes: int) -> Any:
             t = o.token_ids
             counts[(t[0] * V + t[1]) * V + t[2]] += 1
     return counts
+
+
+def assert_step_like_pytorch(m: Any, ref: Any) -> None:
+    """``m`` (its decode step installed) against ``ref`` (the same weights on PyTorch): a 9-token prefill of 2 rows
+    within fp32 tolerance, and a verify block of 4 tokens equal to its 4 one-token steps bit for bit."""
+    from engine.core.model import KVCache
+
+    toks = torch.randint(0, m.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    c1, c2 = (KVCache(m.config, 2, 32, torch.float32, "cpu") for _ in range(2))
+    with torch.no_grad():
+        assert torch.allclose(m(toks, cache=c1, kv_len=9), ref(toks, cache=c2, kv_len=9), rtol=1e-4, atol=1e-4)
+        nxt = torch.randint(0, m.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
+        pos = torch.arange(9, 13).expand(2, 4)
+        c2.k.copy_(c1.k)
+        c2.v.copy_(c1.v)
+        block = m(nxt, input_pos=pos, cache=c1, kv_len=13)
+        steps = [m(nxt[:, t : t + 1], input_pos=pos[:, t : t + 1], cache=c2, kv_len=10 + t) for t in range(4)]
+    assert torch.equal(block, torch.cat(steps, 1))

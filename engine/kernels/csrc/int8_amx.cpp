@@ -51,7 +51,6 @@ constexpr int64_t FLUSH_KT = 32;  // k tiles per exact int32 -> fp32 conversion 
 
 namespace {
 
-
 // the calls' layout: K padded to whole tiles, scales per row (G groups of `group` k)
 struct Shape {
   int64_t M, K, N, KB, G, group;
@@ -59,7 +58,7 @@ struct Shape {
 
 // Row m's parts, written into its row group's B tiles (column 4 j + part, j = m % ROWS; zero-initialized, so
 // k past K and absent rows add nothing); -> its exponent e, or INT32_MIN when a value is not finite
-int prepare_row(const float* x, int64_t K, int64_t KB, int64_t j, int8_t* dst) {
+int prepare_row(const float* x, int64_t K, int64_t j, int8_t* dst) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 finite = 0xFFFF;
   for (int64_t k = 0; k < K; k += 16) {
@@ -231,7 +230,7 @@ void int8_amx_gemm_into(const float* x, const torch::Tensor& q, const torch::Ten
   const Shape sh{M, K, N, KB, group == 0 ? 1 : (K + group - 1) / group, group == 0 ? KB * KT : group};
   std::vector<int8_t> parts(static_cast<size_t>(RG * KB * BTILE), 0);
   std::vector<int> e(M);
-  for (int64_t m = 0; m < M; ++m) e[m] = prepare_row(x + m * K, K, KB, m % ROWS, parts.data() + (m / ROWS) * KB * BTILE);
+  for (int64_t m = 0; m < M; ++m) e[m] = prepare_row(x + m * K, K, m % ROWS, parts.data() + (m / ROWS) * KB * BTILE);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
