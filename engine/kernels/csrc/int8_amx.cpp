@@ -212,6 +212,15 @@ void finish(const float* acc, const int* e, const Shape& sh, int64_t rg, int64_t
 __attribute__((target("amx-tile,amx-int8")))
 void release() { _tile_release(); }
 
+// this thread's parts buffer, n bytes zeroed (the B tiles' padding): grown, never shrunk, so a step allocates
+// nothing once its largest call has been seen
+int8_t* thread_parts(int64_t n) {
+  thread_local std::vector<int8_t> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  std::memset(buf.data(), 0, n);
+  return buf.data();
+}
+
 }  // namespace
 
 const std::string& int8_amx_status() {
@@ -228,9 +237,9 @@ void int8_amx_gemm_into(const float* x, const torch::Tensor& q, const torch::Ten
   if (K == 0) return std::fill(y, y + M * N, 0.f);  // empty sums
   const int64_t KB = (K + KT - 1) / KT, RG = (M + ROWS - 1) / ROWS, NB = (N + NT - 1) / NT;
   const Shape sh{M, K, N, KB, group == 0 ? 1 : (K + group - 1) / group, group == 0 ? KB * KT : group};
-  std::vector<int8_t> parts(static_cast<size_t>(RG * KB * BTILE), 0);
+  int8_t* parts = thread_parts(RG * KB * BTILE);
   std::vector<int> e(M);
-  for (int64_t m = 0; m < M; ++m) e[m] = prepare_row(x + m * K, K, m % ROWS, parts.data() + (m / ROWS) * KB * BTILE);
+  for (int64_t m = 0; m < M; ++m) e[m] = prepare_row(x + m * K, K, m % ROWS, parts + (m / ROWS) * KB * BTILE);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
@@ -240,8 +249,8 @@ void int8_amx_gemm_into(const float* x, const torch::Tensor& q, const torch::Ten
       for (int64_t rg0 = 0; rg0 < RG; rg0 += 2) {
         const int64_t rb = std::min<int64_t>(2, RG - rg0);
         std::fill(acc, acc + rb * NT * 16, 0.f);
-        if (rb == 1) pass<1>(qp, sp, parts.data(), sh, nb * NT, rg0, acc);
-        else pass<2>(qp, sp, parts.data(), sh, nb * NT, rg0, acc);
+        if (rb == 1) pass<1>(qp, sp, parts, sh, nb * NT, rg0, acc);
+        else pass<2>(qp, sp, parts, sh, nb * NT, rg0, acc);
         for (int64_t r = 0; r < rb; ++r) finish(acc + r * NT * 16, e.data(), sh, rg0 + r, nb * NT, y);
       }
     release();
@@ -267,10 +276,5 @@ void int8_amx_gemm_into(const float*, const torch::Tensor&, const torch::Tensor&
 int64_t int8_amx_group_multiple() { return KT; }
 
 torch::Tensor int8_amx_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "int8_amx_gemm: x [M, K] contiguous float32 on the CPU");
-  TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1), "int8_amx_gemm: q [N, K] with K = x.size(1)");
-  auto y = torch::empty({x.size(0), q.size(0)}, x.options());
-  int8_amx_gemm_into(x.data_ptr<float>(), q, s, group, y.data_ptr<float>(), x.size(0), x.size(1), q.size(0));
-  return y;
+  return int8_gemm_call(int8_amx_gemm_into, "int8_amx_gemm", x, q, s, group);
 }

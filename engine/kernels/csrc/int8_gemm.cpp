@@ -239,11 +239,16 @@ void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor&
   for (int64_t n = blocks * NB; n < N; ++n) rows<1>(x, w, y, M, K, N, n, K, direct, scratch);  // the N tail
 }
 
-torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "int8_gemm: x [M, K] contiguous float32 on the CPU");
-  TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1), "int8_gemm: q [N, K] with K = x.size(1)");
+torch::Tensor int8_gemm_call(Int8GemmInto into, const char* what, const torch::Tensor& x, const torch::Tensor& q,
+                             const torch::Tensor& s, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), what,
+              ": x [M, K] contiguous float32 on the CPU");
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == x.size(1), what, ": q [N, K] with K = x.size(1)");
   auto y = torch::empty({x.size(0), q.size(0)}, x.options());
-  int8_gemm_into(x.data_ptr<float>(), q, s, group, y.data_ptr<float>(), x.size(0), x.size(1), q.size(0));
+  into(x.data_ptr<float>(), q, s, group, y.data_ptr<float>(), x.size(0), x.size(1), q.size(0));
   return y;
+}
+
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group) {
+  return int8_gemm_call(int8_gemm_into, "int8_gemm", x, q, s, group);
 }

@@ -11,6 +11,11 @@
 void int8_gemm_into(const float* x, const torch::Tensor& q, const torch::Tensor& s, int64_t group, float* y,
                     int64_t M, int64_t K, int64_t N);
 torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t group);
+// a kernel of int8_gemm_into's signature called on tensors: y = x [M, K] @ (q * s)^T, x checked (named `what`)
+using Int8GemmInto = void (*)(const float*, const torch::Tensor&, const torch::Tensor&, int64_t, float*, int64_t,
+                              int64_t, int64_t);
+torch::Tensor int8_gemm_call(Int8GemmInto into, const char* what, const torch::Tensor& x, const torch::Tensor& q,
+                             const torch::Tensor& s, int64_t group);
 // y[M, N] = (x / smooth) quantized per row to int8 (scale absmax / 127, stepped down until 127 * scale <= absmax,
 // at least FLT_MIN; round half to even) @ q^T in exact integer sums, times the row's scale, times ws[n]: the
 // numbers quant.matmul_kernels' w8a8 computes (smooth [K] float32 or empty; ws [N] per output row)
